@@ -1,0 +1,3 @@
+from lightning_diffusion.cli import main
+
+main()

@@ -1,0 +1,91 @@
+"""The ``lightning-diffusion`` command.
+
+    lightning-diffusion predict --config configs/tiny.yaml [--data.prompts p.jsonl] [--writer.output_dir out]
+    lightning-diffusion make-tiny flux DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
+from lightning_diffusion import tiny
+from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.module import DiffusionModule
+from lightning_diffusion.progress import ImageProgressBar
+from lightning_diffusion.writer import ImageWriter
+
+TRAINER_DEFAULTS = {
+    "accelerator": "auto",
+    "devices": "auto",
+    "strategy": "data_parallel",
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_model_summary": False,
+}
+
+
+class DiffusionCLI(LightningCLI):
+    """``LightningCLI`` with the prompt data module, the diffusion module and a top-level ``writer``."""
+
+    def __init__(self, args: Optional[list[str]] = None, run: bool = True) -> None:
+        super().__init__(
+            DiffusionModule,
+            PromptDataModule,
+            save_config_callback=None,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=False,
+            args=args,
+            run=run,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"predict": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ImageWriter, "writer")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        configured = list(config.get("callbacks") or []) + list(callbacks)
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in configured
+        ):
+            callbacks = [*callbacks, ImageProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
+
+    def predict(self, model: DiffusionModule, datamodule: Any = None, return_predictions: Optional[bool] = None, **kwargs: Any):
+        # Returning predictions would keep every image of the run in memory; the writer has them.
+        return self.trainer.predict(
+            model, datamodule=datamodule, return_predictions=bool(return_predictions), **kwargs
+        )
+
+
+def make_tiny(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-diffusion make-tiny",
+        description="Write a tiny random pipeline (no download) with save_pretrained, in safetensors.",
+    )
+    parser.add_argument("kind", choices=sorted(tiny.BUILDERS))
+    parser.add_argument("directory")
+    args = parser.parse_args(argv)
+    path = tiny.BUILDERS[args.kind](args.directory)
+    print(f"wrote tiny {args.kind} pipeline to {path}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "make-tiny":
+        make_tiny(argv[1:])
+        return
+    DiffusionCLI(args=argv)
+
+
+if __name__ == "__main__":
+    main()

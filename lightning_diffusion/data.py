@@ -1,0 +1,235 @@
+"""Prompt records -> (index, seed) samples -> batches over the data-parallel dimension.
+
+Every output image has a global index and its own seed:
+
+* a prompt set of ``N`` records with ``num_images_per_prompt = K`` has images ``0 .. N*K-1``;
+  image ``i`` belongs to record ``i // K`` and is that record's copy ``i % K``;
+* its seed is ``record["seed"] + i % K`` when the record gives a seed, else ``seed + i`` where
+  ``seed`` is the data module's global seed.
+
+Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one per image, so image
+``i`` does not depend on the batch size, the number of processes or the strategy.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+# Record fields that are not pipeline-call overrides.
+_RECORD_FIELDS = ("prompt", "seed", "negative_prompt")
+_SUFFIXES = (".txt", ".jsonl", ".csv")
+
+
+class PromptFileError(ValueError):
+    """A prompt file or inline prompt list that cannot be used; the message names file and line."""
+
+
+def load_records(prompts: Union[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Read prompt records from a ``.txt``/``.jsonl``/``.csv`` path or an inline list.
+
+    Inline lists may hold strings or mappings with the same fields as a ``.jsonl`` line.
+    """
+    if isinstance(prompts, (str, Path)):
+        path = Path(prompts).expanduser()
+        if not path.exists():
+            raise PromptFileError(f"Prompt file {str(path)!r} does not exist.")
+        if not path.is_file():
+            raise PromptFileError(f"Prompt file {str(path)!r} is not a file.")
+        suffix = path.suffix.lower()
+        if suffix not in _SUFFIXES:
+            raise PromptFileError(
+                f"Prompt file {str(path)!r} has suffix {suffix!r}; use one of {', '.join(_SUFFIXES)}."
+            )
+        readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".csv": _read_csv}
+        records = readers[suffix](path)
+        where = str(path)
+    else:
+        records = [_check_record(item, "inline prompts", n + 1) for n, item in enumerate(prompts)]
+        where = "the inline prompt list"
+    if not records:
+        raise PromptFileError(f"No prompts found in {where}.")
+    return records
+
+
+def _read_txt(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [{"prompt": line.strip()} for line in f if line.strip()]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise PromptFileError(f"{path}:{lineno}: not valid JSON ({err.msg}).") from None
+            records.append(_check_record(item, str(path), lineno))
+    return records
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or "prompt" not in reader.fieldnames:
+            raise PromptFileError(f"{path}:1: the CSV header has no 'prompt' column.")
+        records = []
+        for lineno, row in enumerate(reader, start=2):
+            row = {k: v for k, v in row.items() if k is not None and v not in (None, "")}
+            if "seed" in row:
+                try:
+                    row["seed"] = int(row["seed"])
+                except ValueError:
+                    raise PromptFileError(f"{path}:{lineno}: seed {row['seed']!r} is not an integer.") from None
+            records.append(_check_record(row, str(path), lineno))
+        return records
+
+
+def _check_record(item: Any, where: str, lineno: int) -> dict[str, Any]:
+    if isinstance(item, str):
+        item = {"prompt": item}
+    if not isinstance(item, dict):
+        raise PromptFileError(f"{where}:{lineno}: expected a JSON object with a 'prompt' field.")
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise PromptFileError(f"{where}:{lineno}: no 'prompt' (a non-empty string).")
+    seed = item.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise PromptFileError(f"{where}:{lineno}: 'seed' must be a non-negative integer, got {seed!r}.")
+    negative = item.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        raise PromptFileError(f"{where}:{lineno}: 'negative_prompt' must be a string.")
+    return dict(item)
+
+
+def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) -> int:
+    """The documented seed of image ``index`` (copy ``copy`` of ``record``)."""
+    if record.get("seed") is not None:
+        return int(record["seed"]) + copy
+    return global_seed + index
+
+
+class PromptDataset(Dataset):
+    """Samples ``{"index", "prompt", "seed", "negative_prompt", "overrides"}``, one per output image.
+
+    ``indices`` restricts the dataset to those global image indices (resume skips finished ones).
+    """
+
+    def __init__(
+        self,
+        records: list[dict[str, Any]],
+        seed: int = 0,
+        num_images_per_prompt: int = 1,
+        indices: Optional[Sequence[int]] = None,
+    ) -> None:
+        self.records = records
+        self.seed = seed
+        self.num_images_per_prompt = num_images_per_prompt
+        self.total = len(records) * num_images_per_prompt
+        self.indices = list(range(self.total)) if indices is None else list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        index = self.indices[position]
+        record = self.records[index // self.num_images_per_prompt]
+        copy = index % self.num_images_per_prompt
+        return {
+            "index": index,
+            "prompt": record["prompt"],
+            "seed": image_seed(record, index, copy, self.seed),
+            "negative_prompt": record.get("negative_prompt"),
+            "overrides": {k: v for k, v in record.items() if k not in _RECORD_FIELDS},
+        }
+
+
+class ShardSampler(DistributedSampler):
+    """Positions ``rank, rank + num_replicas, ...``: no duplicate, no drop, and a replica with nothing
+    to do gets an empty shard (Lightning's own predict sampler asserts instead)."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
+        self.total_size = len(dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def collate_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return samples
+
+
+class PromptDataModule(pl.LightningDataModule):
+    """Prompts for ``Trainer.predict``.
+
+    Args:
+        prompts: a ``.txt`` (one prompt a line), ``.jsonl`` (field ``prompt``; optional ``seed``,
+            ``negative_prompt`` and per-record pipeline arguments such as ``guidance_scale``),
+            ``.csv`` (a ``prompt`` column) path, or an inline list of prompts.
+        batch_size: images per pipeline call on each data-parallel replica.
+        seed: global seed; image ``i`` of a record without a seed uses ``seed + i``.
+        num_images_per_prompt: images made from each record.
+        num_workers: DataLoader workers (prompts are tiny; 0 is usually right).
+    """
+
+    def __init__(
+        self,
+        prompts: Union[str, list[Any]],
+        batch_size: int = 1,
+        seed: int = 0,
+        num_images_per_prompt: int = 1,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("num_images_per_prompt", num_images_per_prompt)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{name} must be an integer >= 1, got {value!r}.")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"data.seed must be a non-negative integer, got {seed!r}.")
+        self.prompts = prompts
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_images_per_prompt = num_images_per_prompt
+        self.num_workers = num_workers
+        # Read now so that a bad prompt file fails before any process starts or weights load.
+        self.records = load_records(prompts)
+        self.skip: set[int] = set()
+        # More replicas than images is fine: the idle ones wait.
+        self.allow_zero_length_dataloader_with_multiple_devices = True
+
+    @property
+    def num_images(self) -> int:
+        return len(self.records) * self.num_images_per_prompt
+
+    def skip_indices(self, indices: set[int]) -> None:
+        """Leave out images that are already done (called by the writer on resume, before the split)."""
+        self.skip = set(indices)
+
+    def predict_dataloader(self) -> DataLoader:
+        pending = [i for i in range(self.num_images) if i not in self.skip]
+        dataset = PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending)
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
+        sampler = ShardSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"])
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            collate_fn=collate_samples,
+        )

@@ -1,0 +1,159 @@
+"""``DiffusionModule``: a diffusers pipeline as a LightningModule for ``Trainer.predict``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+
+from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
+
+
+class DiffusionModule(pl.LightningModule):
+    """Runs a diffusers ``DiffusionPipeline`` on batches of prompt samples.
+
+    Args:
+        pretrained_model_name_or_path: hub id, local folder written by ``save_pretrained``, or
+            ``tiny:flux`` (a small random pipeline built offline, for rehearsal and tests).
+        torch_dtype: ``float32``, ``bfloat16`` or ``float16``.
+        height, width, num_inference_steps, guidance_scale: pipeline-call arguments for every image
+            (``None`` leaves the pipeline's default); a prompt record may override them.
+        call_kwargs: any other argument the pipeline's ``__call__`` accepts (``true_cfg_scale``,
+            ``max_sequence_length``, ...).
+        from_pretrained_kwargs: extra arguments for ``DiffusionPipeline.from_pretrained``
+            (``revision``, ``variant``, ...).
+        show_inner_progress: keep diffusers' per-step progress bars (off by default).
+
+    ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
+    array H x W x 3 in [0, 1]) and ``params`` (the pipeline arguments that made it).
+    Nothing here depends on the strategy: strategies place and parallelise ``self.pipeline`` after
+    ``configure_model`` loads it.
+    """
+
+    def __init__(
+        self,
+        pretrained_model_name_or_path: str = "tiny:flux",
+        torch_dtype: str = "float32",
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        num_inference_steps: Optional[int] = None,
+        guidance_scale: Optional[float] = None,
+        call_kwargs: Optional[dict[str, Any]] = None,
+        from_pretrained_kwargs: Optional[dict[str, Any]] = None,
+        show_inner_progress: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if num_inference_steps is not None and (
+            isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or num_inference_steps < 1
+        ):
+            raise ValueError(f"model.num_inference_steps must be an integer >= 1, got {num_inference_steps!r}.")
+        self.dtype_ = resolve_dtype(torch_dtype)
+        # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
+        # in the launching process, before any worker starts or any weight is read.
+        self.info: PipelineInfo = inspect_pipeline(pretrained_model_name_or_path)
+        self.info.check_size(height, width)
+        self.call_kwargs = dict(call_kwargs or {})
+        self.info.check_call_arguments(set(self.call_kwargs), "model.call_kwargs")
+        named = {
+            "height": height,
+            "width": width,
+            "num_inference_steps": num_inference_steps,
+            "guidance_scale": guidance_scale,
+        }
+        self.base_call_args = {k: v for k, v in named.items() if v is not None}
+        self.info.check_call_arguments(set(self.base_call_args), "model")
+        self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
+        self.show_inner_progress = show_inner_progress
+        self.pipeline: Any = None
+        # The pipeline's torch modules, registered so that Lightning's device moves reach them.
+        self.components = nn.ModuleDict()
+
+    @property
+    def model_path(self) -> str:
+        return self.hparams.pretrained_model_name_or_path
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if isinstance(datamodule, PromptDataModule):
+            self.check_records(datamodule.records)
+
+    def check_records(self, records: list[dict[str, Any]]) -> None:
+        """Per-record overrides and negative prompts must be arguments this pipeline takes."""
+        for n, record in enumerate(records, start=1):
+            overrides = {k for k in record if k not in ("prompt", "seed", "negative_prompt")}
+            self.info.check_call_arguments(overrides, f"prompt record {n}")
+            self.info.check_size(record.get("height"), record.get("width"))
+            if record.get("negative_prompt") is not None and "negative_prompt" not in self.info.call_parameters:
+                raise ValueError(f"prompt record {n} has a negative_prompt, which {self.info.class_name} does not take.")
+
+    def configure_model(self) -> None:
+        if self.pipeline is not None:
+            return
+        self.load_pipeline()
+
+    def load_pipeline(self, **components: Any) -> None:
+        """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may
+        build the transformer itself, sharded) passed through to ``from_pretrained``."""
+        from diffusers import DiffusionPipeline
+        from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
+
+        if not self.show_inner_progress:
+            diffusers_logging.disable_progress_bar()
+            transformers_logging.disable_progress_bar()
+        pipeline = DiffusionPipeline.from_pretrained(
+            self.info.path, dtype=self.dtype_, **self.from_pretrained_kwargs, **components
+        )
+        if not self.show_inner_progress:
+            pipeline.set_progress_bar_config(disable=True)
+        self.pipeline = pipeline
+        for name, component in pipeline.components.items():
+            if isinstance(component, nn.Module):
+                self.components[name] = component
+
+    def call_arguments(self, sample: dict[str, Any]) -> dict[str, Any]:
+        return {**self.base_call_args, **self.call_kwargs, **sample["overrides"]}
+
+    def predict_step(self, batch: list[dict[str, Any]], batch_idx: int = 0, dataloader_idx: int = 0) -> list[dict]:
+        # Samples with different per-record overrides cannot share one pipeline call.
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for sample in batch:
+            key = json.dumps(self.call_arguments(sample), sort_keys=True, default=str)
+            groups.setdefault(key, []).append(sample)
+        results = {}
+        for samples in groups.values():
+            for sample, image, params in zip(samples, *self.generate(samples)):
+                results[sample["index"]] = {
+                    "index": sample["index"],
+                    "prompt": sample["prompt"],
+                    "seed": sample["seed"],
+                    "negative_prompt": sample["negative_prompt"],
+                    "image": image,
+                    "params": params,
+                }
+        return [results[sample["index"]] for sample in batch]
+
+    def generate(self, samples: list[dict[str, Any]]) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+        """One pipeline call for samples that share their arguments; noise from one CPU generator each."""
+        kwargs = self.call_arguments(samples[0])
+        generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
+        negatives = [sample["negative_prompt"] for sample in samples]
+        if any(n is not None for n in negatives):
+            kwargs["negative_prompt"] = [n or "" for n in negatives]
+        output = self.pipeline(
+            prompt=[sample["prompt"] for sample in samples],
+            generator=generators,
+            output_type="np",
+            **kwargs,
+        )
+        images = np.asarray(output.images, dtype=np.float32)
+        recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt")}
+        params = {"model": self.model_path, **self.info.call_defaults, **recorded}
+        sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
+        return list(images), [{**params, **size} for size in sizes]

@@ -1,0 +1,178 @@
+"""What the project knows about a pipeline before its weights load.
+
+``inspect_pipeline`` reads only ``model_index.json`` and component ``config.json`` files, so a wrong
+path, a folder that is not a diffusers pipeline or a size the pipeline cannot take is reported in
+seconds, not after minutes of loading. Per-pipeline knowledge lives in the ``TRAITS`` table.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_diffusion import tiny
+
+
+@dataclass(frozen=True)
+class Traits:
+    """Per-pipeline facts. ``patch``: latent pixels packed into one token along each side."""
+
+    patch: int = 1
+
+
+TRAITS: dict[str, Traits] = {
+    "FluxPipeline": Traits(patch=2),
+    "Flux2Pipeline": Traits(patch=2),
+    "QwenImagePipeline": Traits(patch=2),
+    "WanPipeline": Traits(patch=2),
+}
+
+# Arguments the project sets itself for every call; users must not pass them in call_kwargs.
+RESERVED_CALL_ARGS = ("prompt", "negative_prompt", "generator", "output_type", "num_images_per_prompt", "return_dict")
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class PipelineError(ValueError):
+    """A model path or pipeline argument that cannot work; raised before weights load."""
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise PipelineError(f"torch_dtype {name!r} is not one of {', '.join(DTYPES)}.") from None
+
+
+@dataclass
+class PipelineInfo:
+    """The pipeline class and configs of a model folder or hub repository, read without weights."""
+
+    path: str
+    class_name: str
+    pipeline_class: type
+    model_index: dict[str, Any]
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def traits(self) -> Traits:
+        return TRAITS.get(self.class_name, Traits())
+
+    @property
+    def call_parameters(self) -> set[str]:
+        return set(inspect.signature(self.pipeline_class.__call__).parameters) - {"self", "kwargs"}
+
+    @property
+    def call_defaults(self) -> dict[str, Any]:
+        """The pipeline's own defaults for the arguments written into every image's metadata."""
+        parameters = inspect.signature(self.pipeline_class.__call__).parameters
+        return {
+            name: parameters[name].default
+            for name in ("num_inference_steps", "guidance_scale")
+            if name in parameters and parameters[name].default is not inspect.Parameter.empty
+        }
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE downsampling times token packing)."""
+        vae = self.configs.get("vae", {})
+        if "block_out_channels" in vae:
+            scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        elif "temperal_downsample" in vae:
+            scale = 2 ** len(vae["temperal_downsample"])
+        else:
+            scale = 8
+        return scale * self.traits.patch
+
+    def check_size(self, height: Optional[int], width: Optional[int]) -> None:
+        multiple = self.size_multiple
+        for name, value in (("height", height), ("width", width)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
+                hint = f" (for example {max(multiple, round(value / multiple) * multiple)})" if isinstance(value, int) else ""
+                raise PipelineError(
+                    f"{name}={value!r} cannot be made by {self.class_name}: use a positive multiple of {multiple}{hint}."
+                )
+
+    def check_call_arguments(self, names: set[str], where: str) -> None:
+        reserved = names & set(RESERVED_CALL_ARGS)
+        if reserved:
+            raise PipelineError(
+                f"{where} sets {', '.join(sorted(reserved))}, which lightning-diffusion sets per image itself; "
+                "put prompts and seeds in the prompt file instead."
+            )
+        unknown = names - self.call_parameters
+        if unknown:
+            raise PipelineError(
+                f"{where}: {self.class_name} does not accept {', '.join(sorted(unknown))}. "
+                f"It accepts: {', '.join(sorted(self.call_parameters - set(RESERVED_CALL_ARGS)))}."
+            )
+
+
+def _looks_local(path: str) -> bool:
+    """Hub ids are ``owner/name``; anything else that does not exist is a missing local folder."""
+    return path.startswith((".", "/", "~")) or path.count("/") != 1
+
+
+def _read_json(path: str, filename: str, local: bool) -> Optional[dict[str, Any]]:
+    if local:
+        file = Path(path) / filename
+        return json.loads(file.read_text()) if file.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return json.loads(Path(hf_hub_download(path, filename)).read_text())
+    except EntryNotFoundError:
+        return None
+
+
+def inspect_pipeline(pretrained_model_name_or_path: str) -> PipelineInfo:
+    """Resolve ``tiny:`` names, check that the path holds a diffusers pipeline and read its configs."""
+    import diffusers
+
+    path = tiny.resolve(pretrained_model_name_or_path)
+    local = Path(path).expanduser().exists()
+    if local:
+        path = str(Path(path).expanduser())
+        if not Path(path).is_dir():
+            raise PipelineError(f"Model path {path!r} is a file; pass the folder that holds model_index.json.")
+    elif _looks_local(path):
+        raise PipelineError(f"Model path {path!r} does not exist.")
+    try:
+        model_index = _read_json(path, "model_index.json", local)
+    except Exception as err:  # network, authentication or repository errors from the hub
+        raise PipelineError(f"Could not read model_index.json of {path!r}: {err}") from err
+    if model_index is None:
+        raise PipelineError(
+            f"{path!r} is not a diffusers pipeline: it has no model_index.json. "
+            "Pass a folder written by DiffusionPipeline.save_pretrained or a hub id of a diffusers pipeline."
+        )
+    class_name = model_index.get("_class_name")
+    pipeline_class = getattr(diffusers, str(class_name), None)
+    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, diffusers.DiffusionPipeline)):
+        raise PipelineError(
+            f"{path!r}: model_index.json names {class_name!r}, which is not a pipeline class of "
+            f"diffusers {diffusers.__version__}."
+        )
+    configs = {}
+    for name, spec in model_index.items():
+        if name.startswith("_") or not isinstance(spec, list):
+            continue
+        config = _read_json(path, f"{name}/config.json", local)
+        if config is not None:
+            configs[name] = config
+    return PipelineInfo(path, class_name, pipeline_class, model_index, configs)

@@ -1,0 +1,17 @@
+"""The project's strategies, one a file, registered with Lightning under short names."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_diffusion.strategies.data_parallel import DataParallelStrategy
+from lightning_diffusion.strategies.mesh import MeshError, ParallelDims
+from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
+
+__all__ = ["DataParallelStrategy", "DiffusionParallelStrategy", "MeshError", "ParallelDims"]
+
+_REGISTRY = {
+    "data_parallel": (DataParallelStrategy, "One pipeline per process; prompts split across replicas.", {}),
+}
+
+for _name, (_cls, _description, _kwargs) in _REGISTRY.items():
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, _cls, description=_description, **_kwargs)

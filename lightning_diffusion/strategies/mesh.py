@@ -1,0 +1,95 @@
+"""``ParallelDims``: the one place that knows the parallel degrees and builds the device mesh.
+
+The mesh has the dimensions ``("dp", "ring", "ulysses", "tp")`` in that order, heaviest traffic
+innermost: tensor-parallel ranks are adjacent global ranks (same node), data-parallel replicas are
+outermost (the only dimension that may span nodes at no cost). Everything else asks this object
+for sizes, ranks and sub-meshes; nothing else multiplies degrees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp", "ring", "ulysses", "tp")
+
+
+class MeshError(ValueError):
+    """Parallel degrees that do not fit the world size or the model."""
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees for ``world_size`` processes; ``-1`` for one degree means "infer it".
+
+    ``dp`` is the number of replicas; ``ring`` and ``ulysses`` form the context-parallel group and
+    ``tp`` the tensor-parallel group of each replica.
+    """
+
+    world_size: int
+    dp: int = -1
+    ring: int = 1
+    ulysses: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        degrees = self.degrees
+        for name, value in degrees.items():
+            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+                raise MeshError(f"{name} degree must be an integer >= 1 (or -1 to infer it), got {value!r}.")
+        inferred = [name for name, value in degrees.items() if value == -1]
+        if len(inferred) > 1:
+            raise MeshError(f"Only one degree may be inferred (-1); got {', '.join(inferred)}.")
+        known = 1
+        for value in degrees.values():
+            if value != -1:
+                known *= value
+        if inferred:
+            if self.world_size % known:
+                raise MeshError(
+                    f"The world size {self.world_size} is not divisible by {self._describe(skip=inferred[0])} = {known}; "
+                    f"launch a multiple of {known} processes (devices x num_nodes) or lower the degrees."
+                )
+            setattr(self, inferred[0], self.world_size // known)
+        elif known != self.world_size:
+            raise MeshError(
+                f"{self._describe()} = {known} processes, but the world size is {self.world_size} "
+                "(devices x num_nodes); make the product equal the world size."
+            )
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+    def _describe(self, skip: Optional[str] = None) -> str:
+        return " x ".join(f"{name} {value}" for name, value in self.degrees.items() if name != skip)
+
+    @property
+    def cp(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Processes that work together on the same images (one replica)."""
+        return self.cp * self.tp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
+
+    def replica_groups(self) -> list[list[int]]:
+        """Global ranks of each replica, in order: ranks ``r`` with the same ``r // model_parallel_size``."""
+        size = self.model_parallel_size
+        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+
+    def describe(self) -> str:
+        shape = ", ".join(f"{name}={value}" for name, value in self.degrees.items())
+        groups = "; ".join(f"replica {i}: ranks {group}" for i, group in enumerate(self.replica_groups()))
+        return f"device mesh ({shape}) over {self.world_size} processes: {groups}"
+
+
+def mesh_coordinate(mesh: DeviceMesh) -> dict[str, int]:
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not part of the mesh"
+    return dict(zip(mesh.mesh_dim_names or MESH_DIMS, coordinate))

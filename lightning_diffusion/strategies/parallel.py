@@ -1,0 +1,221 @@
+"""``DiffusionParallelStrategy``: what every multi-process strategy of this project shares.
+
+Process group start-up with an inference-sized timeout, one named device mesh built by
+``ParallelDims``, the data-parallel split for the sampler, collectives, and a teardown that leaves
+(possibly sharded) models where they are. Concrete strategies choose the degrees and override
+``place_pipeline`` to put the loaded pipeline on devices.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
+
+# Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class DiffusionParallelStrategy(ParallelStrategy):
+    """Base of the project's strategies: one process per device, a ``("dp", "ring", "ulysses", "tp")``
+    mesh, and prompts split over ``dp`` only.
+
+    Args:
+        process_group_backend: ``nccl`` on CUDA and ``gloo`` on CPU when left ``None``.
+        timeout: seconds a collective may wait before the process group gives up.
+    """
+
+    # Lightning adds its distributed sampler logic only for strategies that say so.
+    is_distributed = True
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+            raise ValueError(f"strategy timeout must be a positive number of seconds, got {timeout!r}.")
+        self._timeout = timedelta(seconds=float(seconds))
+        self._process_group_backend = process_group_backend
+        self.num_nodes = 1
+        self._parallel_dims: Optional[ParallelDims] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+
+    # ----------------------------------------------------------------- what the strategy is
+
+    def degrees(self) -> dict[str, int]:
+        """The requested degrees (``-1``: infer); subclasses say which dimensions they use."""
+        return {"dp": -1}
+
+    def make_parallel_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size=world_size, **self.degrees())
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._parallel_dims is None:
+            self._parallel_dims = self.make_parallel_dims(self.num_nodes * self.num_processes)
+        return self._parallel_dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have started.")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp = self.device_mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @property
+    def writes_outputs(self) -> bool:
+        """One rank per replica writes: the one at coordinate 0 of every model-parallel dimension."""
+        coordinate = mesh_coordinate(self.device_mesh)
+        return all(value == 0 for name, value in coordinate.items() if name != "dp")
+
+    # ----------------------------------------------------------------- what the strategy does
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Validate degrees against the world size here, in the launching process, so a bad mesh
+        # fails before any worker starts or any weight is read.
+        self._parallel_dims = self.make_parallel_dims(self.num_nodes * self.num_processes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        self._parallel_dims = self.make_parallel_dims(self.world_size)
+        self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
+        rank_zero_info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.place_pipeline()
+        self.barrier("pipeline_placed")
+
+    def place_pipeline(self) -> None:
+        """Put the loaded pipeline on this rank's device (and parallelise it, in subclasses)."""
+        self.model_to_device()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None):
+        # Pipelines load their own weights with their own dtype; no default-dtype games here.
+        return nullcontext()
+
+    # ----------------------------------------------------------------- collectives
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ----------------------------------------------------------------- teardown
+
+    @override
+    def teardown(self) -> None:
+        # Unlike Strategy.teardown, do not move the module to the CPU: for sharded models that
+        # would gather or copy every shard, and the process is about to end anyway.
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()

@@ -1,0 +1,154 @@
+"""Tiny, randomly initialised pipelines built offline, for tests, CPU rehearsal and examples.
+
+``tiny:flux`` as a model path builds the FLUX.1-architecture pipeline once into a cache folder
+(``$LIGHTNING_DIFFUSION_CACHE``, default ``~/.cache/lightning_diffusion``) and then loads it through
+the normal ``from_pretrained`` path, so the tiny model exercises exactly the code a real one does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+TINY_PREFIX = "tiny:"
+# Bump when a builder changes, so that stale caches are not reused.
+_BUILD_VERSION = "1"
+
+
+def _char_tokenizer(model_max_length: int):
+    """A character-level tokenizer that needs no download: distinct prompts give distinct tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )
+
+
+def build_flux(directory: str | os.PathLike) -> Path:
+    """Write a tiny FLUX.1-dev-architecture pipeline (about 1.5 MB, safetensors) to ``directory``.
+
+    The transformer has 4 attention heads of 16 (divisible by 2 and 4, so that every parallel test
+    can shard it), one double and one single block, and guidance embedding as in FLUX.1-dev.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            projection_dim=32,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=2,
+        )
+    )
+    torch.manual_seed(3)
+    text_encoder_2 = T5EncoderModel(
+        T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=4096,
+        max_shift=1.15,
+        shift=3.0,
+        use_dynamic_shifting=True,
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_char_tokenizer(77),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=_char_tokenizer(512),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
+
+
+BUILDERS: dict[str, Callable[[str | os.PathLike], Path]] = {"flux": build_flux}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LIGHTNING_DIFFUSION_CACHE", Path.home() / ".cache" / "lightning_diffusion"))
+
+
+def is_tiny(name: str) -> bool:
+    return isinstance(name, str) and name.startswith(TINY_PREFIX)
+
+
+def resolve(name: str) -> str:
+    """Map ``tiny:NAME`` to its cached folder, building it on first use; other names pass through."""
+    if not is_tiny(name):
+        return name
+    kind = name[len(TINY_PREFIX) :]
+    if kind not in BUILDERS:
+        raise ValueError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join('tiny:' + k for k in BUILDERS)}")
+    target = cache_root() / f"tiny-{kind}-v{_BUILD_VERSION}"
+    if (target / "model_index.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several ranks may build at once: each builds into its own temporary folder and the first
+    # rename wins, so no process ever sees a half-written pipeline.
+    staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=target.parent))
+    try:
+        BUILDERS[kind](staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)

@@ -1,0 +1,187 @@
+"""``ImageWriter``: PNG files with metadata and a ``manifest.jsonl`` that makes a run resumable.
+
+Layout of the output folder::
+
+    000000-a-red-fox.png      image 0, prompt and parameters in PNG text chunks
+    manifest.jsonl            one JSON object per finished image, sorted by index
+    manifest.part-R.jsonl     lines appended by global rank R while a run is going
+
+Every file appears by an atomic rename, and an image's manifest line is appended only after its PNG
+is complete, so a killed run leaves no truncated PNG and at most one unterminated manifest line,
+which is ignored. The manifest is the single source of truth: a rerun skips the indices it lists
+(whose files exist) before the work is split over replicas, and redoes everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+MANIFEST = "manifest.jsonl"
+_PART_GLOB = "manifest.part-*.jsonl"
+
+
+def slugify(prompt: str, max_length: int = 40) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")
+    return slug[:max_length].rstrip("-") or "image"
+
+
+def image_filename(index: int, prompt: str) -> str:
+    return f"{index:06d}-{slugify(prompt)}.png"
+
+
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """Float [0, 1] -> uint8, rounding as diffusers' ``numpy_to_pil`` does."""
+    return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """Finished images by index: the merged manifest plus parts left by a running or killed run.
+    Lines that do not parse (a line cut by a kill) and lines whose file is gone are not counted."""
+    folder = Path(output_dir)
+    entries: dict[int, dict[str, Any]] = {}
+    for file in [folder / MANIFEST, *sorted(folder.glob(_PART_GLOB))]:
+        if not file.is_file():
+            continue
+        with file.open(encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    continue
+                try:
+                    entry = json.loads(line)
+                    index = int(entry["index"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if (folder / str(entry.get("file", ""))).is_file():
+                    entries[index] = entry
+    return entries
+
+
+def merge_manifest(output_dir: str | os.PathLike) -> int:
+    """Rewrite ``manifest.jsonl`` from everything finished, sorted by index, and drop the parts."""
+    folder = Path(output_dir)
+    parts = sorted(folder.glob(_PART_GLOB))
+    entries = read_manifest(folder)
+    text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries))
+    _atomic_write(folder / MANIFEST, lambda f: f.write(text.encode("utf-8")))
+    for part in parts:
+        part.unlink(missing_ok=True)
+    return len(entries)
+
+
+class ImageWriter(BasePredictionWriter):
+    """Writes each predicted image once, as PNG with metadata, and records it in the manifest.
+
+    Args:
+        output_dir: folder for images and ``manifest.jsonl``; created if missing. A rerun into the
+            same folder resumes: images already in the manifest are skipped.
+        save_arrays: also save the decoded float image as ``NNNNNN.npy`` (for numerical checks).
+    """
+
+    def __init__(self, output_dir: str = "outputs", save_arrays: bool = False) -> None:
+        super().__init__(write_interval="batch")
+        path = Path(output_dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"writer.output_dir {str(path)!r} is a file, not a folder.")
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ValueError(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
+                if not os.access(parent, os.W_OK) and not path.exists():
+                    raise ValueError(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
+                break
+        self.output_dir = path
+        self.save_arrays = save_arrays
+        self.done: set[int] = set()
+        self._part: Optional[Path] = None
+
+    @staticmethod
+    def writes_outputs(trainer: pl.Trainer) -> bool:
+        # Ranks of one model-parallel group hold the same images: the strategy names one to write.
+        return bool(getattr(trainer.strategy, "writes_outputs", True))
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        done: list[int] = []
+        if trainer.is_global_zero:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if any(self.output_dir.glob(_PART_GLOB)):
+                merge_manifest(self.output_dir)
+            done = sorted(read_manifest(self.output_dir))
+        self.done = set(trainer.strategy.broadcast(done))
+        if self.done:
+            rank_zero_info(f"Resuming into {self.output_dir}: {len(self.done)} images already done are skipped.")
+        skip = getattr(trainer.datamodule, "skip_indices", None)
+        if callable(skip):
+            skip(self.done)
+        self._part = self.output_dir / f"manifest.part-{trainer.global_rank}.jsonl"
+
+    def write_on_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        prediction: list[dict[str, Any]],
+        batch_indices: Optional[Sequence[int]],
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        if not self.writes_outputs(trainer):
+            return
+        lines = [self.write_image(item) for item in prediction]
+        assert self._part is not None
+        with self._part.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_image(self, item: dict[str, Any]) -> dict[str, Any]:
+        """Write one image (and its array) atomically; return its manifest line."""
+        index, prompt, params = item["index"], item["prompt"], item["params"]
+        name = image_filename(index, prompt)
+        metadata = {"index": index, "prompt": prompt, "seed": item["seed"], **params}
+        if item.get("negative_prompt") is not None:
+            metadata["negative_prompt"] = item["negative_prompt"]
+        info = PngInfo()
+        for key, value in metadata.items():
+            info.add_text(key, str(value))
+        info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
+        picture = Image.fromarray(to_uint8(item["image"]))
+        _atomic_write(self.output_dir / name, lambda f: picture.save(f, format="PNG", pnginfo=info))
+        if self.save_arrays:
+            _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]))
+        return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, **{
+            k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
+        }}
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Not on_predict_end: a replica with no images skips the predict loop and its end hooks,
+        # but every rank reaches teardown (and only after a run that did not raise).
+        if stage != "predict":
+            return
+        trainer.strategy.barrier("image_writer_merge")
+        if trainer.is_global_zero:
+            total = merge_manifest(self.output_dir)
+            rank_zero_info(f"{total} images in {self.output_dir / MANIFEST}")
