@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
 from lightning_diffusion import tiny
 from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.progress import ImageProgressBar
 from lightning_diffusion.writer import ImageWriter
@@ -80,11 +81,16 @@ def make_tiny(argv: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "make-tiny":
-        make_tiny(argv[1:])
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0] == "make-tiny":
+        make_tiny(words[1:])
         return
-    DiffusionCLI(args=argv)
+    try:
+        DiffusionCLI(args=argv)
+    except ConfigError as err:
+        # Input that cannot work: the message says what to change; a traceback adds nothing.
+        print(f"lightning-diffusion: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 
 from __future__ import annotations
 
+from lightning_diffusion.errors import ConfigError
+
 import csv
 import json
 from collections.abc import Iterator, Sequence
@@ -28,7 +30,7 @@ _RECORD_FIELDS = ("prompt", "seed", "negative_prompt")
 _SUFFIXES = (".txt", ".jsonl", ".csv")
 
 
-class PromptFileError(ValueError):
+class PromptFileError(ConfigError):
     """A prompt file or inline prompt list that cannot be used; the message names file and line."""
 
 
@@ -198,9 +200,9 @@ class PromptDataModule(pl.LightningDataModule):
         super().__init__()
         for name, value in (("batch_size", batch_size), ("num_images_per_prompt", num_images_per_prompt)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"data.{name} must be an integer >= 1, got {value!r}.")
+                raise ConfigError(f"data.{name} must be an integer >= 1, got {value!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"data.seed must be a non-negative integer, got {seed!r}.")
+            raise ConfigError(f"data.seed must be a non-negative integer, got {seed!r}.")
         self.prompts = prompts
         self.batch_size = batch_size
         self.seed = seed

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
 
@@ -52,7 +53,7 @@ class DiffusionModule(pl.LightningModule):
         if num_inference_steps is not None and (
             isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or num_inference_steps < 1
         ):
-            raise ValueError(f"model.num_inference_steps must be an integer >= 1, got {num_inference_steps!r}.")
+            raise ConfigError(f"model.num_inference_steps must be an integer >= 1, got {num_inference_steps!r}.")
         self.dtype_ = resolve_dtype(torch_dtype)
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
@@ -90,7 +91,7 @@ class DiffusionModule(pl.LightningModule):
             self.info.check_call_arguments(overrides, f"prompt record {n}")
             self.info.check_size(record.get("height"), record.get("width"))
             if record.get("negative_prompt") is not None and "negative_prompt" not in self.info.call_parameters:
-                raise ValueError(f"prompt record {n} has a negative_prompt, which {self.info.class_name} does not take.")
+                raise ConfigError(f"prompt record {n} has a negative_prompt, which {self.info.class_name} does not take.")
 
     def configure_model(self) -> None:
         if self.pipeline is not None:

@@ -7,6 +7,8 @@ seconds, not after minutes of loading. Per-pipeline knowledge lives in the ``TRA
 
 from __future__ import annotations
 
+from lightning_diffusion.errors import ConfigError
+
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -45,7 +47,7 @@ DTYPES = {
 }
 
 
-class PipelineError(ValueError):
+class PipelineError(ConfigError):
     """A model path or pipeline argument that cannot work; raised before weights load."""
 
 

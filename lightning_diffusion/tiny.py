@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from lightning_diffusion.errors import ConfigError
+
 TINY_PREFIX = "tiny:"
 # Bump when a builder changes, so that stale caches are not reused.
 _BUILD_VERSION = "1"
@@ -134,7 +136,7 @@ def resolve(name: str) -> str:
         return name
     kind = name[len(TINY_PREFIX) :]
     if kind not in BUILDERS:
-        raise ValueError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join('tiny:' + k for k in BUILDERS)}")
+        raise ConfigError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join('tiny:' + k for k in BUILDERS)}")
     target = cache_root() / f"tiny-{kind}-v{_BUILD_VERSION}"
     if (target / "model_index.json").is_file():
         return str(target)

@@ -27,6 +27,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
+from lightning_diffusion.errors import ConfigError
+
 MANIFEST = "manifest.jsonl"
 _PART_GLOB = "manifest.part-*.jsonl"
 
@@ -105,13 +107,13 @@ class ImageWriter(BasePredictionWriter):
         super().__init__(write_interval="batch")
         path = Path(output_dir).expanduser()
         if path.exists() and not path.is_dir():
-            raise ValueError(f"writer.output_dir {str(path)!r} is a file, not a folder.")
+            raise ConfigError(f"writer.output_dir {str(path)!r} is a file, not a folder.")
         for parent in path.parents:
             if parent.exists():
                 if not parent.is_dir():
-                    raise ValueError(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
+                    raise ConfigError(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
                 if not os.access(parent, os.W_OK) and not path.exists():
-                    raise ValueError(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
+                    raise ConfigError(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
                 break
         self.output_dir = path
         self.save_arrays = save_arrays

@@ -8,6 +8,8 @@ for sizes, ranks and sub-meshes; nothing else multiplies degrees.
 
 from __future__ import annotations
 
+from lightning_diffusion.errors import ConfigError
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_DIMS = ("dp", "ring", "ulysses", "tp")
 
 
-class MeshError(ValueError):
+class MeshError(ConfigError):
     """Parallel degrees that do not fit the world size or the model."""
 
 

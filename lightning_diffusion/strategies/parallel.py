@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
@@ -69,7 +70,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         )
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-            raise ValueError(f"strategy timeout must be a positive number of seconds, got {timeout!r}.")
+            raise ConfigError(f"strategy timeout must be a positive number of seconds, got {timeout!r}.")
         self._timeout = timedelta(seconds=float(seconds))
         self._process_group_backend = process_group_backend
         self.num_nodes = 1

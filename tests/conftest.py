@@ -1,0 +1,74 @@
+"""Shared fixtures: one tiny FLUX pipeline cache for the whole session, and a CLI runner.
+
+Multi-process runs go through the CLI in a subprocess: Lightning re-launches ``sys.argv`` for the
+other ranks, which under pytest would re-run pytest.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory):
+    cache = os.environ.get("LIGHTNING_DIFFUSION_CACHE") or str(tmp_path_factory.mktemp("tiny-cache"))
+    os.environ["LIGHTNING_DIFFUSION_CACHE"] = cache
+    from lightning_diffusion import tiny
+
+    return tiny.resolve("tiny:flux")
+
+
+def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m lightning_diffusion ARGS`` from the repository root."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_diffusion", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"CLI failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def tiny_args(output_dir: Path, *extra: str) -> list[str]:
+    """``predict`` on configs/tiny.yaml into ``output_dir``, saving float arrays for comparisons."""
+    return [
+        "predict",
+        "--config",
+        "configs/tiny.yaml",
+        "--writer.output_dir",
+        str(output_dir),
+        "--writer.save_arrays",
+        "true",
+        "--trainer.enable_progress_bar",
+        "false",
+        *extra,
+    ]
+
+
+def read_manifest_lines(output_dir: Path) -> list[dict]:
+    with open(output_dir / "manifest.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def load_arrays(output_dir: Path) -> dict[int, np.ndarray]:
+    return {int(Path(f).stem): np.load(f) for f in glob.glob(str(output_dir / "*.npy"))}
+
+
+def load_pngs(output_dir: Path) -> dict[int, np.ndarray]:
+    return {int(Path(f).name[:6]): np.asarray(Image.open(f)) for f in glob.glob(str(output_dir / "*.png"))}

@@ -1,0 +1,105 @@
+"""Prompt records, per-image seeds and the data-parallel split."""
+
+import json
+
+import pytest
+
+from lightning_diffusion.data import PromptDataModule, PromptDataset, PromptFileError, ShardSampler, load_records
+
+
+def test_txt_prompts_skip_blank_lines(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("a cat\n\n  a dog  \n")
+    assert [r["prompt"] for r in load_records(str(path))] == ["a cat", "a dog"]
+
+
+def test_jsonl_records_keep_seed_negative_prompt_and_overrides(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "a cat", "seed": 7, "negative_prompt": "blurry", "guidance_scale": 2.0}) + "\n"
+        + json.dumps({"prompt": "a dog"}) + "\n"
+    )
+    dataset = PromptDataset(load_records(str(path)), seed=100)
+    first, second = dataset[0], dataset[1]
+    assert first == {
+        "index": 0,
+        "prompt": "a cat",
+        "seed": 7,
+        "negative_prompt": "blurry",
+        "overrides": {"guidance_scale": 2.0},
+    }
+    assert second["seed"] == 101 and second["overrides"] == {}
+
+
+def test_csv_needs_a_prompt_column_and_reads_seeds(tmp_path):
+    good = tmp_path / "p.csv"
+    good.write_text("prompt,seed\na cat,5\na dog,\n")
+    records = load_records(str(good))
+    assert records == [{"prompt": "a cat", "seed": 5}, {"prompt": "a dog"}]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text\na cat\n")
+    with pytest.raises(PromptFileError, match=r"bad.csv:1: the CSV header has no 'prompt' column"):
+        load_records(str(bad))
+
+
+def test_seed_formula_with_several_images_per_prompt():
+    dataset = PromptDataset([{"prompt": "a"}, {"prompt": "b", "seed": 50}], seed=10, num_images_per_prompt=3)
+    assert [dataset[i]["seed"] for i in range(6)] == [10, 11, 12, 50, 51, 52]
+    assert [dataset[i]["prompt"] for i in range(6)] == ["a"] * 3 + ["b"] * 3
+
+
+def test_inline_list_accepts_strings_and_mappings():
+    records = load_records(["a cat", {"prompt": "a dog", "seed": 3}])
+    assert records == [{"prompt": "a cat"}, {"prompt": "a dog", "seed": 3}]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "ok"}\n{not json}\n', r"p.jsonl:2: not valid JSON"),
+        ('{"prompt": "ok"}\n\n{"text": "no prompt"}\n', r"p.jsonl:3: no 'prompt'"),
+        ('{"prompt": "ok", "seed": -1}\n', r"p.jsonl:1: 'seed' must be a non-negative integer"),
+        ("[1, 2]\n", r"p.jsonl:1: expected a JSON object"),
+    ],
+)
+def test_bad_jsonl_lines_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(PromptFileError, match=message):
+        load_records(str(path))
+
+
+def test_missing_empty_and_unknown_prompt_files_are_refused(tmp_path):
+    with pytest.raises(PromptFileError, match="does not exist"):
+        PromptDataModule(str(tmp_path / "missing.txt"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(PromptFileError, match="No prompts found"):
+        PromptDataModule(str(empty))
+    other = tmp_path / "p.parquet"
+    other.write_text("x")
+    with pytest.raises(PromptFileError, match="use one of .txt, .jsonl, .csv"):
+        PromptDataModule(str(other))
+    with pytest.raises(PromptFileError, match="No prompts found in the inline prompt list"):
+        PromptDataModule([])
+
+
+@pytest.mark.parametrize("field", ["batch_size", "num_images_per_prompt"])
+def test_counts_below_one_are_refused(field):
+    with pytest.raises(ValueError, match=f"data.{field} must be an integer >= 1"):
+        PromptDataModule(["a"], **{field: 0})
+
+
+@pytest.mark.parametrize("total, replicas", [(10, 2), (7, 2), (1, 2), (5, 4), (0, 3)])
+def test_shards_cover_every_position_once(total, replicas):
+    dataset = PromptDataset([{"prompt": "p"}] * total)
+    shards = [list(ShardSampler(dataset, replicas, rank)) for rank in range(replicas)]
+    assert sorted(i for shard in shards for i in shard) == list(range(total))
+    assert [len(ShardSampler(dataset, replicas, rank)) for rank in range(replicas)] == [len(s) for s in shards]
+
+
+def test_skipped_indices_are_removed_before_the_split():
+    module = PromptDataModule([f"p{i}" for i in range(6)], batch_size=2)
+    module.skip_indices({0, 1, 2})
+    loader = module.predict_dataloader()
+    assert [s["index"] for batch in loader for s in batch] == [3, 4, 5]

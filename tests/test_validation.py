@@ -1,0 +1,105 @@
+"""Bad input is reported before any weight loads, with a message that says what to change."""
+
+import json
+
+import pytest
+
+from lightning_diffusion import DiffusionModule, ImageWriter
+from lightning_diffusion.pipelines import PipelineError
+from lightning_diffusion.strategies import MeshError, ParallelDims
+from tests.conftest import run_cli
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(PipelineError, match="does not exist"):
+        DiffusionModule(str(tmp_path / "nowhere"))
+
+
+def test_folder_that_is_not_a_pipeline(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(PipelineError, match="is not a diffusers pipeline: it has no model_index.json"):
+        DiffusionModule(str(tmp_path))
+
+
+def test_model_index_naming_an_unknown_class(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "NotAPipeline"}))
+    with pytest.raises(PipelineError, match="'NotAPipeline', which is not a pipeline class"):
+        DiffusionModule(str(tmp_path))
+
+
+@pytest.mark.parametrize("size", [{"height": 50}, {"width": 8}, {"height": 0}])
+def test_size_the_pipeline_cannot_take(size):
+    with pytest.raises(PipelineError, match="use a positive multiple of 16"):
+        DiffusionModule("tiny:flux", **size)
+
+
+def test_steps_below_one():
+    with pytest.raises(ValueError, match="num_inference_steps must be an integer >= 1"):
+        DiffusionModule("tiny:flux", num_inference_steps=0)
+
+
+def test_call_kwargs_the_pipeline_does_not_take():
+    with pytest.raises(PipelineError, match="FluxPipeline does not accept strength"):
+        DiffusionModule("tiny:flux", call_kwargs={"strength": 0.5})
+    with pytest.raises(PipelineError, match="sets generator, which lightning-diffusion sets per image"):
+        DiffusionModule("tiny:flux", call_kwargs={"generator": None})
+
+
+def test_unknown_dtype():
+    with pytest.raises(PipelineError, match="torch_dtype 'float8'"):
+        DiffusionModule("tiny:flux", torch_dtype="float8")
+
+
+def test_record_override_the_pipeline_does_not_take():
+    module = DiffusionModule("tiny:flux")
+    with pytest.raises(PipelineError, match="prompt record 2: FluxPipeline does not accept eta"):
+        module.check_records([{"prompt": "ok"}, {"prompt": "bad", "eta": 0.1}])
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    file = tmp_path / "out"
+    file.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        ImageWriter(str(file))
+    with pytest.raises(ValueError, match="which is a file"):
+        ImageWriter(str(file / "sub"))
+
+
+@pytest.mark.parametrize(
+    "degrees, message",
+    [
+        ({"world_size": 4, "dp": 3}, r"dp 3 x ring 1 x ulysses 1 x tp 1 = 3 processes, but the world size is 4"),
+        ({"world_size": 4, "dp": -1, "ulysses": 3}, r"world size 4 is not divisible by ring 1 x ulysses 3 x tp 1 = 3"),
+        ({"world_size": 4, "dp": 0}, r"dp degree must be an integer >= 1"),
+        ({"world_size": 4, "dp": -1, "tp": -1}, r"Only one degree may be inferred"),
+    ],
+)
+def test_invalid_meshes(degrees, message):
+    with pytest.raises(MeshError, match=message):
+        ParallelDims(**degrees)
+
+
+def test_inferred_degree():
+    dims = ParallelDims(world_size=8, dp=-1, ulysses=2, tp=2)
+    assert dims.degrees == {"dp": 2, "ring": 1, "ulysses": 2, "tp": 2}
+    assert dims.replica_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_cli_reports_bad_input_and_writes_nothing(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    out = tmp_path / "out"
+    proc = run_cli(
+        "predict", "--config", "configs/tiny.yaml", "--data.prompts", str(bad), "--writer.output_dir", str(out),
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert f"{bad}:2: not valid JSON" in proc.stderr
+    assert not out.exists()
+    proc = run_cli(
+        "predict", "--config", "configs/tiny.yaml", "--model.height", "50", "--writer.output_dir", str(out),
+        "--trainer.devices", "2", check=False,
+    )
+    assert proc.returncode != 0
+    assert "height=50 cannot be made by FluxPipeline: use a positive multiple of 16 (for example 48)" in proc.stderr
+    assert not out.exists()
