@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Optional
 
@@ -89,7 +90,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         DiffusionCLI(args=argv)
     except ConfigError as err:
         # Input that cannot work: the message says what to change; a traceback adds nothing.
-        print(f"lightning-diffusion: error: {err}", file=sys.stderr)
+        # Every rank finds the same problem; the first process of each node says it.
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"lightning-diffusion: error: {err}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -22,13 +22,20 @@ from lightning_diffusion import tiny
 
 @dataclass(frozen=True)
 class Traits:
-    """Per-pipeline facts. ``patch``: latent pixels packed into one token along each side."""
+    """Per-pipeline facts.
+
+    ``patch``: latent pixels packed into one token along each side. ``text_length_arg``: the call
+    argument that fixes the text-token count (padded to it), if there is one. ``default_latent_size``:
+    the latent height/width used when the call gives none.
+    """
 
     patch: int = 1
+    text_length_arg: Optional[str] = None
+    default_latent_size: Optional[int] = None
 
 
 TRAITS: dict[str, Traits] = {
-    "FluxPipeline": Traits(patch=2),
+    "FluxPipeline": Traits(patch=2, text_length_arg="max_sequence_length", default_latent_size=128),
     "Flux2Pipeline": Traits(patch=2),
     "QwenImagePipeline": Traits(patch=2),
     "WanPipeline": Traits(patch=2),
@@ -97,6 +104,39 @@ class PipelineInfo:
         else:
             scale = 8
         return scale * self.traits.patch
+
+    @property
+    def vae_scale(self) -> int:
+        return self.size_multiple // self.traits.patch
+
+    def component_class(self, name: str) -> Optional[type]:
+        """The class a component of ``model_index.json`` names, if diffusers or transformers has it."""
+        spec = self.model_index.get(name)
+        if not (isinstance(spec, list) and len(spec) == 2 and spec[1]):
+            return None
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(spec[0]), spec[1], None)
+        except ImportError:
+            return None
+
+    def sequence_lengths(self, height: Optional[int], width: Optional[int], call_args: dict[str, Any]) -> dict[str, int]:
+        """Token counts the transformer sees (``image``, and ``text`` when it is fixed), where known."""
+        traits, lengths = self.traits, {}
+        default = traits.default_latent_size * self.vae_scale if traits.default_latent_size else None
+        height, width = height or default, width or default
+        if height and width:
+            lengths["image"] = (height // self.size_multiple) * (width // self.size_multiple)
+        if traits.text_length_arg:
+            text = call_args.get(traits.text_length_arg, self.call_default(traits.text_length_arg))
+            if isinstance(text, int):
+                lengths["text"] = text
+        return lengths
+
+    def call_default(self, name: str) -> Any:
+        parameter = inspect.signature(self.pipeline_class.__call__).parameters.get(name)
+        return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
     def check_size(self, height: Optional[int], width: Optional[int]) -> None:
         multiple = self.size_multiple

@@ -2,14 +2,18 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_diffusion.strategies.context_parallel import ContextParallelStrategy
 from lightning_diffusion.strategies.data_parallel import DataParallelStrategy
 from lightning_diffusion.strategies.mesh import MeshError, ParallelDims
 from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
 
-__all__ = ["DataParallelStrategy", "DiffusionParallelStrategy", "MeshError", "ParallelDims"]
+__all__ = ["ContextParallelStrategy", "DataParallelStrategy", "DiffusionParallelStrategy", "MeshError", "ParallelDims"]
 
 _REGISTRY = {
     "data_parallel": (DataParallelStrategy, "One pipeline per process; prompts split across replicas.", {}),
+    "context_parallel": (ContextParallelStrategy, "Ulysses over all processes.", {"ulysses_degree": -1}),
+    "ulysses": (ContextParallelStrategy, "Ulysses attention over all processes.", {"ulysses_degree": -1}),
+    "ring": (ContextParallelStrategy, "Ring attention over all processes.", {"ring_degree": -1}),
 }
 
 for _name, (_cls, _description, _kwargs) in _REGISTRY.items():

@@ -135,8 +135,14 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def check_model(self, module: "pl.LightningModule") -> None:
+        """Checks of the model against the strategy that need no weights (subclasses add theirs).
+        Every rank runs them before the process group starts, so a failure cannot hang a rank."""
+
     @override
     def setup_environment(self) -> None:
+        assert self.lightning_module is not None
+        self.check_model(self.lightning_module)
         super().setup_environment()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -167,8 +173,14 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self.barrier("pipeline_placed")
 
     def place_pipeline(self) -> None:
-        """Put the loaded pipeline on this rank's device (and parallelise it, in subclasses)."""
+        """Put the loaded pipeline on this rank's device, then parallelise it."""
         self.model_to_device()
+        pipeline = getattr(self.lightning_module, "pipeline", None)
+        if pipeline is not None:
+            self.parallelize(pipeline)
+
+    def parallelize(self, pipeline: Any) -> None:
+        """Apply this strategy's parallelism to the placed pipeline (nothing for data parallel)."""
 
     @override
     def model_to_device(self) -> None:

@@ -1,0 +1,116 @@
+"""Workarounds for other libraries' versions, in one place, each with the version and the reason.
+
+All of them are for running diffusers' own context-parallel code on CPU with gloo ("CPU
+rehearsal"); on CUDA with NCCL none of them changes anything. ``apply_cpu_rehearsal_patches`` is
+idempotent and is called by the strategies before they enable parallelism on a CPU mesh. Delete an
+entry once the pinned diffusers release no longer needs it (checked against diffusers 0.42.1).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_APPLIED: set[str] = set()
+
+
+def _once(name: str):
+    def decorator(patch):
+        @functools.wraps(patch)
+        def apply() -> None:
+            if name not in _APPLIED:
+                patch()
+                _APPLIED.add(name)
+
+        return apply
+
+    return decorator
+
+
+@_once("resolve_parallel_config")
+def _patch_resolve_parallel_config() -> None:
+    """diffusers 0.42.1 ``ModelMixin._resolve_parallel_config`` computes
+    ``rank % torch.accelerator.device_count()``, a ZeroDivisionError on a machine without an
+    accelerator. With none, resolve on the CPU with the mesh the strategy always passes."""
+    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig, TensorParallelConfig
+
+    original = ModelMixin._resolve_parallel_config
+
+    def _resolve_parallel_config(self, config):
+        if torch.accelerator.device_count() > 0:
+            return original(self, config)
+        if isinstance(config, ContextParallelConfig):
+            config = ParallelConfig(context_parallel_config=config)
+        elif isinstance(config, TensorParallelConfig):
+            config = ParallelConfig(tensor_parallel_config=config)
+        inner = config.context_parallel_config or config.tensor_parallel_config
+        if inner is None or inner.mesh is None:
+            raise RuntimeError("CPU rehearsal needs an explicit mesh in the parallel config.")
+        config.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), mesh=inner.mesh)
+        self._parallel_config = config
+        return config
+
+    ModelMixin._resolve_parallel_config = _resolve_parallel_config
+
+
+@_once("native_lse_on_cpu")
+def _patch_native_attention_lse_on_cpu() -> None:
+    """diffusers 0.42.1's ``native`` backend raises "Native attention does not support
+    return_lse=True", which ring attention needs, and ``_native_flash`` calls an aten op with no
+    CPU kernel. On CPU, ``aten._scaled_dot_product_flash_attention_for_cpu`` returns the output and
+    the log-sum-exp; they are transposed to the model layout the ring code expects (B,S,H,D / B,S,H)."""
+    from diffusers.models import attention_dispatch
+
+    original = attention_dispatch._native_attention_forward_op
+
+    def _native_attention_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, enable_gqa=False, return_lse=False, _save_ctx=True,
+                                     _parallel_config=None):
+        if not (return_lse and query.device.type == "cpu"):
+            return original(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            return_lse, _save_ctx, _parallel_config)
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()
+
+    attention_dispatch._native_attention_forward_op = _native_attention_forward_op
+
+
+@_once("gloo_all_gather_anything")
+def _patch_all_gather_anything_for_gloo() -> None:
+    """diffusers 0.42.1 ``_all_gather_anything`` (the output gather of the anything-modes) calls
+    ``dist.all_gather`` with tensors of unequal sizes, which gloo refuses ("invalid tensor size");
+    NCCL accepts it. On gloo, pad every shard to the largest size, gather, and trim."""
+    from diffusers.hooks import context_parallel
+    from diffusers.models._modeling_parallel import gather_size_by_comm
+
+    original = context_parallel._all_gather_anything
+
+    def _all_gather_anything(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        if "nccl" in str(dist.get_backend(group=group)) and tensor.device.type != "cpu":
+            return original(tensor, dim, group)
+        tensor = tensor.contiguous()
+        sizes = gather_size_by_comm(tensor.shape[dim], group)
+        largest = max(sizes)
+        if tensor.shape[dim] < largest:
+            pad = list(tensor.shape)
+            pad[dim] = largest - tensor.shape[dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+        gathered = [torch.empty_like(tensor) for _ in sizes]
+        dist.all_gather(gathered, tensor, group=group)
+        return torch.cat([part.narrow(dim, 0, size) for part, size in zip(gathered, sizes)], dim=dim)
+
+    context_parallel._all_gather_anything = _all_gather_anything
+
+
+def apply_cpu_rehearsal_patches() -> None:
+    """Make diffusers' context parallelism run on CPU with gloo (no effect on CUDA paths)."""
+    _patch_resolve_parallel_config()
+    _patch_native_attention_lse_on_cpu()
+    _patch_all_gather_anything_for_gloo()

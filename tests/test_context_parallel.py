@@ -1,0 +1,136 @@
+"""Context parallelism (diffusers' Ulysses / Ring / Unified and the anything-modes) against one process.
+
+Tolerance: decoded float images (0..1) within ATOL of the single-process run with the same seeds
+and batch size. Measured on the tiny FLUX pipeline: at most 1.7e-6 for every mode. A wrong plan
+that runs without error (tokens split over 2 ranks, attention left local to each shard) differed
+by 2.1e-2, two thousand times ATOL.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from lightning.pytorch import Trainer
+
+from lightning_diffusion import DiffusionModule
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.strategies import ContextParallelStrategy, MeshError
+from tests.conftest import load_arrays, read_manifest_lines, run_cli, tiny_args
+
+ATOL = 1e-5
+PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen, an astronaut, a watercolor map]"
+CP = "lightning_diffusion.strategies.ContextParallelStrategy"
+
+
+def cp_args(out, devices, size=(64, 64), **init_args):
+    extra = ["--trainer.devices", str(devices), "--trainer.strategy.class_path", CP]
+    for key, value in init_args.items():
+        extra += [f"--trainer.strategy.init_args.{key}", json.dumps(value)]
+    return tiny_args(
+        out, "--data.prompts", PROMPTS, "--data.batch_size", "1",
+        "--model.height", str(size[0]), "--model.width", str(size[1]), *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    refs = {}
+    for size in [(64, 64), (48, 80)]:
+        out = tmp_path_factory.mktemp(f"ref-{size[0]}x{size[1]}")
+        run_cli(*tiny_args(out, "--data.prompts", PROMPTS, "--data.batch_size", "1",
+                           "--model.height", str(size[0]), "--model.width", str(size[1])))
+        refs[size] = load_arrays(out)
+    return refs
+
+
+MODES = {
+    "ulysses": dict(devices=2, ulysses_degree=2),
+    "ring": dict(devices=2, ring_degree=2),
+    "unified": dict(devices=4, ulysses_degree=2, ring_degree=2),
+    # 48x80 pixels are 3x5 = 15 image tokens: odd, so no equal split over 2 ranks.
+    "ulysses-anything": dict(devices=2, size=(48, 80), ulysses_degree=2, ulysses_anything=True),
+    "ring-anything": dict(devices=2, size=(48, 80), ring_degree=2, ring_anything=True),
+    "dp2-ulysses2": dict(devices=4, ulysses_degree=2),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_matches_one_process(mode, references, tmp_path):
+    settings = dict(MODES[mode])
+    size = settings.get("size", (64, 64))
+    proc = run_cli(*cp_args(tmp_path, **settings))
+    log = proc.stdout + proc.stderr
+    expected_mode = "ulysses" if mode == "dp2-ulysses2" else mode
+    assert f"context parallel {expected_mode} " in log  # diffusers' parallelism really was applied
+    if mode == "dp2-ulysses2":
+        assert "replica 0: ranks [0, 1]; replica 1: ranks [2, 3]" in log
+    lines = read_manifest_lines(tmp_path)
+    assert [line["index"] for line in lines] == list(range(5))  # each index once, one writer per group
+    assert len(list(tmp_path.glob("*.png"))) == 5
+    ours, ref = load_arrays(tmp_path), references[size]
+    for i in range(5):
+        np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
+
+
+def test_odd_token_count_without_anything_flag_fails_fast_on_every_rank(tmp_path):
+    proc = run_cli(*cp_args(tmp_path / "out", 2, size=(48, 80), ulysses_degree=2), check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "48x80 gives 15 image tokens ((height/16) x (width/16)), not divisible by the context-parallel degree 2: " \
+           "use ulysses_anything=True" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def cpu_trainer(devices, **kwargs):
+    return Trainer(accelerator="cpu", devices=devices, strategy=ContextParallelStrategy(**kwargs), logger=False)
+
+
+@pytest.mark.parametrize(
+    "devices, kwargs, error, message",
+    [
+        (3, dict(ulysses_degree=2), MeshError, "world size 3 is not divisible by ring 1 x ulysses 2 x tp 1 = 2"),
+        (2, dict(ulysses_degree=2, ring_degree=2), MeshError, "world size 2 is not divisible by ring 2 x ulysses 2"),
+        (2, dict(ulysses_degree=2, ring_anything=True), ConfigError, "ring_anything needs ring_degree > 1"),
+        (4, dict(ulysses_degree=2, ring_degree=2, ulysses_anything=True), ConfigError,
+         "ulysses_anything works with ring_degree=1 only"),
+        (1, dict(ulysses_degree=-1), ConfigError, "leaves a group of 1"),
+    ],
+)
+def test_degrees_that_do_not_fit_are_refused_before_any_process_starts(devices, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        cpu_trainer(devices, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(ulysses_degree=2, ulysses_anything=True, ring_anything=True), "at most one of ulysses_anything"),
+        (dict(ulysses_degree=1), "needs ulysses_degree > 1 or ring_degree > 1"),
+        (dict(ulysses_degree=2, attention_backend="flex"), "'flex' cannot do context parallelism; choose one of"),
+        (dict(ulysses_degree=2, attention_backend="nonsense"), "'nonsense' is not a diffusers attention backend"),
+    ],
+)
+def test_bad_options_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ContextParallelStrategy(**kwargs)
+
+
+def test_heads_not_divisible_by_ulysses_degree():
+    trainer = cpu_trainer(3, ulysses_degree=3)
+    with pytest.raises(ConfigError, match="4 attention heads, not divisible by ulysses_degree=3: use ulysses_anything"):
+        trainer.strategy.check_model(DiffusionModule("tiny:flux", height=64, width=64))
+
+
+def test_text_length_not_divisible(tmp_path):
+    trainer = cpu_trainer(2, ring_degree=2)
+    module = DiffusionModule("tiny:flux", height=64, width=64, call_kwargs={"max_sequence_length": 63})
+    with pytest.raises(ConfigError, match="max_sequence_length=63 text tokens are not divisible .* use ring_anything"):
+        trainer.strategy.check_model(module)
+
+
+def test_model_without_context_parallel_plan(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+    }))
+    trainer = cpu_trainer(2, ulysses_degree=2)
+    with pytest.raises(ConfigError, match="StableDiffusionPipeline has no model with a context-parallel plan"):
+        trainer.strategy.check_model(DiffusionModule(str(tmp_path)))
