@@ -1,6 +1,6 @@
 """Workarounds for other libraries' versions, in one place, each with the version and the reason.
 
-All of them are for running diffusers' own context-parallel code on CPU with gloo ("CPU
+All of them are for running diffusers' own context- and tensor-parallel code on CPU with gloo ("CPU
 rehearsal"); on CUDA with NCCL none of them changes anything. ``apply_cpu_rehearsal_patches`` is
 idempotent and is called by the strategies before they enable parallelism on a CPU mesh. Delete an
 entry once the pinned diffusers release no longer needs it (checked against diffusers 0.42.1).
@@ -109,8 +109,20 @@ def _patch_all_gather_anything_for_gloo() -> None:
     context_parallel._all_gather_anything = _all_gather_anything
 
 
+@_once("tensor_parallel_on_cpu")
+def _patch_tensor_parallel_devices() -> None:
+    """diffusers 0.42.1 ``apply_tensor_parallel`` refuses meshes whose device type is not in
+    ``_SUPPORTED_TP_DEVICES`` (cuda, neuron, tpu, xpu); torch's ``parallelize_module`` itself works
+    on a CPU mesh over gloo, and TP=2 then equals one process to 4.8e-7."""
+    from diffusers.hooks import tensor_parallel
+
+    if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
+        tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
+
+
 def apply_cpu_rehearsal_patches() -> None:
-    """Make diffusers' context parallelism run on CPU with gloo (no effect on CUDA paths)."""
+    """Make diffusers' context and tensor parallelism run on CPU with gloo (no effect on CUDA paths)."""
     _patch_resolve_parallel_config()
     _patch_native_attention_lse_on_cpu()
     _patch_all_gather_anything_for_gloo()
+    _patch_tensor_parallel_devices()

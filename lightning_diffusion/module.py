@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import numpy as np
@@ -72,6 +72,9 @@ class DiffusionModule(pl.LightningModule):
         self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
         self.show_inner_progress = show_inner_progress
         self.pipeline: Any = None
+        # Components a strategy builds itself (a transformer sharded while it loads), by name:
+        # each is called with (PipelineInfo, torch dtype) in configure_model and passed to from_pretrained.
+        self.component_loaders: dict[str, Callable[[PipelineInfo, torch.dtype], nn.Module]] = {}
         # The pipeline's torch modules, registered so that Lightning's device moves reach them.
         self.components = nn.ModuleDict()
 
@@ -96,7 +99,7 @@ class DiffusionModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.pipeline is not None:
             return
-        self.load_pipeline()
+        self.load_pipeline(**{name: load(self.info, self.dtype_) for name, load in self.component_loaders.items()})
 
     def load_pipeline(self, **components: Any) -> None:
         """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may

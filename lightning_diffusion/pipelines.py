@@ -37,7 +37,7 @@ class Traits:
 TRAITS: dict[str, Traits] = {
     "FluxPipeline": Traits(patch=2, text_length_arg="max_sequence_length", default_latent_size=128),
     "Flux2Pipeline": Traits(patch=2),
-    "QwenImagePipeline": Traits(patch=2),
+    "QwenImagePipeline": Traits(patch=2, default_latent_size=128),
     "WanPipeline": Traits(patch=2),
 }
 
@@ -120,6 +120,18 @@ class PipelineInfo:
             return getattr(importlib.import_module(spec[0]), spec[1], None)
         except ImportError:
             return None
+
+    def models_with(self, attribute: str) -> dict[str, type]:
+        """diffusers model components whose class sets ``attribute`` (``_cp_plan``, ``_tp_plan``).
+        transformers models have plans of their own with other meanings, so they are not counted."""
+        from diffusers import ModelMixin
+
+        found = {}
+        for name in self.model_index:
+            cls = None if name.startswith("_") else self.component_class(name)
+            if isinstance(cls, type) and issubclass(cls, ModelMixin) and getattr(cls, attribute, None) is not None:
+                found[name] = cls
+        return found
 
     def sequence_lengths(self, height: Optional[int], width: Optional[int], call_args: dict[str, Any]) -> dict[str, int]:
         """Token counts the transformer sees (``image``, and ``text`` when it is fixed), where known."""

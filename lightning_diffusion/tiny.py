@@ -119,7 +119,82 @@ def build_flux(directory: str | os.PathLike) -> Path:
     return Path(directory)
 
 
-BUILDERS: dict[str, Callable[[str | os.PathLike], Path]] = {"flux": build_flux}
+def build_qwenimage(directory: str | os.PathLike) -> Path:
+    """Write a tiny Qwen-Image-architecture pipeline (Qwen2.5-VL text encoder, 4-head transformer
+    whose ``_tp_plan`` is fully unfused, Qwen-Image VAE with 4 latent channels) to ``directory``.
+    It uses true classifier-free guidance: give a negative prompt and ``true_cfg_scale > 1``."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=16,
+        axes_dims_rope=(4, 6, 6),
+    )
+    torch.manual_seed(1)
+    z_dim = 4
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    )
+    torch.manual_seed(2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config=dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                vocab_size=128,
+                max_position_embeddings=1280,
+                # mrope sections sum to half the head dimension (16 / 2 heads / 2).
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+            ),
+            vision_config=dict(
+                depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            ),
+        )
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_char_tokenizer(1024),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
+
+
+BUILDERS: dict[str, Callable[[str | os.PathLike], Path]] = {"flux": build_flux, "qwenimage": build_qwenimage}
 
 
 def cache_root() -> Path:

@@ -45,12 +45,12 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
     return proc
 
 
-def tiny_args(output_dir: Path, *extra: str) -> list[str]:
-    """``predict`` on configs/tiny.yaml into ``output_dir``, saving float arrays for comparisons."""
+def tiny_args(output_dir: Path, *extra: str, config: str = "configs/tiny.yaml") -> list[str]:
+    """``predict`` on a tiny config into ``output_dir``, saving float arrays for comparisons."""
     return [
         "predict",
         "--config",
-        "configs/tiny.yaml",
+        config,
         "--writer.output_dir",
         str(output_dir),
         "--writer.save_arrays",

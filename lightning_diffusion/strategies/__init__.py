@@ -6,14 +6,16 @@ from lightning_diffusion.strategies.context_parallel import ContextParallelStrat
 from lightning_diffusion.strategies.data_parallel import DataParallelStrategy
 from lightning_diffusion.strategies.mesh import MeshError, ParallelDims
 from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
+from lightning_diffusion.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["ContextParallelStrategy", "DataParallelStrategy", "DiffusionParallelStrategy", "MeshError", "ParallelDims"]
+__all__ = ["ContextParallelStrategy", "DataParallelStrategy", "DiffusionParallelStrategy", "MeshError", "ParallelDims", "TensorParallelStrategy"]
 
 _REGISTRY = {
     "data_parallel": (DataParallelStrategy, "One pipeline per process; prompts split across replicas.", {}),
     "context_parallel": (ContextParallelStrategy, "Ulysses over all processes.", {"ulysses_degree": -1}),
     "ulysses": (ContextParallelStrategy, "Ulysses attention over all processes.", {"ulysses_degree": -1}),
     "ring": (ContextParallelStrategy, "Ring attention over all processes.", {"ring_degree": -1}),
+    "tensor_parallel": (TensorParallelStrategy, "Transformer weights sharded over all processes.", {"tp_degree": -1}),
 }
 
 for _name, (_cls, _description, _kwargs) in _REGISTRY.items():

@@ -142,12 +142,7 @@ class ContextParallelStrategy(DiffusionParallelStrategy):
         info = getattr(module, "info", None)
         if info is None:  # not a DiffusionModule: nothing known before loading
             return
-        planned = {
-            name: cls
-            for name in info.model_index
-            if not name.startswith("_") and (cls := info.component_class(name)) is not None
-            and getattr(cls, "_cp_plan", None) is not None
-        }
+        planned = info.models_with("_cp_plan")
         if not planned:
             raise ConfigError(
                 f"{info.class_name} has no model with a context-parallel plan (_cp_plan) in diffusers; "
