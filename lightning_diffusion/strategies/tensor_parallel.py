@@ -43,6 +43,18 @@ def check_shardable(cls: type, config: dict[str, Any], tp_degree: int, name: str
         raise ConfigError(f"{name}: {err} Choose a tp_degree that divides it.") from None
 
 
+def load_sharded(cls: type, path: str, subfolder: str | None, dtype: torch.dtype, tp_mesh: Any, **options: Any):
+    """Create a diffusers model with a tensor-parallel ``parallel_config``: diffusers builds it empty
+    and streams this rank's slice of every planned weight straight into a DTensor."""
+    from diffusers import TensorParallelConfig
+
+    if tp_mesh.device_type == "cpu":
+        compat.apply_cpu_rehearsal_patches()
+    return cls.from_pretrained(
+        path, subfolder=subfolder, dtype=dtype, parallel_config=TensorParallelConfig(mesh=tp_mesh), **options
+    )
+
+
 class TensorParallelStrategy(DiffusionParallelStrategy):
     """Tensor parallelism through diffusers: each linear layer of the transformer's ``_tp_plan`` is
     split column- or row-wise over ``tp_degree`` processes, which read only their own slice of each
@@ -122,19 +134,10 @@ class TensorParallelStrategy(DiffusionParallelStrategy):
             module.component_loaders[name] = partial(self._load_sharded, name, cls, dict(module.from_pretrained_kwargs))
 
     def _load_sharded(self, name: str, cls: type, options: dict, info: Any, dtype: torch.dtype) -> torch.nn.Module:
-        """Create the component with ``parallel_config``: diffusers builds it empty and streams each
-        rank's slice of every planned weight straight into a DTensor on this rank's device."""
-        from diffusers import TensorParallelConfig
-
-        if self.root_device.type == "cpu":
-            compat.apply_cpu_rehearsal_patches()
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
-        model = cls.from_pretrained(
-            info.path, subfolder=name, dtype=dtype,
-            parallel_config=TensorParallelConfig(mesh=self.device_mesh["tp"]),
-            **{k: v for k, v in options.items() if k in ("revision", "variant", "token", "cache_dir")},
-        )
+        passed = {k: v for k, v in options.items() if k in ("revision", "variant", "token", "cache_dir")}
+        model = load_sharded(cls, info.path, name, dtype, self.device_mesh["tp"], **passed)
         self._sharded.add(name)
         from torch.distributed.tensor import DTensor
 
