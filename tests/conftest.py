@@ -61,6 +61,29 @@ def tiny_args(output_dir: Path, *extra: str, config: str = "configs/tiny.yaml") 
     ]
 
 
+FIVE_PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen, an astronaut, a watercolor map]"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Single-process float images (batch size 1) of a tiny config, made once per session and size:
+    ``reference(config, height, width)`` -> {index: array}. The prompts are FIVE_PROMPTS for
+    tiny.yaml and the config's own (5 records) for tiny-qwenimage.yaml."""
+    made: dict[tuple, dict[int, np.ndarray]] = {}
+
+    def get(config: str = "configs/tiny.yaml", height: int = 64, width: int = 64) -> dict[int, np.ndarray]:
+        key = (config, height, width)
+        if key not in made:
+            out = tmp_path_factory.mktemp("reference")
+            prompts = ["--data.prompts", FIVE_PROMPTS] if config == "configs/tiny.yaml" else []
+            run_cli(*tiny_args(out, "--data.batch_size", "1", "--model.height", str(height),
+                               "--model.width", str(width), *prompts, config=config))
+            made[key] = load_arrays(out)
+        return made[key]
+
+    return get
+
+
 def read_manifest_lines(output_dir: Path) -> list[dict]:
     with open(output_dir / "manifest.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]

@@ -15,10 +15,9 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import ContextParallelStrategy, MeshError
-from tests.conftest import load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
-PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen, an astronaut, a watercolor map]"
 CP = "lightning_diffusion.strategies.ContextParallelStrategy"
 
 
@@ -27,20 +26,9 @@ def cp_args(out, devices, size=(64, 64), **init_args):
     for key, value in init_args.items():
         extra += [f"--trainer.strategy.init_args.{key}", json.dumps(value)]
     return tiny_args(
-        out, "--data.prompts", PROMPTS, "--data.batch_size", "1",
+        out, "--data.prompts", FIVE_PROMPTS, "--data.batch_size", "1",
         "--model.height", str(size[0]), "--model.width", str(size[1]), *extra,
     )
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    refs = {}
-    for size in [(64, 64), (48, 80)]:
-        out = tmp_path_factory.mktemp(f"ref-{size[0]}x{size[1]}")
-        run_cli(*tiny_args(out, "--data.prompts", PROMPTS, "--data.batch_size", "1",
-                           "--model.height", str(size[0]), "--model.width", str(size[1])))
-        refs[size] = load_arrays(out)
-    return refs
 
 
 MODES = {
@@ -55,7 +43,7 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_mode_matches_one_process(mode, references, tmp_path):
+def test_mode_matches_one_process(mode, reference, tmp_path):
     settings = dict(MODES[mode])
     size = settings.get("size", (64, 64))
     proc = run_cli(*cp_args(tmp_path, **settings))
@@ -67,7 +55,7 @@ def test_mode_matches_one_process(mode, references, tmp_path):
     lines = read_manifest_lines(tmp_path)
     assert [line["index"] for line in lines] == list(range(5))  # each index once, one writer per group
     assert len(list(tmp_path.glob("*.png"))) == 5
-    ours, ref = load_arrays(tmp_path), references[size]
+    ours, ref = load_arrays(tmp_path), reference("configs/tiny.yaml", *size)
     for i in range(5):
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
 
@@ -89,9 +77,9 @@ def cpu_trainer(devices, **kwargs):
     [
         (3, dict(ulysses_degree=2), MeshError, "world size 3 is not divisible by ring 1 x ulysses 2 x tp 1 = 2"),
         (2, dict(ulysses_degree=2, ring_degree=2), MeshError, "world size 2 is not divisible by ring 2 x ulysses 2"),
-        (2, dict(ulysses_degree=2, ring_anything=True), ConfigError, "ring_anything needs ring_degree > 1"),
+        (2, dict(ulysses_degree=2, ring_anything=True), ConfigError, "ring_anything needs ring degree > 1"),
         (4, dict(ulysses_degree=2, ring_degree=2, ulysses_anything=True), ConfigError,
-         "ulysses_anything works with ring_degree=1 only"),
+         "ulysses_anything works with ring degree 1 only"),
         (1, dict(ulysses_degree=-1), ConfigError, "leaves a group of 1"),
     ],
 )

@@ -18,12 +18,11 @@ from safetensors.torch import load_file
 from lightning_diffusion import DiffusionModule, tiny
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import TensorParallelStrategy
-from tests.conftest import load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
-FLUX_PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen, an astronaut, a watercolor map]"
 PIPELINES = {
-    "flux": ("configs/tiny.yaml", ["--data.prompts", FLUX_PROMPTS]),
+    "flux": ("configs/tiny.yaml", ["--data.prompts", FIVE_PROMPTS]),
     "qwenimage": ("configs/tiny-qwenimage.yaml", []),  # 5 records with negative prompts, true CFG
 }
 
@@ -33,18 +32,8 @@ def args(pipeline, out, *extra):
     return tiny_args(out, "--data.batch_size", "1", *prompts, *extra, config=config)
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    refs = {}
-    for pipeline in PIPELINES:
-        out = tmp_path_factory.mktemp(f"ref-{pipeline}")
-        run_cli(*args(pipeline, out))
-        refs[pipeline] = load_arrays(out)
-    return refs
-
-
 @pytest.mark.parametrize("pipeline, devices", [("flux", 2), ("qwenimage", 2), ("flux", 4)])
-def test_tensor_parallel_matches_one_process(pipeline, devices, references, tmp_path):
+def test_tensor_parallel_matches_one_process(pipeline, devices, reference, tmp_path):
     extra = ["--trainer.devices", str(devices), "--trainer.strategy.class_path",
              "lightning_diffusion.strategies.TensorParallelStrategy", "--trainer.strategy.init_args.tp_degree", "2"]
     proc = run_cli(*args(pipeline, tmp_path, *extra))
@@ -56,7 +45,7 @@ def test_tensor_parallel_matches_one_process(pipeline, devices, references, tmp_
         assert "(dp=2, ring=1, ulysses=1, tp=2)" in log
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == list(range(5))
     assert len(list(tmp_path.glob("*.png"))) == 5
-    ours, ref = load_arrays(tmp_path), references[pipeline]
+    ours, ref = load_arrays(tmp_path), reference(PIPELINES[pipeline][0])
     for i in range(5):
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
 

@@ -5,12 +5,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_diffusion.strategies.context_parallel import ContextParallelStrategy
 from lightning_diffusion.strategies.data_parallel import DataParallelStrategy
 from lightning_diffusion.strategies.mesh import MeshError, ParallelDims
+from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
 from lightning_diffusion.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["ContextParallelStrategy", "DataParallelStrategy", "DiffusionParallelStrategy", "MeshError", "ParallelDims", "TensorParallelStrategy"]
+__all__ = ["ContextParallelStrategy", "DataParallelStrategy", "DiffusionParallelStrategy", "MeshError", "MeshStrategy", "ParallelDims", "TensorParallelStrategy"]
 
 _REGISTRY = {
+    "mesh": (MeshStrategy, "dp x ring x ulysses x tp on one device mesh (default: data parallel).", {}),
     "data_parallel": (DataParallelStrategy, "One pipeline per process; prompts split across replicas.", {}),
     "context_parallel": (ContextParallelStrategy, "Ulysses over all processes.", {"ulysses_degree": -1}),
     "ulysses": (ContextParallelStrategy, "Ulysses attention over all processes.", {"ulysses_degree": -1}),

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
 
 
-class DataParallelStrategy(DiffusionParallelStrategy):
+class DataParallelStrategy(MeshStrategy):
     """Every process loads its own copy of the pipeline (no weight broadcast from rank 0, unlike
     Lightning's DDP) and makes a disjoint share of the images. Use it when the model fits on one
-    device and there are many prompts.
+    device and there are many prompts: ``MeshStrategy`` with only the ``dp`` dimension.
 
     ``Trainer(strategy="data_parallel", devices=8)`` or, in YAML, ``trainer.strategy: data_parallel``.
     """
 
-    def degrees(self) -> dict[str, int]:
-        return {"dp": -1}
+    def __init__(
+        self,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dp=-1, process_group_backend=process_group_backend, timeout=timeout, **kwargs)

@@ -36,14 +36,20 @@ class ParallelDims:
     ulysses: int = 1
     tp: int = 1
 
-    def __post_init__(self) -> None:
-        degrees = self.degrees
+    @staticmethod
+    def check_degrees(degrees: dict[str, int]) -> None:
+        """Each degree is an integer >= 1, or -1 for at most one of them."""
         for name, value in degrees.items():
             if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
                 raise MeshError(f"{name} degree must be an integer >= 1 (or -1 to infer it), got {value!r}.")
         inferred = [name for name, value in degrees.items() if value == -1]
         if len(inferred) > 1:
             raise MeshError(f"Only one degree may be inferred (-1); got {', '.join(inferred)}.")
+
+    def __post_init__(self) -> None:
+        degrees = self.degrees
+        self.check_degrees(degrees)
+        inferred = [name for name, value in degrees.items() if value == -1]
         known = 1
         for value in degrees.values():
             if value != -1:
