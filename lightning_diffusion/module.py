@@ -75,6 +75,8 @@ class DiffusionModule(pl.LightningModule):
         # Components a strategy builds itself (a transformer sharded while it loads), by name:
         # each is called with (PipelineInfo, torch dtype) in configure_model and passed to from_pretrained.
         self.component_loaders: dict[str, Callable[[PipelineInfo, torch.dtype], nn.Module]] = {}
+        # Extra from_pretrained arguments a strategy sets (a pipeline-level device_map).
+        self.pipeline_load_kwargs: dict[str, Any] = {}
         # The pipeline's torch modules, registered so that Lightning's device moves reach them.
         self.components = nn.ModuleDict()
 
@@ -112,7 +114,7 @@ class DiffusionModule(pl.LightningModule):
             diffusers_logging.disable_progress_bar()
             transformers_logging.disable_progress_bar()
         pipeline = DiffusionPipeline.from_pretrained(
-            self.info.path, dtype=self.dtype_, **self.from_pretrained_kwargs, **components
+            self.info.path, dtype=self.dtype_, **self.from_pretrained_kwargs, **self.pipeline_load_kwargs, **components
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)

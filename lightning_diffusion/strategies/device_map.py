@@ -1,0 +1,240 @@
+"""``DeviceMapStrategy``: one pipeline spread over the devices (and CPU, and disk) of one process with
+diffusers' and accelerate's ``device_map``, optionally run as staged encode / denoise / decode."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.staged import STAGES, StagedPipeline
+from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
+
+# The model a pipeline's weights are mostly in; "auto" spreads this one over devices, CPU and disk.
+DENOISERS = ("transformer", "unet")
+
+
+def size_in_bytes(value: Union[int, str]) -> int:
+    from accelerate.utils import convert_file_size_to_int
+
+    try:
+        return int(convert_file_size_to_int(value))
+    except (ValueError, TypeError):
+        raise ConfigError(f"max_memory value {value!r} is not a size such as '16GB', '500MB' or a number of bytes.") from None
+
+
+def component_sizes(path: str) -> dict[str, int]:
+    """Bytes of weights per component folder of a local pipeline (empty for hub ids)."""
+    sizes = {}
+    for folder in Path(path).iterdir() if Path(path).is_dir() else []:
+        files = [f for f in folder.glob("*") if f.suffix in (".safetensors", ".bin")] if folder.is_dir() else []
+        if files:
+            sizes[folder.name] = sum(f.stat().st_size for f in files)
+    return sizes
+
+
+class DeviceMapStrategy(MeshStrategy):
+    """Place one pipeline over several devices of one process: the answer when the weights do not
+    fit on one GPU and the interconnect is too slow for tensor parallelism (PCIe consumer cards).
+
+    Args:
+        device_map: ``"auto"`` spreads the transformer over this process's GPUs, then the CPU, then
+            disk (``offload_folder``), fastest first, and puts the other components on the first GPU;
+            ``"balanced"`` spreads whole components over the GPUs (diffusers' pipeline-level map);
+            a mapping ``{component: device}`` places each named component (the others go to the first GPU).
+        max_memory: per-device budget, e.g. ``{0: "16GB", 1: "16GB", "cpu": "64GB"}``; GPU keys count
+            from this process's first GPU.
+        offload_folder: where weights that fit nowhere else go (``device_map="auto"``).
+        staged: encode, denoise and decode each batch as three stages, with the text encoders and the
+            VAE on the GPU only during their stage (diffusers guide, "staged"); images equal the unstaged run.
+        devices_per_process: GPUs each process spans; process ``r`` of a node owns GPUs
+            ``r*k .. r*k+k-1``, so several processes are data-parallel replicas on disjoint devices.
+    """
+
+    def __init__(
+        self,
+        device_map: Union[str, dict[str, str]] = "auto",
+        max_memory: Optional[dict[Union[int, str], Union[int, str]]] = None,
+        offload_folder: Optional[str] = None,
+        staged: bool = False,
+        devices_per_process: int = 1,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dp=-1, process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        if isinstance(device_map, str) and device_map not in ("auto", "balanced"):
+            raise ConfigError(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got {device_map!r}.")
+        if not isinstance(device_map, (str, dict)):
+            raise ConfigError(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got {device_map!r}.")
+        if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int) or devices_per_process < 1:
+            raise ConfigError(f"devices_per_process must be an integer >= 1, got {devices_per_process!r}.")
+        self.max_memory = {self._memory_key(k): size_in_bytes(v) for k, v in (max_memory or {}).items()}
+        if offload_folder is not None:
+            folder = Path(offload_folder).expanduser()
+            probe = folder if folder.exists() else next((p for p in folder.parents if p.exists()), None)
+            if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
+                raise ConfigError(f"offload_folder {str(folder)!r} is not a writable folder.")
+        self.device_map = device_map
+        self.offload_folder = str(Path(offload_folder).expanduser()) if offload_folder else None
+        self.staged = staged
+        self.devices_per_process = devices_per_process
+        self._placed: set[str] = set()
+
+    @staticmethod
+    def _memory_key(key: Union[int, str]) -> Union[int, str]:
+        if isinstance(key, str) and key.isdigit():
+            return int(key)
+        if isinstance(key, int) and not isinstance(key, bool) and key >= 0 or key in ("cpu", "disk"):
+            return key
+        raise ConfigError(f"max_memory key {key!r} is not a GPU number (0, 1, ...) or 'cpu'.")
+
+    # ----------------------------------------------------------------- devices of this process
+
+    @property
+    def root_device(self) -> torch.device:
+        device = super().root_device
+        if device.type == "cpu":
+            return device
+        return torch.device(device.type, self.local_rank * self.devices_per_process)
+
+    def gpu_indices(self) -> list[int]:
+        if self.root_device.type == "cpu":
+            return []
+        first = self.root_device.index
+        return list(range(first, first + self.devices_per_process))
+
+    def accelerate_max_memory(self) -> Optional[dict[Union[int, str], int]]:
+        """``max_memory`` with GPU keys made absolute; GPUs of other processes get nothing."""
+        if not self.max_memory:
+            return None
+        gpus = self.gpu_indices()
+        mapped: dict[Union[int, str], int] = {}
+        for key, value in self.max_memory.items():
+            if isinstance(key, int):
+                mapped[gpus[key]] = value
+            else:
+                mapped[key] = value
+        if self.root_device.type == "cuda":
+            for index in range(torch.cuda.device_count()):
+                mapped.setdefault(index, 0)
+        return mapped
+
+    # ----------------------------------------------------------------- checks before weights
+
+    def check_model(self, module: pl.LightningModule) -> None:
+        super().check_model(module)
+        if self.root_device.type == "cuda":
+            needed = self.num_processes * self.devices_per_process
+            if needed > torch.cuda.device_count():
+                raise ConfigError(
+                    f"{self.num_processes} processes x devices_per_process {self.devices_per_process} = {needed} GPUs, "
+                    f"but this node has {torch.cuda.device_count()}."
+                )
+        elif self.device_map == "balanced":
+            raise ConfigError("device_map 'balanced' spreads components over GPUs; on a CPU use 'auto' (with offload_folder).")
+        for key in self.max_memory:
+            if isinstance(key, int) and key >= max(len(self.gpu_indices()), 0):
+                raise ConfigError(
+                    f"max_memory names GPU {key}, but this process spans {len(self.gpu_indices())} GPU(s) "
+                    f"(devices_per_process={self.devices_per_process}{', and no GPU on a CPU run' if not self.gpu_indices() else ''})."
+                )
+        options = getattr(module, "from_pretrained_kwargs", {})
+        if options.get("device_map") is not None:
+            raise ConfigError("Set device_map on the DeviceMapStrategy, not in model.from_pretrained_kwargs.")
+        info = getattr(module, "info", None)
+        if info is None:
+            return
+        if isinstance(self.device_map, dict):
+            unknown = set(self.device_map) - {k for k in info.model_index if not k.startswith("_")}
+            if unknown:
+                raise ConfigError(f"device_map names {', '.join(sorted(unknown))}, which {info.class_name} does not have.")
+        if self.staged and info.class_name not in STAGES:
+            raise ConfigError(f"staged=True knows no stages for {info.class_name}; it supports {', '.join(STAGES)}.")
+        sizes = component_sizes(info.path)
+        if self.max_memory and sizes and self.offload_folder is None:
+            budget = sum(self.max_memory.values())
+            smallest = min(sizes.values())
+            if budget < smallest:
+                raise ConfigError(
+                    f"max_memory ({budget:,} bytes in all) cannot hold even the smallest component "
+                    f"({smallest:,} bytes); raise it or give an offload_folder."
+                )
+            denoiser = next((sizes[n] for n in DENOISERS if n in sizes), None)
+            if self.device_map == "auto" and denoiser is not None and budget < denoiser:
+                raise ConfigError(
+                    f"max_memory ({budget:,} bytes) cannot hold the transformer ({denoiser:,} bytes) and no "
+                    "offload_folder is given for the rest: give one, or raise max_memory."
+                )
+
+    # ----------------------------------------------------------------- placement
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        info = getattr(module, "info", None)
+        if info is None:
+            return
+        if self.device_map == "balanced":
+            module.pipeline_load_kwargs.update(device_map="balanced", max_memory=self.accelerate_max_memory())
+            self._placed.update(k for k in info.model_index if not k.startswith("_"))
+            return
+        if self.device_map == "auto":
+            names = [n for n in DENOISERS if n in info.model_index][:1]
+            placements = {name: "auto" for name in names}
+        else:
+            placements = dict(self.device_map)
+        for name, target in placements.items():
+            cls = info.component_class(name)
+            if cls is None:
+                raise ConfigError(f"Cannot place component {name!r}: its class is not importable.")
+            module.component_loaders[name] = partial(self._load_placed, name, cls, target)
+
+    def _load_placed(self, name: str, cls: type, target: str, info: Any, dtype: torch.dtype) -> torch.nn.Module:
+        kwargs: dict[str, Any] = {}
+        if target == "auto":
+            kwargs.update(device_map="auto", max_memory=self.accelerate_max_memory())
+            if self.offload_folder:
+                Path(self.offload_folder, f"rank{self.global_rank}-{name}").mkdir(parents=True, exist_ok=True)
+                kwargs["offload_folder"] = str(Path(self.offload_folder, f"rank{self.global_rank}-{name}"))
+        else:
+            kwargs["device_map"] = {"": self._resolve(target)}
+        model = cls.from_pretrained(info.path, subfolder=name, dtype=dtype, **kwargs)
+        self._placed.add(name)
+        return model
+
+    def _resolve(self, target: str) -> str:
+        """``cuda:N`` in a mapping counts from this process's first GPU, like max_memory."""
+        device = torch.device(target)
+        if device.type == "cuda" and device.index is not None:
+            gpus = self.gpu_indices()
+            if device.index >= len(gpus):
+                raise ConfigError(f"device_map names {target}, but this process spans {len(gpus)} GPU(s).")
+            return f"cuda:{gpus[device.index]}"
+        return target
+
+    def model_to_device(self) -> None:
+        stage_resident = set(STAGES[type(self.lightning_module.pipeline).__name__].encoders) | {"vae"} if self.staged else set()
+        for name, component in getattr(self.lightning_module, "components", {}).items():
+            if name in self._placed:
+                continue
+            component.to("cpu" if name in stage_resident else self.root_device)
+
+    def parallelize(self, pipeline: Any) -> None:
+        placement = []
+        for name, component in pipeline.components.items():
+            if isinstance(component, torch.nn.Module):
+                where = getattr(component, "hf_device_map", None) or str(next(component.parameters()).device)
+                placement.append(f"{name}: {where}")
+        print(f"rank {self.global_rank} device map: " + "; ".join(placement), flush=True)
+        if self.staged:
+            self.lightning_module.pipeline = StagedPipeline(pipeline, self.root_device)
+            rank_zero_info(f"staged: encode, denoise, decode per batch; encoders and VAE on {self.root_device} only in their stage")
