@@ -24,6 +24,7 @@ class DiffusionModule(pl.LightningModule):
         torch_dtype: ``float32``, ``bfloat16`` or ``float16``.
         height, width, num_inference_steps, guidance_scale: pipeline-call arguments for every image
             (``None`` leaves the pipeline's default); a prompt record may override them.
+        num_frames: frames per video, for video pipelines (Wan: 4 x k + 1).
         call_kwargs: any other argument the pipeline's ``__call__`` accepts (``true_cfg_scale``,
             ``max_sequence_length``, ...).
         from_pretrained_kwargs: extra arguments for ``DiffusionPipeline.from_pretrained``
@@ -31,7 +32,8 @@ class DiffusionModule(pl.LightningModule):
         show_inner_progress: keep diffusers' per-step progress bars (off by default).
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
-    array H x W x 3 in [0, 1]) and ``params`` (the pipeline arguments that made it).
+    array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
+    that made it).
     Nothing here depends on the strategy: strategies place and parallelise ``self.pipeline`` after
     ``configure_model`` loads it.
     """
@@ -44,6 +46,7 @@ class DiffusionModule(pl.LightningModule):
         width: Optional[int] = None,
         num_inference_steps: Optional[int] = None,
         guidance_scale: Optional[float] = None,
+        num_frames: Optional[int] = None,
         call_kwargs: Optional[dict[str, Any]] = None,
         from_pretrained_kwargs: Optional[dict[str, Any]] = None,
         show_inner_progress: bool = False,
@@ -59,6 +62,7 @@ class DiffusionModule(pl.LightningModule):
         # in the launching process, before any worker starts or any weight is read.
         self.info: PipelineInfo = inspect_pipeline(pretrained_model_name_or_path)
         self.info.check_size(height, width)
+        self.info.check_frames(num_frames, "model")
         self.call_kwargs = dict(call_kwargs or {})
         self.info.check_call_arguments(set(self.call_kwargs), "model.call_kwargs")
         named = {
@@ -66,6 +70,7 @@ class DiffusionModule(pl.LightningModule):
             "width": width,
             "num_inference_steps": num_inference_steps,
             "guidance_scale": guidance_scale,
+            "num_frames": num_frames,
         }
         self.base_call_args = {k: v for k, v in named.items() if v is not None}
         self.info.check_call_arguments(set(self.base_call_args), "model")
@@ -95,6 +100,7 @@ class DiffusionModule(pl.LightningModule):
             overrides = {k for k in record if k not in ("prompt", "seed", "negative_prompt")}
             self.info.check_call_arguments(overrides, f"prompt record {n}")
             self.info.check_size(record.get("height"), record.get("width"))
+            self.info.check_frames(record.get("num_frames"), f"prompt record {n}")
             if record.get("negative_prompt") is not None and "negative_prompt" not in self.info.call_parameters:
                 raise ConfigError(f"prompt record {n} has a negative_prompt, which {self.info.class_name} does not take.")
 
@@ -158,8 +164,10 @@ class DiffusionModule(pl.LightningModule):
             output_type="np",
             **kwargs,
         )
-        images = np.asarray(output.images, dtype=np.float32)
+        images = np.asarray(getattr(output, self.info.traits.output), dtype=np.float32)
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt")}
         params = {"model": self.model_path, **self.info.call_defaults, **recorded}
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
+        if images.ndim == 5:  # videos: (batch, frames, height, width, 3)
+            sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]
         return list(images), [{**params, **size} for size in sizes]

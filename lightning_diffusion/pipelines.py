@@ -25,24 +25,35 @@ class Traits:
     """Per-pipeline facts.
 
     ``patch``: latent pixels packed into one token along each side. ``text_length_arg``: the call
-    argument that fixes the text-token count (padded to it), if there is one. ``default_latent_size``:
-    the latent height/width used when the call gives none.
+    argument that fixes the text-token count the transformer splits (padded to it), if any.
+    ``default_size``: (height, width) in pixels when the call gives none. ``output``: the output
+    attribute (``images``, or ``frames`` for video). ``frames_arg`` and ``temporal_scale``: the
+    frame-count argument of a video pipeline, which must be ``temporal_scale * k + 1``.
     """
 
     patch: int = 1
     text_length_arg: Optional[str] = None
-    default_latent_size: Optional[int] = None
+    default_size: Optional[tuple[int, int]] = None
+    output: str = "images"
+    frames_arg: Optional[str] = None
+    temporal_scale: int = 1
+    default_frames: Optional[int] = None
 
 
 TRAITS: dict[str, Traits] = {
-    "FluxPipeline": Traits(patch=2, text_length_arg="max_sequence_length", default_latent_size=128),
+    "FluxPipeline": Traits(patch=2, text_length_arg="max_sequence_length", default_size=(1024, 1024)),
     "Flux2Pipeline": Traits(patch=2),
-    "QwenImagePipeline": Traits(patch=2, default_latent_size=128),
-    "WanPipeline": Traits(patch=2),
+    "QwenImagePipeline": Traits(patch=2, default_size=(1024, 1024)),
+    "WanPipeline": Traits(
+        patch=2, default_size=(480, 832), output="frames", frames_arg="num_frames", temporal_scale=4, default_frames=81
+    ),
 }
 
 # Arguments the project sets itself for every call; users must not pass them in call_kwargs.
-RESERVED_CALL_ARGS = ("prompt", "negative_prompt", "generator", "output_type", "num_images_per_prompt", "return_dict")
+RESERVED_CALL_ARGS = (
+    "prompt", "negative_prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt",
+    "return_dict",
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -136,10 +147,13 @@ class PipelineInfo:
     def sequence_lengths(self, height: Optional[int], width: Optional[int], call_args: dict[str, Any]) -> dict[str, int]:
         """Token counts the transformer sees (``image``, and ``text`` when it is fixed), where known."""
         traits, lengths = self.traits, {}
-        default = traits.default_latent_size * self.vae_scale if traits.default_latent_size else None
-        height, width = height or default, width or default
+        default = traits.default_size or (None, None)
+        height, width = height or default[0], width or default[1]
         if height and width:
             lengths["image"] = (height // self.size_multiple) * (width // self.size_multiple)
+            if traits.frames_arg:
+                frames = call_args.get(traits.frames_arg) or traits.default_frames or 1
+                lengths["image"] *= (frames - 1) // traits.temporal_scale + 1
         if traits.text_length_arg:
             text = call_args.get(traits.text_length_arg, self.call_default(traits.text_length_arg))
             if isinstance(text, int):
@@ -160,6 +174,19 @@ class PipelineInfo:
                 raise PipelineError(
                     f"{name}={value!r} cannot be made by {self.class_name}: use a positive multiple of {multiple}{hint}."
                 )
+
+    def check_frames(self, frames: Optional[int], where: str) -> None:
+        traits = self.traits
+        if frames is None:
+            return
+        if traits.frames_arg is None:
+            raise PipelineError(f"{where}: {self.class_name} makes images, not videos; drop num_frames.")
+        scale = traits.temporal_scale
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % scale:
+            raise PipelineError(
+                f"{where}: num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "
+                f"(for example {max(1, round(((frames if isinstance(frames, int) else 1) - 1) / scale)) * scale + 1})."
+            )
 
     def check_call_arguments(self, names: set[str], where: str) -> None:
         reserved = names & set(RESERVED_CALL_ARGS)

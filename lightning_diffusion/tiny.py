@@ -194,7 +194,60 @@ def build_qwenimage(directory: str | os.PathLike) -> Path:
     return Path(directory)
 
 
-BUILDERS: dict[str, Callable[[str | os.PathLike], Path]] = {"flux": build_flux, "qwenimage": build_qwenimage}
+def build_wan(directory: str | os.PathLike) -> Path:
+    """Write a tiny Wan 2.1 text-to-video-architecture pipeline (UMT5 encoder, a transformer with 4
+    heads of 8, Wan VAE with 4 latent channels) to ``directory``. Frames come in groups of 4 plus
+    one (``num_frames`` 5, 9, 13, ...); height and width are multiples of 16."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    torch.manual_seed(1)
+    z_dim = 4
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    )
+    torch.manual_seed(2)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = WanPipeline(
+        tokenizer=_char_tokenizer(512),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
+
+
+BUILDERS: dict[str, Callable[[str | os.PathLike], Path]] = {
+    "flux": build_flux,
+    "qwenimage": build_qwenimage,
+    "wan": build_wan,
+}
 
 
 def cache_root() -> Path:

@@ -38,8 +38,39 @@ def slugify(prompt: str, max_length: int = 40) -> str:
     return slug[:max_length].rstrip("-") or "image"
 
 
-def image_filename(index: int, prompt: str) -> str:
-    return f"{index:06d}-{slugify(prompt)}.png"
+def image_filename(index: int, prompt: str, suffix: str = ".png") -> str:
+    return f"{index:06d}-{slugify(prompt)}{suffix}"
+
+
+VIDEO_FORMATS = ("mp4", "webp", "gif")
+
+
+def write_mp4(file, frames: np.ndarray, fps: int, metadata: dict[str, str]) -> None:
+    """H.264 MP4 (yuv420p) with PyAV; ``metadata`` goes into the container's tags."""
+    try:
+        import av
+    except ImportError:
+        raise ConfigError("Writing MP4 needs PyAV: pip install 'lightning-diffusion[video]'.") from None
+    height, width = frames.shape[1:3]
+    with av.open(file, mode="w", format="mp4") as container:
+        container.metadata.update(metadata)
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def write_animation(file, frames: np.ndarray, fps: int, fmt: str, comment: str) -> None:
+    """Animated WebP or GIF with Pillow."""
+    pictures = [Image.fromarray(frame) for frame in frames]
+    extra = {"comment": comment.encode("utf-8")} if fmt == "gif" else {}
+    pictures[0].save(
+        file, format=fmt.upper(), save_all=True, append_images=pictures[1:], duration=round(1000 / fps), loop=0,
+        **extra,
+    )
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
@@ -101,9 +132,13 @@ class ImageWriter(BasePredictionWriter):
         output_dir: folder for images and ``manifest.jsonl``; created if missing. A rerun into the
             same folder resumes: images already in the manifest are skipped.
         save_arrays: also save the decoded float image as ``NNNNNN.npy`` (for numerical checks).
+        video_format: how videos are written: ``mp4`` (H.264, needs PyAV), ``webp`` or ``gif``.
+        fps: frames per second of written videos.
     """
 
-    def __init__(self, output_dir: str = "outputs", save_arrays: bool = False) -> None:
+    def __init__(
+        self, output_dir: str = "outputs", save_arrays: bool = False, video_format: str = "mp4", fps: int = 16
+    ) -> None:
         super().__init__(write_interval="batch")
         path = Path(output_dir).expanduser()
         if path.exists() and not path.is_dir():
@@ -115,8 +150,14 @@ class ImageWriter(BasePredictionWriter):
                 if not os.access(parent, os.W_OK) and not path.exists():
                     raise ConfigError(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
                 break
+        if video_format not in VIDEO_FORMATS:
+            raise ConfigError(f"writer.video_format must be one of {', '.join(VIDEO_FORMATS)}, got {video_format!r}.")
+        if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
+            raise ConfigError(f"writer.fps must be an integer >= 1, got {fps!r}.")
         self.output_dir = path
         self.save_arrays = save_arrays
+        self.video_format = video_format
+        self.fps = fps
         self.done: set[int] = set()
         self._part: Optional[Path] = None
 
@@ -162,16 +203,29 @@ class ImageWriter(BasePredictionWriter):
     def write_image(self, item: dict[str, Any]) -> dict[str, Any]:
         """Write one image (and its array) atomically; return its manifest line."""
         index, prompt, params = item["index"], item["prompt"], item["params"]
-        name = image_filename(index, prompt)
         metadata = {"index": index, "prompt": prompt, "seed": item["seed"], **params}
         if item.get("negative_prompt") is not None:
             metadata["negative_prompt"] = item["negative_prompt"]
-        info = PngInfo()
-        for key, value in metadata.items():
-            info.add_text(key, str(value))
-        info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
-        picture = Image.fromarray(to_uint8(item["image"]))
-        _atomic_write(self.output_dir / name, lambda f: picture.save(f, format="PNG", pnginfo=info))
+        pixels = to_uint8(item["image"])
+        if pixels.ndim == 4:  # a video: frames x height x width x 3
+            name = image_filename(index, prompt, f".{self.video_format}")
+            text = json.dumps(metadata, ensure_ascii=False)
+            if self.video_format == "mp4":
+                tags = {"title": prompt, "comment": text}
+                _atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags))
+            else:
+                _atomic_write(
+                    self.output_dir / name, lambda f: write_animation(f, pixels, self.fps, self.video_format, text)
+                )
+            metadata["fps"] = self.fps
+        else:
+            name = image_filename(index, prompt)
+            info = PngInfo()
+            for key, value in metadata.items():
+                info.add_text(key, str(value))
+            info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
+            picture = Image.fromarray(pixels)
+            _atomic_write(self.output_dir / name, lambda f: picture.save(f, format="PNG", pnginfo=info))
         if self.save_arrays:
             _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]))
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, **{
@@ -186,4 +240,4 @@ class ImageWriter(BasePredictionWriter):
         trainer.strategy.barrier("image_writer_merge")
         if trainer.is_global_zero:
             total = merge_manifest(self.output_dir)
-            rank_zero_info(f"{total} images in {self.output_dir / MANIFEST}")
+            rank_zero_info(f"{total} outputs in {self.output_dir / MANIFEST}")
