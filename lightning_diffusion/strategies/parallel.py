@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
+from lightning_diffusion.strategies.watchdog import Watchdog
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
 DEFAULT_TIMEOUT_S = 600.0
@@ -155,6 +156,10 @@ class DiffusionParallelStrategy(ParallelStrategy):
             timeout=self._timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
+        self._watchdog = Watchdog(
+            getattr(self._launcher, "procs", None), self.global_rank, self.node_rank, self.num_processes
+        )
+        self._watchdog.start()
         self._parallel_dims = self.make_parallel_dims(self.world_size)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         rank_zero_info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
@@ -222,7 +227,12 @@ class DiffusionParallelStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ----------------------------------------------------------------- teardown
+    # ----------------------------------------------------------------- failure and teardown
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.report_failure()
 
     @override
     def teardown(self) -> None:
@@ -232,3 +242,5 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.stop()

@@ -1,0 +1,117 @@
+"""``Watchdog``: a dead rank never leaves the others hanging on one node.
+
+Lightning's script launcher starts ranks 1..N-1 of a node as children of rank 0. Its own observer
+(lightning 2.6) polls them every 5 s and, when one fails, SIGKILLs everything with a message at
+INFO level that a user rarely sees; nothing watches the other way, so a killed rank 0 leaves its
+children running until their next collective times out. The watchdog runs a daemon thread in
+every process of a node:
+
+* in the launching process (local rank 0), it polls the children; when one exits non-zero it
+  names that rank and the reason, kills the other children and ends the job with exit code 1;
+* in a child, it ends the process when the launching process is gone (and asks the kernel to do
+  the same at once, with ``PR_SET_PDEATHSIG``).
+
+Ranks on other nodes find out through the process-group timeout (the strategy's ``timeout``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+_POLL_S = 0.5
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Watchdog:
+    def __init__(
+        self, children: Optional[Sequence[subprocess.Popen]], rank: int, node_rank: int, processes_per_node: int
+    ) -> None:
+        self.children = list(children or [])
+        self.rank = rank
+        self.node_rank = node_rank
+        self.processes_per_node = processes_per_node
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        if self.children:
+            target = self._watch_children
+        elif self.rank % self.processes_per_node != 0 and os.environ.get("LOCAL_RANK", "0") != "0":
+            target = self._watch_parent
+            self._die_with_parent()
+        else:
+            return
+        threading.Thread(target=target, name="lightning-diffusion-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _global_rank(self, position: int) -> int:
+        # The launcher's children are local ranks 1..N-1, in order.
+        return self.node_rank * self.processes_per_node + position + 1
+
+    def dead_child(self, wait_s: float = 0.0) -> Optional[str]:
+        """The first child that exited non-zero, described; waits up to ``wait_s`` for one."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for position, child in enumerate(self.children):
+                code = child.poll()
+                if code not in (None, 0):
+                    return f"rank {self._global_rank(position)} (pid {child.pid}) {_describe(code)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def report_failure(self) -> None:
+        """Called when this process fails: say whether a child rank died first (often the cause:
+        a collective with a dead peer fails on the survivors)."""
+        dead = self.dead_child(wait_s=1.0)
+        if dead:
+            print(f"lightning-diffusion: {dead} first; stopping the other ranks of this node.", file=sys.stderr, flush=True)
+
+    def _watch_children(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            dead = self.dead_child()
+            if dead:
+                print(f"lightning-diffusion: {dead}; stopping the other ranks of this node.", file=sys.stderr, flush=True)
+                for other in self.children:
+                    if other.poll() is None:
+                        other.kill()
+                for other in self.children:
+                    try:
+                        other.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+                os._exit(1)
+
+    def _watch_parent(self) -> None:
+        parent = os.getppid()
+        while not self._stop.wait(_POLL_S):
+            if os.getppid() != parent:
+                print(f"lightning-diffusion: rank {self.rank}: the launching process is gone; exiting.",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+    @staticmethod
+    def _die_with_parent() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass

@@ -1,0 +1,91 @@
+"""A dead rank never hangs the job: the others stop, the launcher names the rank, no process is left,
+and a rerun finishes every index exactly once."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.conftest import REPO, read_manifest_lines, run_cli, tiny_args
+
+COUNT = 24
+TIMEOUT_S = 20  # the strategies' process-group timeout in these runs
+CP = "lightning_diffusion.strategies.ContextParallelStrategy"
+
+
+def children(pid):
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def start(out, strategy_args):
+    prompts = "[" + ", ".join(f"prompt {i}" for i in range(COUNT)) + "]"
+    args = tiny_args(out, "--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "12",
+                     "--trainer.devices", "2", *strategy_args)
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, args
+
+
+def wait_for_images(out, proc, count=2, limit=180):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(list(out.glob("*.png"))) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the run never got going")
+
+
+@pytest.mark.parametrize(
+    "victim, strategy_args",
+    [
+        ("child", ["--trainer.strategy.class_path", "lightning_diffusion.strategies.DataParallelStrategy",
+                   "--trainer.strategy.init_args.timeout", str(TIMEOUT_S)]),
+        ("child", ["--trainer.strategy.class_path", CP, "--trainer.strategy.init_args.ulysses_degree", "2",
+                   "--trainer.strategy.init_args.timeout", str(TIMEOUT_S)]),
+        ("launcher", ["--trainer.strategy.class_path", CP, "--trainer.strategy.init_args.ulysses_degree", "2",
+                      "--trainer.strategy.init_args.timeout", str(TIMEOUT_S)]),
+    ],
+    ids=["data-parallel-rank-1", "ulysses-rank-1", "ulysses-rank-0"],
+)
+def test_killed_rank_stops_the_job_and_a_rerun_completes(victim, strategy_args, tmp_path):
+    out = tmp_path / "out"
+    proc, args = start(out, strategy_args)
+    wait_for_images(out, proc)
+    target = children(proc.pid)[0] if victim == "child" else proc.pid
+    killed_at = time.monotonic()
+    os.kill(target, signal.SIGKILL)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the job hung after a rank died")
+    assert proc.returncode != 0
+    if victim == "child":
+        assert "rank 1 (pid" in output and "killed by SIGKILL" in output
+    deadline = time.monotonic() + 10
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(proc.pid), "a rank was left running"
+    assert time.monotonic() - killed_at < TIMEOUT_S + 30
+
+    run_cli(*args)
+    lines = read_manifest_lines(out)
+    assert [line["index"] for line in lines] == list(range(COUNT))
+    for line in lines:
+        Image.open(out / line["file"]).verify()
