@@ -89,6 +89,16 @@ class DiffusionModule(pl.LightningModule):
     def model_path(self) -> str:
         return self.hparams.pretrained_model_name_or_path
 
+    def image_settings(self) -> dict[str, Any]:
+        """The settings that decide the pictures (a folder made with others is not resumed into)."""
+        return {
+            "model": self.model_path,
+            "torch_dtype": self.hparams.torch_dtype,
+            **{f"model.{k}": v for k, v in sorted({**self.base_call_args, **self.call_kwargs}.items())},
+            **{f"from_pretrained.{k}": self.from_pretrained_kwargs[k] for k in ("revision", "variant")
+               if k in self.from_pretrained_kwargs},
+        }
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if isinstance(datamodule, PromptDataModule):
@@ -119,8 +129,10 @@ class DiffusionModule(pl.LightningModule):
         if not self.show_inner_progress:
             diffusers_logging.disable_progress_bar()
             transformers_logging.disable_progress_bar()
+        # safetensors only and no remote code unless the user opts in (from_pretrained_kwargs).
+        options = {"use_safetensors": True, "trust_remote_code": False, **self.from_pretrained_kwargs}
         pipeline = DiffusionPipeline.from_pretrained(
-            self.info.path, dtype=self.dtype_, **self.from_pretrained_kwargs, **self.pipeline_load_kwargs, **components
+            self.info.path, dtype=self.dtype_, **options, **self.pipeline_load_kwargs, **components
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)

@@ -28,6 +28,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.lock import OutputLock
 
 MANIFEST = "manifest.jsonl"
 _PART_GLOB = "manifest.part-*.jsonl"
@@ -91,9 +92,22 @@ def _atomic_write(path: Path, write) -> None:
             tmp.unlink()
 
 
+def _finished(file: Path, size: Optional[int]) -> bool:
+    """The file of a manifest line is there and whole (its size is recorded, so a truncated file is
+    caught with a stat, without reading every image on resume)."""
+    try:
+        return file.is_file() and (size is None or file.stat().st_size == size)
+    except OSError:
+        return False
+
+
+RUN_FILE = "run.json"
+
+
 def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
     """Finished images by index: the merged manifest plus parts left by a running or killed run.
-    Lines that do not parse (a line cut by a kill) and lines whose file is gone are not counted."""
+    Lines that do not parse (a line cut by a kill) and lines whose file is gone or has another size
+    than recorded (truncated, replaced) are not counted: those images are made again."""
     folder = Path(output_dir)
     entries: dict[int, dict[str, Any]] = {}
     for file in [folder / MANIFEST, *sorted(folder.glob(_PART_GLOB))]:
@@ -108,7 +122,7 @@ def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
                     index = int(entry["index"])
                 except (ValueError, KeyError, TypeError):
                     continue
-                if (folder / str(entry.get("file", ""))).is_file():
+                if _finished(folder / str(entry.get("file", "")), entry.get("bytes")):
                     entries[index] = entry
     return entries
 
@@ -134,10 +148,20 @@ class ImageWriter(BasePredictionWriter):
         save_arrays: also save the decoded float image as ``NNNNNN.npy`` (for numerical checks).
         video_format: how videos are written: ``mp4`` (H.264, needs PyAV), ``webp`` or ``gif``.
         fps: frames per second of written videos.
+        allow_config_change: resume into a folder whose images were made with other settings
+            (model, size, steps, guidance, seeds...); refused by default, so that one folder never
+            mixes two configs silently.
+
+    Only one run may write into a folder at a time (``.lock``, taken over when its run is dead).
     """
 
     def __init__(
-        self, output_dir: str = "outputs", save_arrays: bool = False, video_format: str = "mp4", fps: int = 16
+        self,
+        output_dir: str = "outputs",
+        save_arrays: bool = False,
+        video_format: str = "mp4",
+        fps: int = 16,
+        allow_config_change: bool = False,
     ) -> None:
         super().__init__(write_interval="batch")
         path = Path(output_dir).expanduser()
@@ -158,22 +182,63 @@ class ImageWriter(BasePredictionWriter):
         self.save_arrays = save_arrays
         self.video_format = video_format
         self.fps = fps
+        self.allow_config_change = allow_config_change
         self.done: set[int] = set()
         self._part: Optional[Path] = None
+        self._lock: Optional[OutputLock] = None
 
     @staticmethod
     def writes_outputs(trainer: pl.Trainer) -> bool:
         # Ranks of one model-parallel group hold the same images: the strategy names one to write.
         return bool(getattr(trainer.strategy, "writes_outputs", True))
 
+    def run_settings(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """What decides the pictures of this folder: model, call arguments, seeds, prompts."""
+        settings: dict[str, Any] = {}
+        describe = getattr(pl_module, "image_settings", None)
+        if callable(describe):
+            settings.update(describe())
+        data = trainer.datamodule
+        for key in ("seed", "num_images_per_prompt"):
+            if hasattr(data, key):
+                settings[f"data.{key}"] = getattr(data, key)
+        if hasattr(data, "prompts") and isinstance(data.prompts, (str, Path)):
+            settings["data.prompts"] = str(Path(data.prompts).expanduser().resolve())
+        if self.video_format != "mp4" or self.fps != 16:
+            settings.update({"writer.video_format": self.video_format, "writer.fps": self.fps})
+        return json.loads(json.dumps(settings, default=str))
+
+    def _prepare_folder(self, settings: dict[str, Any]) -> tuple[Optional[str], list[int]]:
+        """On global rank 0: lock, compare settings, merge parts. Returns (error, done indices)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = OutputLock(self.output_dir)
+        holder = self._lock.acquire()
+        if holder is not None:
+            return (f"{self.output_dir} is being written by another run ({holder}); wait for it to end "
+                    "or choose another writer.output_dir."), []
+        run_file = self.output_dir / RUN_FILE
+        if run_file.is_file():
+            before = json.loads(run_file.read_text())
+            changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+            if changed and not self.allow_config_change:
+                self._lock.release()
+                details = "; ".join(f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in changed)
+                return (f"{self.output_dir} holds images made with other settings ({details}). Use another "
+                        "writer.output_dir, or writer.allow_config_change=true to add to it anyway."), []
+        _atomic_write(run_file, lambda f: f.write(json.dumps(settings, indent=2).encode("utf-8")))
+        if any(self.output_dir.glob(_PART_GLOB)):
+            merge_manifest(self.output_dir)
+        return None, sorted(read_manifest(self.output_dir))
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        done: list[int] = []
+        result: tuple[Optional[str], list[int]] = (None, [])
         if trainer.is_global_zero:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            if any(self.output_dir.glob(_PART_GLOB)):
-                merge_manifest(self.output_dir)
-            done = sorted(read_manifest(self.output_dir))
-        self.done = set(trainer.strategy.broadcast(done))
+            result = self._prepare_folder(self.run_settings(trainer, pl_module))
+        # Every rank learns rank 0's verdict and raises the same error: nobody waits for a peer.
+        error, done = trainer.strategy.broadcast(result)
+        if error:
+            raise ConfigError(error)
+        self.done = set(done)
         if self.done:
             rank_zero_info(f"Resuming into {self.output_dir}: {len(self.done)} images already done are skipped.")
         skip = getattr(trainer.datamodule, "skip_indices", None)
@@ -228,7 +293,8 @@ class ImageWriter(BasePredictionWriter):
             _atomic_write(self.output_dir / name, lambda f: picture.save(f, format="PNG", pnginfo=info))
         if self.save_arrays:
             _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]))
-        return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, **{
+        size = (self.output_dir / name).stat().st_size
+        return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
         }}
 
@@ -241,3 +307,9 @@ class ImageWriter(BasePredictionWriter):
         if trainer.is_global_zero:
             total = merge_manifest(self.output_dir)
             rank_zero_info(f"{total} outputs in {self.output_dir / MANIFEST}")
+            if self._lock is not None:
+                self._lock.release()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._lock is not None:
+            self._lock.release()

@@ -3,9 +3,12 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+
+from PIL import Image
 
 from tests.conftest import REPO, read_manifest_lines, run_cli, tiny_args
 
@@ -57,3 +60,51 @@ def test_killed_run_resumes_and_writes_every_index_once(tmp_path):
         assert (out / lines[index]["file"]).stat().st_mtime_ns == mtime
     assert (out / lost["file"]).is_file()
     assert (out / "000038-prompt-38.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def three_prompt_args(out, *extra):
+    return tiny_args(out, "--data.prompts", "[a cat, a dog, a bird]", "--data.batch_size", "1", *extra)
+
+
+def test_truncated_image_and_cut_manifest_line_are_repaired(tmp_path):
+    run_cli(*three_prompt_args(tmp_path))
+    lines = read_manifest_lines(tmp_path)
+    truncated = tmp_path / lines[0]["file"]
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    manifest = tmp_path / "manifest.jsonl"
+    text = manifest.read_text()
+    manifest.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # last line cut in half
+
+    rerun = run_cli(*three_prompt_args(tmp_path))
+    assert "1 images already done are skipped" in rerun.stdout + rerun.stderr  # only image 1 was intact
+    repaired = read_manifest_lines(tmp_path)
+    assert [line["index"] for line in repaired] == [0, 1, 2]
+    for line in repaired:
+        assert (tmp_path / line["file"]).stat().st_size == line["bytes"]
+        Image.open(tmp_path / line["file"]).verify()
+
+
+def test_resuming_with_settings_that_change_images_is_refused(tmp_path):
+    run_cli(*three_prompt_args(tmp_path))
+    proc = run_cli(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5"), check=False)
+    assert proc.returncode == 2
+    assert "holds images made with other settings (model.num_inference_steps: 4 then, 5 now)" in proc.stderr
+    assert not (tmp_path / ".lock").exists()
+    run_cli(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5", "--writer.allow_config_change", "true"))
+
+
+def test_a_folder_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    lock = tmp_path / ".lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # a live process
+    proc = run_cli(*three_prompt_args(tmp_path), check=False)
+    assert proc.returncode == 2
+    assert f"is being written by another run (pid {os.getpid()} on {socket.gethostname()})" in proc.stderr
+    assert not list(tmp_path.glob("*.png"))
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    run_cli(*three_prompt_args(tmp_path))
+    assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2]
+    assert not lock.exists()

@@ -1,0 +1,81 @@
+"""``OutputLock``: one run at a time per output folder, and no stale lock left by a dead run.
+
+The lock is ``.lock`` in the folder, created atomically, holding the host and pid of its run. The
+holder refreshes its modification time every ``HEARTBEAT_S``. Another run takes it over when the
+holder's pid is gone (same host) or the heartbeat is older than ``STALE_S`` (any host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+HEARTBEAT_S = 30.0
+STALE_S = 120.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class OutputLock:
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder) / ".lock"
+        self._stop = threading.Event()
+        self._held = False
+
+    def holder(self) -> Optional[str]:
+        """A description of the live run holding the lock, or None if it is free or stale."""
+        try:
+            owner = json.loads(self.path.read_text())
+            age = time.time() - self.path.stat().st_mtime
+        except (OSError, ValueError):
+            return None
+        same_host = owner.get("host") == socket.gethostname()
+        if same_host and not _alive(int(owner.get("pid", 0))):
+            return None
+        if age > STALE_S:
+            return None
+        return f"pid {owner.get('pid')} on {owner.get('host')}"
+
+    def acquire(self) -> Optional[str]:
+        """Take the lock; return None, or a description of the run that holds it."""
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self.holder()
+                if holder is not None:
+                    return holder
+                self.path.unlink(missing_ok=True)  # stale: its run is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}, f)
+            self._held = True
+            threading.Thread(target=self._heartbeat, name="output-lock-heartbeat", daemon=True).start()
+            return None
+        return self.holder() or "another run"
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._held:
+            self.path.unlink(missing_ok=True)
+            self._held = False
