@@ -88,13 +88,31 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     try:
         DiffusionCLI(args=argv)
-    except ConfigError as err:
+    except ValueError as err:
+        message = config_error_message(err)
+        if message is None:
+            raise
         # Input that cannot work: the message says what to change; a traceback adds nothing.
         # Every rank finds the same problem; the first process of each node says it.
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"lightning-diffusion: error: {err}", file=sys.stderr)
+            print(f"lightning-diffusion: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 
-if __name__ == "__main__":
-    main()
+def config_error_message(err: BaseException) -> Optional[str]:
+    """The message of the ConfigError behind ``err``, if there is one.
+
+    jsonargparse 4.53 reports an exception raised while instantiating a class given for a Union
+    type (``trainer.strategy`` is ``str | Strategy``) as "Does not validate against any of the
+    Union subtypes", keeping the original only as text: the latest ConfigError whose text it
+    contains is the one.
+    """
+    seen = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ConfigError):
+            return str(current)
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    latest = ConfigError.latest
+    return str(latest) if latest is not None and str(latest) in str(err) else None

@@ -17,11 +17,14 @@ from lightning_diffusion.errors import ConfigError
 
 import csv
 import json
+import os
+from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
+import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -34,10 +37,12 @@ class PromptFileError(ConfigError):
     """A prompt file or inline prompt list that cannot be used; the message names file and line."""
 
 
-def load_records(prompts: Union[str, Sequence[Any]]) -> list[dict[str, Any]]:
+def load_records(prompts: Union[str, Sequence[Any]]) -> Sequence[dict[str, Any]]:
     """Read prompt records from a ``.txt``/``.jsonl``/``.csv`` path or an inline list.
 
-    Inline lists may hold strings or mappings with the same fields as a ``.jsonl`` line.
+    Inline lists may hold strings or mappings with the same fields as a ``.jsonl`` line. ``.txt``
+    and ``.jsonl`` files are checked line by line once and then read lazily (``LineRecords``), so a
+    file of millions of prompts costs 8 bytes a line in memory, not the records themselves.
     """
     if isinstance(prompts, (str, Path)):
         path = Path(prompts).expanduser()
@@ -50,34 +55,60 @@ def load_records(prompts: Union[str, Sequence[Any]]) -> list[dict[str, Any]]:
             raise PromptFileError(
                 f"Prompt file {str(path)!r} has suffix {suffix!r}; use one of {', '.join(_SUFFIXES)}."
             )
-        readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".csv": _read_csv}
-        records = readers[suffix](path)
+        records: Sequence[dict[str, Any]] = _read_csv(path) if suffix == ".csv" else LineRecords(path)
         where = str(path)
     else:
         records = [_check_record(item, "inline prompts", n + 1) for n, item in enumerate(prompts)]
         where = "the inline prompt list"
-    if not records:
+    if not len(records):
         raise PromptFileError(f"No prompts found in {where}.")
     return records
 
 
-def _read_txt(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        return [{"prompt": line.strip()} for line in f if line.strip()]
+class LineRecords(Sequence):
+    """Records of a ``.txt`` or ``.jsonl`` file: every line checked once at start, then read on
+    demand through an index of byte offsets (an ``array`` of 8 bytes a record)."""
 
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.jsonl = path.suffix.lower() == ".jsonl"
+        self.offsets = array("q")
+        self._file: Optional[Any] = None
+        self._pid: Optional[int] = None
+        with path.open("rb") as f:
+            offset = 0
+            for lineno, raw in enumerate(f, start=1):
+                if raw.strip():
+                    self._parse(raw, lineno)  # syntax errors surface now, with file and line
+                    self.offsets.append(offset)
+                offset += len(raw)
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise PromptFileError(f"{path}:{lineno}: not valid JSON ({err.msg}).") from None
-            records.append(_check_record(item, str(path), lineno))
-    return records
+    def _parse(self, raw: bytes, lineno: int) -> dict[str, Any]:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PromptFileError(f"{self.path}:{lineno}: not valid UTF-8.") from None
+        if not self.jsonl:
+            return {"prompt": line.strip()}
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PromptFileError(f"{self.path}:{lineno}: not valid JSON ({err.msg}).") from None
+        return _check_record(item, str(self.path), lineno)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, position):  # type: ignore[override]
+        if isinstance(position, slice):
+            return [self[i] for i in range(*position.indices(len(self)))]
+        if self._file is None or self._pid != os.getpid():  # one handle per process (DataLoader workers)
+            self._file, self._pid = self.path.open("rb"), os.getpid()
+        self._file.seek(self.offsets[position])
+        return self._parse(self._file.readline(), position + 1)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_file": None, "_pid": None}
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
@@ -129,7 +160,7 @@ class PromptDataset(Dataset):
 
     def __init__(
         self,
-        records: list[dict[str, Any]],
+        records: Sequence[dict[str, Any]],
         seed: int = 0,
         num_images_per_prompt: int = 1,
         indices: Optional[Sequence[int]] = None,
@@ -138,13 +169,13 @@ class PromptDataset(Dataset):
         self.seed = seed
         self.num_images_per_prompt = num_images_per_prompt
         self.total = len(records) * num_images_per_prompt
-        self.indices = list(range(self.total)) if indices is None else list(indices)
+        self.indices = np.arange(self.total, dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, position: int) -> dict[str, Any]:
-        index = self.indices[position]
+        index = int(self.indices[position])
         record = self.records[index // self.num_images_per_prompt]
         copy = index % self.num_images_per_prompt
         return {
@@ -223,7 +254,10 @@ class PromptDataModule(pl.LightningDataModule):
         self.skip = set(indices)
 
     def predict_dataloader(self) -> DataLoader:
-        pending = [i for i in range(self.num_images) if i not in self.skip]
+        todo = np.ones(self.num_images, dtype=bool)
+        if self.skip:
+            todo[np.fromiter(self.skip, dtype=np.int64, count=len(self.skip))] = False
+        pending = np.flatnonzero(todo)
         dataset = PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending)
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}

@@ -4,7 +4,7 @@ diffusers' own Ulysses / Ring / Unified attention; processes beyond one group be
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies.mesh import ParallelDims
@@ -36,7 +36,6 @@ class ContextParallelStrategy(MeshStrategy):
         attention_backend: Optional[str] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
     ) -> None:
         ParallelDims.check_degrees({"ulysses_degree": ulysses_degree, "ring_degree": ring_degree})
         if ulysses_degree * ring_degree == 1:
@@ -54,7 +53,6 @@ class ContextParallelStrategy(MeshStrategy):
             attention_backend=attention_backend,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            **kwargs,
         )
 
     def make_parallel_dims(self, world_size: int) -> ParallelDims:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
@@ -21,6 +21,5 @@ class DataParallelStrategy(MeshStrategy):
         self,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(dp=-1, process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(dp=-1, process_group_backend=process_group_backend, timeout=timeout)

@@ -68,9 +68,8 @@ class DeviceMapStrategy(MeshStrategy):
         devices_per_process: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(dp=-1, process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(dp=-1, process_group_backend=process_group_backend, timeout=timeout)
         if isinstance(device_map, str) and device_map not in ("auto", "balanced"):
             raise ConfigError(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got {device_map!r}.")
         if not isinstance(device_map, (str, dict)):

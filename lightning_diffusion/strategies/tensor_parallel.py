@@ -5,7 +5,7 @@ every weight while loading; processes beyond one group become data-parallel repl
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies.mesh import ParallelDims
@@ -29,7 +29,6 @@ class TensorParallelStrategy(MeshStrategy):
         tp_degree: int = -1,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
     ) -> None:
         ParallelDims.check_degrees({"tp_degree": tp_degree})
         super().__init__(
@@ -37,7 +36,6 @@ class TensorParallelStrategy(MeshStrategy):
             tp=tp_degree,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            **kwargs,
         )
 
     def make_parallel_dims(self, world_size: int) -> ParallelDims:

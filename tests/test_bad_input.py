@@ -1,0 +1,100 @@
+"""A table of bad inputs through the real CLI entry point: each exits with code 2, names the
+problem, writes no image and reads no weight file.
+
+Weight reads are observed with a Python audit hook on file opens (nothing is replaced): a
+``*.safetensors`` or ``*.bin`` file opened during the call fails the test.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_diffusion.cli import main
+
+OPENED: list[str] = []
+
+
+def _audit(event, args):
+    if event == "open" and args and isinstance(args[0], (str, Path)) and str(args[0]).endswith((".safetensors", ".bin")):
+        OPENED.append(str(args[0]))
+
+
+sys.addaudithook(_audit)
+
+CP = "lightning_diffusion.strategies.ContextParallelStrategy"
+DM = "lightning_diffusion.strategies.DeviceMapStrategy"
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"prompt": \n')
+    (tmp_path / "noprompt.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "seed.jsonl").write_text('{"prompt": "x", "seed": "seven"}\n')
+    (tmp_path / "eta.jsonl").write_text('{"prompt": "x", "eta": 0.3}\n')
+    (tmp_path / "p.parquet").write_text("x")
+    (tmp_path / "notpipe").mkdir()
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
+    (tmp_path / "afile").write_text("x")
+    return tmp_path
+
+
+CASES = [
+    ("missing prompt file", ["--data.prompts", "{d}/nope.txt"], "nope.txt' does not exist"),
+    ("empty prompt file", ["--data.prompts", "{d}/empty.txt"], "No prompts found"),
+    ("jsonl line not JSON", ["--data.prompts", "{d}/bad.jsonl"], "bad.jsonl:2: not valid JSON"),
+    ("jsonl line without prompt", ["--data.prompts", "{d}/noprompt.jsonl"], "noprompt.jsonl:1: no 'prompt'"),
+    ("seed not an integer", ["--data.prompts", "{d}/seed.jsonl"], "seed.jsonl:1: 'seed' must be a non-negative integer"),
+    ("unknown prompt file type", ["--data.prompts", "{d}/p.parquet"], "use one of .txt, .jsonl, .csv"),
+    ("batch size 0", ["--data.batch_size", "0"], "data.batch_size must be an integer >= 1"),
+    ("images per prompt 0", ["--data.num_images_per_prompt", "0"], "data.num_images_per_prompt must be an integer >= 1"),
+    ("negative seed", ["--data.seed", "-1"], "data.seed must be a non-negative integer"),
+    ("model path missing", ["--model.pretrained_model_name_or_path", "{d}/nothing"], "does not exist"),
+    ("folder without model_index.json", ["--model.pretrained_model_name_or_path", "{d}/notpipe"], "is not a diffusers pipeline"),
+    ("unknown pipeline class", ["--model.pretrained_model_name_or_path", "{d}/unknown"], "'NoSuchPipeline', which is not a pipeline class"),
+    ("unknown tiny pipeline", ["--model.pretrained_model_name_or_path", "tiny:sd"], "Unknown tiny pipeline 'tiny:sd'"),
+    ("height not a multiple of 16", ["--model.height", "50"], "height=50 cannot be made by FluxPipeline"),
+    ("width 0", ["--model.width", "0"], "width=0 cannot be made by FluxPipeline"),
+    ("steps 0", ["--model.num_inference_steps", "0"], "num_inference_steps must be an integer >= 1"),
+    ("unknown dtype", ["--model.torch_dtype", "float8"], "torch_dtype 'float8'"),
+    ("call argument the pipeline lacks", ["--model.call_kwargs", '{"strength": 0.5}'], "FluxPipeline does not accept strength"),
+    ("reserved call argument", ["--model.call_kwargs", '{"generator": 1}'], "sets generator, which lightning-diffusion sets"),
+    ("record override the pipeline lacks", ["--data.prompts", "{d}/eta.jsonl"], "prompt record 1: FluxPipeline does not accept eta"),
+    ("frames for an image pipeline", ["--model.num_frames", "9"], "FluxPipeline makes images, not videos"),
+    ("output folder is a file", ["--writer.output_dir", "{d}/afile"], "is a file, not a folder"),
+    ("output folder below a file", ["--writer.output_dir", "{d}/afile/out"], "which is a file"),
+    ("unknown video format", ["--writer.video_format", "avi"], "writer.video_format must be one of mp4, webp, gif"),
+    ("fps 0", ["--writer.fps", "0"], "writer.fps must be an integer >= 1"),
+    ("mesh does not fit the world", ["--trainer.devices", "3", "--trainer.strategy.class_path",
+                                     "lightning_diffusion.strategies.MeshStrategy", "--trainer.strategy.init_args.dp", "2"],
+     "= 2 processes, but the world size is 3"),
+    ("context parallel of degree 1", ["--trainer.strategy.class_path", CP, "--trainer.strategy.init_args.ulysses_degree", "1"],
+     "needs ulysses_degree > 1 or ring_degree > 1"),
+    ("backend without context parallelism", ["--trainer.strategy.class_path", CP, "--trainer.strategy.init_args.ulysses_degree",
+                                             "2", "--trainer.strategy.init_args.attention_backend", "flex"],
+     "'flex' cannot do context parallelism"),
+    ("negative timeout", ["--trainer.strategy.class_path", "lightning_diffusion.strategies.DataParallelStrategy",
+                          "--trainer.strategy.init_args.timeout", "-1"], "timeout must be a positive number of seconds"),
+    ("unknown device map", ["--trainer.strategy.class_path", DM, "--trainer.strategy.init_args.device_map", "sequential"],
+     "device_map must be 'auto', 'balanced'"),
+    ("offload folder not writable", ["--trainer.strategy.class_path", DM, "--trainer.strategy.init_args.offload_folder",
+                                     "{d}/afile/offload"], "is not a writable folder"),
+]
+
+
+@pytest.mark.parametrize("name, argv, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_before_any_weight_is_read(name, argv, message, files, capsys):
+    out = files / "images"
+    argv = [a.replace("{d}", str(files)) for a in argv]
+    if "--writer.output_dir" not in argv:
+        argv += ["--writer.output_dir", str(out)]
+    OPENED.clear()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", "configs/tiny.yaml", "--trainer.enable_progress_bar", "false", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert OPENED == []
+    assert not list(out.glob("*.png")) if out.exists() else True
