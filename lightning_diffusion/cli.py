@@ -18,7 +18,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
 from lightning_diffusion import tiny
 from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.preflight import preflight
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.progress import ImageProgressBar
 from lightning_diffusion.writer import ImageWriter
@@ -53,6 +54,10 @@ class DiffusionCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ImageWriter, "writer")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        raise_problems(preflight(config))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         configured = list(config.get("callbacks") or []) + list(callbacks)

@@ -13,7 +13,7 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 
 from __future__ import annotations
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, raise_problems
 
 import csv
 import json
@@ -37,6 +37,9 @@ class PromptFileError(ConfigError):
     """A prompt file or inline prompt list that cannot be used; the message names file and line."""
 
 
+_READ: dict[tuple, Sequence[dict[str, Any]]] = {}
+
+
 def load_records(prompts: Union[str, Sequence[Any]]) -> Sequence[dict[str, Any]]:
     """Read prompt records from a ``.txt``/``.jsonl``/``.csv`` path or an inline list.
 
@@ -55,7 +58,12 @@ def load_records(prompts: Union[str, Sequence[Any]]) -> Sequence[dict[str, Any]]
             raise PromptFileError(
                 f"Prompt file {str(path)!r} has suffix {suffix!r}; use one of {', '.join(_SUFFIXES)}."
             )
-        records: Sequence[dict[str, Any]] = _read_csv(path) if suffix == ".csv" else LineRecords(path)
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        if key not in _READ:
+            _READ.clear()  # keep one file's index at most
+            _READ[key] = _read_csv(path) if suffix == ".csv" else LineRecords(path)
+        records: Sequence[dict[str, Any]] = _READ[key]
         where = str(path)
     else:
         records = [_check_record(item, "inline prompts", n + 1) for n, item in enumerate(prompts)]
@@ -207,6 +215,16 @@ def collate_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return samples
 
 
+def check_data_args(batch_size: Any, seed: Any, num_images_per_prompt: Any) -> list[str]:
+    problems = []
+    for name, value in (("batch_size", batch_size), ("num_images_per_prompt", num_images_per_prompt)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"data.{name} must be an integer >= 1, got {value!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        problems.append(f"data.seed must be a non-negative integer, got {seed!r}.")
+    return problems
+
+
 class PromptDataModule(pl.LightningDataModule):
     """Prompts for ``Trainer.predict``.
 
@@ -229,11 +247,7 @@ class PromptDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("batch_size", batch_size), ("num_images_per_prompt", num_images_per_prompt)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"data.{name} must be an integer >= 1, got {value!r}.")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"data.seed must be a non-negative integer, got {seed!r}.")
+        raise_problems(check_data_args(batch_size, seed, num_images_per_prompt))
         self.prompts = prompts
         self.batch_size = batch_size
         self.seed = seed

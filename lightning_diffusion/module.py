@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -10,9 +11,46 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import gather, raise_problems
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
+
+
+def check_model_args(
+    path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]]
+) -> tuple[Optional[PipelineInfo], list[str]]:
+    """Every check of the model settings that needs no weights; returns the pipeline's info (or
+    None when the path itself is wrong) and the problems found."""
+    problems: list[str] = []
+    steps = named.get("num_inference_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        problems.append(f"model.num_inference_steps must be an integer >= 1, got {steps!r}.")
+    gather(problems, resolve_dtype, torch_dtype)
+    info = gather(problems, inspect_pipeline, path)
+    if info is not None:
+        gather(problems, info.check_size, named.get("height"), named.get("width"))
+        gather(problems, info.check_frames, named.get("num_frames"), "model")
+        gather(problems, info.check_call_arguments, set(call_kwargs or {}), "model.call_kwargs")
+        given = {k for k, v in named.items() if v is not None and k != "num_frames"}
+        gather(problems, info.check_call_arguments, given, "model")
+    return info, problems
+
+
+def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10) -> list[str]:
+    """Per-record overrides and negative prompts must be arguments this pipeline takes (the first
+    ``most`` problems are reported)."""
+    problems: list[str] = []
+    for n, record in enumerate(records, start=1):
+        overrides = {k for k in record if k not in ("prompt", "seed", "negative_prompt")}
+        if overrides:
+            gather(problems, info.check_call_arguments, overrides, f"prompt record {n}")
+            gather(problems, info.check_size, record.get("height"), record.get("width"))
+            gather(problems, info.check_frames, record.get("num_frames"), f"prompt record {n}")
+        if record.get("negative_prompt") is not None and "negative_prompt" not in info.call_parameters:
+            problems.append(f"prompt record {n} has a negative_prompt, which {info.class_name} does not take.")
+        if len(problems) >= most:
+            break
+    return problems
 
 
 class DiffusionModule(pl.LightningModule):
@@ -53,18 +91,6 @@ class DiffusionModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if num_inference_steps is not None and (
-            isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or num_inference_steps < 1
-        ):
-            raise ConfigError(f"model.num_inference_steps must be an integer >= 1, got {num_inference_steps!r}.")
-        self.dtype_ = resolve_dtype(torch_dtype)
-        # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
-        # in the launching process, before any worker starts or any weight is read.
-        self.info: PipelineInfo = inspect_pipeline(pretrained_model_name_or_path)
-        self.info.check_size(height, width)
-        self.info.check_frames(num_frames, "model")
-        self.call_kwargs = dict(call_kwargs or {})
-        self.info.check_call_arguments(set(self.call_kwargs), "model.call_kwargs")
         named = {
             "height": height,
             "width": width,
@@ -72,8 +98,15 @@ class DiffusionModule(pl.LightningModule):
             "guidance_scale": guidance_scale,
             "num_frames": num_frames,
         }
+        # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
+        # in the launching process, before any worker starts or any weight is read.
+        info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs)
+        raise_problems(problems)
+        assert info is not None
+        self.info: PipelineInfo = info
+        self.dtype_ = resolve_dtype(torch_dtype)
+        self.call_kwargs = dict(call_kwargs or {})
         self.base_call_args = {k: v for k, v in named.items() if v is not None}
-        self.info.check_call_arguments(set(self.base_call_args), "model")
         self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
         self.show_inner_progress = show_inner_progress
         self.pipeline: Any = None
@@ -104,15 +137,9 @@ class DiffusionModule(pl.LightningModule):
         if isinstance(datamodule, PromptDataModule):
             self.check_records(datamodule.records)
 
-    def check_records(self, records: list[dict[str, Any]]) -> None:
+    def check_records(self, records: Sequence[dict[str, Any]]) -> None:
         """Per-record overrides and negative prompts must be arguments this pipeline takes."""
-        for n, record in enumerate(records, start=1):
-            overrides = {k for k in record if k not in ("prompt", "seed", "negative_prompt")}
-            self.info.check_call_arguments(overrides, f"prompt record {n}")
-            self.info.check_size(record.get("height"), record.get("width"))
-            self.info.check_frames(record.get("num_frames"), f"prompt record {n}")
-            if record.get("negative_prompt") is not None and "negative_prompt" not in self.info.call_parameters:
-                raise ConfigError(f"prompt record {n} has a negative_prompt, which {self.info.class_name} does not take.")
+        raise_problems(check_records(self.info, records))
 
     def configure_model(self) -> None:
         if self.pipeline is not None:

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.lock import OutputLock
 
 MANIFEST = "manifest.jsonl"
@@ -139,6 +139,25 @@ def merge_manifest(output_dir: str | os.PathLike) -> int:
     return len(entries)
 
 
+def check_writer_args(output_dir: Any, video_format: Any, fps: Any) -> list[str]:
+    problems = []
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        problems.append(f"writer.output_dir {str(path)!r} is a file, not a folder.")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                problems.append(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
+            elif not os.access(parent, os.W_OK) and not path.exists():
+                problems.append(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
+            break
+    if video_format not in VIDEO_FORMATS:
+        problems.append(f"writer.video_format must be one of {', '.join(VIDEO_FORMATS)}, got {video_format!r}.")
+    if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
+        problems.append(f"writer.fps must be an integer >= 1, got {fps!r}.")
+    return problems
+
+
 class ImageWriter(BasePredictionWriter):
     """Writes each predicted image once, as PNG with metadata, and records it in the manifest.
 
@@ -164,20 +183,8 @@ class ImageWriter(BasePredictionWriter):
         allow_config_change: bool = False,
     ) -> None:
         super().__init__(write_interval="batch")
+        raise_problems(check_writer_args(output_dir, video_format, fps))
         path = Path(output_dir).expanduser()
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"writer.output_dir {str(path)!r} is a file, not a folder.")
-        for parent in path.parents:
-            if parent.exists():
-                if not parent.is_dir():
-                    raise ConfigError(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
-                if not os.access(parent, os.W_OK) and not path.exists():
-                    raise ConfigError(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
-                break
-        if video_format not in VIDEO_FORMATS:
-            raise ConfigError(f"writer.video_format must be one of {', '.join(VIDEO_FORMATS)}, got {video_format!r}.")
-        if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
-            raise ConfigError(f"writer.fps must be an integer >= 1, got {fps!r}.")
         self.output_dir = path
         self.save_arrays = save_arrays
         self.video_format = video_format

@@ -98,3 +98,22 @@ def test_bad_input_is_refused_before_any_weight_is_read(name, argv, message, fil
     assert message in capsys.readouterr().err
     assert OPENED == []
     assert not list(out.glob("*.png")) if out.exists() else True
+
+
+def test_every_problem_is_reported_at_once(files, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", "configs/tiny.yaml", "--data.prompts", f"{files}/bad.jsonl",
+              "--data.batch_size", "0", "--model.height", "50", "--writer.fps", "0",
+              "--writer.output_dir", str(files / "images")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "4 problems:" in err
+    for part in ("height=50 cannot be made", "data.batch_size must be", "bad.jsonl:2: not valid JSON", "writer.fps must be"):
+        assert part in err
+
+
+def test_not_enough_disk_space_for_the_expected_images(files, capsys):
+    with pytest.raises(SystemExit):
+        main(["predict", "--config", "configs/tiny.yaml", "--model.height", "65536", "--model.width", "65536",
+              "--data.num_images_per_prompt", "1000", "--writer.output_dir", str(files / "images")])
+    assert "outputs of 65536x65536 need about" in capsys.readouterr().err

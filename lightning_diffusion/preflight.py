@@ -1,0 +1,61 @@
+"""Checks of a whole config before anything starts: every problem found is reported at once.
+
+The CLI runs ``preflight`` after parsing and before it builds any object, so a config with three
+mistakes gets one message naming all three, in seconds, instead of a fix-and-retry loop with a
+model load in between. The classes run the same checks again when built from Python.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning_diffusion.data import check_data_args, load_records
+from lightning_diffusion.errors import ConfigError, gather
+from lightning_diffusion.module import check_model_args, check_records
+from lightning_diffusion.pipelines import PipelineInfo
+from lightning_diffusion.writer import check_writer_args, read_manifest
+
+# PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
+_PNG_RATIO = 0.5
+_NAMED = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
+
+
+def check_disk_space(
+    info: PipelineInfo, named: dict[str, Any], records: Sequence[Any], per_prompt: int, output_dir: str
+) -> None:
+    folder = Path(output_dir).expanduser()
+    done = len(read_manifest(folder)) if folder.is_dir() else 0
+    pending = max(0, len(records) * per_prompt - done)
+    default = info.traits.default_size or (1024, 1024)
+    height, width = named.get("height") or default[0], named.get("width") or default[1]
+    frames = named.get("num_frames") or info.traits.default_frames or 1
+    need = pending * height * width * 3 * frames * _PNG_RATIO
+    existing = next(p for p in [folder, *folder.parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise ConfigError(
+            f"{pending:,} outputs of {height}x{width}{f' x {frames} frames' if frames > 1 else ''} need about "
+            f"{need / 1e9:,.1f} GB, but {existing} has {free / 1e9:,.1f} GB free."
+        )
+
+
+def preflight(config: Any) -> list:
+    """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config."""
+    model, data, writer = config.model, config.data, config.writer
+    named = {key: model.get(key) for key in _NAMED}
+    info: Optional[PipelineInfo]
+    info, problems = check_model_args(
+        model.pretrained_model_name_or_path, model.torch_dtype, named, model.get("call_kwargs")
+    )
+    data_problems = check_data_args(data.batch_size, data.seed, data.num_images_per_prompt)
+    problems += data_problems
+    records = gather(problems, load_records, data.prompts)
+    if info is not None and records is not None:
+        problems += check_records(info, records)
+    writer_problems = check_writer_args(writer.output_dir, writer.video_format, writer.fps)
+    problems += writer_problems
+    if info is not None and records is not None and not problems:
+        gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
+    return problems
