@@ -119,6 +119,20 @@ def build_flux(directory: str | os.PathLike) -> Path:
     return Path(directory)
 
 
+def _small_causal_vae(cls: type, dim_mult: list[int], z_dim: int = 4):
+    """A small Wan-family VAE (Qwen-Image's derives from Wan's): 8x spatial downsampling, z_dim
+    latent channels whose mean and std must be given with that length."""
+    return cls(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=dim_mult,
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    )
+
+
 def build_qwenimage(directory: str | os.PathLike) -> Path:
     """Write a tiny Qwen-Image-architecture pipeline (Qwen2.5-VL text encoder, 4-head transformer
     whose ``_tp_plan`` is fully unfused, Qwen-Image VAE with 4 latent channels) to ``directory``.
@@ -143,16 +157,7 @@ def build_qwenimage(directory: str | os.PathLike) -> Path:
         axes_dims_rope=(4, 6, 6),
     )
     torch.manual_seed(1)
-    z_dim = 4
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=z_dim,
-        dim_mult=[1, 2, 2, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * z_dim,
-        latents_std=[1.0] * z_dim,
-    )
+    vae = _small_causal_vae(AutoencoderKLQwenImage, dim_mult=[1, 2, 2, 2])
     torch.manual_seed(2)
     text_encoder = Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
@@ -217,16 +222,7 @@ def build_wan(directory: str | os.PathLike) -> Path:
         rope_max_seq_len=32,
     )
     torch.manual_seed(1)
-    z_dim = 4
-    vae = AutoencoderKLWan(
-        base_dim=8,
-        z_dim=z_dim,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * z_dim,
-        latents_std=[1.0] * z_dim,
-    )
+    vae = _small_causal_vae(AutoencoderKLWan, dim_mult=[1, 1, 1, 1])
     torch.manual_seed(2)
     text_encoder = UMT5EncoderModel(
         UMT5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)

@@ -27,6 +27,8 @@ class ContextParallelStrategy(MeshStrategy):
             as for ``MeshStrategy``.
     """
 
+    required_group = "cp"
+
     def __init__(
         self,
         ulysses_degree: int = 1,
@@ -54,12 +56,3 @@ class ContextParallelStrategy(MeshStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-
-    def make_parallel_dims(self, world_size: int) -> ParallelDims:
-        dims = super().make_parallel_dims(world_size)
-        if dims.cp == 1:
-            raise ConfigError(
-                f"Context parallelism over {world_size} process(es) leaves a group of 1: "
-                "launch more devices (trainer.devices x trainer.num_nodes) or use strategy data_parallel."
-            )
-        return dims

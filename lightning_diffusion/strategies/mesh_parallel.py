@@ -131,8 +131,17 @@ class MeshStrategy(DiffusionParallelStrategy):
     def degrees(self) -> dict[str, int]:
         return dict(self._requested)
 
+    # A preset names the group it exists for ("cp" or "tp"): a world too small for it is an error.
+    required_group: Optional[str] = None
+
     def make_parallel_dims(self, world_size: int) -> ParallelDims:
         dims = super().make_parallel_dims(world_size)
+        if self.required_group is not None and getattr(dims, self.required_group) == 1:
+            kind = {"cp": "Context", "tp": "Tensor"}[self.required_group]
+            raise ConfigError(
+                f"{kind} parallelism over {world_size} process(es) leaves a group of 1: "
+                "launch more devices (trainer.devices x trainer.num_nodes) or use strategy data_parallel."
+            )
         # diffusers' own rules for the anything-modes, here so they fail before any process starts.
         if self.ring_anything and dims.ring == 1:
             raise ConfigError("ring_anything needs ring degree > 1; for Ulysses use ulysses_anything instead.")

@@ -7,7 +7,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional, Union
 
-from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies.mesh import ParallelDims
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
@@ -24,6 +23,8 @@ class TensorParallelStrategy(MeshStrategy):
         process_group_backend, timeout: as for ``MeshStrategy``.
     """
 
+    required_group = "tp"
+
     def __init__(
         self,
         tp_degree: int = -1,
@@ -37,12 +38,3 @@ class TensorParallelStrategy(MeshStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-
-    def make_parallel_dims(self, world_size: int) -> ParallelDims:
-        dims = super().make_parallel_dims(world_size)
-        if dims.tp == 1:
-            raise ConfigError(
-                f"Tensor parallelism over {world_size} process(es) leaves a group of 1: launch more devices "
-                "(trainer.devices x trainer.num_nodes) or use strategy data_parallel."
-            )
-        return dims
