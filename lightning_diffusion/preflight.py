@@ -2,7 +2,9 @@
 
 The CLI runs ``preflight`` after parsing and before it builds any object, so a config with three
 mistakes gets one message naming all three, in seconds, instead of a fix-and-retry loop with a
-model load in between. The classes run the same checks again when built from Python.
+model load in between: model, prompts, writer, disk space, and the degrees of the project's mesh
+strategies against the world size and the model. The classes run the same checks again when
+built from Python, and the strategies once more on every rank before the process group starts.
 """
 
 from __future__ import annotations
@@ -41,6 +43,44 @@ def check_disk_space(
         )
 
 
+def check_strategy(config: Any, info: Optional[PipelineInfo]) -> None:
+    """Degrees against the world size and the model (heads, token counts, plans), for the
+    project's mesh strategies when the world size is known from the config."""
+    import importlib
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_diffusion.module import DiffusionModule
+    from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+
+    trainer = config.trainer
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        return  # "auto", a device list: the world size is known only to the Trainer
+    spec = trainer.get("strategy")
+    if isinstance(spec, str):
+        if spec not in StrategyRegistry:
+            return
+        strategy = StrategyRegistry.get(spec)
+    elif spec is not None and spec.get("class_path"):
+        module_name, _, name = spec.class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module_name), name, None)
+        if not (isinstance(cls, type) and issubclass(cls, MeshStrategy)):
+            return
+        strategy = cls(**dict(spec.get("init_args") or {}))
+    else:
+        return
+    if not isinstance(strategy, MeshStrategy):
+        return
+    strategy._parallel_dims = strategy.make_parallel_dims(devices * nodes)
+    if info is not None:
+        model = config.model
+        module = DiffusionModule(**{k: v for k, v in dict(model).items() if not str(k).startswith("__")})
+        MeshStrategy.check_model(strategy, module)
+
+
 def preflight(config: Any) -> list:
     """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config."""
     model, data, writer = config.model, config.data, config.writer
@@ -56,6 +96,7 @@ def preflight(config: Any) -> list:
         problems += check_records(info, records)
     writer_problems = check_writer_args(writer.output_dir, writer.video_format, writer.fps)
     problems += writer_problems
+    gather(problems, check_strategy, config, info if not problems else None)
     if info is not None and records is not None and not problems:
         gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
     return problems

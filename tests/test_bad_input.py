@@ -112,6 +112,23 @@ def test_every_problem_is_reported_at_once(files, capsys):
         assert part in err
 
 
+def test_strategy_problems_join_the_others(files, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", "configs/tiny-ulysses.yaml", "--trainer.devices", "3", "--writer.fps", "0",
+              "--writer.output_dir", str(files / "images")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "2 problems:" in err and "writer.fps must be" in err
+    assert "world size 3 is not divisible by ring 1 x ulysses 2 x tp 1 = 2" in err
+
+
+def test_heads_against_ulysses_are_checked_before_any_process_starts(files, capsys):
+    with pytest.raises(SystemExit):
+        main(["predict", "--config", "configs/tiny-ulysses.yaml", "--trainer.devices", "3",
+              "--trainer.strategy.init_args.ulysses_degree", "3", "--writer.output_dir", str(files / "images")])
+    assert "4 attention heads, not divisible by ulysses_degree=3" in capsys.readouterr().err
+
+
 def test_not_enough_disk_space_for_the_expected_images(files, capsys):
     with pytest.raises(SystemExit):
         main(["predict", "--config", "configs/tiny.yaml", "--model.height", "65536", "--model.width", "65536",
