@@ -2,6 +2,9 @@
 
     lightning-diffusion predict --config configs/tiny.yaml [--data.prompts p.jsonl] [--writer.output_dir out]
     lightning-diffusion make-tiny flux DIR
+    lightning-diffusion verify --config X.yaml [--num-prompts K]
+    lightning-diffusion benchmark --config X.yaml [--compare-diffusers] [--json out.json]
+    lightning-diffusion plan --model ID --gpus N --gpu-memory 80GB [--interconnect pcie] [--height H --width W]
 """
 
 from __future__ import annotations
@@ -91,6 +94,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     if words and words[0] == "make-tiny":
         make_tiny(words[1:])
         return
+    if words and words[0] == "verify":
+        from lightning_diffusion.verify import main as verify
+
+        sys.exit(verify(words[1:]))
+    if words and words[0] == "plan":
+        from lightning_diffusion.plan import main as plan
+
+        sys.exit(plan(words[1:]))
+    if words and words[0] == "benchmark":
+        from lightning_diffusion.benchmark import main as benchmark
+
+        sys.exit(benchmark(words[1:]))
     try:
         DiffusionCLI(args=argv)
     except ValueError as err:

@@ -1,0 +1,183 @@
+"""``lightning-diffusion benchmark``: time a config the way the diffusers guide reports strategies.
+
+    lightning-diffusion benchmark --config X.yaml [--warmup 1] [--compare-diffusers] [--json out.json] [predict flags]
+
+Runs ``predict`` with the ``StepTimer`` callback: the first ``--warmup`` batches are not timed;
+each later batch is timed with CUDA events on CUDA (wall clock on CPU) and divided by its
+denoising steps. Prints ``Strategy | Time / Iter (ms) | Steps / sec | Peak memory (GB) | Shape``
+plus images per second and load time, and writes the same as JSON. Peak memory is the CUDA
+allocator's peak on CUDA and the peak resident set on CPU (rank 0). ``--compare-diffusers`` also
+runs a bare diffusers loop on the same prompts, seeds and batch size in one process and reports
+our time over its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_diffusion.data import PromptDataset, load_records
+from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
+
+
+class StepTimer(Callback):
+    """Times predict batches after a warm-up and writes a JSON report from global rank 0."""
+
+    def __init__(self, report: str, warmup: int = 1) -> None:
+        self.report = report
+        self.warmup = warmup
+        self.times: list[float] = []
+        self.images = 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.setup_at = time.perf_counter()
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.load_s = time.perf_counter() - self.setup_at
+        self.cuda = trainer.strategy.root_device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            elapsed = self._start.elapsed_time(end) / 1000
+        else:
+            elapsed = time.perf_counter() - self._start
+        if batch_idx >= self.warmup:
+            self.times.append(elapsed)
+            self.images += len(batch)
+        self.last_params = outputs[0]["params"] if outputs else getattr(self, "last_params", {})
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 1024**3
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+        params = getattr(self, "last_params", {})
+        steps = int(params.get("num_inference_steps") or 1)
+        total = sum(self.times)
+        per_step = total / max(1, len(self.times) * steps)
+        shape = f"{params.get('height')}x{params.get('width')}"
+        if params.get("num_frames"):
+            shape += f"x{params['num_frames']}"
+        replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
+        Path(self.report).write_text(json.dumps({
+            "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size,
+            "replicas": replicas,
+            "time_per_iter_ms": per_step * 1000,
+            "steps_per_sec": 1 / per_step if per_step else 0.0,
+            "peak_memory_gb": peak,
+            "shape": shape,
+            # rank 0's batches, times the replicas that run alongside it
+            "images_per_sec": self.images * replicas / total if total else 0.0,
+            "load_s": self.load_s,
+            "timed_batches": len(self.times),
+            "device": "cuda" if self.cuda else "cpu",
+        }, indent=2))
+
+
+def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int, call_args: dict,
+                   seed: int, warmup: int) -> dict[str, Any]:
+    """A bare diffusers loop on the same prompts, seeds and batch size, timed like StepTimer."""
+    from diffusers import DiffusionPipeline
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    pipe = DiffusionPipeline.from_pretrained(inspect_pipeline(model).path, dtype=resolve_dtype(dtype)).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    dataset = PromptDataset(records, seed=seed)
+    times, images = [], 0
+    with torch.inference_mode():
+        for number, first in enumerate(range(0, len(dataset), batch_size)):
+            samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
+            start = time.perf_counter()
+            pipe(prompt=[s["prompt"] for s in samples], output_type="np",
+                 generator=[torch.Generator("cpu").manual_seed(s["seed"]) for s in samples], **call_args)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if number >= warmup:
+                times.append(time.perf_counter() - start)
+                images += len(samples)
+    return {"seconds": sum(times), "images": images}
+
+
+def _config(config: str, extra: list[str]) -> dict[str, Any]:
+    import yaml
+
+    loaded = yaml.safe_load(Path(config).read_text()) or {}
+    for i, word in enumerate(extra[:-1]):
+        if word.startswith("--") and "." in word:
+            group, _, key = word[2:].partition(".")
+            if "." not in key:
+                loaded.setdefault(group, {})[key] = yaml.safe_load(extra[i + 1])
+    return loaded
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-diffusion benchmark", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--warmup", type=int, default=1, help="batches not timed (default 1)")
+    parser.add_argument("--compare-diffusers", action="store_true")
+    parser.add_argument("--json", help="write the report here")
+    args, extra = parser.parse_known_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="ld-bench-") as tmp:
+        report = Path(tmp) / "report.json"
+        command = [sys.executable, "-m", "lightning_diffusion", "predict", "--config", args.config, *extra,
+                   "--writer.output_dir", str(Path(tmp) / "out"), "--trainer.enable_progress_bar", "false",
+                   "--trainer.callbacks+=lightning_diffusion.benchmark.StepTimer",
+                   f"--trainer.callbacks.report={report}", f"--trainer.callbacks.warmup={args.warmup}"]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"benchmark: the run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
+            return 2
+        result = json.loads(report.read_text())
+
+    if args.compare_diffusers:
+        cfg = _config(args.config, extra)
+        model, data = cfg.get("model", {}), cfg.get("data", {})
+        call_args = {k: model[k] for k in ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
+                     if model.get(k) is not None}
+        call_args.update(model.get("call_kwargs") or {})
+        records = list(load_records(data["prompts"]))
+        bare = diffusers_loop(model.get("pretrained_model_name_or_path", "tiny:flux"), model.get("torch_dtype", "float32"),
+                              records, int(data.get("batch_size", 1)), call_args, int(data.get("seed", 0)), args.warmup)
+        bare_ips = bare["images"] / bare["seconds"] if bare["seconds"] else 0.0
+        result["diffusers_images_per_sec"] = bare_ips
+        result["time_ratio_vs_diffusers"] = bare_ips / result["images_per_sec"] if result["images_per_sec"] else None
+
+    print("| Strategy | Time / Iter (ms) | Steps / sec | Peak memory (GB) | Shape | Images / sec | Load (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {result['strategy']} x{result['world_size']} | {result['time_per_iter_ms']:.1f} | "
+          f"{result['steps_per_sec']:.2f} | {result['peak_memory_gb']:.2f} | {result['shape']} | "
+          f"{result['images_per_sec']:.2f} | {result['load_s']:.1f} |")
+    if args.compare_diffusers:
+        print(f"bare diffusers loop: {result['diffusers_images_per_sec']:.2f} images/sec; "
+              f"ours takes {result['time_ratio_vs_diffusers']:.3f}x its time")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0

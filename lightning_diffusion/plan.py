@@ -1,0 +1,213 @@
+"""``lightning-diffusion plan``: choose a strategy from the resource that is short.
+
+    lightning-diffusion plan --model black-forest-labs/FLUX.1-dev --gpus 8 --gpu-memory 80GB \\
+        [--interconnect nvlink|pcie] [--height 1024 --width 1024 --frames 81] [--prompts 10000] [--write plan.yaml]
+
+Component sizes come from the safetensors headers of a local pipeline folder (no weight is read)
+or, for the models below, from a table of their published sizes. The decision follows the
+diffusers guide: many prompts and the pipeline fits on one GPU: data parallel; one component too
+big for a GPU: tensor parallel over NVLink, a device map over PCIe; a long sequence: context
+parallel, Ulysses while the heads divide, Unified (ring x Ulysses) beyond; both: TP x CP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+# Published sizes in bf16 (GB) of the components, attention heads and hidden size of the
+# transformer, and the token geometry (pixels per token side, frames per latent frame).
+KNOWN = {
+    "black-forest-labs/FLUX.1-dev": dict(
+        components={"transformer": 23.8, "text_encoder_2": 9.5, "text_encoder": 0.25, "vae": 0.17},
+        heads=24, hidden=3072, layers=57, pixels_per_token=16, text_tokens=512),
+    "black-forest-labs/FLUX.2-dev": dict(
+        components={"transformer": 64.4, "text_encoder": 48.0, "vae": 0.17},
+        heads=48, hidden=6144, layers=56, pixels_per_token=16, text_tokens=512),
+    "Qwen/Qwen-Image": dict(
+        components={"transformer": 40.9, "text_encoder": 16.6, "vae": 0.25},
+        heads=24, hidden=3072, layers=60, pixels_per_token=16, text_tokens=256),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": dict(
+        components={"transformer": 28.6, "text_encoder": 11.4, "vae": 0.51},
+        heads=40, hidden=5120, layers=40, pixels_per_token=16, text_tokens=512, temporal=4),
+}
+# Beyond this many tokens per image one GPU spends most of its time in attention and its
+# activations grow large: split the sequence (the guide's "long sequences").
+LONG_SEQUENCE = 16_384
+_HEADROOM = 0.9  # of GPU memory usable for weights and activations
+
+
+@dataclass
+class ModelFacts:
+    name: str
+    components: dict[str, float]
+    heads: int
+    hidden: int
+    layers: int
+    pixels_per_token: int = 16
+    text_tokens: int = 512
+    temporal: int = 0
+
+    @property
+    def total_gb(self) -> float:
+        return sum(self.components.values())
+
+    @property
+    def denoiser_gb(self) -> float:
+        return max(self.components.get("transformer", 0.0), self.components.get("unet", 0.0))
+
+
+def safetensors_bytes(file: Path) -> int:
+    """Bytes of the tensors in a safetensors file, from its header alone."""
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for dim in entry["shape"]:
+            count *= dim
+        total += count * sizes.get(entry["dtype"], 4)
+    return total
+
+
+def facts_for(model: str) -> ModelFacts:
+    if model in KNOWN:
+        return ModelFacts(model, **KNOWN[model])
+    from lightning_diffusion.pipelines import inspect_pipeline
+
+    info = inspect_pipeline(model)
+    folder = Path(info.path)
+    if not folder.is_dir():
+        raise SystemExit(f"plan: {model} is not a local folder and not one of: {', '.join(KNOWN)}")
+    components = {}
+    for sub in folder.iterdir():
+        files = list(sub.glob("*.safetensors")) if sub.is_dir() else []
+        if files:
+            components[sub.name] = sum(safetensors_bytes(f) for f in files) / 1e9
+    config = info.configs.get("transformer", {})
+    heads = int(config.get("num_attention_heads", 1))
+    hidden = heads * int(config.get("attention_head_dim", 64))
+    layers = int(config.get("num_layers", 1)) + int(config.get("num_single_layers", 0))
+    return ModelFacts(model, components, heads, hidden, layers, pixels_per_token=info.size_multiple,
+                      temporal=info.traits.temporal_scale if info.traits.frames_arg else 0)
+
+
+@dataclass
+class Plan:
+    strategy: str
+    init_args: dict = field(default_factory=dict)
+    devices: int = 1
+    reasons: list[str] = field(default_factory=list)
+
+    def config(self, facts: ModelFacts, height: int, width: int, frames: Optional[int]) -> dict:
+        strategy = self.strategy if not self.init_args else {
+            "class_path": f"lightning_diffusion.strategies.{self.strategy}", "init_args": self.init_args}
+        model = {"pretrained_model_name_or_path": facts.name, "torch_dtype": "bfloat16", "height": height, "width": width}
+        if frames:
+            model["num_frames"] = frames
+        return {"trainer": {"accelerator": "gpu", "devices": self.devices, "strategy": strategy}, "model": model,
+                "data": {"prompts": "prompts.jsonl", "batch_size": 1}, "writer": {"output_dir": "outputs"}}
+
+
+def tokens(facts: ModelFacts, height: int, width: int, frames: Optional[int]) -> int:
+    image = (height // facts.pixels_per_token) * (width // facts.pixels_per_token)
+    if facts.temporal and frames:
+        image *= (frames - 1) // facts.temporal + 1
+    return image + facts.text_tokens
+
+
+def activation_gb(facts: ModelFacts, sequence: int) -> float:
+    """Peak activations of one image with memory-efficient attention: a few hidden-size tensors per
+    token (the MLP's 4x expansion dominates), in bf16."""
+    return sequence * facts.hidden * 2 * 12 / 1e9
+
+
+def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, height: int, width: int,
+           frames: Optional[int], prompts: int) -> Plan:
+    usable = gpu_gb * _HEADROOM
+    sequence = tokens(facts, height, width, frames)
+    act = activation_gb(facts, sequence)
+    long = sequence > LONG_SEQUENCE or act > usable / 4
+    numbers = (f"weights {facts.total_gb:.1f} GB (transformer {facts.denoiser_gb:.1f} GB), {sequence:,} tokens "
+               f"(about {act:.1f} GB of activations per image), {gpus} x {gpu_gb:g} GB GPUs over {interconnect}")
+    fits_whole = facts.total_gb + act <= usable
+    fits_denoiser = facts.denoiser_gb + act <= usable
+
+    def cp_degrees(group: int) -> dict:
+        ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % d == 0)
+        return {"ulysses_degree": ulysses, "ring_degree": group // ulysses}
+
+    if fits_whole and not long:
+        return Plan("data_parallel", devices=gpus, reasons=[
+            numbers, f"the whole pipeline fits on one GPU: {gpus} replicas split the {prompts:,} prompts"])
+    if fits_denoiser and long:
+        group = gpus
+        degrees = cp_degrees(group)
+        mode = "Ulysses" if degrees["ring_degree"] == 1 else "Unified (ring x Ulysses)"
+        return Plan("ContextParallelStrategy", degrees, devices=gpus, reasons=[
+            numbers, f"the sequence is long: split it over {group} GPUs with {mode}; "
+                     f"{facts.heads} heads allow Ulysses up to {degrees['ulysses_degree']}"])
+    if fits_denoiser and not fits_whole:
+        # Each component fits, not all together: move whole components, no per-layer traffic.
+        return Plan("DeviceMapStrategy", {"device_map": "balanced", "staged": True,
+                                          "devices_per_process": min(gpus, 2)},
+                    devices=max(1, gpus // 2), reasons=[
+            numbers, "each component fits on a GPU but not all of them together: place whole components "
+                     "(device_map balanced, staged encode/denoise/decode), replicas on the other GPUs"])
+    # The transformer itself does not fit on one GPU.
+    shards = next((t for t in (2, 4, 8) if t <= gpus and facts.denoiser_gb / t + act <= usable
+                   and facts.heads % t == 0), None)
+    if interconnect == "pcie" or shards is None:
+        return Plan("DeviceMapStrategy", {"device_map": "auto", "staged": True, "devices_per_process": gpus},
+                    devices=1, reasons=[
+            numbers, "the transformer does not fit on one GPU and "
+                     + ("PCIe is too slow for per-layer tensor-parallel traffic" if interconnect == "pcie"
+                        else "no tensor-parallel degree makes it fit")
+                     + ": spread it with device_map auto"])
+    if long and gpus // shards > 1:
+        group = gpus // shards
+        ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % (d * shards) == 0)
+        return Plan("MeshStrategy", {"dp": 1, "tp": shards, "ulysses": ulysses, "ring": group // ulysses},
+                    devices=gpus, reasons=[
+            numbers, f"the transformer needs {shards} GPUs (tensor parallel over NVLink) and the sequence is long: "
+                     f"TP {shards} x context parallel {group}"])
+    return Plan("TensorParallelStrategy", {"tp_degree": shards}, devices=gpus, reasons=[
+        numbers, f"the transformer needs {shards} GPUs: tensor parallel over NVLink, "
+                 f"{gpus // shards} replica(s) of tp {shards}"])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-diffusion plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory", required=True, help="per GPU, e.g. 80GB")
+    parser.add_argument("--interconnect", choices=["nvlink", "pcie"], default="nvlink")
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--frames", type=int)
+    parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("--write", help="write the recommended config (YAML) here")
+    args = parser.parse_args(argv)
+    gpu_gb = float(args.gpu_memory.upper().removesuffix("GB").removesuffix("G"))
+    facts = facts_for(args.model)
+    plan = choose(facts, args.gpus, gpu_gb, args.interconnect, args.height, args.width, args.frames, args.prompts)
+    print(f"recommended: {plan.strategy} {plan.init_args or ''} on {plan.devices} process(es)")
+    for reason in plan.reasons:
+        print(f"  - {reason}")
+    text = yaml.safe_dump(plan.config(facts, args.height, args.width, args.frames), sort_keys=False)
+    print(text)
+    if args.write:
+        Path(args.write).write_text(text)
+    return 0

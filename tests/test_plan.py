@@ -1,0 +1,58 @@
+"""``plan`` recommends the documented strategy for real model sizes and GPU sizes."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_diffusion.cli import main
+from lightning_diffusion.plan import KNOWN, ModelFacts, choose, facts_for, safetensors_bytes
+
+FLUX1, FLUX2 = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.2-dev"
+QWEN, WAN = "Qwen/Qwen-Image", "Wan-AI/Wan2.1-T2V-14B-Diffusers"
+
+SITUATIONS = [
+    # model, gpus, GB each, interconnect, height, width, frames -> strategy, init args
+    (FLUX1, 8, 80, "nvlink", 1024, 1024, None, "data_parallel", {}),
+    (QWEN, 1, 80, "nvlink", 1024, 1024, None, "data_parallel", {}),
+    (FLUX1, 2, 24, "pcie", 1024, 1024, None, "DeviceMapStrategy", {"device_map": "auto"}),
+    (FLUX1, 4, 80, "nvlink", 4096, 4096, None, "ContextParallelStrategy", {"ulysses_degree": 4, "ring_degree": 1}),
+    (FLUX1, 16, 80, "nvlink", 4096, 4096, None, "ContextParallelStrategy", {"ulysses_degree": 8, "ring_degree": 2}),
+    (FLUX2, 4, 80, "nvlink", 1024, 1024, None, "DeviceMapStrategy", {"device_map": "balanced"}),
+    (FLUX2, 4, 48, "nvlink", 1024, 1024, None, "TensorParallelStrategy", {"tp_degree": 2}),
+    (FLUX2, 4, 48, "pcie", 1024, 1024, None, "DeviceMapStrategy", {"device_map": "auto"}),
+    (QWEN, 8, 24, "nvlink", 1328, 1328, None, "TensorParallelStrategy", {"tp_degree": 2}),
+    (WAN, 8, 80, "nvlink", 720, 1280, 81, "ContextParallelStrategy", {"ulysses_degree": 8, "ring_degree": 1}),
+    (WAN, 8, 24, "nvlink", 720, 1280, 81, "MeshStrategy", {"tp": 4, "ulysses": 2, "ring": 1}),
+]
+
+
+@pytest.mark.parametrize("model, gpus, gb, link, height, width, frames, strategy, args", SITUATIONS)
+def test_plan_recommends_the_documented_strategy(model, gpus, gb, link, height, width, frames, strategy, args):
+    plan = choose(facts_for(model), gpus, gb, link, height, width, frames, prompts=1000)
+    assert plan.strategy == strategy, plan.reasons
+    assert {k: plan.init_args[k] for k in args} == args, plan.init_args
+    assert plan.reasons and "GB" in plan.reasons[0]
+
+
+def test_plan_writes_a_config_the_cli_accepts(tmp_path, capsys):
+    written = tmp_path / "plan.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", FLUX1, "--gpus", "4", "--gpu-memory", "80GB", "--height", "4096", "--width", "4096",
+              "--write", str(written)])
+    assert exit_info.value.code == 0
+    assert "recommended: ContextParallelStrategy" in capsys.readouterr().out
+    config = yaml.safe_load(written.read_text())
+    assert config["trainer"]["strategy"]["init_args"]["ulysses_degree"] == 4
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", str(written), "--print_config"])
+    assert exit_info.value.code in (0, None)
+
+
+def test_local_pipeline_sizes_come_from_safetensors_headers(tiny_cache):
+    facts = facts_for(tiny_cache)
+    weights = sorted(Path(tiny_cache).glob("transformer/*.safetensors"))
+    assert facts.components["transformer"] == pytest.approx(safetensors_bytes(weights[0]) / 1e9)
+    assert 0.001 < facts.components["transformer"] < 0.0012  # 1.09 MB of float32 weights, header not counted
+    assert facts.heads == 4 and isinstance(facts, ModelFacts)
+    assert set(KNOWN) >= {FLUX1, FLUX2, QWEN, WAN}
