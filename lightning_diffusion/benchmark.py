@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_diffusion.cli import config_with_overrides
 from lightning_diffusion.data import PromptDataset, load_records
 from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
 
@@ -124,18 +125,6 @@ def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int,
     return {"seconds": sum(times), "images": images}
 
 
-def _config(config: str, extra: list[str]) -> dict[str, Any]:
-    import yaml
-
-    loaded = yaml.safe_load(Path(config).read_text()) or {}
-    for i, word in enumerate(extra[:-1]):
-        if word.startswith("--") and "." in word:
-            group, _, key = word[2:].partition(".")
-            if "." not in key:
-                loaded.setdefault(group, {})[key] = yaml.safe_load(extra[i + 1])
-    return loaded
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-diffusion benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = json.loads(report.read_text())
 
     if args.compare_diffusers:
-        cfg = _config(args.config, extra)
+        cfg = config_with_overrides(args.config, extra)
         model, data = cfg.get("model", {}), cfg.get("data", {})
         call_args = {k: model[k] for k in ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
                      if model.get(k) is not None}

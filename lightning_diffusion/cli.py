@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
@@ -77,6 +78,20 @@ class DiffusionCLI(LightningCLI):
         )
 
 
+def config_with_overrides(config: str, extra: list[str]) -> dict[str, Any]:
+    """A YAML config as a dict with ``--group.key value`` flags applied, the last one winning as in
+    the CLI itself (for the subcommands that read a few values before running ``predict``)."""
+    import yaml
+
+    loaded = yaml.safe_load(Path(config).read_text()) or {}
+    for i, word in enumerate(extra[:-1]):
+        if word.startswith("--") and "." in word:
+            group, _, key = word[2:].partition(".")
+            if "." not in key:
+                loaded.setdefault(group, {})[key] = yaml.safe_load(extra[i + 1])
+    return loaded
+
+
 def make_tiny(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-diffusion make-tiny",
@@ -120,13 +135,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def config_error_message(err: BaseException) -> Optional[str]:
-    """The message of the ConfigError behind ``err``, if there is one.
-
-    jsonargparse 4.53 reports an exception raised while instantiating a class given for a Union
-    type (``trainer.strategy`` is ``str | Strategy``) as "Does not validate against any of the
-    Union subtypes", keeping the original only as text: the latest ConfigError whose text it
-    contains is the one.
-    """
+    """The message of the ConfigError behind ``err`` (itself or in its chain), if there is one."""
     seen = set()
     current: Optional[BaseException] = err
     while current is not None and id(current) not in seen:
@@ -134,5 +143,8 @@ def config_error_message(err: BaseException) -> Optional[str]:
             return str(current)
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    latest = ConfigError.latest
-    return str(latest) if latest is not None and str(latest) in str(err) else None
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -116,10 +116,6 @@ class PipelineInfo:
             scale = 8
         return scale * self.traits.patch
 
-    @property
-    def vae_scale(self) -> int:
-        return self.size_multiple // self.traits.patch
-
     def component_class(self, name: str) -> Optional[type]:
         """The class a component of ``model_index.json`` names, if diffusers or transformers has it."""
         spec = self.model_index.get(name)

@@ -54,12 +54,8 @@ def check_strategy(config: Any, info: Optional[PipelineInfo]) -> None:
     from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 
     trainer = config.trainer
-    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
-    if isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        return  # "auto", a device list: the world size is known only to the Trainer
     spec = trainer.get("strategy")
+    # Built here first, so that a bad strategy argument is reported with the other problems.
     if isinstance(spec, str):
         if spec not in StrategyRegistry:
             return
@@ -72,6 +68,11 @@ def check_strategy(config: Any, info: Optional[PipelineInfo]) -> None:
         strategy = cls(**dict(spec.get("init_args") or {}))
     else:
         return
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        return  # "auto", a device list: the world size is known only to the Trainer
     if not isinstance(strategy, MeshStrategy):
         return
     strategy._parallel_dims = strategy.make_parallel_dims(devices * nodes)

@@ -18,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
-import yaml
 
+from lightning_diffusion.cli import config_with_overrides
 from lightning_diffusion.data import load_records
 
 # (max abs difference, min PSNR dB, min SSIM) on decoded images in [0, 1], by dtype. float32 runs
@@ -57,14 +57,6 @@ def _predict(config: str, extra: list[str], out: Path) -> subprocess.CompletedPr
     return subprocess.run(command, capture_output=True, text=True)
 
 
-def _config_value(config: str, extra: list[str], group: str, key: str, default: Any) -> Any:
-    flag = f"--{group}.{key}"
-    if flag in extra and extra.index(flag) + 1 < len(extra):
-        return yaml.safe_load(extra[extra.index(flag) + 1])
-    loaded = yaml.safe_load(Path(config).read_text()) or {}
-    return (loaded.get(group) or {}).get(key, default)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-diffusion verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,12 +67,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_prompts < 1:
         parser.error("--num-prompts must be at least 1")
 
-    prompts = _config_value(args.config, extra, "data", "prompts", None)
-    records = list(load_records(prompts))[: args.num_prompts]
-    dtype = _config_value(args.config, extra, "model", "torch_dtype", "float32")
+    config = config_with_overrides(args.config, extra)
+    records = list(load_records((config.get("data") or {}).get("prompts")))[: args.num_prompts]
+    dtype = (config.get("model") or {}).get("torch_dtype", "float32")
     dtype = _DTYPE_NAMES.get(dtype, dtype)
     max_abs, min_psnr, min_ssim = THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])
-    accelerator = _config_value(args.config, extra, "trainer", "accelerator", "auto")
+    accelerator = (config.get("trainer") or {}).get("accelerator", "auto")
 
     with tempfile.TemporaryDirectory(prefix="ld-verify-") as tmp:
         tmp_path = Path(tmp)
