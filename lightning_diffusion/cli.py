@@ -5,6 +5,7 @@
     lightning-diffusion verify --config X.yaml [--num-prompts K]
     lightning-diffusion benchmark --config X.yaml [--compare-diffusers] [--json out.json]
     lightning-diffusion plan --model ID --gpus N --gpu-memory 80GB [--interconnect pcie] [--height H --width W]
+    lightning-diffusion slurm --config X.yaml [--nodes N] [--gpus-per-node G] [--time T] [--submit] [--wait]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
-from lightning_diffusion import tiny
+from lightning_diffusion import preemption, tiny
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.preflight import preflight
@@ -121,8 +122,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         from lightning_diffusion.benchmark import main as benchmark
 
         sys.exit(benchmark(words[1:]))
+    if words and words[0] == "slurm":
+        from lightning_diffusion.slurm import main as slurm
+
+        sys.exit(slurm(words[1:]))
+    if preemption.in_slurm_job():
+        preemption.install()  # before the weights load: SIGUSR1's default action kills the process
     try:
-        DiffusionCLI(args=argv)
+        cli = DiffusionCLI(args=argv)
     except ValueError as err:
         message = config_error_message(err)
         if message is None:
@@ -132,6 +139,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"lightning-diffusion: error: {message}", file=sys.stderr)
         sys.exit(2)
+    # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
+    code = preemption.finish_job(cli.trainer.strategy)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Left to interpreter exit, gloo's extra groups can abort the process ("terminate called").
+        dist.destroy_process_group()
+    sys.exit(code)
 
 
 def config_error_message(err: BaseException) -> Optional[str]:

@@ -2,7 +2,8 @@
 
 The lock is ``.lock`` in the folder, created atomically, holding the host and pid of its run. The
 holder refreshes its modification time every ``HEARTBEAT_S``. Another run takes it over when the
-holder's pid is gone (same host) or the heartbeat is older than ``STALE_S`` (any host).
+holder's pid is gone (same host), the heartbeat is older than ``STALE_S`` (any host), or the holder
+was an earlier run of the same SLURM job (a requeued job starts only after its previous run ended).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class OutputLock:
             age = time.time() - self.path.stat().st_mtime
         except (OSError, ValueError):
             return None
+        job = os.environ.get("SLURM_JOB_ID")
+        if job is not None and owner.get("slurm_job") == job:
+            return None
         same_host = owner.get("host") == socket.gethostname()
         if same_host and not _alive(int(owner.get("pid", 0))):
             return None
@@ -61,7 +65,10 @@ class OutputLock:
                 self.path.unlink(missing_ok=True)  # stale: its run is gone
                 continue
             with os.fdopen(fd, "w") as f:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}, f)
+                owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+                if "SLURM_JOB_ID" in os.environ:
+                    owner["slurm_job"] = os.environ["SLURM_JOB_ID"]
+                json.dump(owner, f)
             self._held = True
             threading.Thread(target=self._heartbeat, name="output-lock-heartbeat", daemon=True).start()
             return None

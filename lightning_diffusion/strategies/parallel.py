@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _distributed_is_initialized,
@@ -27,11 +28,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_diffusion import preemption
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Watchdog
@@ -77,6 +79,12 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._device_mesh: Optional[DeviceMesh] = None
+        # Early stop on SLURM's warning signal (see ``preemption``).
+        self._stop_on_signal = False
+        self._replica_group: Optional[Any] = None
+        self._stopping = False
+        self.stopped_early = False
+        self.images_made = 0
 
     # ----------------------------------------------------------------- what the strategy is
 
@@ -133,6 +141,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
         # Validate degrees against the world size here, in the launching process, so a bad mesh
         # fails before any worker starts or any weight is read.
         self._parallel_dims = self.make_parallel_dims(self.num_nodes * self.num_processes)
+        if isinstance(self.cluster_environment, SLURMEnvironment):
+            # Lightning's SLURM requeue saves a checkpoint with every weight (minutes and tens of GB
+            # for a 12B model) to resume training; an inference job resumes from its manifest.
+            self.cluster_environment.auto_requeue = False
+            self._stop_on_signal = True
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -163,6 +176,74 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self._parallel_dims = self.make_parallel_dims(self.world_size)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         rank_zero_info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
+        self._warn_groups_across_nodes()
+        if self._stop_on_signal:
+            preemption.install()
+            self._replica_group = self._new_replica_group()
+
+    def _warn_groups_across_nodes(self) -> None:
+        size = self._parallel_dims.model_parallel_size if self._parallel_dims is not None else 1
+        if self.num_nodes > 1 and size > 1 and self.num_processes % size:
+            rank_zero_warn(
+                f"Each replica's {size} model-parallel ranks do not fit within one node's {self.num_processes} "
+                "processes: their collectives cross the network at every step. Prefer devices per node that "
+                "are a multiple of the context x tensor parallel degrees."
+            )
+
+    def _new_replica_group(self) -> Optional[Any]:
+        """A process group per replica (ranks that make the same images), for the stop agreement."""
+        assert self._parallel_dims is not None
+        if self._parallel_dims.model_parallel_size == 1:
+            return None
+        mine = None
+        for ranks in self._parallel_dims.replica_groups():  # every rank creates every group
+            group = dist.new_group(ranks)
+            if self.global_rank in ranks:
+                mine = group
+        return mine
+
+    def should_stop(self) -> bool:
+        """Whether this replica stops before its next batch: after the stop signal, agreed by every
+        rank of the replica at the same batch so that none waits in a collective for the others."""
+        if self._stopping or not self._stop_on_signal:
+            return self._stopping
+        stop = preemption.requested()
+        if self._replica_group is not None:
+            flag = torch.tensor([int(stop)], device=self.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._replica_group)
+            stop = bool(flag.item())
+        if stop:
+            self._stopping = True
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            end_early = getattr(getattr(trainer, "datamodule", None), "stop_early", None)
+            if callable(end_early):
+                end_early()
+        return stop
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.should_stop():
+            if not self.stopped_early and self.writes_outputs:
+                print(f"[rank {self.global_rank}] stopped on the signal; the remaining images are left to the next run.", flush=True)
+            self.stopped_early = True  # work was left: the job should be requeued
+            return []
+        outputs = super().predict_step(*args, **kwargs)
+        if self.writes_outputs and isinstance(outputs, list):
+            self.images_made += len(outputs)
+        return outputs
+
+    @property
+    def stops_on_signal(self) -> bool:
+        return self._stop_on_signal
+
+    def run_outcome(self) -> tuple[bool, int]:
+        """After a completed ``predict``, on every rank: whether any replica stopped early, and the
+        images made by this run over all replicas."""
+        if not _distributed_is_initialized():
+            return self.stopped_early, self.images_made
+        counts = torch.tensor([int(self.stopped_early), self.images_made], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return bool(counts[0].item()), int(counts[1].item())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -1,0 +1,266 @@
+"""``lightning-diffusion slurm``: rendered scripts, bad input, and real jobs on a local two-node
+SLURM cluster (``scripts/slurm-local start``, which ``.ci/run`` runs).
+
+Cluster tests skip when no cluster answers, except where ``LIGHTNING_DIFFUSION_SLURM=required``
+(set by ``.ci/run``): there a missing cluster is a failure. Nothing here fakes ``sbatch``.
+
+Tolerance: images are compared with a one-process run as float arrays to ``ATOL`` (the parity
+tolerance of every strategy test here; see test_data_parallel.py for why not bitwise).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_cli, tiny_args
+
+ATOL = 1e-5
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def slurm(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_diffusion", "slurm", *args],
+        cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def write_config(path: Path, **trainer) -> Path:
+    config = yaml.safe_load(Path(TINY).read_text())
+    config["trainer"].update(trainer)
+    config["data"]["prompts"] = str(REPO / config["data"]["prompts"])
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def cluster_nodes() -> int:
+    if shutil.which("sinfo") is None:
+        return 0
+    proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True)
+    return sum(state.strip().rstrip("*") in ("idle", "mixed", "allocated") for state in proc.stdout.split())
+
+
+@pytest.fixture
+def cluster():
+    if cluster_nodes() < 2:
+        message = "no local two-node SLURM cluster (run scripts/slurm-local start as root)"
+        if os.environ.get("LIGHTNING_DIFFUSION_SLURM") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def job_fields(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    return dict(word.split("=", 1) for word in out.split() if "=" in word)
+
+
+def submitted_job(proc: subprocess.CompletedProcess) -> str:
+    match = re.search(r"submitted job (\d+)", proc.stdout)
+    assert match, f"no job id:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return match.group(1)
+
+
+def job_log(out: Path, job: str) -> str:
+    return (out / f"slurm-{job}.out").read_text(errors="replace")
+
+
+# ----------------------------------------------------------------------------- the script
+
+
+def test_rendered_script_for_4_nodes_of_8_gpus(tmp_path):
+    config = write_config(tmp_path / "big.yaml", accelerator="gpu", devices=8, num_nodes=4,
+                          strategy={"class_path": "lightning_diffusion.strategies.MeshStrategy",
+                                    "init_args": {"ulysses": 2}})
+    out = tmp_path / "out"
+    proc = slurm("--config", str(config), "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00",
+                 "--partition", "gpu", "--account", "proj", "--cpus-per-task", "12", "--mem", "480G",
+                 "--extra-sbatch=--qos=high", "--", "--writer.output_dir", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = proc.stdout
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert [line[len("#SBATCH "):] for line in lines if line.startswith("#SBATCH")] == [
+        "--job-name=lightning-diffusion-big",
+        "--nodes=4",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--cpus-per-task=12",
+        "--mem=480G",
+        "--time=04:00:00",
+        "--partition=gpu",
+        "--account=proj",
+        "--signal=USR1@300",
+        "--requeue",
+        "--open-mode=append",
+        f"--chdir={tmp_path}",
+        f"--output={out}/slurm-%j.out",
+        "--qos=high",
+    ]
+    assert f"OUT={out}" in lines
+    steps = [line for line in lines if line.startswith("srun ")]
+    assert len(steps) == 2
+    check, predict = steps
+    assert check.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c ")
+    words = shlex.split(predict)
+    assert words[:2] == ["srun", "--kill-on-bad-exit=1"] and words[-1] == "&"
+    command = words[2:-1]
+    assert Path(command[0]).name == "lightning-diffusion" or command[1:3] == ["-m", "lightning_diffusion"]
+    start = command.index("predict")
+    assert command[start:] == ["predict", "--config", str(config), "--writer.output_dir", str(out),
+                               "--trainer.num_nodes", "4", "--trainer.devices", "8"]
+    assert "trap 'kill -USR1 $step 2>/dev/null' USR1" in lines
+    assert lines[-1] == "exit $rc"
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not out.exists(), "printing a script writes nothing"
+
+
+@pytest.mark.parametrize(
+    "trainer, flags, expected",
+    [
+        ({"accelerator": "gpu", "devices": 8}, ["--gpus-per-node", "4"], "trainer.devices: 8"),
+        ({"accelerator": "gpu", "devices": 4, "num_nodes": 4}, ["--nodes", "2"], "trainer.num_nodes: 4"),
+        ({"accelerator": "cpu", "devices": 1}, ["--gpus-per-node", "2"], "runs on CPU"),
+        ({"accelerator": "gpu", "devices": "auto"}, [], "--gpus-per-node G"),
+        ({"accelerator": "cpu", "devices": 1, "strategy": {
+            "class_path": "lightning_diffusion.strategies.MeshStrategy", "init_args": {"ulysses": 2}}},
+         ["--nodes", "3"], "The world size 3 is not divisible"),
+    ],
+)
+def test_resources_that_disagree_with_the_config_are_refused(tmp_path, trainer, flags, expected):
+    config = write_config(tmp_path / "c.yaml", **trainer)
+    proc = slurm("--config", str(config), *flags, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert "lightning-diffusion slurm: error:" in proc.stderr and expected in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_without_sbatch_the_message_says_where_to_submit(tmp_path):
+    proc = slurm("--config", TINY, "--submit", "--", "--data.prompts", FIVE_PROMPTS,
+                 "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path,
+                 env={"PATH": str(Path(sys.executable).parent)})
+    assert proc.returncode == 2
+    assert "sbatch is not installed here" in proc.stderr and "--script FILE" in proc.stderr
+
+
+def test_an_output_folder_that_cannot_be_created_is_refused(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = slurm("--config", TINY, "--script", str(tmp_path / "job.sbatch"), "--", "--data.prompts", FIVE_PROMPTS,
+                 "--writer.output_dir", str(blocker / "out"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert str(blocker / "out") in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "job.sbatch").exists()
+
+
+def test_slurms_own_error_is_passed_through(cluster, tmp_path):
+    proc = slurm("--config", TINY, "--partition", "no-such-partition", "--submit", "--", "--data.prompts", FIVE_PROMPTS,
+                 "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "sbatch refused the job" in proc.stderr and "invalid partition" in proc.stderr.lower()
+
+
+# ----------------------------------------------------------------------------- jobs on the cluster
+
+
+def test_two_nodes_data_parallel_match_one_process(cluster, reference, tmp_path):
+    out = tmp_path / "out"
+    proc = slurm("--config", TINY, "--nodes", "2", "--submit", "--wait", "--",
+                 *tiny_args(out, "--data.prompts", FIVE_PROMPTS, "--data.batch_size", "1")[3:], cwd=tmp_path)
+    job = submitted_job(proc)
+    assert proc.returncode == 0, proc.stdout + job_log(out, job)[-4000:]
+    assert "COMPLETED" in proc.stdout and "5 of 5 outputs" in proc.stdout
+    log = job_log(out, job)
+    assert "on n[1-2]" in log and "dp=2" in log
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(5))
+    ours, ref = load_arrays(out), reference()
+    assert sorted(ours) == list(range(5))
+    assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(5)) <= ATOL
+
+
+def test_context_parallel_group_spanning_two_nodes_matches_one_process(cluster, reference, tmp_path):
+    out = tmp_path / "out"
+    config = str(REPO / "configs" / "tiny-ulysses.yaml")
+    proc = slurm("--config", config, "--nodes", "2", "--submit", "--wait", "--",
+                 *tiny_args(out, "--data.prompts", FIVE_PROMPTS, "--trainer.devices", "1")[3:], cwd=tmp_path)
+    job = submitted_job(proc)
+    assert proc.returncode == 0, proc.stdout + job_log(out, job)[-4000:]
+    log = job_log(out, job)
+    assert "ulysses=2" in log and "replica 0: ranks [0, 1]" in log
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(5))
+    ours, ref = load_arrays(out), reference()
+    assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(5)) <= ATOL
+
+
+def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_path):
+    count = 16
+    prompts = "[" + ", ".join(f"preempted prompt {i}" for i in range(count)) + "]"
+    slow = ("--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "40")
+    out = tmp_path / "out"
+    proc = slurm("--config", TINY, "--nodes", "2", "--submit", "--", *tiny_args(out, *slow)[3:], cwd=tmp_path)
+    job = submitted_job(proc)
+
+    # Part way: once the first images are in the manifest parts, signal the batch shell only (the
+    # script passes it to the tasks), as `scancel --signal=USR1 --batch` does.
+    deadline = time.time() + 240
+    while sum(len(p.read_text().splitlines()) for p in out.glob("manifest.part-*.jsonl")) < 1:
+        assert time.time() < deadline, job_log(out, job)[-4000:]
+        assert job_fields(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), job_log(out, job)[-4000:]
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+
+    fields: dict[str, str] = {}
+    released = False
+    while time.time() < deadline + 240:
+        fields = job_fields(job)
+        if fields.get("JobState") == "PENDING" and fields.get("Restarts", "0") != "0" and not released:
+            # SLURM holds a requeued job for a while (Reason=BeginTime); start it now to keep the test short.
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+            released = True
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            break
+        time.sleep(1)
+    log = job_log(out, job)
+    assert fields.get("JobState") == "COMPLETED", log[-5000:]
+    assert int(fields["Restarts"]) >= 1, log[-5000:]
+    assert "received SIGUSR1" in log and "requeueing job" in log and "start 2" in log, log[-5000:]
+    done_before = int(re.search(r"stopped early after (\d+) images", log).group(1))
+    assert 1 <= done_before < count, "the first run must stop part way"
+    assert f"Resuming into {out}: {done_before} images already done are skipped." in log
+
+    lines = read_manifest_lines(out)
+    assert sorted(line["index"] for line in lines) == list(range(count))  # each exactly once
+    assert len(list(out.glob("*.png"))) == count
+    assert not list(tmp_path.rglob("*.ckpt")), "Lightning's full-checkpoint requeue must not run"
+
+    single = tmp_path / "single"
+    run_cli(*tiny_args(single, *slow))
+    ours, ref = load_arrays(out), load_arrays(single)
+    assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(count)) <= ATOL
+
+
+def test_a_requeued_job_takes_over_the_lock_of_its_earlier_run(tmp_path, monkeypatch):
+    import json
+
+    from lightning_diffusion.lock import OutputLock
+
+    # A fresh lock from a live-looking run on another host: refused, unless it is this SLURM job's.
+    (tmp_path / ".lock").write_text(json.dumps({"host": "node7", "pid": 1, "slurm_job": "41"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert OutputLock(tmp_path).acquire() == "pid 1 on node7"
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    lock = OutputLock(tmp_path)
+    assert lock.acquire() is None
+    assert json.loads((tmp_path / ".lock").read_text())["slurm_job"] == "41"
+    lock.release()
