@@ -26,16 +26,17 @@ import yaml
 KNOWN = {
     "black-forest-labs/FLUX.1-dev": dict(
         components={"transformer": 23.8, "text_encoder_2": 9.5, "text_encoder": 0.25, "vae": 0.17},
-        heads=24, hidden=3072, layers=57, pixels_per_token=16, text_tokens=512),
+        heads=24, hidden=3072, layers=57, pixels_per_token=16, text_tokens=512, pipeline="FluxPipeline"),
     "black-forest-labs/FLUX.2-dev": dict(
         components={"transformer": 64.4, "text_encoder": 48.0, "vae": 0.17},
-        heads=48, hidden=6144, layers=56, pixels_per_token=16, text_tokens=512),
+        heads=48, hidden=6144, layers=56, pixels_per_token=16, text_tokens=512, pipeline="Flux2Pipeline"),
     "Qwen/Qwen-Image": dict(
         components={"transformer": 40.9, "text_encoder": 16.6, "vae": 0.25},
-        heads=24, hidden=3072, layers=60, pixels_per_token=16, text_tokens=256),
+        heads=24, hidden=3072, layers=60, pixels_per_token=16, text_tokens=256, pipeline="QwenImagePipeline"),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": dict(
         components={"transformer": 28.6, "text_encoder": 11.4, "vae": 0.51},
-        heads=40, hidden=5120, layers=40, pixels_per_token=16, text_tokens=512, temporal=4),
+        heads=40, hidden=5120, layers=40, pixels_per_token=16, text_tokens=512, temporal=4,
+        pipeline="WanPipeline"),
 }
 # Beyond this many tokens per image one GPU spends most of its time in attention and its
 # activations grow large: split the sequence (the guide's "long sequences").
@@ -53,6 +54,7 @@ class ModelFacts:
     pixels_per_token: int = 16
     text_tokens: int = 512
     temporal: int = 0
+    pipeline: str = ""
 
     @property
     def total_gb(self) -> float:
@@ -100,7 +102,19 @@ def facts_for(model: str) -> ModelFacts:
     hidden = heads * int(config.get("attention_head_dim", 64))
     layers = int(config.get("num_layers", 1)) + int(config.get("num_single_layers", 0))
     return ModelFacts(model, components, heads, hidden, layers, pixels_per_token=info.size_multiple,
-                      temporal=info.traits.temporal_scale if info.traits.frames_arg else 0)
+                      temporal=info.traits.temporal_scale if info.traits.frames_arg else 0, pipeline=info.class_name)
+
+
+def cfg_note(facts: ModelFacts) -> str:
+    """Whether CFG parallel (``cfg: 2``) applies to this model's pipeline."""
+    from lightning_diffusion.strategies.cfg import CFG_PIPELINES, supported
+
+    entry = CFG_PIPELINES.get(facts.pipeline)
+    if entry is None:
+        return f"cfg parallel: not available for {facts.pipeline or 'this pipeline'} (supported: {supported()})"
+    when = f"{entry.scale_arg} > 1" + (" and a negative prompt per image" if entry.needs_negative_prompt else "")
+    return (f"cfg parallel: {facts.pipeline} runs two transformer passes per step with {when}; MeshStrategy "
+            "cfg: 2 runs them on two GPUs at once (pairs of GPUs, times the degrees above)")
 
 
 @dataclass
@@ -206,6 +220,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"recommended: {plan.strategy} {plan.init_args or ''} on {plan.devices} process(es)")
     for reason in plan.reasons:
         print(f"  - {reason}")
+    print(f"  - {cfg_note(facts)}")
     text = yaml.safe_dump(plan.config(facts, args.height, args.width, args.frames), sort_keys=False)
     print(text)
     if args.write:

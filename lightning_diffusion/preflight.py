@@ -43,7 +43,7 @@ def check_disk_space(
         )
 
 
-def check_strategy(config: Any, info: Optional[PipelineInfo]) -> None:
+def check_strategy(config: Any, info: Optional[PipelineInfo], records: Optional[Sequence[Any]] = None) -> None:
     """Degrees against the world size and the model (heads, token counts, plans), for the
     project's mesh strategies when the world size is known from the config."""
     import importlib
@@ -79,7 +79,7 @@ def check_strategy(config: Any, info: Optional[PipelineInfo]) -> None:
     if info is not None:
         model = config.model
         module = DiffusionModule(**{k: v for k, v in dict(model).items() if not str(k).startswith("__")})
-        MeshStrategy.check_model(strategy, module)
+        MeshStrategy.check_model(strategy, module, records)
 
 
 def preflight(config: Any) -> list:
@@ -97,7 +97,7 @@ def preflight(config: Any) -> list:
         problems += check_records(info, records)
     writer_problems = check_writer_args(writer.output_dir, writer.video_format, writer.fps)
     problems += writer_problems
-    gather(problems, check_strategy, config, info if not problems else None)
+    gather(problems, check_strategy, config, info if not problems else None, records)
     if info is not None and records is not None and not problems:
         gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
     return problems

@@ -8,6 +8,7 @@ the normal ``from_pretrained`` path, so the tiny model exercises exactly the cod
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import string
 import tempfile
@@ -20,7 +21,7 @@ from lightning_diffusion.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
 # Bump when a builder changes, so that stale caches are not reused.
-_BUILD_VERSION = "1"
+_BUILD_VERSION = "2"  # 2: the Qwen-Image tokenizer keeps the prompt in the embeddings
 
 
 def _char_tokenizer(model_max_length: int):
@@ -37,6 +38,34 @@ def _char_tokenizer(model_max_length: int):
         pad_token="<pad>",
         unk_token="<unk>",
         eos_token="</s>",
+        model_max_length=model_max_length,
+    )
+
+
+# Qwen-Image's prompt template up to the user's text; the pipeline drops its first 34 tokens, which
+# is how Qwen2.5's own tokenizer cuts it. The tiny tokenizer cuts it the same way (words with their
+# leading space, punctuation, the chat markers), so that the embeddings start at the prompt.
+_QWEN_TEMPLATE_START = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+
+
+def _qwen_tokenizer(model_max_length: int):
+    """Characters, except the template's 34 tokens: distinct prompts give distinct embeddings."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = re.findall(r"<\|im_start\|>|<\|im_end\|>| ?\w+|[^\w ]|\s", _QWEN_TEMPLATE_START)
+    assert len(words) == 34, len(words)
+    multi = sorted({w for w in words if len(w) > 1}, key=len, reverse=True)
+    specials = ["<pad>", "<unk>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(specials + list(string.printable) + multi))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    pattern = "|".join(re.escape(w) for w in multi) + r"|[\s\S]"
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
         model_max_length=model_max_length,
     )
 
@@ -192,7 +221,7 @@ def build_qwenimage(directory: str | os.PathLike) -> Path:
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_char_tokenizer(1024),
+        tokenizer=_qwen_tokenizer(1024),
         transformer=transformer,
     )
     pipe.save_pretrained(directory, safe_serialization=True)

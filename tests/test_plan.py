@@ -56,3 +56,18 @@ def test_local_pipeline_sizes_come_from_safetensors_headers(tiny_cache):
     assert 0.001 < facts.components["transformer"] < 0.0012  # 1.09 MB of float32 weights, header not counted
     assert facts.heads == 4 and isinstance(facts, ModelFacts)
     assert set(KNOWN) >= {FLUX1, FLUX2, QWEN, WAN}
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        ("Qwen/Qwen-Image", "cfg parallel: QwenImagePipeline runs two transformer passes per step with true_cfg_scale > 1"),
+        ("black-forest-labs/FLUX.1-dev", "cfg parallel: FluxPipeline runs two transformer passes"),
+        ("black-forest-labs/FLUX.2-dev", "cfg parallel: not available for Flux2Pipeline (supported: QwenImagePipeline"),
+        ("tiny:wan", "cfg parallel: WanPipeline runs two transformer passes per step with guidance_scale > 1;"),
+    ],
+)
+def test_plan_says_whether_cfg_parallel_applies(model, expected):
+    from lightning_diffusion.plan import cfg_note
+
+    assert cfg_note(facts_for(model)).startswith(expected)

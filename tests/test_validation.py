@@ -81,7 +81,7 @@ def test_invalid_meshes(degrees, message):
 
 def test_inferred_degree():
     dims = ParallelDims(world_size=8, dp=-1, ulysses=2, tp=2)
-    assert dims.degrees == {"dp": 2, "ring": 1, "ulysses": 2, "tp": 2}
+    assert dims.degrees == {"dp": 2, "cfg": 1, "ring": 1, "ulysses": 2, "tp": 2}
     assert dims.replica_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 

@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_diffusion.strategies.cfg_parallel import CFGParallelStrategy
 from lightning_diffusion.strategies.context_parallel import ContextParallelStrategy
 from lightning_diffusion.strategies.data_parallel import DataParallelStrategy
 from lightning_diffusion.strategies.device_map import DeviceMapStrategy
@@ -10,7 +11,7 @@ from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
 from lightning_diffusion.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["ContextParallelStrategy", "DataParallelStrategy", "DeviceMapStrategy", "DiffusionParallelStrategy", "MeshError", "MeshStrategy", "ParallelDims", "TensorParallelStrategy"]
+__all__ = ["CFGParallelStrategy", "ContextParallelStrategy", "DataParallelStrategy", "DeviceMapStrategy", "DiffusionParallelStrategy", "MeshError", "MeshStrategy", "ParallelDims", "TensorParallelStrategy"]
 
 _REGISTRY = {
     "mesh": (MeshStrategy, "dp x ring x ulysses x tp on one device mesh (default: data parallel).", {}),
@@ -18,6 +19,7 @@ _REGISTRY = {
     "context_parallel": (ContextParallelStrategy, "Ulysses over all processes.", {"ulysses_degree": -1}),
     "ulysses": (ContextParallelStrategy, "Ulysses attention over all processes.", {"ulysses_degree": -1}),
     "ring": (ContextParallelStrategy, "Ring attention over all processes.", {"ring_degree": -1}),
+    "cfg_parallel": (CFGParallelStrategy, "Conditional and unconditional guidance passes on two processes at once.", {}),
     "device_map": (DeviceMapStrategy, "One pipeline spread over a process's GPUs, CPU and disk.", {}),
     "tensor_parallel": (TensorParallelStrategy, "Transformer weights sharded over all processes.", {"tp_degree": -1}),
 }

@@ -1,8 +1,9 @@
 """``ParallelDims``: the one place that knows the parallel degrees and builds the device mesh.
 
-The mesh has the dimensions ``("dp", "ring", "ulysses", "tp")`` in that order, heaviest traffic
-innermost: tensor-parallel ranks are adjacent global ranks (same node), data-parallel replicas are
-outermost (the only dimension that may span nodes at no cost). Everything else asks this object
+The mesh has the dimensions ``("dp", "cfg", "ring", "ulysses", "tp")`` in that order, heaviest
+traffic innermost: tensor-parallel ranks are adjacent global ranks (same node), a CFG pair
+exchanges one noise prediction per step, data-parallel replicas are outermost (the only dimension
+that may span nodes at no cost). Everything else asks this object
 for sizes, ranks and sub-meshes; nothing else multiplies degrees.
 """
 
@@ -15,7 +16,7 @@ from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp", "ring", "ulysses", "tp")
+MESH_DIMS = ("dp", "cfg", "ring", "ulysses", "tp")
 
 
 class MeshError(ConfigError):
@@ -26,12 +27,13 @@ class MeshError(ConfigError):
 class ParallelDims:
     """Parallel degrees for ``world_size`` processes; ``-1`` for one degree means "infer it".
 
-    ``dp`` is the number of replicas; ``ring`` and ``ulysses`` form the context-parallel group and
-    ``tp`` the tensor-parallel group of each replica.
+    ``dp`` is the number of replicas; in each replica ``cfg`` ranks share the guidance passes,
+    ``ring`` and ``ulysses`` form the context-parallel group and ``tp`` the tensor-parallel group.
     """
 
     world_size: int
     dp: int = -1
+    cfg: int = 1
     ring: int = 1
     ulysses: int = 1
     tp: int = 1
@@ -71,8 +73,12 @@ class ParallelDims:
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
+    def _shown(self) -> dict[str, int]:
+        """The degrees as messages show them: ``cfg`` only when it is used."""
+        return {name: value for name, value in self.degrees.items() if name != "cfg" or value != 1}
+
     def _describe(self, skip: Optional[str] = None) -> str:
-        return " x ".join(f"{name} {value}" for name, value in self.degrees.items() if name != skip)
+        return " x ".join(f"{name} {value}" for name, value in self._shown().items() if name != skip)
 
     @property
     def cp(self) -> int:
@@ -81,7 +87,7 @@ class ParallelDims:
     @property
     def model_parallel_size(self) -> int:
         """Processes that work together on the same images (one replica)."""
-        return self.cp * self.tp
+        return self.cfg * self.cp * self.tp
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
@@ -92,7 +98,7 @@ class ParallelDims:
         return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
 
     def describe(self) -> str:
-        shape = ", ".join(f"{name}={value}" for name, value in self.degrees.items())
+        shape = ", ".join(f"{name}={value}" for name, value in self._shown().items())
         groups = "; ".join(f"replica {i}: ranks {group}" for i, group in enumerate(self.replica_groups()))
         return f"device mesh ({shape}) over {self.world_size} processes: {groups}"
 

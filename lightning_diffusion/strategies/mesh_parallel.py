@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_diffusion import compat
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.strategies.cfg import CFG_PIPELINES, CFGSplit, check_cfg
 from lightning_diffusion.strategies.mesh import ParallelDims
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 
@@ -85,12 +86,15 @@ def load_sharded(cls: type, path: str, subfolder: Optional[str], dtype: torch.dt
 
 
 class MeshStrategy(DiffusionParallelStrategy):
-    """Data x ring x Ulysses x tensor parallelism on one ``("dp", "ring", "ulysses", "tp")`` mesh.
+    """Data x CFG x ring x Ulysses x tensor parallelism on one ``("dp", "cfg", "ring", "ulysses", "tp")`` mesh.
 
     Args:
-        dp, ring, ulysses, tp: the degrees; their product is the world size (devices x num_nodes),
-            and one of them may be ``-1`` to be inferred. ``tp`` is innermost (adjacent ranks, one
-            node), ``dp`` outermost (the only dimension that may span nodes at no cost).
+        dp, ring, ulysses, tp: the degrees; their product with ``cfg`` is the world size (devices x
+            num_nodes), and one of them may be ``-1`` to be inferred. ``tp`` is innermost (adjacent
+            ranks, one node), ``dp`` outermost (the only dimension that may span nodes at no cost).
+        cfg: 2 runs the conditional and unconditional passes of classifier-free guidance on two
+            ranks at once (pipelines in ``strategies.cfg.CFG_PIPELINES``, with their negative branch
+            on); 1 runs them in turn, as diffusers does.
         ulysses_anything: Ulysses for sequence lengths and head counts that do not divide the degree.
         ring_anything: ring attention for sequence lengths that do not divide the degree.
         attention_backend: a diffusers attention backend that supports context parallelism; ``None``
@@ -107,6 +111,7 @@ class MeshStrategy(DiffusionParallelStrategy):
         ring: int = 1,
         ulysses: int = 1,
         tp: int = 1,
+        cfg: int = 1,
         ulysses_anything: bool = False,
         ring_anything: bool = False,
         attention_backend: Optional[str] = None,
@@ -115,7 +120,9 @@ class MeshStrategy(DiffusionParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
-        self._requested = {"dp": dp, "ring": ring, "ulysses": ulysses, "tp": tp}
+        if cfg not in (1, 2) or isinstance(cfg, bool):
+            raise ConfigError(f"cfg degree must be 1 or 2 (the two passes of classifier-free guidance), got {cfg!r}.")
+        self._requested = {"dp": dp, "cfg": cfg, "ring": ring, "ulysses": ulysses, "tp": tp}
         ParallelDims.check_degrees(self._requested)
         if ulysses_anything and ring_anything:
             raise ConfigError("Set at most one of ulysses_anything and ring_anything.")
@@ -137,7 +144,7 @@ class MeshStrategy(DiffusionParallelStrategy):
     def make_parallel_dims(self, world_size: int) -> ParallelDims:
         dims = super().make_parallel_dims(world_size)
         if self.required_group is not None and getattr(dims, self.required_group) == 1:
-            kind = {"cp": "Context", "tp": "Tensor"}[self.required_group]
+            kind = {"cp": "Context", "tp": "Tensor", "cfg": "CFG"}[self.required_group]
             raise ConfigError(
                 f"{kind} parallelism over {world_size} process(es) leaves a group of 1: "
                 "launch more devices (trainer.devices x trainer.num_nodes) or use strategy data_parallel."
@@ -185,11 +192,20 @@ class MeshStrategy(DiffusionParallelStrategy):
 
     # ----------------------------------------------------------------- checks before weights
 
-    def check_model(self, module: pl.LightningModule) -> None:
+    def check_model(self, module: pl.LightningModule, records: Optional[Sequence[Any]] = None) -> None:
+        """``records``: the prompt records when known before the Trainer exists (the CLI's preflight)."""
         info = getattr(module, "info", None)
         if info is None:  # not a DiffusionModule: nothing is known before loading
             return
         dims = self.parallel_dims
+        if dims.cfg > 1:
+            if records is None:
+                trainer = getattr(module, "_trainer", None)
+                records = getattr(getattr(trainer, "datamodule", None), "records", None)
+            check_cfg(
+                info.class_name, {**module.base_call_args, **module.call_kwargs}, info.call_argument_defaults(),
+                records,
+            )
         if dims.cp > 1:
             self.check_context_parallel(module, info)
         if dims.tp > 1:
@@ -315,13 +331,17 @@ class MeshStrategy(DiffusionParallelStrategy):
                 component.to(self.root_device)
 
     def parallelize(self, pipeline: Any) -> None:
-        if self.parallel_dims.cp == 1:
-            return
-        if self.root_device.type == "cpu":
-            compat.apply_cpu_rehearsal_patches()
-        for component in pipeline.components.values():
-            if isinstance(component, torch.nn.Module) and getattr(component, "_cp_plan", None) is not None:
-                self._enable_context_parallel(component)
+        if self.parallel_dims.cp > 1:
+            if self.root_device.type == "cpu":
+                compat.apply_cpu_rehearsal_patches()
+            for component in pipeline.components.values():
+                if isinstance(component, torch.nn.Module) and getattr(component, "_cp_plan", None) is not None:
+                    self._enable_context_parallel(component)
+        if self.parallel_dims.cfg > 1:
+            # Last, so that the split wraps the context-parallel hooks: each branch sees whole inputs.
+            pair = self.device_mesh["cfg"]
+            CFGSplit(pipeline, CFG_PIPELINES[type(pipeline).__name__], pair.get_group(), pair.get_local_rank())
+            rank_zero_info(f"cfg parallel: {type(pipeline).__name__}'s cond and uncond passes on the two ranks of each pair")
 
     def resolved_attention_backend(self, dtype: torch.dtype) -> Optional[str]:
         if self.attention_backend is not None or self.root_device.type == "cpu" or self.ring_degree == 1:
