@@ -198,6 +198,7 @@ def test_context_parallel_group_spanning_two_nodes_matches_one_process(cluster, 
     assert proc.returncode == 0, proc.stdout + job_log(out, job)[-4000:]
     log = job_log(out, job)
     assert "ulysses=2" in log and "replica 0: ranks [0, 1]" in log
+    assert "do not fit within one node's 1 processes" in log  # the group's traffic crosses nodes: said
     assert [line["index"] for line in read_manifest_lines(out)] == list(range(5))
     ours, ref = load_arrays(out), reference()
     assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(5)) <= ATOL
