@@ -29,6 +29,8 @@ class Traits:
     ``default_size``: (height, width) in pixels when the call gives none. ``output``: the output
     attribute (``images``, or ``frames`` for video). ``frames_arg`` and ``temporal_scale``: the
     frame-count argument of a video pipeline, which must be ``temporal_scale * k + 1``.
+    ``prompt_length_text``: the text tokens have each prompt's own length (no padding to a fixed
+    count), so a context-parallel degree cannot be known to divide them.
     """
 
     patch: int = 1
@@ -38,12 +40,13 @@ class Traits:
     frames_arg: Optional[str] = None
     temporal_scale: int = 1
     default_frames: Optional[int] = None
+    prompt_length_text: bool = False
 
 
 TRAITS: dict[str, Traits] = {
     "FluxPipeline": Traits(patch=2, text_length_arg="max_sequence_length", default_size=(1024, 1024)),
     "Flux2Pipeline": Traits(patch=2),
-    "QwenImagePipeline": Traits(patch=2, default_size=(1024, 1024)),
+    "QwenImagePipeline": Traits(patch=2, default_size=(1024, 1024), prompt_length_text=True),
     "WanPipeline": Traits(
         patch=2, default_size=(480, 832), output="frames", frames_arg="num_frames", temporal_scale=4, default_frames=81
     ),

@@ -115,6 +115,16 @@ def test_text_length_not_divisible(tmp_path):
         trainer.strategy.check_model(module)
 
 
+@pytest.mark.parametrize("kwargs", [dict(ulysses_degree=2), dict(ring_degree=2), dict(ring_degree=2, ring_anything=True)])
+def test_prompt_length_text_needs_ulysses_anything(kwargs):
+    # Qwen-Image does not pad its text to a fixed length, so most prompts would not split evenly; ring's
+    # anything-mode rejects its attention mask (measured: ValueError from TemplatedRingAnythingAttention).
+    module = DiffusionModule("tiny:qwenimage", height=64, width=64)
+    with pytest.raises(ConfigError, match="QwenImagePipeline's text tokens have each prompt's own length.*ulysses_anything=True"):
+        cpu_trainer(2, **kwargs).strategy.check_model(module)
+    cpu_trainer(2, ulysses_degree=2, ulysses_anything=True).strategy.check_model(module)
+
+
 def test_model_without_context_parallel_plan(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({
         "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],

@@ -232,6 +232,15 @@ class MeshStrategy(DiffusionParallelStrategy):
                     f"{name} has {heads} attention heads, not divisible by ulysses_degree={self.ulysses_degree}: "
                     f"use ulysses_anything=True or a ulysses_degree that divides {heads}."
                 )
+        if info.traits.prompt_length_text and not self.ulysses_anything:
+            # diffusers splits the text tokens too; an odd prompt would fail after the weights load. Ring's
+            # anything-mode refuses the text attention mask these pipelines pass (diffusers 0.42.1).
+            raise ConfigError(
+                f"{info.class_name}'s text tokens have each prompt's own length, which the context-parallel degree "
+                f"{self.parallel_dims.cp} would have to divide (an odd prompt fails after the weights load): use "
+                "Ulysses alone with ulysses_anything=True (ring_anything rejects its attention mask; tp with an "
+                "anything-mode is not verified here)."
+            )
         trainer = getattr(module, "_trainer", None)
         records = getattr(getattr(trainer, "datamodule", None), "records", None) or [{}]
         for record in records:
