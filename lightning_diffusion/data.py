@@ -41,6 +41,51 @@ class PromptFileError(ConfigError):
 _READ: dict[tuple, Sequence[dict[str, Any]]] = {}
 
 
+class RecordSummary:
+    """What the checks before loading need from every record, gathered in one pass.
+
+    A ``LineRecords`` file is summarised while it is first scanned, so the checks (pipeline
+    arguments, negative prompts for CFG parallel, sequence lengths for context parallelism) cost
+    nothing more for a file of millions of lines; other record lists are walked once per call.
+    """
+
+    KEEP = 5  # record numbers kept for messages
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._overrides: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.without_negative = 0
+        self.first_without_negative: list[int] = []
+        self.first_negative: Optional[int] = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.count += 1
+        overrides = {k: v for k, v in record.items() if k not in _RECORD_FIELDS}
+        key = json.dumps(overrides, sort_keys=True, default=repr) if overrides else ""
+        if key not in self._overrides:
+            self._overrides[key] = (self.count, overrides)
+        if record.get("negative_prompt") is None:
+            self.without_negative += 1
+            if len(self.first_without_negative) < self.KEEP:
+                self.first_without_negative.append(self.count)
+        elif self.first_negative is None:
+            self.first_negative = self.count
+
+    def override_sets(self) -> list[tuple[int, dict[str, Any]]]:
+        """Each distinct set of pipeline-argument overrides (``{}`` included) with the number of
+        the first record (from 1) that has it."""
+        return sorted(self._overrides.values(), key=lambda item: item[0])
+
+
+def summarize_records(records: Sequence[dict[str, Any]]) -> RecordSummary:
+    summary = getattr(records, "summary", None)
+    if summary is None:
+        summary = RecordSummary()
+        for record in records:
+            summary.add(record)
+    return summary
+
+
 def load_records(prompts: Union[str, Sequence[Any]]) -> Sequence[dict[str, Any]]:
     """Read prompt records from a ``.txt``/``.jsonl``/``.csv`` path or an inline list.
 
@@ -84,11 +129,13 @@ class LineRecords(Sequence):
         self.offsets = array("q")
         self._file: Optional[Any] = None
         self._pid: Optional[int] = None
+        self.summary = RecordSummary()
         with path.open("rb") as f:
             offset = 0
             for lineno, raw in enumerate(f, start=1):
                 if raw.strip():
-                    self._parse(raw, lineno)  # syntax errors surface now, with file and line
+                    # Syntax errors surface now, with file and line; the checks read the summary.
+                    self.summary.add(self._parse(raw, lineno))
                     self.offsets.append(offset)
                 offset += len(raw)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_diffusion.errors import gather, raise_problems
-from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.data import PromptDataModule, summarize_records
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
 
 
@@ -38,19 +38,22 @@ def check_model_args(
 
 def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10) -> list[str]:
     """Per-record overrides and negative prompts must be arguments this pipeline takes (the first
-    ``most`` problems are reported)."""
+    ``most`` problems are reported; each distinct set of overrides is checked once, named by the
+    first record that has it)."""
     problems: list[str] = []
-    for n, record in enumerate(records, start=1):
-        overrides = {k for k in record if k not in ("prompt", "seed", "negative_prompt")}
-        if overrides:
-            gather(problems, info.check_call_arguments, overrides, f"prompt record {n}")
-            gather(problems, info.check_size, record.get("height"), record.get("width"))
-            gather(problems, info.check_frames, record.get("num_frames"), f"prompt record {n}")
-        if record.get("negative_prompt") is not None and "negative_prompt" not in info.call_parameters:
-            problems.append(f"prompt record {n} has a negative_prompt, which {info.class_name} does not take.")
+    summary = summarize_records(records)
+    for n, overrides in summary.override_sets():
         if len(problems) >= most:
             break
-    return problems
+        if overrides:
+            gather(problems, info.check_call_arguments, set(overrides), f"prompt record {n}")
+            gather(problems, info.check_size, overrides.get("height"), overrides.get("width"))
+            gather(problems, info.check_frames, overrides.get("num_frames"), f"prompt record {n}")
+    if summary.first_negative is not None and "negative_prompt" not in info.call_parameters:
+        problems.append(
+            f"prompt record {summary.first_negative} has a negative_prompt, which {info.class_name} does not take."
+        )
+    return problems[:most]
 
 
 class DiffusionModule(pl.LightningModule):

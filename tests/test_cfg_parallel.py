@@ -34,6 +34,8 @@ def test_cfg2_matches_one_process(reference, tmp_path):
     assert "device mesh (dp=1, cfg=2, ring=1, ulysses=1, tp=1) over 2 processes" in log
     assert "QwenImagePipeline's cond and uncond passes on the two ranks" in log
     assert NO_SPLIT not in log
+    # Every step of every image was split (rank 0 made all 5 images, 4 steps each), not run twice.
+    assert "cfg parallel: 20 transformer calls split over the pair, 0 run whole on both ranks" in log
     assert_matches(tmp_path, reference(QWEN))
 
 

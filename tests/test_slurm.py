@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
+from lightning_diffusion import slurm as slurm_module
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
@@ -61,9 +62,13 @@ def cluster():
         pytest.skip(message)
 
 
+def nodes_idle() -> bool:
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True).stdout.split()
+    return bool(states) and all(state.rstrip("*") == "idle" for state in states)
+
+
 def job_fields(job: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
-    return dict(word.split("=", 1) for word in out.split() if "=" in word)
+    return slurm_module.job_fields(job) or {}
 
 
 def submitted_job(proc: subprocess.CompletedProcess) -> str:
@@ -222,13 +227,18 @@ def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_pa
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
 
     fields: dict[str, str] = {}
-    released = False
+    requeued_at, released = None, False
     while time.time() < deadline + 240:
         fields = job_fields(job)
         if fields.get("JobState") == "PENDING" and fields.get("Restarts", "0") != "0" and not released:
-            # SLURM holds a requeued job for a while (Reason=BeginTime); start it now to keep the test short.
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-            released = True
+            requeued_at = requeued_at or time.time()
+            # SLURM holds a requeued job for ~2 min (Reason=BeginTime); start it sooner to keep the test
+            # short, but not at once: slurmd refuses a launch credential issued in the same second as it
+            # revoked the earlier run's ("Killing non-startable batch JobId=N: Job credential revoked" in
+            # slurmctld.log, and the job ends FAILED). That hold is what normally prevents it.
+            if time.time() - requeued_at >= 3 and nodes_idle():
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+                released = True
         if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
             break
         time.sleep(1)

@@ -5,8 +5,11 @@ import json
 import pytest
 
 from lightning_diffusion import DiffusionModule, ImageWriter
+from lightning_diffusion.data import load_records
+from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines import PipelineError
 from lightning_diffusion.strategies import MeshError, ParallelDims
+from lightning_diffusion.strategies.cfg import check_cfg
 from tests.conftest import run_cli
 
 
@@ -54,6 +57,23 @@ def test_record_override_the_pipeline_does_not_take():
     module = DiffusionModule("tiny:flux")
     with pytest.raises(PipelineError, match="prompt record 2: FluxPipeline does not accept eta"):
         module.check_records([{"prompt": "ok"}, {"prompt": "bad", "eta": 0.1}])
+
+
+def test_record_checks_read_the_summary_made_while_indexing_not_the_lines(tmp_path):
+    """A .jsonl is summarised while it is first indexed, so the checks before loading (pipeline
+    arguments, negative prompts for cfg=2) do not parse its lines again (~10 s a walk for a million
+    lines, on every rank). The file is gone before the checks: reading a line would raise."""
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a", "negative_prompt": "n"}, {"prompt": "b", "height": 64},
+            {"prompt": "c", "eta": 0.1, "height": 64}, {"prompt": "d"}, {"prompt": "e", "height": 64, "seed": 3}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    records = load_records(str(path))
+    path.unlink()
+    assert records.summary.override_sets() == [(1, {}), (2, {"height": 64}), (3, {"eta": 0.1, "height": 64})]
+    with pytest.raises(PipelineError, match="prompt record 3: FluxPipeline does not accept eta"):
+        DiffusionModule("tiny:flux").check_records(records)
+    with pytest.raises(ConfigError, match=r"4 of 5 records have none \(records 2, 3, 4, 5\)"):
+        check_cfg("QwenImagePipeline", {"true_cfg_scale": 4.0}, {}, records)
 
 
 def test_output_dir_that_is_a_file(tmp_path):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_diffusion.data import summarize_records
 from lightning_diffusion.errors import ConfigError
 
 
@@ -76,18 +77,15 @@ def check_cfg(class_name: str, call_args: dict[str, Any], defaults: dict[str, An
             f"(got {scale!r}): set {where} above 1, or use cfg=1."
         )
     if entry.needs_negative_prompt and records is not None:
-        missing = [i for i, record in enumerate(records) if not _negative(record)]
-        if missing:
-            lines = ", ".join(str(i + 1) for i in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        summary = summarize_records(records)
+        if summary.without_negative:
+            shown = summary.first_without_negative
+            lines = ", ".join(map(str, shown)) + (" ..." if summary.without_negative > len(shown) else "")
             raise ConfigError(
                 f"cfg=2 needs a negative prompt for every image: {class_name} skips the unconditional pass without "
-                f"one, and {len(missing)} of {len(records)} records have none (records {lines}). Give each record "
-                'a "negative_prompt" (a .jsonl field or .csv column), or use cfg=1.'
+                f"one, and {summary.without_negative} of {summary.count} records have none (records {lines}). Give "
+                'each record a "negative_prompt" (a .jsonl field or .csv column), or use cfg=1.'
             )
-
-
-def _negative(record: Any) -> bool:
-    return isinstance(record, dict) and record.get("negative_prompt") is not None
 
 
 class CFGSplit:

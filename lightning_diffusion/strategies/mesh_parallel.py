@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_diffusion import compat
+from lightning_diffusion.data import summarize_records
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies.cfg import CFG_PIPELINES, CFGSplit, check_cfg
 from lightning_diffusion.strategies.mesh import ParallelDims
@@ -132,6 +133,7 @@ class MeshStrategy(DiffusionParallelStrategy):
         self.ring_anything = ring_anything
         self.attention_backend = attention_backend
         self._sharded: set[str] = set()
+        self._cfg_split: Optional[CFGSplit] = None
 
     # ----------------------------------------------------------------- degrees and their rules
 
@@ -242,9 +244,10 @@ class MeshStrategy(DiffusionParallelStrategy):
                 "anything-mode is not verified here)."
             )
         trainer = getattr(module, "_trainer", None)
-        records = getattr(getattr(trainer, "datamodule", None), "records", None) or [{}]
-        for record in records:
-            call_args = {**module.base_call_args, **module.call_kwargs, **record}
+        records = getattr(getattr(trainer, "datamodule", None), "records", None)
+        override_sets = [overrides for _, overrides in summarize_records(records).override_sets()] if records else [{}]
+        for overrides in override_sets:
+            call_args = {**module.base_call_args, **module.call_kwargs, **overrides}
             self.check_sequence(info, call_args.get("height"), call_args.get("width"), call_args)
 
     def check_sequence(self, info: Any, height: Optional[int], width: Optional[int], call_args: dict) -> None:
@@ -349,8 +352,19 @@ class MeshStrategy(DiffusionParallelStrategy):
         if self.parallel_dims.cfg > 1:
             # Last, so that the split wraps the context-parallel hooks: each branch sees whole inputs.
             pair = self.device_mesh["cfg"]
-            CFGSplit(pipeline, CFG_PIPELINES[type(pipeline).__name__], pair.get_group(), pair.get_local_rank())
+            self._cfg_split = CFGSplit(
+                pipeline, CFG_PIPELINES[type(pipeline).__name__], pair.get_group(), pair.get_local_rank()
+            )
             rank_zero_info(f"cfg parallel: {type(pipeline).__name__}'s cond and uncond passes on the two ranks of each pair")
+
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        if self._cfg_split is not None:
+            # Parity cannot tell a split from both ranks running both passes; this count can.
+            split, plain = self._cfg_split.split_calls, self._cfg_split.plain_calls
+            rank_zero_info(
+                f"cfg parallel: {split} transformer calls split over the pair, {plain} run whole on both ranks"
+            )
 
     def resolved_attention_backend(self, dtype: torch.dtype) -> Optional[str]:
         if self.attention_backend is not None or self.root_device.type == "cpu" or self.ring_degree == 1:
