@@ -1,13 +1,21 @@
 """Stopping a run early on SLURM's warning signal, so that a requeued job resumes where it stopped.
 
-SLURM sends ``SIGUSR1`` (``sbatch --signal=USR1@SECONDS``) before a time limit or a preemption.
-The handler here only records it. The strategies read the record at each batch boundary, agree on
+SLURM sends ``SIGUSR1`` (``sbatch --signal=USR1@SECONDS``) before a time limit, and at a
+preemption where the cluster sets ``PreemptParameters=send_user_signal``. The handler here only records it. The strategies read the record at each batch boundary, agree on
 it within every group of ranks that work on the same images, finish the batch in flight, skip the
 rest and end the prediction loop normally: the writer flushes and merges the manifest as after a
 complete run. Then ``finish_job`` (called by the CLI after ``predict``; call it yourself after
 ``Trainer.predict`` in a script of your own) has global rank 0 run ``scontrol requeue``, and the
 requeued job resumes from the manifest. No checkpoint is written: the manifest is the whole state
 of an inference job.
+
+``SIGTERM`` (``scancel``, or a preemption without ``PreemptParameters=send_user_signal``) comes
+``KillWait`` seconds (30 by default) or the preemption grace time before ``SIGKILL``. While the
+prediction loop runs it is recorded the same way, so the batch in flight is finished and the
+manifest merged, but the job is not requeued from here: a cancelled job was meant to stop, and
+SLURM requeues a preempted one itself. Lightning's own ``SIGTERM`` handler is replaced for the
+loop: it swallows the signal and runs a broadcast inside the handler, which can interleave with
+the collectives of a context- or tensor-parallel step.
 """
 
 from __future__ import annotations
@@ -24,19 +32,23 @@ REQUEUE_EXIT_CODE = 75
 STOP_SIGNAL = signal.SIGUSR1
 
 _requested = threading.Event()
+_terminated = threading.Event()
 _installed = False
 
 
 def _record(signum: int, frame: Any) -> None:
-    if not _requested.is_set():
-        _requested.set()
-        rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
-        if rank == "0":
-            print(
-                f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
-                "then stopping so that the job can be requeued.",
-                flush=True,
-            )
+    first = not _requested.is_set()
+    _requested.set()
+    if signum == signal.SIGTERM:
+        first = first or not _terminated.is_set()
+        _terminated.set()
+    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
+    if first and rank == "0":
+        then = "stopping (no requeue from here)" if signum == signal.SIGTERM else "stopping so that the job can be requeued"
+        print(
+            f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, then {then}.",
+            flush=True,
+        )
 
 
 def install() -> None:
@@ -48,12 +60,23 @@ def install() -> None:
     _installed = True
 
 
+def record_terminate() -> None:
+    """Record ``SIGTERM`` too, for the prediction loop (Lightning registers its own handler just
+    before the loop and restores the previous one after it). Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _record)
+
+
 def in_slurm_job() -> bool:
     return "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ
 
 
 def requested() -> bool:
     return _requested.is_set()
+
+
+def terminated() -> bool:
+    return _terminated.is_set()
 
 
 def finish_job(strategy: Any) -> int:
@@ -64,8 +87,15 @@ def finish_job(strategy: Any) -> int:
     requeue forever, or ``scontrol`` refused)."""
     if not getattr(strategy, "stops_on_signal", False):
         return 0
-    stopped, made = strategy.run_outcome()  # a collective: every rank is here after the merge
+    stopped, made, terminated = strategy.run_outcome()  # a collective: every rank is here after the merge
     if not stopped or strategy.global_rank != 0:
+        return 0
+    if terminated:
+        print(
+            f"lightning-diffusion: stopped on SIGTERM after {made} images in this run; not requeueing (a preempted "
+            "job is requeued by SLURM, a cancelled one resumes when submitted again with the same output folder).",
+            flush=True,
+        )
         return 0
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID", "")

@@ -261,6 +261,45 @@ def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_pa
     assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(count)) <= ATOL
 
 
+def test_scancel_finishes_the_images_in_flight_and_a_new_job_resumes(cluster, tmp_path):
+    # scancel sends SIGTERM, then SIGKILL after KillWait (30 s, SLURM's default). The tasks finish
+    # the image in flight, merge the manifest and exit on their own, without requeueing the job.
+    count = 12
+    prompts = "[" + ", ".join(f"cancelled prompt {i}" for i in range(count)) + "]"
+    slow = ("--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "30")
+    out = tmp_path / "out"
+    args = ("--config", TINY, "--nodes", "2", "--submit")
+    job = submitted_job(slurm(*args, "--", *tiny_args(out, *slow)[3:], cwd=tmp_path))
+    deadline = time.time() + 240
+    while sum(len(p.read_text().splitlines()) for p in out.glob("manifest.part-*.jsonl")) < 1:
+        assert time.time() < deadline, job_log(out, job)[-4000:]
+        assert job_fields(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), job_log(out, job)[-4000:]
+        time.sleep(0.2)
+    cancelled_at = time.time()
+    subprocess.run(["scancel", job], check=True)
+    while (fields := job_fields(job)) and fields.get("JobState") not in ("CANCELLED", "COMPLETED", "FAILED"):
+        assert time.time() < deadline, job_log(out, job)[-4000:]
+        time.sleep(0.5)
+    # Lightning's own handler would have swallowed SIGTERM and kept going until SIGKILL.
+    while not re.search(r"stopped on SIGTERM after \d+ images", job_log(out, job)):
+        assert time.time() < cancelled_at + 25, "the tasks did not stop before SIGKILL:\n" + job_log(out, job)[-4000:]
+        time.sleep(0.5)
+    log = job_log(out, job)
+    assert "received SIGTERM" in log and "Killed" not in log and "requeueing job" not in log, log[-4000:]
+    done = [line["index"] for line in read_manifest_lines(out)]  # merged by the writer at the stop
+    assert 1 <= len(done) < count and len(done) == len(set(done)), log[-4000:]
+    assert sorted(int(p.name[:6]) for p in out.glob("*.png")) == sorted(done)  # no image without its line
+    assert not list(out.glob(".*.tmp-*")), "a half-written file was left"
+
+    # Submitted again with the same output folder: it resumes and makes the rest, each once.
+    again = slurm(*args, "--wait", "--", *tiny_args(out, *slow)[3:], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    log = job_log(out, submitted_job(again))
+    assert f"{len(done)} images already done are skipped" in log, log[-4000:]
+    assert sorted(line["index"] for line in read_manifest_lines(out)) == list(range(count))
+    assert len(list(out.glob("*.png"))) == count
+
+
 def test_a_requeued_job_takes_over_the_lock_of_its_earlier_run(tmp_path, monkeypatch):
     import json
 

@@ -236,14 +236,22 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def stops_on_signal(self) -> bool:
         return self._stop_on_signal
 
-    def run_outcome(self) -> tuple[bool, int]:
-        """After a completed ``predict``, on every rank: whether any replica stopped early, and the
-        images made by this run over all replicas."""
+    def run_outcome(self) -> tuple[bool, int, bool]:
+        """After a completed ``predict``, on every rank: whether any replica stopped early, the
+        images made by this run over all replicas, and whether any rank received ``SIGTERM``."""
+        mine = [int(self.stopped_early), self.images_made, int(preemption.terminated())]
         if not _distributed_is_initialized():
-            return self.stopped_early, self.images_made
-        counts = torch.tensor([int(self.stopped_early), self.images_made], dtype=torch.int64, device=self.root_device)
+            return bool(mine[0]), mine[1], bool(mine[2])
+        counts = torch.tensor(mine, dtype=torch.int64, device=self.root_device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        return bool(counts[0].item()), int(counts[1].item())
+        return bool(counts[0].item()), int(counts[1].item()), bool(counts[2].item())
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        if self._stop_on_signal:
+            # After Lightning's handler, which it registers just before the loop (see preemption).
+            preemption.record_terminate()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
