@@ -1,10 +1,10 @@
 """Stopping a run early on SLURM's warning signal, so that a requeued job resumes where it stopped.
 
 SLURM sends ``SIGUSR1`` (``sbatch --signal=USR1@SECONDS``) before a time limit, and at a
-preemption where the cluster sets ``PreemptParameters=send_user_signal``. The handler here only records it. The strategies read the record at each batch boundary, agree on
-it within every group of ranks that work on the same images, finish the batch in flight, skip the
-rest and end the prediction loop normally: the writer flushes and merges the manifest as after a
-complete run. Then ``finish_job`` (called by the CLI after ``predict``; call it yourself after
+preemption where the cluster sets ``PreemptParameters=send_user_signal``. The handler here only
+records it. The strategies read the record at each batch boundary, agree on it within every group
+of ranks that work on the same images, finish the batch in flight, skip the rest and end the
+prediction loop normally: the writer flushes and merges the manifest as after a complete run. Then ``finish_job`` (called by the CLI after ``predict``; call it yourself after
 ``Trainer.predict`` in a script of your own) has global rank 0 run ``scontrol requeue``, and the
 requeued job resumes from the manifest. No checkpoint is written: the manifest is the whole state
 of an inference job.
@@ -44,9 +44,13 @@ def _record(signum: int, frame: Any) -> None:
         _terminated.set()
     rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
     if first and rank == "0":
-        then = "stopping (no requeue from here)" if signum == signal.SIGTERM else "stopping so that the job can be requeued"
+        if signum == signal.SIGTERM:
+            then = "stopping (no requeue from here)"
+        else:
+            then = "stopping so that the job can be requeued"
         print(
-            f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, then {then}.",
+            f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
+            f"then {then}.",
             flush=True,
         )
 
