@@ -97,11 +97,6 @@ class PipelineInfo:
     def call_parameters(self) -> set[str]:
         return set(inspect.signature(self.pipeline_class.__call__).parameters) - {"self", "kwargs"}
 
-    def call_argument_defaults(self) -> dict[str, Any]:
-        """Every default of the pipeline's ``__call__`` (``true_cfg_scale``: 4.0 for Qwen-Image, 1.0 for FLUX)."""
-        parameters = inspect.signature(self.pipeline_class.__call__).parameters
-        return {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
-
     @property
     def call_defaults(self) -> dict[str, Any]:
         """The pipeline's own defaults for the arguments written into every image's metadata."""

@@ -111,7 +111,7 @@ def test_flux_without_true_cfg_is_refused(tmp_path):
 
 def test_pipelines_without_a_table_entry_are_refused():
     with pytest.raises(ConfigError, match="StableDiffusion3Pipeline is not one. Supported: QwenImagePipeline"):
-        check_cfg("StableDiffusion3Pipeline", {"guidance_scale": 7.0}, {}, None)
+        check_cfg("StableDiffusion3Pipeline", {"guidance_scale": 7.0}, lambda name: None, None)
 
 
 def test_cfg_degree_is_one_or_two():

@@ -73,7 +73,7 @@ def test_record_checks_read_the_summary_made_while_indexing_not_the_lines(tmp_pa
     with pytest.raises(PipelineError, match="prompt record 3: FluxPipeline does not accept eta"):
         DiffusionModule("tiny:flux").check_records(records)
     with pytest.raises(ConfigError, match=r"4 of 5 records have none \(records 2, 3, 4, 5\)"):
-        check_cfg("QwenImagePipeline", {"true_cfg_scale": 4.0}, {}, records)
+        check_cfg("QwenImagePipeline", {"true_cfg_scale": 4.0}, lambda name: None, records)
 
 
 def test_output_dir_that_is_a_file(tmp_path):

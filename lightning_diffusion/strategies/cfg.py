@@ -60,16 +60,20 @@ def supported() -> str:
     return ", ".join(f"{name} ({entry.scale_arg} > 1)" for name, entry in CFG_PIPELINES.items())
 
 
-def check_cfg(class_name: str, call_args: dict[str, Any], defaults: dict[str, Any], records: Any) -> None:
+def check_cfg(
+    class_name: str, call_args: dict[str, Any], default: Callable[[str], Any], records: Any
+) -> None:
     """A cfg pair would only run the same work twice unless the pipeline has a table entry and the
-    config turns its negative branch on; refuse instead."""
+    config turns its negative branch on; refuse instead. ``default(name)``: the pipeline's default
+    for a call argument (``PipelineInfo.call_default``: ``true_cfg_scale`` is 4.0 for Qwen-Image,
+    1.0 for FLUX)."""
     entry = CFG_PIPELINES.get(class_name)
     if entry is None:
         raise ConfigError(
             f"cfg=2 needs a pipeline whose two guidance passes this project knows how to split; {class_name} is "
             f"not one. Supported: {supported()}. Use cfg=1 (data_parallel) for it."
         )
-    scale = call_args.get(entry.scale_arg, defaults.get(entry.scale_arg))
+    scale = call_args.get(entry.scale_arg, default(entry.scale_arg))
     if not isinstance(scale, (int, float)) or scale <= 1:
         where = "model.guidance_scale" if entry.scale_arg == "guidance_scale" else f"model.call_kwargs.{entry.scale_arg}"
         raise ConfigError(

@@ -205,8 +205,7 @@ class MeshStrategy(DiffusionParallelStrategy):
                 trainer = getattr(module, "_trainer", None)
                 records = getattr(getattr(trainer, "datamodule", None), "records", None)
             check_cfg(
-                info.class_name, {**module.base_call_args, **module.call_kwargs}, info.call_argument_defaults(),
-                records,
+                info.class_name, {**module.base_call_args, **module.call_kwargs}, info.call_default, records
             )
         if dims.cp > 1:
             self.check_context_parallel(module, info)
