@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
-from lightning_diffusion import preemption, tiny
+from lightning_diffusion import preemption, specs
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.preflight import preflight
@@ -98,10 +98,11 @@ def make_tiny(argv: list[str]) -> None:
         prog="lightning-diffusion make-tiny",
         description="Write a tiny random pipeline (no download) with save_pretrained, in safetensors.",
     )
-    parser.add_argument("kind", choices=sorted(tiny.BUILDERS))
+    builders = specs.tiny_builders()
+    parser.add_argument("kind", choices=sorted(builders))
     parser.add_argument("directory")
     args = parser.parse_args(argv)
-    path = tiny.BUILDERS[args.kind](args.directory)
+    path = builders[args.kind](args.directory)
     print(f"wrote tiny {args.kind} pipeline to {path}")
 
 

@@ -206,7 +206,7 @@ class DiffusionModule(pl.LightningModule):
             output_type="np",
             **kwargs,
         )
-        images = np.asarray(getattr(output, self.info.traits.output), dtype=np.float32)
+        images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt")}
         params = {"model": self.model_path, **self.info.call_defaults, **recorded}
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]

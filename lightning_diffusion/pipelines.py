@@ -2,55 +2,23 @@
 
 ``inspect_pipeline`` reads only ``model_index.json`` and component ``config.json`` files, so a wrong
 path, a folder that is not a diffusers pipeline or a size the pipeline cannot take is reported in
-seconds, not after minutes of loading. Per-pipeline knowledge lives in the ``TRAITS`` table.
+seconds, not after minutes of loading. Per-pipeline knowledge lives in ``specs``.
 """
 
 from __future__ import annotations
 
-from lightning_diffusion.errors import ConfigError
-
 import inspect
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from lightning_diffusion import tiny
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.specs import PipelineSpec, spec_for
 
-
-@dataclass(frozen=True)
-class Traits:
-    """Per-pipeline facts.
-
-    ``patch``: latent pixels packed into one token along each side. ``text_length_arg``: the call
-    argument that fixes the text-token count the transformer splits (padded to it), if any.
-    ``default_size``: (height, width) in pixels when the call gives none. ``output``: the output
-    attribute (``images``, or ``frames`` for video). ``frames_arg`` and ``temporal_scale``: the
-    frame-count argument of a video pipeline, which must be ``temporal_scale * k + 1``.
-    ``prompt_length_text``: the text tokens have each prompt's own length (no padding to a fixed
-    count), so a context-parallel degree cannot be known to divide them.
-    """
-
-    patch: int = 1
-    text_length_arg: Optional[str] = None
-    default_size: Optional[tuple[int, int]] = None
-    output: str = "images"
-    frames_arg: Optional[str] = None
-    temporal_scale: int = 1
-    default_frames: Optional[int] = None
-    prompt_length_text: bool = False
-
-
-TRAITS: dict[str, Traits] = {
-    "FluxPipeline": Traits(patch=2, text_length_arg="max_sequence_length", default_size=(1024, 1024)),
-    "Flux2Pipeline": Traits(patch=2),
-    "QwenImagePipeline": Traits(patch=2, default_size=(1024, 1024), prompt_length_text=True),
-    "WanPipeline": Traits(
-        patch=2, default_size=(480, 832), output="frames", frames_arg="num_frames", temporal_scale=4, default_frames=81
-    ),
-}
 
 # Arguments the project sets itself for every call; users must not pass them in call_kwargs.
 RESERVED_CALL_ARGS = (
@@ -79,6 +47,44 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise PipelineError(f"torch_dtype {name!r} is not one of {', '.join(DTYPES)}.") from None
 
 
+def dtype_name(name: str) -> str:
+    """The canonical name (``float32``, ``bfloat16``, ``float16``) of a dtype name or alias."""
+    return str(resolve_dtype(name)).removeprefix("torch.")
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_bytes(file: Path) -> int:
+    """Bytes of the tensors in a safetensors file, from its header alone (no weight is read)."""
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for dim in entry["shape"]:
+            count *= dim
+        total += count * _SAFETENSORS_BYTES.get(entry["dtype"], 4)
+    return total
+
+
+def component_bytes(path: str | Path) -> dict[str, int]:
+    """Bytes of weights per component folder of a local pipeline (empty for hub ids): tensor bytes
+    from safetensors headers, file sizes for other weight files."""
+    sizes = {}
+    folder = Path(path)
+    for sub in sorted(folder.iterdir()) if folder.is_dir() else []:
+        files = [f for f in sub.glob("*") if f.suffix in (".safetensors", ".bin")] if sub.is_dir() else []
+        if files:
+            sizes[sub.name] = sum(safetensors_bytes(f) if f.suffix == ".safetensors" else f.stat().st_size
+                                  for f in files)
+    return sizes
+
+
 @dataclass
 class PipelineInfo:
     """The pipeline class and configs of a model folder or hub repository, read without weights."""
@@ -90,8 +96,8 @@ class PipelineInfo:
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
-    def traits(self) -> Traits:
-        return TRAITS.get(self.class_name, Traits())
+    def spec(self) -> PipelineSpec:
+        return spec_for(self.class_name)
 
     @property
     def call_parameters(self) -> set[str]:
@@ -116,8 +122,8 @@ class PipelineInfo:
         elif "temperal_downsample" in vae:
             scale = 2 ** len(vae["temperal_downsample"])
         else:
-            scale = 8
-        return scale * self.traits.patch
+            scale = self.spec.vae_scale
+        return scale * self.spec.patch
 
     def component_class(self, name: str) -> Optional[type]:
         """The class a component of ``model_index.json`` names, if diffusers or transformers has it."""
@@ -145,16 +151,14 @@ class PipelineInfo:
 
     def sequence_lengths(self, height: Optional[int], width: Optional[int], call_args: dict[str, Any]) -> dict[str, int]:
         """Token counts the transformer sees (``image``, and ``text`` when it is fixed), where known."""
-        traits, lengths = self.traits, {}
-        default = traits.default_size or (None, None)
+        spec, lengths = self.spec, {}
+        default = spec.default_size or (None, None)
         height, width = height or default[0], width or default[1]
         if height and width:
-            lengths["image"] = (height // self.size_multiple) * (width // self.size_multiple)
-            if traits.frames_arg:
-                frames = call_args.get(traits.frames_arg) or traits.default_frames or 1
-                lengths["image"] *= (frames - 1) // traits.temporal_scale + 1
-        if traits.text_length_arg:
-            text = call_args.get(traits.text_length_arg, self.call_default(traits.text_length_arg))
+            frames = call_args.get(spec.frames_arg) if spec.frames_arg else None
+            lengths["image"] = spec.image_tokens(height, width, frames, self.size_multiple)
+        if spec.text_length_arg:
+            text = call_args.get(spec.text_length_arg, self.call_default(spec.text_length_arg))
             if isinstance(text, int):
                 lengths["text"] = text
         return lengths
@@ -175,12 +179,12 @@ class PipelineInfo:
                 )
 
     def check_frames(self, frames: Optional[int], where: str) -> None:
-        traits = self.traits
+        spec = self.spec
         if frames is None:
             return
-        if traits.frames_arg is None:
+        if spec.frames_arg is None:
             raise PipelineError(f"{where}: {self.class_name} makes images, not videos; drop num_frames.")
-        scale = traits.temporal_scale
+        scale = spec.temporal_scale
         if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % scale:
             raise PipelineError(
                 f"{where}: num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "
@@ -224,7 +228,11 @@ def inspect_pipeline(pretrained_model_name_or_path: str) -> PipelineInfo:
     """Resolve ``tiny:`` names, check that the path holds a diffusers pipeline and read its configs."""
     import diffusers
 
-    path = tiny.resolve(pretrained_model_name_or_path)
+    path = pretrained_model_name_or_path
+    if isinstance(path, str) and path.startswith("tiny:"):
+        from lightning_diffusion import tiny  # builds the offline pipeline on first use
+
+        path = tiny.resolve(path)
     local = Path(path).expanduser().exists()
     if local:
         path = str(Path(path).expanduser())

@@ -13,31 +13,15 @@ parallel, Ulysses while the heads divide, Unified (ring x Ulysses) beyond; both:
 from __future__ import annotations
 
 import argparse
-import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
-# Published sizes in bf16 (GB) of the components, attention heads and hidden size of the
-# transformer, and the token geometry (pixels per token side, frames per latent frame).
-KNOWN = {
-    "black-forest-labs/FLUX.1-dev": dict(
-        components={"transformer": 23.8, "text_encoder_2": 9.5, "text_encoder": 0.25, "vae": 0.17},
-        heads=24, hidden=3072, layers=57, pixels_per_token=16, text_tokens=512, pipeline="FluxPipeline"),
-    "black-forest-labs/FLUX.2-dev": dict(
-        components={"transformer": 64.4, "text_encoder": 48.0, "vae": 0.17},
-        heads=48, hidden=6144, layers=56, pixels_per_token=16, text_tokens=512, pipeline="Flux2Pipeline"),
-    "Qwen/Qwen-Image": dict(
-        components={"transformer": 40.9, "text_encoder": 16.6, "vae": 0.25},
-        heads=24, hidden=3072, layers=60, pixels_per_token=16, text_tokens=256, pipeline="QwenImagePipeline"),
-    "Wan-AI/Wan2.1-T2V-14B-Diffusers": dict(
-        components={"transformer": 28.6, "text_encoder": 11.4, "vae": 0.51},
-        heads=40, hidden=5120, layers=40, pixels_per_token=16, text_tokens=512, temporal=4,
-        pipeline="WanPipeline"),
-}
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.specs import PipelineSpec, all_published, published, spec_for
+
 # Beyond this many tokens per image one GPU spends most of its time in attention and its
 # activations grow large: split the sequence (the guide's "long sequences").
 LONG_SEQUENCE = 16_384
@@ -46,6 +30,9 @@ _HEADROOM = 0.9  # of GPU memory usable for weights and activations
 
 @dataclass
 class ModelFacts:
+    """Sizes ``plan`` decides on: components in GB, the transformer's heads, hidden size and layers,
+    pixels per token side, text tokens, and the pipeline's spec (token geometry, CFG)."""
+
     name: str
     components: dict[str, float]
     heads: int
@@ -53,8 +40,11 @@ class ModelFacts:
     layers: int
     pixels_per_token: int = 16
     text_tokens: int = 512
-    temporal: int = 0
     pipeline: str = ""
+
+    @property
+    def spec(self) -> PipelineSpec:
+        return spec_for(self.pipeline)
 
     @property
     def total_gb(self) -> float:
@@ -65,51 +55,33 @@ class ModelFacts:
         return max(self.components.get("transformer", 0.0), self.components.get("unet", 0.0))
 
 
-def safetensors_bytes(file: Path) -> int:
-    """Bytes of the tensors in a safetensors file, from its header alone."""
-    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-    with file.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    total = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        count = 1
-        for dim in entry["shape"]:
-            count *= dim
-        total += count * sizes.get(entry["dtype"], 4)
-    return total
-
-
 def facts_for(model: str) -> ModelFacts:
-    if model in KNOWN:
-        return ModelFacts(model, **KNOWN[model])
-    from lightning_diffusion.pipelines import inspect_pipeline
+    known = published(model)
+    if known is not None:
+        spec, sizes = known
+        return ModelFacts(model, dict(sizes.components), sizes.heads, sizes.hidden, sizes.layers,
+                          pixels_per_token=spec.vae_scale * spec.patch, text_tokens=sizes.text_tokens,
+                          pipeline=spec.class_name)
+    from lightning_diffusion.pipelines import component_bytes, inspect_pipeline
 
     info = inspect_pipeline(model)
     folder = Path(info.path)
     if not folder.is_dir():
-        raise SystemExit(f"plan: {model} is not a local folder and not one of: {', '.join(KNOWN)}")
-    components = {}
-    for sub in folder.iterdir():
-        files = list(sub.glob("*.safetensors")) if sub.is_dir() else []
-        if files:
-            components[sub.name] = sum(safetensors_bytes(f) for f in files) / 1e9
+        raise ConfigError(f"plan: {model} is not a local folder and not one of: {', '.join(all_published())}.")
+    components = {name: size / 1e9 for name, size in component_bytes(folder).items()}
     config = info.configs.get("transformer", {})
     heads = int(config.get("num_attention_heads", 1))
     hidden = heads * int(config.get("attention_head_dim", 64))
     layers = int(config.get("num_layers", 1)) + int(config.get("num_single_layers", 0))
     return ModelFacts(model, components, heads, hidden, layers, pixels_per_token=info.size_multiple,
-                      temporal=info.traits.temporal_scale if info.traits.frames_arg else 0, pipeline=info.class_name)
+                      pipeline=info.class_name)
 
 
 def cfg_note(facts: ModelFacts) -> str:
     """Whether CFG parallel (``cfg: 2``) applies to this model's pipeline."""
-    from lightning_diffusion.strategies.cfg import CFG_PIPELINES, supported
+    from lightning_diffusion.strategies.cfg import supported
 
-    entry = CFG_PIPELINES.get(facts.pipeline)
+    entry = facts.spec.cfg
     if entry is None:
         return f"cfg parallel: not available for {facts.pipeline or 'this pipeline'} (supported: {supported()})"
     when = f"{entry.scale_arg} > 1" + (" and a negative prompt per image" if entry.needs_negative_prompt else "")
@@ -135,10 +107,7 @@ class Plan:
 
 
 def tokens(facts: ModelFacts, height: int, width: int, frames: Optional[int]) -> int:
-    image = (height // facts.pixels_per_token) * (width // facts.pixels_per_token)
-    if facts.temporal and frames:
-        image *= (frames - 1) // facts.temporal + 1
-    return image + facts.text_tokens
+    return facts.spec.image_tokens(height, width, frames, facts.pixels_per_token) + facts.text_tokens
 
 
 def activation_gb(facts: ModelFacts, sequence: int) -> float:

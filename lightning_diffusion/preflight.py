@@ -30,9 +30,9 @@ def check_disk_space(
     folder = Path(output_dir).expanduser()
     done = len(read_manifest(folder)) if folder.is_dir() else 0
     pending = max(0, len(records) * per_prompt - done)
-    default = info.traits.default_size or (1024, 1024)
+    default = info.spec.default_size or (1024, 1024)
     height, width = named.get("height") or default[0], named.get("width") or default[1]
-    frames = named.get("num_frames") or info.traits.default_frames or 1
+    frames = named.get("num_frames") or info.spec.default_frames or 1
     need = pending * height * width * 3 * frames * _PNG_RATIO
     existing = next(p for p in [folder, *folder.parents] if p.exists())
     free = shutil.disk_usage(existing).free

@@ -4,8 +4,8 @@ resident on the device, as the diffusers guide does for pipelines too large for 
 ``StagedPipeline`` wraps a loaded pipeline and is called like it. For each call (one batch):
 the text encoders come to the device, encode every prompt of the batch and go back to the CPU;
 the transformer (placed by ``device_map``, it stays where it is) denoises to latents; the VAE comes
-to the device, decodes and goes back. Per-pipeline knowledge (how to encode, how to decode) lives in
-``STAGES``, one small class per pipeline.
+to the device, decodes and goes back. Per-pipeline knowledge (how to encode, how to decode) is one
+small class per pipeline, named by its ``PipelineSpec.stages``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,15 @@ class FluxStages:
         return pipe.image_processor.postprocess(image, output_type="np")
 
 
-STAGES = {"FluxPipeline": FluxStages}
+
+def stages_for(class_name: str) -> type:
+    """The staged encode/decode class of a pipeline (``PipelineSpec.stages``), or a ConfigError."""
+    from lightning_diffusion.specs import spec_for, with_stages
+
+    stages = spec_for(class_name).stages_class()
+    if stages is None:
+        raise ConfigError(f"staged=True knows no stages for {class_name}; it supports {', '.join(with_stages())}.")
+    return stages
 
 
 class _Output:
@@ -75,11 +83,9 @@ class StagedPipeline:
     ``output_type="np"`` and the call arguments), running the three stages."""
 
     def __init__(self, pipeline: Any, device: torch.device) -> None:
-        name = type(pipeline).__name__
-        if name not in STAGES:
-            raise ConfigError(f"staged=True knows no stages for {name}; it supports {', '.join(STAGES)}.")
+        stages = stages_for(type(pipeline).__name__)
         self.pipeline = pipeline
-        self.stages = STAGES[name]
+        self.stages = stages
         self.device = device
 
     def __getattr__(self, name: str) -> Any:

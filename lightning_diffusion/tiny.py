@@ -13,7 +13,6 @@ import shutil
 import string
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -268,13 +267,6 @@ def build_wan(directory: str | os.PathLike) -> Path:
     return Path(directory)
 
 
-BUILDERS: dict[str, Callable[[str | os.PathLike], Path]] = {
-    "flux": build_flux,
-    "qwenimage": build_qwenimage,
-    "wan": build_wan,
-}
-
-
 def cache_root() -> Path:
     return Path(os.environ.get("LIGHTNING_DIFFUSION_CACHE", Path.home() / ".cache" / "lightning_diffusion"))
 
@@ -287,9 +279,14 @@ def resolve(name: str) -> str:
     """Map ``tiny:NAME`` to its cached folder, building it on first use; other names pass through."""
     if not is_tiny(name):
         return name
+    from lightning_diffusion import specs
+
     kind = name[len(TINY_PREFIX) :]
-    if kind not in BUILDERS:
-        raise ConfigError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join('tiny:' + k for k in BUILDERS)}")
+    builder = specs.tiny_builder(kind)
+    if builder is None:
+        raise ConfigError(
+            f"Unknown tiny pipeline {name!r}; choose one of: {', '.join('tiny:' + k for k in specs.tiny_names())}"
+        )
     target = cache_root() / f"tiny-{kind}-v{_BUILD_VERSION}"
     if (target / "model_index.json").is_file():
         return str(target)
@@ -298,7 +295,7 @@ def resolve(name: str) -> str:
     # rename wins, so no process ever sees a half-written pipeline.
     staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=target.parent))
     try:
-        BUILDERS[kind](staging)
+        builder(staging)
         try:
             os.rename(staging, target)
         except OSError:

@@ -25,6 +25,7 @@ import torch
 
 from lightning_diffusion.cli import config_with_overrides
 from lightning_diffusion.data import load_records
+from lightning_diffusion.pipelines import dtype_name
 
 # (max abs difference, min PSNR dB, min SSIM) on decoded images in [0, 1], by dtype. float32 runs
 # differ by rounding only (measured up to 2e-6); half-precision kernels reorder sums more freely.
@@ -33,7 +34,6 @@ THRESHOLDS = {
     "bfloat16": (0.1, 30.0, 0.95),
     "float16": (0.05, 35.0, 0.97),
 }
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def compare(ours: np.ndarray, ref: np.ndarray) -> dict[str, float]:
@@ -70,7 +70,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = config_with_overrides(args.config, extra)
     records = list(load_records((config.get("data") or {}).get("prompts")))[: args.num_prompts]
     dtype = (config.get("model") or {}).get("torch_dtype", "float32")
-    dtype = _DTYPE_NAMES.get(dtype, dtype)
+    dtype = dtype_name(dtype)
     max_abs, min_psnr, min_ssim = THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])
     accelerator = (config.get("trainer") or {}).get("accelerator", "auto")
 

@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from lightning_diffusion.cli import main
-from lightning_diffusion.plan import KNOWN, ModelFacts, choose, facts_for, safetensors_bytes
+from lightning_diffusion.pipelines import safetensors_bytes
+from lightning_diffusion.plan import ModelFacts, choose, facts_for
+from lightning_diffusion.specs import all_published
 
 FLUX1, FLUX2 = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.2-dev"
 QWEN, WAN = "Qwen/Qwen-Image", "Wan-AI/Wan2.1-T2V-14B-Diffusers"
@@ -55,7 +57,7 @@ def test_local_pipeline_sizes_come_from_safetensors_headers(tiny_cache):
     assert facts.components["transformer"] == pytest.approx(safetensors_bytes(weights[0]) / 1e9)
     assert 0.001 < facts.components["transformer"] < 0.0012  # 1.09 MB of float32 weights, header not counted
     assert facts.heads == 4 and isinstance(facts, ModelFacts)
-    assert set(KNOWN) >= {FLUX1, FLUX2, QWEN, WAN}
+    assert set(all_published()) >= {FLUX1, FLUX2, QWEN, WAN}
 
 
 @pytest.mark.parametrize(
@@ -63,7 +65,7 @@ def test_local_pipeline_sizes_come_from_safetensors_headers(tiny_cache):
     [
         ("Qwen/Qwen-Image", "cfg parallel: QwenImagePipeline runs two transformer passes per step with true_cfg_scale > 1"),
         ("black-forest-labs/FLUX.1-dev", "cfg parallel: FluxPipeline runs two transformer passes"),
-        ("black-forest-labs/FLUX.2-dev", "cfg parallel: not available for Flux2Pipeline (supported: QwenImagePipeline"),
+        ("black-forest-labs/FLUX.2-dev", "cfg parallel: not available for Flux2Pipeline (supported: FluxPipeline"),
         ("tiny:wan", "cfg parallel: WanPipeline runs two transformer passes per step with guidance_scale > 1;"),
     ],
 )

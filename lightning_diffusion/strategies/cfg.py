@@ -11,14 +11,13 @@ all-gather, the "cond" call returns the cond prediction and the "uncond" call th
 the uncond one without computing. Both ranks then combine and step the scheduler on identical
 numbers, so their latents stay identical and equal to the one-process run.
 
-Which transformer arguments hold the prompt, per pipeline, is the ``CFG_PIPELINES`` table; a
-pipeline missing from it, or a config without a negative branch, is refused before loading.
+Which transformer arguments hold the prompt, per pipeline, is its ``PipelineSpec.cfg``; a pipeline
+without one, or a config without a negative branch, is refused before loading.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,38 +25,11 @@ import torch.distributed as dist
 
 from lightning_diffusion.data import summarize_records
 from lightning_diffusion.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class CFGBranches:
-    """How one pipeline feeds its two CFG branches.
-
-    ``kwargs``: the transformer arguments that differ between the branches, in the order of
-    ``encode_prompt``'s outputs. ``one_call``: ``encode_prompt`` returns (positive, negative) in one
-    call (Wan) instead of being called once per prompt. ``scale_arg`` must exceed 1 for CFG to run;
-    ``needs_negative_prompt``: without a negative prompt the pipeline skips the second pass.
-    ``transformers``: the components called in the loop.
-    """
-
-    kwargs: tuple[str, ...]
-    scale_arg: str
-    needs_negative_prompt: bool = True
-    one_call: bool = False
-    transformers: tuple[str, ...] = ("transformer",)
-
-
-CFG_PIPELINES: dict[str, CFGBranches] = {
-    "QwenImagePipeline": CFGBranches(("encoder_hidden_states", "encoder_hidden_states_mask"), "true_cfg_scale"),
-    "FluxPipeline": CFGBranches(("encoder_hidden_states", "pooled_projections", "txt_ids"), "true_cfg_scale"),
-    "WanPipeline": CFGBranches(
-        ("encoder_hidden_states",), "guidance_scale", needs_negative_prompt=False, one_call=True,
-        transformers=("transformer", "transformer_2"),
-    ),
-}
+from lightning_diffusion.specs import CFGBranches, spec_for, with_cfg
 
 
 def supported() -> str:
-    return ", ".join(f"{name} ({entry.scale_arg} > 1)" for name, entry in CFG_PIPELINES.items())
+    return ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in with_cfg().items())
 
 
 def check_cfg(
@@ -67,7 +39,7 @@ def check_cfg(
     config turns its negative branch on; refuse instead. ``default(name)``: the pipeline's default
     for a call argument (``PipelineInfo.call_default``: ``true_cfg_scale`` is 4.0 for Qwen-Image,
     1.0 for FLUX)."""
-    entry = CFG_PIPELINES.get(class_name)
+    entry = spec_for(class_name).cfg
     if entry is None:
         raise ConfigError(
             f"cfg=2 needs a pipeline whose two guidance passes this project knows how to split; {class_name} is "
@@ -145,7 +117,7 @@ class CFGSplit:
             if not (_same(kwargs.get(names[0]), branches[1][0]) and kwargs.get("hidden_states") is self.pending[0]):
                 raise RuntimeError(
                     "cfg parallel: the transformer call after the conditional one is not the unconditional pass "
-                    "this pipeline's CFG_PIPELINES entry describes; the pipeline changed, refusing to guess."
+                    "this pipeline's PipelineSpec.cfg describes; the pipeline changed, refusing to guess."
                 )
             _, output = self.pending
             self.pending = None

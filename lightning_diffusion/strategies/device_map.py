@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.staged import STAGES, StagedPipeline
+from lightning_diffusion.pipelines import component_bytes
+from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
 
@@ -29,16 +30,6 @@ def size_in_bytes(value: Union[int, str]) -> int:
         return int(convert_file_size_to_int(value))
     except (ValueError, TypeError):
         raise ConfigError(f"max_memory value {value!r} is not a size such as '16GB', '500MB' or a number of bytes.") from None
-
-
-def component_sizes(path: str) -> dict[str, int]:
-    """Bytes of weights per component folder of a local pipeline (empty for hub ids)."""
-    sizes = {}
-    for folder in Path(path).iterdir() if Path(path).is_dir() else []:
-        files = [f for f in folder.glob("*") if f.suffix in (".safetensors", ".bin")] if folder.is_dir() else []
-        if files:
-            sizes[folder.name] = sum(f.stat().st_size for f in files)
-    return sizes
 
 
 class DeviceMapStrategy(MeshStrategy):
@@ -156,9 +147,9 @@ class DeviceMapStrategy(MeshStrategy):
             unknown = set(self.device_map) - {k for k in info.model_index if not k.startswith("_")}
             if unknown:
                 raise ConfigError(f"device_map names {', '.join(sorted(unknown))}, which {info.class_name} does not have.")
-        if self.staged and info.class_name not in STAGES:
-            raise ConfigError(f"staged=True knows no stages for {info.class_name}; it supports {', '.join(STAGES)}.")
-        sizes = component_sizes(info.path)
+        if self.staged:
+            stages_for(info.class_name)
+        sizes = component_bytes(info.path)
         if self.max_memory and sizes and self.offload_folder is None:
             budget = sum(self.max_memory.values())
             smallest = min(sizes.values())
@@ -221,7 +212,8 @@ class DeviceMapStrategy(MeshStrategy):
         return target
 
     def model_to_device(self) -> None:
-        stage_resident = set(STAGES[type(self.lightning_module.pipeline).__name__].encoders) | {"vae"} if self.staged else set()
+        pipeline_class = type(self.lightning_module.pipeline).__name__
+        stage_resident = set(stages_for(pipeline_class).encoders) | {"vae"} if self.staged else set()
         for name, component in getattr(self.lightning_module, "components", {}).items():
             if name in self._placed:
                 continue

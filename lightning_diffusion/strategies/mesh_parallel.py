@@ -26,7 +26,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_diffusion import compat
 from lightning_diffusion.data import summarize_records
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.strategies.cfg import CFG_PIPELINES, CFGSplit, check_cfg
+from lightning_diffusion.specs import spec_for, with_plan
+from lightning_diffusion.strategies.cfg import CFGSplit, check_cfg
 from lightning_diffusion.strategies.mesh import ParallelDims
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 
@@ -94,7 +95,7 @@ class MeshStrategy(DiffusionParallelStrategy):
             num_nodes), and one of them may be ``-1`` to be inferred. ``tp`` is innermost (adjacent
             ranks, one node), ``dp`` outermost (the only dimension that may span nodes at no cost).
         cfg: 2 runs the conditional and unconditional passes of classifier-free guidance on two
-            ranks at once (pipelines in ``strategies.cfg.CFG_PIPELINES``, with their negative branch
+            ranks at once (pipelines whose ``PipelineSpec`` has ``cfg``, with their negative branch
             on); 1 runs them in turn, as diffusers does.
         ulysses_anything: Ulysses for sequence lengths and head counts that do not divide the degree.
         ring_anything: ring attention for sequence lengths that do not divide the degree.
@@ -217,7 +218,7 @@ class MeshStrategy(DiffusionParallelStrategy):
         if not planned:
             raise ConfigError(
                 f"{info.class_name} has no model with a context-parallel plan (_cp_plan) in diffusers; "
-                "use data_parallel, or a pipeline whose transformer has one (FLUX, FLUX.2, Qwen-Image, Wan, LTX)."
+                f"use data_parallel, or a pipeline whose transformer has one ({', '.join(with_plan('_cp_plan'))})."
             )
         split = self.ulysses_degree * self.tp_degree
         for name in planned:
@@ -233,7 +234,7 @@ class MeshStrategy(DiffusionParallelStrategy):
                     f"{name} has {heads} attention heads, not divisible by ulysses_degree={self.ulysses_degree}: "
                     f"use ulysses_anything=True or a ulysses_degree that divides {heads}."
                 )
-        if info.traits.prompt_length_text and not self.ulysses_anything:
+        if info.spec.prompt_length_text and not self.ulysses_anything:
             # diffusers splits the text tokens too; an odd prompt would fail after the weights load. Ring's
             # anything-mode refuses the text attention mask these pipelines pass (diffusers 0.42.1).
             raise ConfigError(
@@ -266,7 +267,7 @@ class MeshStrategy(DiffusionParallelStrategy):
                     f"{height}x{width} gives {length} image tokens ((height/{m}) x (width/{m})), not divisible by "
                     f"the context-parallel degree {degree}: {fix} whose token count is divisible by {degree}."
                 )
-            arg = info.traits.text_length_arg
+            arg = info.spec.text_length_arg
             raise ConfigError(
                 f"{arg}={length} text tokens are not divisible by the context-parallel degree {degree}: "
                 f"{fix.replace('sizes', 'a ' + arg)} divisible by {degree}."
@@ -277,7 +278,7 @@ class MeshStrategy(DiffusionParallelStrategy):
         if not planned:
             raise ConfigError(
                 f"{info.class_name} has no model with a tensor-parallel plan (_tp_plan) in diffusers; "
-                "use data_parallel or context parallelism, or a pipeline with one (FLUX, FLUX.2, Qwen-Image)."
+                f"use data_parallel or context parallelism, or a pipeline with one ({', '.join(with_plan('_tp_plan'))})."
             )
         options = getattr(module, "from_pretrained_kwargs", {})
         for option, reason in _TP_INCOMPATIBLE_OPTIONS.items():
@@ -352,7 +353,7 @@ class MeshStrategy(DiffusionParallelStrategy):
             # Last, so that the split wraps the context-parallel hooks: each branch sees whole inputs.
             pair = self.device_mesh["cfg"]
             self._cfg_split = CFGSplit(
-                pipeline, CFG_PIPELINES[type(pipeline).__name__], pair.get_group(), pair.get_local_rank()
+                pipeline, spec_for(type(pipeline).__name__).cfg, pair.get_group(), pair.get_local_rank()
             )
             rank_zero_info(f"cfg parallel: {type(pipeline).__name__}'s cond and uncond passes on the two ranks of each pair")
 
