@@ -1,8 +1,10 @@
 """The CLI end to end on configs/tiny.yaml, and make-tiny."""
 
+import ast
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -49,8 +51,10 @@ def test_record_seed_and_overrides_reach_the_pipeline(tmp_path):
 def test_make_tiny_writes_a_loadable_safetensors_pipeline(tmp_path):
     from diffusers import DiffusionPipeline
 
-    main(["make-tiny", "flux", str(tmp_path / "a")])
-    main(["make-tiny", "flux", str(tmp_path / "b")])
+    for folder in ("a", "b"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["make-tiny", "flux", str(tmp_path / folder)])
+        assert exit_info.value.code == 0
     assert list(Path(tmp_path / "a" / "transformer").glob("*.safetensors"))
     first = DiffusionPipeline.from_pretrained(tmp_path / "a")
     assert type(first).__name__ == "FluxPipeline"
@@ -60,3 +64,70 @@ def test_make_tiny_writes_a_loadable_safetensors_pipeline(tmp_path):
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
         a, b = getattr(first, name).state_dict(), getattr(second, name).state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_help_lists_every_subcommand_with_one_line(capsys):
+    from lightning_diffusion.commands import COMMANDS
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name, (_, summary) in COMMANDS.items():
+        assert f"  {name}" in out and summary in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predcit"])
+    assert exit_info.value.code == 2 and "unknown command 'predcit'" in capsys.readouterr().err
+
+
+def test_one_config_reader_takes_equals_and_nested_overrides(tmp_path):
+    from lightning_diffusion.config import read_config
+
+    prompts = tmp_path / "other.txt"
+    prompts.write_text("a fox\n")
+    config = read_config("configs/tiny.yaml", [f"--data.prompts={prompts}", "--model.call_kwargs.max_sequence_length=32",
+                                               "--trainer.devices", "2"])
+    assert config.data.prompts == str(prompts)
+    assert config.model.call_kwargs == {"max_sequence_length": 32}
+    assert str(config.trainer.devices) == "2"
+
+
+def _imports(module: str, tree: ast.AST, modules: set[str]) -> set[str]:
+    """Package modules that ``module`` imports anywhere in its body (functions included)."""
+    found = set()
+    package = module if module + ".__init__" in modules else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {name for name in found if name in modules}
+
+
+def test_the_package_has_no_import_cycle():
+    root = REPO / "lightning_diffusion"
+    files = {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in root.rglob("*.py")}
+    modules = {name.removesuffix(".__init__") for name in files} | set(files)
+    graph = {}
+    for name, path in files.items():
+        graph[name.removesuffix(".__init__")] = _imports(name.removesuffix(".__init__"), ast.parse(path.read_text()),
+                                                         modules)
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph.get(node, ())):
+            if target == node:
+                continue
+            assert state.get(target) != 1, "import cycle: " + " -> ".join(path[path.index(target):] + [target])
+            if target not in state:
+                visit(target, path + [target])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])

@@ -7,7 +7,7 @@ import yaml
 
 from lightning_diffusion.cli import main
 from lightning_diffusion.pipelines import safetensors_bytes
-from lightning_diffusion.plan import ModelFacts, choose, facts_for
+from lightning_diffusion.commands.plan import ModelFacts, choose, facts_for
 from lightning_diffusion.specs import all_published
 
 FLUX1, FLUX2 = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.2-dev"
@@ -70,6 +70,6 @@ def test_local_pipeline_sizes_come_from_safetensors_headers(tiny_cache):
     ],
 )
 def test_plan_says_whether_cfg_parallel_applies(model, expected):
-    from lightning_diffusion.plan import cfg_note
+    from lightning_diffusion.commands.plan import cfg_note
 
     assert cfg_note(facts_for(model)).startswith(expected)

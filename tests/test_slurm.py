@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_diffusion import slurm as slurm_module
+from lightning_diffusion.commands import slurm as slurm_module
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5

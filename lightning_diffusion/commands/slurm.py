@@ -20,10 +20,10 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_diffusion.config import check_config, config_error_message, read_config
 from lightning_diffusion.errors import ConfigError
 
 DEFAULT_SIGNAL_SECONDS = 300
@@ -95,7 +95,8 @@ def resources(trainer: dict[str, Any], nodes: Optional[int], gpus_per_node: Opti
     configured_nodes = trainer.get("num_nodes")
     if nodes is not None and nodes < 1:
         problems.append(f"--nodes must be >= 1, got {nodes}.")
-    if configured_nodes is not None and nodes is not None and int(configured_nodes) != nodes:
+    # 1 is also the parsed default: only a config that asks for several nodes can disagree.
+    if configured_nodes not in (None, 1) and nodes is not None and int(configured_nodes) != nodes:
         problems.append(
             f"the config says trainer.num_nodes: {configured_nodes} but --nodes {nodes} was asked for; "
             "Lightning needs them equal. Change one of them."
@@ -127,21 +128,6 @@ def resources(trainer: dict[str, Any], nodes: Optional[int], gpus_per_node: Opti
         raise ConfigError("\n".join(problems))
     tasks = devices if devices is not None else gpus_per_node
     return {"nodes": node_count, "tasks_per_node": tasks, "gpus_per_node": None if on_cpu else tasks}
-
-
-def check_before_submit(config: str, predict_args: list[str]) -> Any:
-    """The predict command's own weight-free checks (model, data, writer, degrees against the
-    world size) on the config as the job will run it; returns the parsed config."""
-    from lightning_diffusion.cli import DiffusionCLI
-
-    class _CheckOnly(DiffusionCLI):
-        def instantiate_classes(self) -> None:  # parse and preflight, build nothing
-            pass
-
-    with warnings.catch_warnings():  # "args given while sys.argv has words": by design here
-        warnings.simplefilter("ignore")
-        cli = _CheckOnly(args=["--config", config, *predict_args], run=False)
-    return cli.config
 
 
 def check_output_folder(output_dir: Path) -> None:
@@ -309,16 +295,15 @@ def main(argv: list[str]) -> int:
         config_path = Path(args.config).expanduser().resolve()
         if not config_path.is_file():
             raise ConfigError(f"no config file at {args.config}.")
-        from lightning_diffusion.cli import config_with_overrides
-
-        loaded = config_with_overrides(str(config_path), predict_args)
-        res = resources(loaded.get("trainer") or {}, args.nodes, args.gpus_per_node)
+        # One parse; the checks run once the job's node and device counts are known.
+        config = read_config(str(config_path), predict_args, check=False)
+        res = resources(config.trainer, args.nodes, args.gpus_per_node)
         if args.submit:
             _slurm_command("sbatch")  # before the checks below, which take seconds
         if args.signal_seconds < 1:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
-        sized = [*predict_args, "--trainer.num_nodes", str(res["nodes"]), "--trainer.devices", str(res["tasks_per_node"])]
-        config = check_before_submit(str(config_path), sized)
+        config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
+        check_config(config)  # predict's own weight-free checks, on the config as the job runs it
         output_dir = Path(config.writer.output_dir).expanduser().resolve()
         if args.submit or args.script:
             check_output_folder(output_dir)
@@ -342,7 +327,6 @@ def main(argv: list[str]) -> int:
         expected = len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
         return wait_for(job_id, output_dir, expected)
     except ValueError as err:
-        from lightning_diffusion.cli import config_error_message
 
         message = config_error_message(err)
         if message is None:

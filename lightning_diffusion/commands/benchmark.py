@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_diffusion.cli import config_with_overrides
+from lightning_diffusion.config import config_error_message, read_config
 from lightning_diffusion.data import PromptDataset, load_records
 from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
 
@@ -133,12 +133,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--compare-diffusers", action="store_true")
     parser.add_argument("--json", help="write the report here")
     args, extra = parser.parse_known_args(argv)
+    try:
+        cfg = read_config(args.config, extra)
+    except ValueError as err:
+        message = config_error_message(err)
+        if message is None:
+            raise
+        print(f"lightning-diffusion benchmark: error: {message}", file=sys.stderr)
+        return 2
 
     with tempfile.TemporaryDirectory(prefix="ld-bench-") as tmp:
         report = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "lightning_diffusion", "predict", "--config", args.config, *extra,
                    "--writer.output_dir", str(Path(tmp) / "out"), "--trainer.enable_progress_bar", "false",
-                   "--trainer.callbacks+=lightning_diffusion.benchmark.StepTimer",
+                   "--trainer.callbacks+=lightning_diffusion.commands.benchmark.StepTimer",
                    f"--trainer.callbacks.report={report}", f"--trainer.callbacks.warmup={args.warmup}"]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -147,14 +155,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = json.loads(report.read_text())
 
     if args.compare_diffusers:
-        cfg = config_with_overrides(args.config, extra)
-        model, data = cfg.get("model", {}), cfg.get("data", {})
+        model, data = cfg.model, cfg.data
         call_args = {k: model[k] for k in ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
                      if model.get(k) is not None}
         call_args.update(model.get("call_kwargs") or {})
-        records = list(load_records(data["prompts"]))
-        bare = diffusers_loop(model.get("pretrained_model_name_or_path", "tiny:flux"), model.get("torch_dtype", "float32"),
-                              records, int(data.get("batch_size", 1)), call_args, int(data.get("seed", 0)), args.warmup)
+        records = list(load_records(data.prompts))
+        bare = diffusers_loop(model.pretrained_model_name_or_path, model.torch_dtype, records, int(data.batch_size),
+                              call_args, int(data.seed), args.warmup)
         bare_ips = bare["images"] / bare["seconds"] if bare["seconds"] else 0.0
         result["diffusers_images_per_sec"] = bare_ips
         result["time_ratio_vs_diffusers"] = bare_ips / result["images_per_sec"] if result["images_per_sec"] else None

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lightning_diffusion.cli import config_with_overrides
+from lightning_diffusion.config import config_error_message, read_config
 from lightning_diffusion.data import load_records
 from lightning_diffusion.pipelines import dtype_name
 
@@ -67,12 +67,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_prompts < 1:
         parser.error("--num-prompts must be at least 1")
 
-    config = config_with_overrides(args.config, extra)
-    records = list(load_records((config.get("data") or {}).get("prompts")))[: args.num_prompts]
-    dtype = (config.get("model") or {}).get("torch_dtype", "float32")
-    dtype = dtype_name(dtype)
+    try:
+        config = read_config(args.config, extra)
+    except ValueError as err:
+        message = config_error_message(err)
+        if message is None:
+            raise
+        print(f"lightning-diffusion verify: error: {message}", file=sys.stderr)
+        return 2
+    records = list(load_records(config.data.prompts))[: args.num_prompts]
+    dtype = dtype_name(config.model.torch_dtype)
     max_abs, min_psnr, min_ssim = THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])
-    accelerator = (config.get("trainer") or {}).get("accelerator", "auto")
+    accelerator = config.trainer.accelerator
 
     with tempfile.TemporaryDirectory(prefix="ld-verify-") as tmp:
         tmp_path = Path(tmp)

@@ -13,6 +13,7 @@ parallel, Ulysses while the heads divide, Unified (ring x Ulysses) beyond; both:
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -184,7 +185,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--write", help="write the recommended config (YAML) here")
     args = parser.parse_args(argv)
     gpu_gb = float(args.gpu_memory.upper().removesuffix("GB").removesuffix("G"))
-    facts = facts_for(args.model)
+    try:
+        facts = facts_for(args.model)
+    except ConfigError as err:
+        print(f"lightning-diffusion plan: error: {err}", file=sys.stderr)
+        return 2
     plan = choose(facts, args.gpus, gpu_gb, args.interconnect, args.height, args.width, args.frames, args.prompts)
     print(f"recommended: {plan.strategy} {plan.init_args or ''} on {plan.devices} process(es)")
     for reason in plan.reasons:

@@ -1,0 +1,16 @@
+"""The subcommands of ``lightning-diffusion``, one module each, dispatched from ``COMMANDS``.
+
+Each module has ``main(argv: list[str]) -> int``; ``cli.main`` imports only the one it runs.
+"""
+
+from __future__ import annotations
+
+# name -> (module, one line for ``lightning-diffusion --help``)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "predict": ("lightning_diffusion.commands.predict", "make the images of a config (the main job)"),
+    "verify": ("lightning_diffusion.commands.verify", "compare a parallel config's images with one device's"),
+    "benchmark": ("lightning_diffusion.commands.benchmark", "time a config, optionally against diffusers called directly"),
+    "plan": ("lightning_diffusion.commands.plan", "recommend a strategy and write its config for a model and GPUs"),
+    "slurm": ("lightning_diffusion.commands.slurm", "render, submit and follow a SLURM batch job for a config"),
+    "make-tiny": ("lightning_diffusion.commands.make_tiny", "write a tiny random pipeline (no download)"),
+}

@@ -1,0 +1,21 @@
+"""``lightning-diffusion make-tiny KIND DIR``: write a tiny random pipeline with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_diffusion import specs
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-diffusion make-tiny",
+        description="Write a tiny random pipeline (no download) with save_pretrained, in safetensors.",
+    )
+    builders = specs.tiny_builders()
+    parser.add_argument("kind", choices=sorted(builders))
+    parser.add_argument("directory")
+    args = parser.parse_args(argv)
+    path = builders[args.kind](args.directory)
+    print(f"wrote tiny {args.kind} pipeline to {path}")
+    return 0

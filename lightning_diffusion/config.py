@@ -1,0 +1,111 @@
+"""The one config reader: ``DiffusionCLI`` (jsonargparse through ``LightningCLI``) parses a YAML
+config and its ``--group.key value`` / ``--group.key=value`` overrides for every subcommand, and
+runs the weight-free checks of ``preflight`` on the result before anything is built.
+
+``read_config(path, overrides)`` gives the parsed config (a jsonargparse ``Namespace``) without
+building a Trainer: ``verify``, ``benchmark`` and ``slurm`` read their values from it, so they see
+exactly what ``predict`` will run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
+from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.module import DiffusionModule
+from lightning_diffusion.preflight import preflight
+from lightning_diffusion.progress import ImageProgressBar
+from lightning_diffusion.writer import ImageWriter
+
+TRAINER_DEFAULTS = {
+    "accelerator": "auto",
+    "devices": "auto",
+    "strategy": "data_parallel",
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_model_summary": False,
+}
+
+
+class DiffusionCLI(LightningCLI):
+    """``LightningCLI`` with the prompt data module, the diffusion module and a top-level ``writer``."""
+
+    def __init__(self, args: Optional[list[str]] = None, run: bool = True) -> None:
+        super().__init__(
+            DiffusionModule,
+            PromptDataModule,
+            save_config_callback=None,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=False,
+            args=args,
+            run=run,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"predict": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ImageWriter, "writer")
+
+    def before_instantiate_classes(self) -> None:
+        check_config(self.config[self.subcommand] if self.subcommand else self.config)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        configured = list(config.get("callbacks") or []) + list(callbacks)
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in configured
+        ):
+            callbacks = [*callbacks, ImageProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
+
+    def predict(self, model: DiffusionModule, datamodule: Any = None, return_predictions: Optional[bool] = None, **kwargs: Any):
+        # Returning predictions would keep every image of the run in memory; the writer has them.
+        return self.trainer.predict(
+            model, datamodule=datamodule, return_predictions=bool(return_predictions), **kwargs
+        )
+
+
+class _ParseOnly(DiffusionCLI):
+    def before_instantiate_classes(self) -> None:  # the caller decides when to check
+        pass
+
+    def instantiate_classes(self) -> None:  # build nothing
+        pass
+
+
+def read_config(config: str, overrides: Optional[list[str]] = None, check: bool = True) -> Any:
+    """Parse ``config`` with ``overrides`` (any ``predict`` flag) exactly as ``predict`` does and,
+    with ``check``, run its weight-free checks (``check_config``); returns the config namespace
+    (``cfg.model.height``, ``cfg.data.prompts``, ``cfg.trainer.strategy``...). Problems raise one
+    ``ConfigError``."""
+    with warnings.catch_warnings():  # "args given while sys.argv has words": by design here
+        warnings.simplefilter("ignore")
+        parsed = _ParseOnly(args=["--config", str(config), *(overrides or [])], run=False).config
+    if check:
+        check_config(parsed)
+    return parsed
+
+
+def check_config(config: Any) -> None:
+    """Every weight-free check of a parsed config (``preflight``), reported in one ``ConfigError``."""
+    raise_problems(preflight(config))
+
+
+def config_error_message(err: BaseException) -> Optional[str]:
+    """The message of the ConfigError behind ``err`` (itself or in its chain), if there is one."""
+    seen = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ConfigError):
+            return str(current)
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
