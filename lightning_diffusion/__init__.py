@@ -1,10 +1,32 @@
-"""Run Hugging Face diffusers pipelines over many devices and nodes with PyTorch Lightning."""
+"""Run Hugging Face diffusers pipelines over many devices and nodes with PyTorch Lightning.
 
-from lightning_diffusion import strategies
-from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion.module import DiffusionModule
-from lightning_diffusion.progress import ImageProgressBar
-from lightning_diffusion.writer import ImageWriter
+The public names load on first use (so that ``lightning-diffusion --help`` and the command line's
+quiet start-up come before torch, Lightning and diffusers are imported); using any of them also
+registers the strategy names (``data_parallel``, ``context_parallel``...) with Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_diffusion import console
+
+console.configure()
 
 __all__ = ["DiffusionModule", "ImageProgressBar", "ImageWriter", "PromptDataModule", "strategies"]
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "DiffusionModule": "lightning_diffusion.module",
+    "ImageProgressBar": "lightning_diffusion.progress",
+    "ImageWriter": "lightning_diffusion.writer",
+    "PromptDataModule": "lightning_diffusion.data",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        importlib.import_module("lightning_diffusion.strategies")  # registers the strategy names
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'lightning_diffusion' has no attribute {name!r}")

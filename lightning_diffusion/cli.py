@@ -15,6 +15,7 @@ import importlib
 import sys
 from typing import Optional
 
+from lightning_diffusion import console
 from lightning_diffusion.commands import COMMANDS
 
 
@@ -22,13 +23,18 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     return (
-        "usage: lightning-diffusion COMMAND [options]\n\ncommands:\n" + "\n".join(lines)
-        + "\n\n`lightning-diffusion COMMAND --help` shows a command's options."
+        "usage: lightning-diffusion [--verbose] COMMAND [options]\n\ncommands:\n" + "\n".join(lines)
+        + "\n\n`lightning-diffusion COMMAND --help` shows a command's options; --verbose keeps the third-party "
+        "start-up messages that are hidden by default."
     )
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     words = list(sys.argv[1:] if argv is None else argv)
+    # Before anything heavy is imported: the environment it sets is read at import time.
+    verbose = "--verbose" in words
+    words = [word for word in words if word != "--verbose"]
+    console.quiet(verbose)
     if not words or words[0] in ("-h", "--help"):
         print(usage())
         sys.exit(0 if words else 2)

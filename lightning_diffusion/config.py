@@ -9,6 +9,7 @@ exactly what ``predict`` will run.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -17,12 +18,15 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
+from lightning_diffusion import console
 from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.errors import ConfigError, mark_preflight_passed, preflight_passed, raise_problems
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preflight import preflight
 from lightning_diffusion.progress import ImageProgressBar
 from lightning_diffusion.writer import ImageWriter
+
+console.quiet_lightning()
 
 TRAINER_DEFAULTS = {
     "accelerator": "auto",
@@ -38,6 +42,8 @@ class DiffusionCLI(LightningCLI):
     """``LightningCLI`` with the prompt data module, the diffusion module and a top-level ``writer``."""
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True) -> None:
+        # The ranks Lightning starts re-run this process's command line: they may trust its checks.
+        self._parses_argv = args is None or list(args) == [w for w in sys.argv[1:] if w != "--verbose"]
         super().__init__(
             DiffusionModule,
             PromptDataModule,
@@ -56,7 +62,11 @@ class DiffusionCLI(LightningCLI):
         parser.add_lightning_class_args(ImageWriter, "writer")
 
     def before_instantiate_classes(self) -> None:
+        if self._parses_argv and preflight_passed():
+            return  # checked by the process that started this rank, on the same command line
         check_config(self.config[self.subcommand] if self.subcommand else self.config)
+        if self._parses_argv:
+            mark_preflight_passed()
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         configured = list(config.get("callbacks") or []) + list(callbacks)

@@ -14,11 +14,11 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 from __future__ import annotations
 
 from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.preemption import STOP
 
 import csv
 import json
 import os
-import threading
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -251,11 +251,9 @@ class ShardSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
         self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
         self.total_size = len(dataset)  # type: ignore[arg-type]
-        self.stopped = threading.Event()
-
     def __iter__(self) -> Iterator[int]:
         for position in range(self.rank, self.total_size, self.num_replicas):
-            if self.stopped.is_set():  # an early stop ends the loader instead of skipping every batch
+            if STOP.stopping.is_set():  # a stopped job ends the loader instead of skipping every batch
                 return
             yield position
 
@@ -308,7 +306,6 @@ class PromptDataModule(pl.LightningDataModule):
         # Read now so that a bad prompt file fails before any process starts or weights load.
         self.records = load_records(prompts)
         self.skip: set[int] = set()
-        self._samplers: list[ShardSampler] = []
         # More replicas than images is fine: the idle ones wait.
         self.allow_zero_length_dataloader_with_multiple_devices = True
 
@@ -320,12 +317,6 @@ class PromptDataModule(pl.LightningDataModule):
         """Leave out images that are already done (called by the writer on resume, before the split)."""
         self.skip = set(indices)
 
-    def stop_early(self) -> None:
-        """End the prediction loaders after the batches already drawn (the strategies call this
-        when the job is asked to stop; what is left is done by the next run)."""
-        for sampler in self._samplers:
-            sampler.stopped.set()
-
     def predict_dataloader(self) -> DataLoader:
         todo = np.ones(self.num_images, dtype=bool)
         if self.skip:
@@ -335,7 +326,6 @@ class PromptDataModule(pl.LightningDataModule):
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}
         sampler = ShardSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"])
-        self._samplers.append(sampler)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

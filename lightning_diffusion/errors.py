@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any, Optional
+
 
 class ConfigError(ValueError):
     """A config value, path or file that cannot work; raised before weights load."""
@@ -23,3 +27,31 @@ def gather(problems: list, check, *args, **kwargs):
     except ConfigError as err:
         problems.append(err)
         return None
+
+
+def check_int(value: Any, name: str, minimum: int = 1) -> Optional[str]:
+    """The problem with ``value`` as an integer >= ``minimum`` named ``name`` (None if it is one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        return f"{name} must be an integer >= {minimum}, got {value!r}."
+    return None
+
+
+# The CLI's launching process checks the whole config before it starts the other ranks, which run
+# the same command line; they trust that check instead of repeating it (``preflight_passed``).
+_PREFLIGHT_ENV = "LIGHTNING_DIFFUSION_PREFLIGHT_PASSED"
+
+
+def _command_token() -> str:
+    import hashlib
+
+    return hashlib.sha1("\0".join(sys.argv[1:]).encode("utf-8")).hexdigest()[:16]
+
+
+def mark_preflight_passed() -> None:
+    """Record, for the ranks this process starts, that this command line passed every check."""
+    os.environ[_PREFLIGHT_ENV] = _command_token()
+
+
+def preflight_passed() -> bool:
+    """Whether this process runs a command line whose checks passed in the process that started it."""
+    return os.environ.get(_PREFLIGHT_ENV) == _command_token()

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import nn
 
-from lightning_diffusion.errors import gather, raise_problems
+from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule, summarize_records
+from lightning_diffusion.errors import gather, preflight_passed, raise_problems
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
 
 
@@ -75,8 +76,8 @@ class DiffusionModule(pl.LightningModule):
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
     array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
     that made it).
-    Nothing here depends on the strategy: strategies place and parallelise ``self.pipeline`` after
-    ``configure_model`` loads it.
+    Nothing here depends on the strategy: a strategy reads ``request()``, hands a ``LoadPlan`` to
+    ``use_load_plan`` and its parallelised pipeline to ``use_pipeline`` (see ``contract``).
     """
 
     def __init__(
@@ -113,11 +114,8 @@ class DiffusionModule(pl.LightningModule):
         self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
         self.show_inner_progress = show_inner_progress
         self.pipeline: Any = None
-        # Components a strategy builds itself (a transformer sharded while it loads), by name:
-        # each is called with (PipelineInfo, torch dtype) in configure_model and passed to from_pretrained.
-        self.component_loaders: dict[str, Callable[[PipelineInfo, torch.dtype], nn.Module]] = {}
-        # Extra from_pretrained arguments a strategy sets (a pipeline-level device_map).
-        self.pipeline_load_kwargs: dict[str, Any] = {}
+        # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
+        self.load_plan = LoadPlan()
         # The pipeline's torch modules, registered so that Lightning's device moves reach them.
         self.components = nn.ModuleDict()
 
@@ -135,9 +133,30 @@ class DiffusionModule(pl.LightningModule):
                if k in self.from_pretrained_kwargs},
         }
 
+    @property
+    def call_args(self) -> dict[str, Any]:
+        """The pipeline-call arguments of the config (before per-record overrides)."""
+        return {**self.base_call_args, **self.call_kwargs}
+
+    # ----------------------------------------------------------------- the contract with strategies
+
+    def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
+        """What a strategy may know before the weights load (see ``contract``)."""
+        return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records)
+
+    def use_load_plan(self, plan: LoadPlan) -> None:
+        """Load with ``plan`` in ``configure_model`` (a strategy's components and options)."""
+        self.load_plan = plan
+
+    def use_pipeline(self, pipeline: Any) -> None:
+        """Call ``pipeline`` from now on (a strategy's parallelised or wrapped pipeline)."""
+        self.pipeline = pipeline
+
+    # ----------------------------------------------------------------- Lightning hooks
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
-        if isinstance(datamodule, PromptDataModule):
+        if isinstance(datamodule, PromptDataModule) and not preflight_passed():
             self.check_records(datamodule.records)
 
     def check_records(self, records: Sequence[dict[str, Any]]) -> None:
@@ -147,7 +166,7 @@ class DiffusionModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.pipeline is not None:
             return
-        self.load_pipeline(**{name: load(self.info, self.dtype_) for name, load in self.component_loaders.items()})
+        self.load_pipeline(**{name: load(self.info, self.dtype_) for name, load in self.load_plan.components.items()})
 
     def load_pipeline(self, **components: Any) -> None:
         """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may
@@ -162,7 +181,7 @@ class DiffusionModule(pl.LightningModule):
         # safetensors only and no remote code unless the user opts in (from_pretrained_kwargs).
         options = {"use_safetensors": True, "trust_remote_code": False, **self.from_pretrained_kwargs}
         pipeline = DiffusionPipeline.from_pretrained(
-            self.info.path, dtype=self.dtype_, **options, **self.pipeline_load_kwargs, **components
+            self.info.path, dtype=self.dtype_, **options, **self.load_plan.pipeline_kwargs, **components
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)
@@ -172,7 +191,7 @@ class DiffusionModule(pl.LightningModule):
                 self.components[name] = component
 
     def call_arguments(self, sample: dict[str, Any]) -> dict[str, Any]:
-        return {**self.base_call_args, **self.call_kwargs, **sample["overrides"]}
+        return {**self.call_args, **sample["overrides"]}
 
     def predict_step(self, batch: list[dict[str, Any]], batch_idx: int = 0, dataloader_idx: int = 0) -> list[dict]:
         # Samples with different per-record overrides cannot share one pipeline call.

@@ -2,11 +2,11 @@
 
 SLURM sends ``SIGUSR1`` (``sbatch --signal=USR1@SECONDS``) before a time limit, and at a
 preemption where the cluster sets ``PreemptParameters=send_user_signal``. The handler here only
-records it. The strategies read the record at each batch boundary, agree on it within every group
-of ranks that work on the same images, finish the batch in flight, skip the rest and end the
-prediction loop normally: the writer flushes and merges the manifest as after a complete run. Then ``finish_job`` (called by the CLI after ``predict``; call it yourself after
-``Trainer.predict`` in a script of your own) has global rank 0 run ``scontrol requeue``, and the
-requeued job resumes from the manifest. No checkpoint is written: the manifest is the whole state
+records it. At each batch boundary the ranks of every group that works on the same images agree
+on it, finish the batch in flight, end the prompt loader and so the prediction loop normally: the
+writer flushes and merges the manifest as after a complete run. Then ``finish_job`` (called by the
+CLI after ``predict``; call it yourself after ``Trainer.predict`` in a script of your own) has
+global rank 0 run ``scontrol requeue``, and the requeued job resumes from the manifest. No checkpoint is written: the manifest is the whole state
 of an inference job.
 
 ``SIGTERM`` (``scancel``, or a preemption without ``PreemptParameters=send_user_signal``) comes
@@ -16,110 +16,171 @@ manifest merged, but the job is not requeued from here: a cancelled job was mean
 SLURM requeues a preempted one itself. Lightning's own ``SIGTERM`` handler is replaced for the
 loop: it swallows the signal and runs a broadcast inside the handler, which can interleave with
 the collectives of a context- or tensor-parallel step.
+
+All of it is one object, ``STOP`` (a ``StopController``; signals are per process, so there is one
+per process): the strategies enable it in SLURM jobs and ask it at every batch, the prompt sampler
+ends when it says so, and the CLI asks it whether to requeue.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import subprocess
 import threading
-from typing import Any
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+_ALL = {"all_ranks": True}
 
 # EX_TEMPFAIL from sysexits.h: "try again later".
 REQUEUE_EXIT_CODE = 75
 STOP_SIGNAL = signal.SIGUSR1
-
-_requested = threading.Event()
-_terminated = threading.Event()
-_installed = False
-
-
-def _record(signum: int, frame: Any) -> None:
-    first = not _requested.is_set()
-    _requested.set()
-    if signum == signal.SIGTERM:
-        first = first or not _terminated.is_set()
-        _terminated.set()
-    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
-    if first and rank == "0":
-        if signum == signal.SIGTERM:
-            then = "stopping (no requeue from here)"
-        else:
-            then = "stopping so that the job can be requeued"
-        print(
-            f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
-            f"then {then}.",
-            flush=True,
-        )
-
-
-def install() -> None:
-    """Record ``SIGUSR1`` instead of dying of it (its default action). Main thread only."""
-    global _installed
-    if _installed or threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(STOP_SIGNAL, _record)
-    _installed = True
-
-
-def record_terminate() -> None:
-    """Record ``SIGTERM`` too, for the prediction loop (Lightning registers its own handler just
-    before the loop and restores the previous one after it). Main thread only."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _record)
 
 
 def in_slurm_job() -> bool:
     return "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ
 
 
-def requested() -> bool:
-    return _requested.is_set()
+class StopController:
+    """Owns the stop signals, the per-batch agreement of each replica's ranks, the count of images
+    made and the requeue decision."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()   # a signal arrived on this rank
+        self.terminated = threading.Event()  # ... and it was SIGTERM
+        self.stopping = threading.Event()    # the ranks of this replica agreed to stop
+        self.enabled = False
+        self.stopped_early = False
+        self.images_made = 0
+        self._installed = False
+        self._group: Optional[Any] = None
+        self._device = torch.device("cpu")
+        self._rank = 0
+
+    # ----------------------------------------------------------------- signals
+
+    def _record(self, signum: int, frame: Any) -> None:
+        first = not self.requested.is_set()
+        self.requested.set()
+        if signum == signal.SIGTERM:
+            first = first or not self.terminated.is_set()
+            self.terminated.set()
+        rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
+        if first and rank == "0":
+            # print, not logging: a signal handler must not wait for a lock the interrupted code holds.
+            then = "stopping (no requeue from here)" if signum == signal.SIGTERM else "stopping so that the job can be requeued"
+            print(
+                f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
+                f"then {then}.",
+                flush=True,
+            )
+
+    def install(self) -> None:
+        """Record ``SIGUSR1`` instead of dying of it (its default action). Main thread only."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(STOP_SIGNAL, self._record)
+        self._installed = True
+
+    def watch_terminate(self) -> None:
+        """Record ``SIGTERM`` too, for the prediction loop (Lightning registers its own handler just
+        before the loop and restores the previous one after it). Main thread only."""
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._record)
+
+    # ----------------------------------------------------------------- the run
+
+    def enable(self, replica_group: Optional[Any], device: torch.device, global_rank: int) -> None:
+        """Stop on the signals for this run: ``replica_group`` holds the ranks that make the same
+        images (None for a replica of one rank)."""
+        self.install()
+        self.enabled = True
+        self._group, self._device, self._rank = replica_group, device, global_rank
+
+    def should_stop(self) -> bool:
+        """Whether this replica stops before its next batch: after a signal, agreed by every rank of
+        the replica at the same batch so that none waits in a collective for the others."""
+        if self.stopping.is_set() or not self.enabled:
+            return self.stopping.is_set()
+        stop = self.requested.is_set()
+        if self._group is not None:
+            flag = torch.tensor([int(stop)], device=self._device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            stop = bool(flag.item())
+        if stop:
+            self.stopping.set()
+            self.stopped_early = True
+        return stop
+
+    def count(self, images: int) -> None:
+        self.images_made += images
+
+    def outcome(self) -> tuple[bool, int, bool]:
+        """After ``predict``, on every rank (a collective): whether any replica stopped early, the
+        images made by this run over all replicas (counted by their writing ranks), and whether any
+        rank received ``SIGTERM``."""
+        mine = [int(self.stopped_early), self.images_made, int(self.terminated.is_set())]
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(mine[0]), mine[1], bool(mine[2])
+        counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return bool(counts[0].item()), int(counts[1].item()), bool(counts[2].item())
+
+    def finish_job(self) -> int:
+        """After ``predict`` returned on every rank: requeue the SLURM job if the run stopped early.
+
+        Returns the exit code for this process: 0, or ``REQUEUE_EXIT_CODE`` on global rank 0 when
+        the job stopped early and could not be requeued (no image was finished in this run, which
+        would requeue forever, or ``scontrol`` refused)."""
+        if not self.enabled:
+            return 0
+        stopped, made, terminated = self.outcome()  # every rank is here after the manifest merge
+        if not stopped or self._rank != 0:
+            return 0
+        return _requeue(made, terminated)
 
 
-def terminated() -> bool:
-    return _terminated.is_set()
-
-
-def finish_job(strategy: Any) -> int:
-    """After ``predict`` returned on every rank: requeue the SLURM job if the run stopped early.
-
-    Returns the exit code for this process: 0, or ``REQUEUE_EXIT_CODE`` on global rank 0 when the
-    job stopped early and could not be requeued (no image was finished in this run, which would
-    requeue forever, or ``scontrol`` refused)."""
-    if not getattr(strategy, "stops_on_signal", False):
-        return 0
-    stopped, made, terminated = strategy.run_outcome()  # a collective: every rank is here after the merge
-    if not stopped or strategy.global_rank != 0:
-        return 0
+def _requeue(made: int, terminated: bool) -> int:
     if terminated:
-        print(
+        log.info(
             f"lightning-diffusion: stopped on SIGTERM after {made} images in this run; not requeueing (a preempted "
-            "job is requeued by SLURM, a cancelled one resumes when submitted again with the same output folder).",
-            flush=True,
+            "job is requeued by SLURM, a cancelled one resumes when submitted again with the same output folder).", extra=_ALL
         )
         return 0
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID", "")
     if made == 0:
-        print(
+        log.info(
             "lightning-diffusion: stopped early without finishing an image in this run; not requeueing, "
-            "which would repeat forever. Give the job more time (--time) or more warning (--signal-seconds).",
-            flush=True,
+            "which would repeat forever. Give the job more time (--time) or more warning (--signal-seconds).", extra=_ALL
         )
         return REQUEUE_EXIT_CODE
     if not re.fullmatch(r"[0-9_]+", job):
-        print(f"lightning-diffusion: stopped early, but {job!r} is not a SLURM job id; run again to resume.")
+        log.info(
+            f"lightning-diffusion: stopped early, but {job!r} is not a SLURM job id; run again to resume.", extra=_ALL
+        )
         return REQUEUE_EXIT_CODE
-    print(f"lightning-diffusion: stopped early after {made} images; requeueing job {job} to resume.", flush=True)
+    log.info(f"lightning-diffusion: stopped early after {made} images; requeueing job {job} to resume.", extra=_ALL)
     try:
         proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     except FileNotFoundError:
-        print("lightning-diffusion: scontrol not found; resubmit the job to resume.", flush=True)
+        log.info(
+            "lightning-diffusion: scontrol not found; resubmit the job to resume.", extra=_ALL
+        )
         return REQUEUE_EXIT_CODE
     if proc.returncode != 0:
-        print(f"lightning-diffusion: scontrol requeue {job} failed: {proc.stderr.strip()}", flush=True)
+        log.info(
+            f"lightning-diffusion: scontrol requeue {job} failed: {proc.stderr.strip()}", extra=_ALL
+        )
         return REQUEUE_EXIT_CODE
     return 0
+
+
+# One per process: signal handlers are per process.
+STOP = StopController()

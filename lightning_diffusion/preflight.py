@@ -2,9 +2,9 @@
 
 The CLI runs ``preflight`` after parsing and before it builds any object, so a config with three
 mistakes gets one message naming all three, in seconds, instead of a fix-and-retry loop with a
-model load in between: model, prompts, writer, disk space, and the degrees of the project's mesh
-strategies against the world size and the model. The classes run the same checks again when
-built from Python, and the strategies once more on every rank before the process group starts.
+model load in between: model, prompts, writer, disk space, and the degrees of the project's
+strategies against the world size and the model (``check_request``, the same rules a strategy runs
+on every rank when the Trainer is used from Python). The ranks the CLI starts trust this check.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.data import check_data_args, load_records
 from lightning_diffusion.errors import ConfigError, gather
 from lightning_diffusion.module import check_model_args, check_records
-from lightning_diffusion.pipelines import PipelineInfo
+from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
 from lightning_diffusion.writer import check_writer_args, read_manifest
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
@@ -43,43 +44,36 @@ def check_disk_space(
         )
 
 
-def check_strategy(config: Any, info: Optional[PipelineInfo], records: Optional[Sequence[Any]] = None) -> None:
-    """Degrees against the world size and the model (heads, token counts, plans), for the
-    project's mesh strategies when the world size is known from the config."""
+def build_strategy(spec: Any) -> Optional[Any]:
+    """The project's strategy a config names (a registered name or a class path), built to check
+    its arguments; None for another strategy, which is checked by Lightning itself."""
     import importlib
 
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_diffusion.module import DiffusionModule
-    from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+    from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
 
-    trainer = config.trainer
-    spec = trainer.get("strategy")
-    # Built here first, so that a bad strategy argument is reported with the other problems.
     if isinstance(spec, str):
-        if spec not in StrategyRegistry:
-            return
-        strategy = StrategyRegistry.get(spec)
+        strategy = StrategyRegistry.get(spec) if spec in StrategyRegistry else None
     elif spec is not None and spec.get("class_path"):
         module_name, _, name = spec.class_path.rpartition(".")
         cls = getattr(importlib.import_module(module_name), name, None)
-        if not (isinstance(cls, type) and issubclass(cls, MeshStrategy)):
-            return
+        if not (isinstance(cls, type) and issubclass(cls, DiffusionParallelStrategy)):
+            return None
         strategy = cls(**dict(spec.get("init_args") or {}))
     else:
-        return
+        return None
+    return strategy if isinstance(strategy, DiffusionParallelStrategy) else None
+
+
+def world_size(trainer: Any) -> Optional[int]:
+    """devices x num_nodes when the config says it (None for "auto" or a device list)."""
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
     if isinstance(devices, str) and devices.isdigit():
         devices = int(devices)
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        return  # "auto", a device list: the world size is known only to the Trainer
-    if not isinstance(strategy, MeshStrategy):
-        return
-    strategy._parallel_dims = strategy.make_parallel_dims(devices * nodes)
-    if info is not None:
-        model = config.model
-        module = DiffusionModule(**{k: v for k, v in dict(model).items() if not str(k).startswith("__")})
-        MeshStrategy.check_model(strategy, module, records)
+        return None
+    return devices * nodes
 
 
 def preflight(config: Any) -> list:
@@ -95,9 +89,18 @@ def preflight(config: Any) -> list:
     records = gather(problems, load_records, data.prompts)
     if info is not None and records is not None:
         problems += check_records(info, records)
-    writer_problems = check_writer_args(writer.output_dir, writer.video_format, writer.fps)
-    problems += writer_problems
-    gather(problems, check_strategy, config, info if not problems else None, records)
+    problems += check_writer_args(writer.output_dir, writer.video_format, writer.fps)
+    # Built first, so that a bad strategy argument is reported with the other problems; its rules
+    # against the model run once the model and records are known to be right.
+    strategy = gather(problems, build_strategy, config.trainer.get("strategy"))
+    size = world_size(config.trainer)
+    if strategy is not None and size is not None:
+        gather(problems, strategy.make_parallel_dims, size)
+        if info is not None and not problems:
+            call_args = {**{k: v for k, v in named.items() if v is not None}, **(model.get("call_kwargs") or {})}
+            request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
+                                   dict(model.get("from_pretrained_kwargs") or {}), records)
+            problems += strategy.check_request(request, size)
     if info is not None and records is not None and not problems:
         gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
     return problems

@@ -295,7 +295,15 @@ def resolve(name: str) -> str:
     # rename wins, so no process ever sees a half-written pipeline.
     staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=target.parent))
     try:
-        builder(staging)
+        from transformers.utils import logging as transformers_logging
+
+        shown = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()  # "Writing model shards" bars for 1 MB models
+        try:
+            builder(staging)
+        finally:
+            if shown:
+                transformers_logging.enable_progress_bar()
         try:
             os.rename(staging, target)
         except OSError:

@@ -15,6 +15,7 @@ which is ignored. The manifest is the single source of truth: a rerun skips the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -23,12 +24,13 @@ from typing import Any, Optional, Sequence
 import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.utilities import rank_zero_info
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.lock import OutputLock
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.jsonl"
 _PART_GLOB = "manifest.part-*.jsonl"
@@ -247,7 +249,7 @@ class ImageWriter(BasePredictionWriter):
             raise ConfigError(error)
         self.done = set(done)
         if self.done:
-            rank_zero_info(f"Resuming into {self.output_dir}: {len(self.done)} images already done are skipped.")
+            log.info(f"Resuming into {self.output_dir}: {len(self.done)} images already done are skipped.")
         skip = getattr(trainer.datamodule, "skip_indices", None)
         if callable(skip):
             skip(self.done)
@@ -265,15 +267,15 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         if not self.writes_outputs(trainer):
             return
-        lines = [self.write_image(item) for item in prediction]
+        lines = [self.write_output(item) for item in prediction]
         assert self._part is not None
         with self._part.open("a", encoding="utf-8") as f:
             f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
             f.flush()
             os.fsync(f.fileno())
 
-    def write_image(self, item: dict[str, Any]) -> dict[str, Any]:
-        """Write one image (and its array) atomically; return its manifest line."""
+    def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
+        """Write one image or video (and its array) atomically; return its manifest line."""
         index, prompt, params = item["index"], item["prompt"], item["params"]
         metadata = {"index": index, "prompt": prompt, "seed": item["seed"], **params}
         if item.get("negative_prompt") is not None:
@@ -313,7 +315,7 @@ class ImageWriter(BasePredictionWriter):
         trainer.strategy.barrier("image_writer_merge")
         if trainer.is_global_zero:
             total = merge_manifest(self.output_dir)
-            rank_zero_info(f"{total} outputs in {self.output_dir / MANIFEST}")
+            log.info(f"{total} outputs in {self.output_dir / MANIFEST}")
             if self._lock is not None:
                 self._lock.release()
 

@@ -7,12 +7,13 @@ class LocalAttentionUlysses(ContextParallelStrategy):
     """Splits the tokens like Ulysses but leaves attention local to each rank's shard: it runs
     without error and gives a plausible, wrong picture."""
 
-    def parallelize(self, pipeline):
-        super().parallelize(pipeline)
+    def setup_pipeline(self, pipeline):
+        pipeline = super().setup_pipeline(pipeline)
         for module in pipeline.transformer.modules():
             processor = getattr(module, "processor", None)
             if processor is not None and hasattr(processor, "_parallel_config"):
                 processor._parallel_config = None
+        return pipeline
 
 
 class SwappedFeedForwardTP(TensorParallelStrategy):

@@ -61,6 +61,13 @@ def tiny_args(output_dir: Path, *extra: str, config: str = "configs/tiny.yaml") 
     ]
 
 
+def check_model(strategy, module, records=None) -> None:
+    """Run a strategy's weight-free rules on a module's request, raising as every rank would."""
+    from lightning_diffusion.errors import raise_problems
+
+    raise_problems(strategy.check_request(module.request(records)))
+
+
 FIVE_PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen, an astronaut, a watercolor map]"
 
 

@@ -15,7 +15,7 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import ContextParallelStrategy, MeshError
-from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
 CP = "lightning_diffusion.strategies.ContextParallelStrategy"
@@ -77,9 +77,9 @@ def cpu_trainer(devices, **kwargs):
     [
         (3, dict(ulysses_degree=2), MeshError, "world size 3 is not divisible by ring 1 x ulysses 2 x tp 1 = 2"),
         (2, dict(ulysses_degree=2, ring_degree=2), MeshError, "world size 2 is not divisible by ring 2 x ulysses 2"),
-        (2, dict(ulysses_degree=2, ring_anything=True), ConfigError, "ring_anything needs ring degree > 1"),
+        (2, dict(ulysses_degree=2, ring_anything=True), ConfigError, "ring_degree must be greater than 1 for ring_anything"),
         (4, dict(ulysses_degree=2, ring_degree=2, ulysses_anything=True), ConfigError,
-         "ulysses_anything works with ring degree 1 only"),
+         "ulysses_anything cannot be enabled when ring_degree > 1"),
         (1, dict(ulysses_degree=-1), ConfigError, "leaves a group of 1"),
     ],
 )
@@ -105,14 +105,14 @@ def test_bad_options_are_refused(kwargs, message):
 def test_heads_not_divisible_by_ulysses_degree():
     trainer = cpu_trainer(3, ulysses_degree=3)
     with pytest.raises(ConfigError, match="4 attention heads, not divisible by ulysses_degree=3: use ulysses_anything"):
-        trainer.strategy.check_model(DiffusionModule("tiny:flux", height=64, width=64))
+        check_model(trainer.strategy, DiffusionModule("tiny:flux", height=64, width=64))
 
 
 def test_text_length_not_divisible(tmp_path):
     trainer = cpu_trainer(2, ring_degree=2)
     module = DiffusionModule("tiny:flux", height=64, width=64, call_kwargs={"max_sequence_length": 63})
     with pytest.raises(ConfigError, match="max_sequence_length=63 text tokens are not divisible .* use ring_anything"):
-        trainer.strategy.check_model(module)
+        check_model(trainer.strategy, module)
 
 
 @pytest.mark.parametrize("kwargs", [dict(ulysses_degree=2), dict(ring_degree=2), dict(ring_degree=2, ring_anything=True)])
@@ -121,8 +121,8 @@ def test_prompt_length_text_needs_ulysses_anything(kwargs):
     # anything-mode rejects its attention mask (measured: ValueError from TemplatedRingAnythingAttention).
     module = DiffusionModule("tiny:qwenimage", height=64, width=64)
     with pytest.raises(ConfigError, match="QwenImagePipeline's text tokens have each prompt's own length.*ulysses_anything=True"):
-        cpu_trainer(2, **kwargs).strategy.check_model(module)
-    cpu_trainer(2, ulysses_degree=2, ulysses_anything=True).strategy.check_model(module)
+        check_model(cpu_trainer(2, **kwargs).strategy, module)
+    check_model(cpu_trainer(2, ulysses_degree=2, ulysses_anything=True).strategy, module)
 
 
 def test_model_without_context_parallel_plan(tmp_path):
@@ -131,4 +131,4 @@ def test_model_without_context_parallel_plan(tmp_path):
     }))
     trainer = cpu_trainer(2, ulysses_degree=2)
     with pytest.raises(ConfigError, match="StableDiffusionPipeline has no model with a context-parallel plan"):
-        trainer.strategy.check_model(DiffusionModule(str(tmp_path)))
+        check_model(trainer.strategy, DiffusionModule(str(tmp_path)))

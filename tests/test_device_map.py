@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import DeviceMapStrategy, TensorParallelStrategy
-from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
 DM = "lightning_diffusion.strategies.DeviceMapStrategy"
@@ -57,7 +57,7 @@ def test_two_device_map_replicas_split_the_prompts(reference, tmp_path):
 
 def check(strategy, module=None):
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
-    trainer.strategy.check_model(module or DiffusionModule("tiny:flux"))
+    check_model(trainer.strategy, module or DiffusionModule("tiny:flux"))
 
 
 def test_budget_that_holds_no_component():
@@ -98,4 +98,4 @@ def test_bad_device_maps(kwargs, message):
 def test_device_map_cannot_be_combined_with_tensor_parallelism():
     trainer = Trainer(accelerator="cpu", devices=2, strategy=TensorParallelStrategy(), logger=False)
     with pytest.raises(ConfigError, match="device_map cannot be used with tensor parallelism"):
-        trainer.strategy.check_model(DiffusionModule("tiny:flux", from_pretrained_kwargs={"device_map": "auto"}))
+        check_model(trainer.strategy, DiffusionModule("tiny:flux", from_pretrained_kwargs={"device_map": "auto"}))

@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import MeshError, MeshStrategy
-from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
 MESHES = {
@@ -71,7 +71,7 @@ def test_degree_of_zero():
 def test_tp_times_ulysses_must_divide_heads():
     trainer = mesh_trainer(8, dp=1, tp=2, ulysses=4)
     with pytest.raises(ConfigError, match="4 attention heads, not divisible by tp x ulysses = 2 x 4"):
-        trainer.strategy.check_model(DiffusionModule("tiny:flux", height=64, width=64))
+        check_model(trainer.strategy, DiffusionModule("tiny:flux", height=64, width=64))
 
 
 @pytest.mark.parametrize(

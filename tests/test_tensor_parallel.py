@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from lightning_diffusion import DiffusionModule, tiny
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import TensorParallelStrategy
-from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
 PIPELINES = {
@@ -57,7 +57,7 @@ def tp_trainer(devices, **kwargs):
 def test_heads_not_divisible_by_tp_degree():
     trainer = tp_trainer(3)
     with pytest.raises(ConfigError, match="transformer has 4 attention heads, not divisible by tp_degree=3"):
-        trainer.strategy.check_model(DiffusionModule("tiny:flux"))
+        check_model(trainer.strategy, DiffusionModule("tiny:flux"))
 
 
 def test_degree_that_does_not_divide_the_world():
@@ -78,7 +78,7 @@ def test_degree_that_does_not_divide_the_world():
 def test_options_diffusers_cannot_combine_with_tp(option, message):
     trainer = tp_trainer(2)
     with pytest.raises(ConfigError, match=message):
-        trainer.strategy.check_model(DiffusionModule("tiny:flux", from_pretrained_kwargs=option))
+        check_model(trainer.strategy, DiffusionModule("tiny:flux", from_pretrained_kwargs=option))
 
 
 def test_pipeline_without_tp_plan(tmp_path):
@@ -86,7 +86,7 @@ def test_pipeline_without_tp_plan(tmp_path):
         "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
     }))
     with pytest.raises(ConfigError, match="StableDiffusionPipeline has no model with a tensor-parallel plan"):
-        tp_trainer(2).strategy.check_model(DiffusionModule(str(tmp_path)))
+        check_model(tp_trainer(2).strategy, DiffusionModule(str(tmp_path)))
 
 
 def test_weights_that_are_not_safetensors(tmp_path):
@@ -95,4 +95,4 @@ def test_weights_that_are_not_safetensors(tmp_path):
         torch.save(load_file(file), file.with_suffix(".bin"))
         file.unlink()
     with pytest.raises(ConfigError, match="has no .safetensors weights"):
-        tp_trainer(2).strategy.check_model(DiffusionModule(str(folder)))
+        check_model(tp_trainer(2).strategy, DiffusionModule(str(folder)))

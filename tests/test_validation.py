@@ -9,7 +9,7 @@ from lightning_diffusion.data import load_records
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines import PipelineError
 from lightning_diffusion.strategies import MeshError, ParallelDims
-from lightning_diffusion.strategies.cfg import check_cfg
+from lightning_diffusion.strategies.checks import check_cfg
 from tests.conftest import run_cli
 
 

@@ -11,7 +11,7 @@ from lightning_diffusion.config import DiffusionCLI, config_error_message
 
 def main(argv: list[str]) -> int:
     if preemption.in_slurm_job():
-        preemption.install()  # before the weights load: SIGUSR1's default action kills the process
+        preemption.STOP.install()  # before the weights load: SIGUSR1's default action kills the process
     try:
         cli = DiffusionCLI(args=["predict", *argv])
     except ValueError as err:
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
             print(f"lightning-diffusion: error: {message}", file=sys.stderr)
         return 2
     # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
-    code = preemption.finish_job(cli.trainer.strategy)
+    code = preemption.STOP.finish_job()
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -3,21 +3,23 @@ diffusers' and accelerate's ``device_map``, optionally run as staged encode / de
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.contract import LoadPlan, ModelRequest
+from lightning_diffusion.errors import ConfigError, gather
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
+
+log = logging.getLogger(__name__)
 
 # The model a pipeline's weights are mostly in; "auto" spreads this one over devices, CPU and disk.
 DENOISERS = ("transformer", "unet")
@@ -120,8 +122,16 @@ class DeviceMapStrategy(MeshStrategy):
 
     # ----------------------------------------------------------------- checks before weights
 
-    def check_model(self, module: pl.LightningModule) -> None:
-        super().check_model(module)
+    def check_request(self, request: ModelRequest, world_size: Optional[int] = None) -> list:
+        problems = super().check_request(request, world_size)
+        gather(problems, self._check_devices)
+        gather(problems, self._check_placement, request)
+        return problems
+
+    def _check_devices(self) -> None:
+        """This node's GPUs against the processes and their devices (known once the Trainer exists)."""
+        if self.parallel_devices is None:
+            return
         if self.root_device.type == "cuda":
             needed = self.num_processes * self.devices_per_process
             if needed > torch.cuda.device_count():
@@ -137,12 +147,11 @@ class DeviceMapStrategy(MeshStrategy):
                     f"max_memory names GPU {key}, but this process spans {len(self.gpu_indices())} GPU(s) "
                     f"(devices_per_process={self.devices_per_process}{', and no GPU on a CPU run' if not self.gpu_indices() else ''})."
                 )
-        options = getattr(module, "from_pretrained_kwargs", {})
-        if options.get("device_map") is not None:
+
+    def _check_placement(self, request: ModelRequest) -> None:
+        info = request.info
+        if request.from_pretrained_kwargs.get("device_map") is not None:
             raise ConfigError("Set device_map on the DeviceMapStrategy, not in model.from_pretrained_kwargs.")
-        info = getattr(module, "info", None)
-        if info is None:
-            return
         if isinstance(self.device_map, dict):
             unknown = set(self.device_map) - {k for k in info.model_index if not k.startswith("_")}
             if unknown:
@@ -167,16 +176,12 @@ class DeviceMapStrategy(MeshStrategy):
 
     # ----------------------------------------------------------------- placement
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        module = self.lightning_module
-        info = getattr(module, "info", None)
-        if info is None:
-            return
+    def load_plan(self, request: ModelRequest) -> LoadPlan:
+        info, plan = request.info, LoadPlan()
         if self.device_map == "balanced":
-            module.pipeline_load_kwargs.update(device_map="balanced", max_memory=self.accelerate_max_memory())
+            plan.pipeline_kwargs.update(device_map="balanced", max_memory=self.accelerate_max_memory())
             self._placed.update(k for k in info.model_index if not k.startswith("_"))
-            return
+            return plan
         if self.device_map == "auto":
             names = [n for n in DENOISERS if n in info.model_index][:1]
             placements = {name: "auto" for name in names}
@@ -186,7 +191,8 @@ class DeviceMapStrategy(MeshStrategy):
             cls = info.component_class(name)
             if cls is None:
                 raise ConfigError(f"Cannot place component {name!r}: its class is not importable.")
-            module.component_loaders[name] = partial(self._load_placed, name, cls, target)
+            plan.components[name] = partial(self._load_placed, name, cls, target)
+        return plan
 
     def _load_placed(self, name: str, cls: type, target: str, info: Any, dtype: torch.dtype) -> torch.nn.Module:
         kwargs: dict[str, Any] = {}
@@ -219,13 +225,15 @@ class DeviceMapStrategy(MeshStrategy):
                 continue
             component.to("cpu" if name in stage_resident else self.root_device)
 
-    def parallelize(self, pipeline: Any) -> None:
+    def setup_pipeline(self, pipeline: Any) -> Any:
+        """Report where each component went; wrap the pipeline in its stages when ``staged``."""
         placement = []
         for name, component in pipeline.components.items():
             if isinstance(component, torch.nn.Module):
                 where = getattr(component, "hf_device_map", None) or str(next(component.parameters()).device)
                 placement.append(f"{name}: {where}")
-        print(f"rank {self.global_rank} device map: " + "; ".join(placement), flush=True)
-        if self.staged:
-            self.lightning_module.pipeline = StagedPipeline(pipeline, self.root_device)
-            rank_zero_info(f"staged: encode, denoise, decode per batch; encoders and VAE on {self.root_device} only in their stage")
+        log.info(f"rank {self.global_rank} device map: " + "; ".join(placement), extra={"all_ranks": True})
+        if not self.staged:
+            return pipeline
+        log.info(f"staged: encode, denoise, decode per batch; encoders and VAE on {self.root_device} only in their stage")
+        return StagedPipeline(pipeline, self.root_device)

@@ -1,13 +1,15 @@
 """``DiffusionParallelStrategy``: what every multi-process strategy of this project shares.
 
 Process group start-up with an inference-sized timeout, one named device mesh built by
-``ParallelDims``, the data-parallel split for the sampler, collectives, and a teardown that leaves
-(possibly sharded) models where they are. Concrete strategies choose the degrees and override
-``place_pipeline`` to put the loaded pipeline on devices.
+``ParallelDims``, the data-parallel split for the sampler, the module contract (``contract``: checks
+before the process group starts, the load plan, the pipeline set-up after placement), collectives,
+the stop on SLURM's signals (``preemption.STOP``) and a teardown that leaves (possibly sharded)
+models where they are. Concrete strategies choose the degrees and implement the contract.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -28,15 +30,19 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_diffusion import preemption
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.contract import LoadPlan, ModelRequest
+from lightning_diffusion.errors import ConfigError, preflight_passed, raise_problems
+from lightning_diffusion.module import DiffusionModule
+from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
 DEFAULT_TIMEOUT_S = 600.0
@@ -79,12 +85,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._device_mesh: Optional[DeviceMesh] = None
-        # Early stop on SLURM's warning signal (see ``preemption``).
+        # Stop on SLURM's signals (see ``preemption``), in SLURM jobs.
         self._stop_on_signal = False
-        self._replica_group: Optional[Any] = None
-        self._stopping = False
-        self.stopped_early = False
-        self.images_made = 0
 
     # ----------------------------------------------------------------- what the strategy is
 
@@ -149,14 +151,35 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def check_model(self, module: "pl.LightningModule") -> None:
-        """Checks of the model against the strategy that need no weights (subclasses add theirs).
-        Every rank runs them before the process group starts, so a failure cannot hang a rank."""
+    # ----------------------------------------------------------------- the contract (see ``contract``)
+
+    def check_request(self, request: ModelRequest, world_size: Optional[int] = None) -> list:
+        """Problems of the model against the strategy that need no weights (subclasses add theirs)."""
+        return []
+
+    def load_plan(self, request: ModelRequest) -> LoadPlan:
+        return LoadPlan()
+
+    def setup_pipeline(self, pipeline: Any) -> Any:
+        """Parallelise or wrap the placed pipeline (nothing for data parallel); returns what to call."""
+        return pipeline
+
+    def _request(self) -> Optional[ModelRequest]:
+        module = self.lightning_module
+        if not isinstance(module, DiffusionModule):
+            return None  # another LightningModule: nothing is known before loading
+        trainer = module._trainer
+        records = getattr(getattr(trainer, "datamodule", None), "records", None) if trainer is not None else None
+        return module.request(records)
 
     @override
     def setup_environment(self) -> None:
         assert self.lightning_module is not None
-        self.check_model(self.lightning_module)
+        request = self._request()
+        # Every rank checks before the process group starts, so a problem cannot hang a rank;
+        # ranks started by the CLI trust the check their launching process made on everything.
+        if request is not None and not preflight_passed():
+            raise_problems(self.check_request(request))
         super().setup_environment()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -175,16 +198,17 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self._watchdog.start()
         self._parallel_dims = self.make_parallel_dims(self.world_size)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
-        rank_zero_info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
+        log.info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
         self._warn_groups_across_nodes()
         if self._stop_on_signal:
-            preemption.install()
-            self._replica_group = self._new_replica_group()
+            STOP.enable(self._new_replica_group(), self.root_device, self.global_rank)
+        if request is not None:
+            self.lightning_module.use_load_plan(self.load_plan(request))
 
     def _warn_groups_across_nodes(self) -> None:
         size = self._parallel_dims.model_parallel_size if self._parallel_dims is not None else 1
         if self.num_nodes > 1 and size > 1 and self.num_processes % size:
-            rank_zero_warn(
+            log.warning(
                 f"Each replica's {size} model-parallel ranks do not fit within one node's {self.num_processes} "
                 "processes: their collectives cross the network at every step. Prefer devices per node that "
                 "are a multiple of the context x tensor parallel degrees."
@@ -202,56 +226,24 @@ class DiffusionParallelStrategy(ParallelStrategy):
                 mine = group
         return mine
 
-    def should_stop(self) -> bool:
-        """Whether this replica stops before its next batch: after the stop signal, agreed by every
-        rank of the replica at the same batch so that none waits in a collective for the others."""
-        if self._stopping or not self._stop_on_signal:
-            return self._stopping
-        stop = preemption.requested()
-        if self._replica_group is not None:
-            flag = torch.tensor([int(stop)], device=self.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._replica_group)
-            stop = bool(flag.item())
-        if stop:
-            self._stopping = True
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            end_early = getattr(getattr(trainer, "datamodule", None), "stop_early", None)
-            if callable(end_early):
-                end_early()
-        return stop
-
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.should_stop():
-            if not self.stopped_early and self.writes_outputs:
-                print(f"[rank {self.global_rank}] stopped on the signal; the remaining images are left to the next run.", flush=True)
-            self.stopped_early = True  # work was left: the job should be requeued
+        if STOP.should_stop():
+            if self.writes_outputs and not getattr(self, "_said_stopped", False):
+                self._said_stopped = True
+                log.info(f"[rank {self.global_rank}] stopped on the signal; the remaining images are left to the next "
+                         "run.", extra={"all_ranks": True})
             return []
         outputs = super().predict_step(*args, **kwargs)
         if self.writes_outputs and isinstance(outputs, list):
-            self.images_made += len(outputs)
+            STOP.count(len(outputs))
         return outputs
-
-    @property
-    def stops_on_signal(self) -> bool:
-        return self._stop_on_signal
-
-    def run_outcome(self) -> tuple[bool, int, bool]:
-        """After a completed ``predict``, on every rank: whether any replica stopped early, the
-        images made by this run over all replicas, and whether any rank received ``SIGTERM``."""
-        mine = [int(self.stopped_early), self.images_made, int(preemption.terminated())]
-        if not _distributed_is_initialized():
-            return bool(mine[0]), mine[1], bool(mine[2])
-        counts = torch.tensor(mine, dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        return bool(counts[0].item()), int(counts[1].item()), bool(counts[2].item())
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        if self._stop_on_signal:
-            # After Lightning's handler, which it registers just before the loop (see preemption).
-            preemption.record_terminate()
+        # After Lightning's handler, which it registers just before the loop (see preemption).
+        STOP.watch_terminate()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -263,18 +255,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.place_pipeline()
-        self.barrier("pipeline_placed")
-
-    def place_pipeline(self) -> None:
-        """Put the loaded pipeline on this rank's device, then parallelise it."""
         self.model_to_device()
-        pipeline = getattr(self.lightning_module, "pipeline", None)
-        if pipeline is not None:
-            self.parallelize(pipeline)
-
-    def parallelize(self, pipeline: Any) -> None:
-        """Apply this strategy's parallelism to the placed pipeline (nothing for data parallel)."""
+        module = self.lightning_module
+        if isinstance(module, DiffusionModule) and module.pipeline is not None:
+            module.use_pipeline(self.setup_pipeline(module.pipeline))
+        self.barrier("pipeline_placed")
 
     @override
     def model_to_device(self) -> None:

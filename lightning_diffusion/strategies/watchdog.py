@@ -17,6 +17,7 @@ Ranks on other nodes find out through the process-group timeout (the strategy's 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,9 @@ import sys
 import threading
 import time
 from typing import Optional, Sequence
+
+log = logging.getLogger(__name__)
+_ALL = {"all_ranks": True}  # a rank's own news: printed on every rank
 
 _POLL_S = 0.5
 
@@ -81,13 +85,13 @@ class Watchdog:
         a collective with a dead peer fails on the survivors)."""
         dead = self.dead_child(wait_s=1.0)
         if dead:
-            print(f"lightning-diffusion: {dead} first; stopping the other ranks of this node.", file=sys.stderr, flush=True)
+            log.error(f"lightning-diffusion: {dead} first; stopping the other ranks of this node.", extra=_ALL)
 
     def _watch_children(self) -> None:
         while not self._stop.wait(_POLL_S):
             dead = self.dead_child()
             if dead:
-                print(f"lightning-diffusion: {dead}; stopping the other ranks of this node.", file=sys.stderr, flush=True)
+                log.error(f"lightning-diffusion: {dead}; stopping the other ranks of this node.", extra=_ALL)
                 for other in self.children:
                     if other.poll() is None:
                         other.kill()
@@ -102,8 +106,7 @@ class Watchdog:
         parent = os.getppid()
         while not self._stop.wait(_POLL_S):
             if os.getppid() != parent:
-                print(f"lightning-diffusion: rank {self.rank}: the launching process is gone; exiting.",
-                      file=sys.stderr, flush=True)
+                log.error(f"lightning-diffusion: rank {self.rank}: the launching process is gone; exiting.", extra=_ALL)
                 os._exit(1)
 
     @staticmethod

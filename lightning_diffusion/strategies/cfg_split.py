@@ -17,55 +17,40 @@ without one, or a config without a negative branch, is refused before loading.
 
 from __future__ import annotations
 
-import warnings
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_diffusion.data import summarize_records
-from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.specs import CFGBranches, spec_for, with_cfg
+from diffusers.hooks import HookRegistry, ModelHook
+
+from lightning_diffusion.specs import CFGBranches
 
 
-def supported() -> str:
-    return ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in with_cfg().items())
+log = logging.getLogger(__name__)
+
+HOOK_NAME = "lightning_diffusion.cfg_split"
 
 
-def check_cfg(
-    class_name: str, call_args: dict[str, Any], default: Callable[[str], Any], records: Any
-) -> None:
-    """A cfg pair would only run the same work twice unless the pipeline has a table entry and the
-    config turns its negative branch on; refuse instead. ``default(name)``: the pipeline's default
-    for a call argument (``PipelineInfo.call_default``: ``true_cfg_scale`` is 4.0 for Qwen-Image,
-    1.0 for FLUX)."""
-    entry = spec_for(class_name).cfg
-    if entry is None:
-        raise ConfigError(
-            f"cfg=2 needs a pipeline whose two guidance passes this project knows how to split; {class_name} is "
-            f"not one. Supported: {supported()}. Use cfg=1 (data_parallel) for it."
-        )
-    scale = call_args.get(entry.scale_arg, default(entry.scale_arg))
-    if not isinstance(scale, (int, float)) or scale <= 1:
-        where = "model.guidance_scale" if entry.scale_arg == "guidance_scale" else f"model.call_kwargs.{entry.scale_arg}"
-        raise ConfigError(
-            f"cfg=2 splits classifier-free guidance, but {class_name} runs it only with {entry.scale_arg} > 1 "
-            f"(got {scale!r}): set {where} above 1, or use cfg=1."
-        )
-    if entry.needs_negative_prompt and records is not None:
-        summary = summarize_records(records)
-        if summary.without_negative:
-            shown = summary.first_without_negative
-            lines = ", ".join(map(str, shown)) + (" ..." if summary.without_negative > len(shown) else "")
-            raise ConfigError(
-                f"cfg=2 needs a negative prompt for every image: {class_name} skips the unconditional pass without "
-                f"one, and {summary.without_negative} of {summary.count} records have none (records {lines}). Give "
-                'each record a "negative_prompt" (a .jsonl field or .csv column), or use cfg=1.'
-            )
+class _SplitHook(ModelHook):
+    """The CFG split on a transformer's forward, as a named diffusers hook. Registered after the
+    context-parallel hooks, so it is the outermost: it sees (and swaps) whole, unsplit inputs."""
+
+    def __init__(self, split: "CFGSplit") -> None:
+        super().__init__()
+        self.split = split
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        self.split.denoising = True
+        return self.split.forward(self.fn_ref.original_forward, args, kwargs)
 
 
 class CFGSplit:
-    """Installed on a loaded pipeline on each rank of a cfg pair (see the module docstring)."""
+    """Installed on a loaded pipeline on each rank of a cfg pair (see the module docstring):
+    a ``HookRegistry`` hook named ``HOOK_NAME`` on each transformer of the entry, and a recorder
+    of ``encode_prompt``'s outputs (a pipeline method, not a module, so it is wrapped on the
+    instance). ``remove()`` takes both off."""
 
     def __init__(self, pipeline: Any, entry: CFGBranches, group: Any, branch: int) -> None:
         self.entry = entry
@@ -76,6 +61,7 @@ class CFGSplit:
         self.pending: Optional[Any] = None
         self.split_calls = 0
         self.plain_calls = 0
+        self.pipeline = pipeline
         original_encode = pipeline.encode_prompt
 
         def encode_prompt(*args: Any, **kwargs: Any) -> Any:
@@ -86,10 +72,16 @@ class CFGSplit:
             return outputs
 
         pipeline.encode_prompt = encode_prompt
-        for name in entry.transformers:
-            model = getattr(pipeline, name, None)
-            if isinstance(model, torch.nn.Module):
-                model.forward = self._wrap(model.forward)
+        self.models = [m for m in (getattr(pipeline, name, None) for name in entry.transformers)
+                       if isinstance(m, torch.nn.Module)]
+        for model in self.models:
+            HookRegistry.check_if_exists_or_initialize(model).register_hook(_SplitHook(self), HOOK_NAME)
+
+    def remove(self) -> None:
+        """Run the pipeline as diffusers does again: both passes on every rank."""
+        for model in self.models:
+            HookRegistry.check_if_exists_or_initialize(model).remove_hook(HOOK_NAME, recurse=False)
+        self.pipeline.__dict__.pop("encode_prompt", None)
 
     def branches(self) -> Optional[tuple[tuple, tuple]]:
         """The (cond, uncond) values of ``entry.kwargs`` recorded for the current pipeline call."""
@@ -100,13 +92,6 @@ class CFGSplit:
         if len(self.encoded) != 2:
             return None
         return tuple(self.encoded[0]), tuple(self.encoded[1])
-
-    def _wrap(self, forward: Callable) -> Callable:
-        def split_forward(*args: Any, **kwargs: Any) -> Any:
-            self.denoising = True
-            return self.forward(forward, args, kwargs)
-
-        return split_forward
 
     def forward(self, inner: Callable, args: tuple, kwargs: dict) -> Any:
         names = self.entry.kwargs
@@ -126,7 +111,7 @@ class CFGSplit:
             # No negative branch in this call (or a call the table does not describe): compute it here.
             self.plain_calls += 1
             if self.plain_calls == 1:
-                warnings.warn("cfg parallel: a transformer call without a negative branch runs on both ranks of the pair.")
+                log.warning("cfg parallel: a transformer call without a negative branch runs on both ranks of the pair.")
             return inner(*args, **kwargs)
         if self.branch == 1:
             kwargs = {**kwargs, **dict(zip(names, branches[1]))}

@@ -1,0 +1,80 @@
+"""What the project prints: one ``logging`` logger for the package, rank-aware, and a quiet start-up.
+
+Messages go through ``logging.getLogger(__name__)`` in each module, under the ``lightning_diffusion``
+logger configured here on import (as Lightning configures its own): INFO and above to stderr, on
+global rank 0 only unless a record says ``extra={"all_ranks": True}`` (a rank's own placement, its
+stop). Where the application has configured logging itself (the root logger has handlers), records
+propagate there instead.
+
+``quiet()`` is for the command line: third-party start-up notices (transformers' torchvision
+notice, Lightning's accelerator and process-group banners and tips, deprecation warnings from
+Lightning's internals) are hidden, so that a run shows our mesh line, the progress bar and the
+summary. ``lightning-diffusion --verbose ...`` keeps all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+LOGGER = "lightning_diffusion"
+
+# Third-party start-up messages hidden by ``quiet`` (message patterns, matched from the start).
+_QUIET_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"The `srun` command is available on your system but is not used",
+    r"LightningCLI's args parameter is intended to run from within Python",
+)
+_QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
+
+
+class RankZeroFilter(logging.Filter):
+    """Pass records on global rank 0, and records marked ``all_ranks`` on every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        return getattr(rank_zero_only, "rank", 0) == 0 or bool(getattr(record, "all_ranks", False))
+
+
+def configure() -> None:
+    logger = logging.getLogger(LOGGER)
+    if getattr(logger, "_lightning_diffusion_configured", False):
+        return
+    logger._lightning_diffusion_configured = True  # type: ignore[attr-defined]
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        # On the handler: a logger's own filters do not see its children's records.
+        handler.addFilter(RankZeroFilter())
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+_VERBOSE_ENV = "LIGHTNING_DIFFUSION_VERBOSE"
+
+
+def quiet(verbose: bool = False) -> None:
+    """Hide third-party start-up noise for a command-line run (nothing when ``verbose``). Call it
+    before transformers, diffusers and Lightning are imported; the ranks a run starts inherit it."""
+    if verbose:
+        os.environ[_VERBOSE_ENV] = "1"
+    if os.environ.get(_VERBOSE_ENV) == "1":
+        return
+    # Read when transformers and diffusers are imported, here and in the ranks started later.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for pattern in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def quiet_lightning() -> None:
+    """Lightning's start-up banners (accelerators, process group, tips) to WARNING, unless verbose.
+    Lightning sets its loggers' levels when it is imported: call this after that."""
+    if os.environ.get(_VERBOSE_ENV) == "1" or os.environ.get("TRANSFORMERS_VERBOSITY") is None:
+        return  # not a quiet command-line run
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

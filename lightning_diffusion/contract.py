@@ -1,0 +1,89 @@
+"""The contract between ``DiffusionModule`` and a strategy, in one direction.
+
+A strategy reads a ``ModelRequest`` (what is known of the model before any weight loads) and hands
+the module a ``LoadPlan`` (how to load it); after the load it gets the pipeline back once to
+parallelise or wrap it (``setup_pipeline``). The module never looks at the strategy, as in
+Lightning's ``ModelParallelStrategy``, which hands its mesh to the module.
+
+Order on every rank (``DiffusionParallelStrategy`` does this; a strategy of your own follows the
+same steps, before the process group starts for the checks):
+
+1. ``request = module.request(records)``: records from the data module, passed explicitly;
+2. ``problems = strategy.check_request(request)``: every weight-free rule of the strategy
+   (degrees against heads and token counts, plans, options); raised together;
+3. ``module.use_load_plan(strategy.load_plan(request))``: components the strategy builds itself
+   (a transformer sharded while it loads, one placed by a device map) and extra
+   ``from_pretrained`` arguments;
+4. Lightning calls ``module.configure_model()``: the module loads the pipeline with the plan;
+5. ``module.use_pipeline(strategy.setup_pipeline(module.pipeline))``: context-parallel hooks, the
+   CFG split, a staged wrapper... what ``predict_step`` then calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from lightning_diffusion.pipelines import PipelineInfo
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """What a strategy may know of the model before its weights load.
+
+    ``info``: the pipeline's class, configs and ``PipelineSpec`` (read from config files only).
+    ``dtype``: the weights' torch dtype. ``call_args``: the pipeline-call arguments of the config
+    (``height``, ``num_inference_steps``, ``call_kwargs``...). ``from_pretrained_kwargs``: the
+    user's extra loading options. ``records``: the prompt records, when known (per-record overrides
+    of the call arguments, negative prompts).
+    """
+
+    info: "PipelineInfo"
+    dtype: "torch.dtype"
+    call_args: Mapping[str, Any]
+    from_pretrained_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    records: Optional[Sequence[Mapping[str, Any]]] = None
+
+    def call_arg_sets(self) -> list[dict[str, Any]]:
+        """The call arguments of every distinct kind of image: the config's, with each distinct set
+        of per-record overrides applied (one set when there are no records)."""
+        if not self.records:
+            return [dict(self.call_args)]
+        from lightning_diffusion.data import summarize_records
+
+        return [{**self.call_args, **overrides} for _, overrides in summarize_records(self.records).override_sets()]
+
+
+ComponentLoader = Callable[["PipelineInfo", "torch.dtype"], "nn.Module"]
+
+
+@dataclass
+class LoadPlan:
+    """How the module loads its pipeline: ``components`` are built by the strategy (called with the
+    pipeline info and dtype) and passed to ``from_pretrained`` by name; ``pipeline_kwargs`` are
+    extra ``from_pretrained`` arguments (a pipeline-level ``device_map``)."""
+
+    components: dict[str, ComponentLoader] = field(default_factory=dict)
+    pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class DiffusionStrategy(Protocol):
+    """What a strategy provides to run a ``DiffusionModule`` (see the module docstring for the order)."""
+
+    def check_request(self, request: ModelRequest, world_size: Optional[int] = None) -> list:
+        """Problems (messages or ConfigErrors) of running ``request`` on ``world_size`` processes
+        (``None``: the strategy's own); no weight is read and no collective runs."""
+        ...
+
+    def load_plan(self, request: ModelRequest) -> LoadPlan:
+        ...
+
+    def setup_pipeline(self, pipeline: Any) -> Any:
+        """Parallelise or wrap the loaded, placed pipeline; returns what ``predict_step`` calls."""
+        ...

@@ -1,0 +1,233 @@
+"""The weight-free rules of the parallel strategies, each written once.
+
+Every rule raises a ``ConfigError`` that says what to change; ``MeshStrategy.check_request`` runs
+the ones its degrees need and reports all of their problems together. They read only a
+``ModelRequest`` (configs, spec, call arguments, records) and the ``ParallelDims``: no weight is
+read and no collective runs, so the CLI's preflight and every rank run them alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_diffusion.contract import ModelRequest
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.specs import spec_for, with_cfg, with_plan
+from lightning_diffusion.strategies.mesh import ParallelDims
+
+# from_pretrained options that diffusers cannot combine with a tensor-parallel load, and why.
+TP_INCOMPATIBLE_OPTIONS = {
+    "quantization_config": "quantized weights cannot be sharded into DTensors",
+    "device_map": "tensor parallelism already places each rank's shard on its device",
+    "max_memory": "it only applies with device_map",
+    "offload_folder": "offloaded weights cannot be sharded",
+    "offload_state_dict": "offloaded weights cannot be sharded",
+}
+
+
+def check_attention_backend(name: str) -> None:
+    """The backend must exist and support context parallelism in the installed diffusers."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    try:
+        backend = AttentionBackendName(name)
+    except ValueError:
+        raise ConfigError(
+            f"attention_backend {name!r} is not a diffusers attention backend; "
+            f"choose one of: {', '.join(sorted(b.value for b in AttentionBackendName))}."
+        ) from None
+    if not _AttentionBackendRegistry._is_context_parallel_available(backend):
+        raise ConfigError(
+            f"attention_backend {name!r} cannot do context parallelism; choose one of: "
+            f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}."
+        )
+
+
+def check_context_parallel_modes(dims: ParallelDims, ulysses_anything: bool, ring_anything: bool) -> None:
+    """diffusers' own rules for the context-parallel degrees and anything-modes (its
+    ``ContextParallelConfig`` validation, run here without a mesh), plus the TP pairings this
+    project has not verified against one device."""
+    if dims.cp == 1:
+        if ulysses_anything or ring_anything:
+            which = "ulysses_anything" if ulysses_anything else "ring_anything"
+            raise ConfigError(f"{which} needs a context-parallel degree > 1 (ulysses or ring).")
+        return
+    from diffusers import ContextParallelConfig
+
+    try:
+        ContextParallelConfig(ring_degree=dims.ring, ulysses_degree=dims.ulysses, ulysses_anything=ulysses_anything,
+                              ring_anything=ring_anything)
+    except (ValueError, NotImplementedError) as err:
+        raise ConfigError(f"context parallelism (ring {dims.ring} x ulysses {dims.ulysses}): {err}") from None
+    if dims.tp > 1:
+        if dims.ring > 1 and dims.ulysses > 1:
+            raise ConfigError(
+                "tp with both ring and ulysses > 1 is refused: that pairing is not verified against one "
+                "device; use tp with ulysses or with ring."
+            )
+        if ulysses_anything or ring_anything:
+            raise ConfigError(
+                "tp with an anything-mode is refused: that pairing is not verified against one device; "
+                "choose sizes whose token count divides the context-parallel degree."
+            )
+
+
+def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str], Any],
+              records: Optional[Sequence[Any]]) -> None:
+    """A cfg pair would only run the same work twice unless the pipeline's spec says how its two
+    guidance passes are fed and the config turns the negative branch on; refuse instead.
+    ``default(name)``: the pipeline's default for a call argument (``PipelineInfo.call_default``:
+    ``true_cfg_scale`` is 4.0 for Qwen-Image, 1.0 for FLUX)."""
+    entry = spec_for(class_name).cfg
+    supported = ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in with_cfg().items())
+    if entry is None:
+        raise ConfigError(
+            f"cfg=2 needs a pipeline whose two guidance passes this project knows how to split; {class_name} "
+            f"is not one. Supported: {supported}. Use cfg=1 (data_parallel) for it."
+        )
+    scale = call_args.get(entry.scale_arg, default(entry.scale_arg))
+    if not isinstance(scale, (int, float)) or scale <= 1:
+        where = "model.guidance_scale" if entry.scale_arg == "guidance_scale" else f"model.call_kwargs.{entry.scale_arg}"
+        raise ConfigError(
+            f"cfg=2 splits classifier-free guidance, but {class_name} runs it only with {entry.scale_arg} > 1 "
+            f"(got {scale!r}): set {where} above 1, or use cfg=1."
+        )
+    if entry.needs_negative_prompt and records is not None:
+        from lightning_diffusion.data import summarize_records
+
+        summary = summarize_records(records)
+        if summary.without_negative:
+            shown = summary.first_without_negative
+            lines = ", ".join(map(str, shown)) + (" ..." if summary.without_negative > len(shown) else "")
+            raise ConfigError(
+                f"cfg=2 needs a negative prompt for every image: {class_name} skips the unconditional pass "
+                f"without one, and {summary.without_negative} of {summary.count} records have none (records "
+                f'{lines}). Give each record a "negative_prompt" (a .jsonl field or .csv column), or use cfg=1.'
+            )
+
+
+def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_anything: bool,
+                           ring_anything: bool) -> None:
+    """The pipeline has a ``_cp_plan``, heads divide the Ulysses degree, and the token counts of
+    every kind of image (per-record sizes included) divide the context-parallel degree."""
+    info = request.info
+    planned = info.models_with("_cp_plan")
+    if not planned:
+        raise ConfigError(
+            f"{info.class_name} has no model with a context-parallel plan (_cp_plan) in diffusers; "
+            f"use data_parallel, or a pipeline whose transformer has one ({', '.join(with_plan('_cp_plan'))})."
+        )
+    split = dims.ulysses * dims.tp
+    for name in planned:
+        heads = info.configs.get(name, {}).get("num_attention_heads")
+        if isinstance(heads, int) and heads % split and not ulysses_anything:
+            if dims.tp > 1:
+                raise ConfigError(
+                    f"{name} has {heads} attention heads, not divisible by tp x ulysses = {dims.tp} x "
+                    f"{dims.ulysses}: Ulysses splits the heads each tensor-parallel rank holds; "
+                    "lower one of the two or use ring instead of ulysses."
+                )
+            raise ConfigError(
+                f"{name} has {heads} attention heads, not divisible by ulysses_degree={dims.ulysses}: "
+                f"use ulysses_anything=True or a ulysses_degree that divides {heads}."
+            )
+    if info.spec.prompt_length_text and not ulysses_anything:
+        # diffusers splits the text tokens too; an odd prompt would fail after the weights load. Ring's
+        # anything-mode refuses the text attention mask these pipelines pass (diffusers 0.42.1).
+        raise ConfigError(
+            f"{info.class_name}'s text tokens have each prompt's own length, which the context-parallel degree "
+            f"{dims.cp} would have to divide (an odd prompt fails after the weights load): use "
+            "Ulysses alone with ulysses_anything=True (ring_anything rejects its attention mask; tp with an "
+            "anything-mode is not verified here)."
+        )
+    if ulysses_anything or ring_anything:
+        return
+    for call_args in request.call_arg_sets():
+        check_sequence(request, dims, call_args)
+
+
+def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[str, Any]) -> None:
+    info = request.info
+    height, width = call_args.get("height"), call_args.get("width")
+    degree = dims.cp
+    if dims.ring > 1 and dims.ulysses > 1 or dims.tp > 1:
+        fix = "choose sizes"
+    else:
+        fix = f"use {'ulysses_anything' if dims.ring == 1 else 'ring_anything'}=True or choose sizes"
+    for kind, length in info.sequence_lengths(height, width, call_args).items():
+        if length % degree == 0:
+            continue
+        if kind == "image":
+            m = info.size_multiple
+            raise ConfigError(
+                f"{height}x{width} gives {length} image tokens ((height/{m}) x (width/{m})), not divisible by "
+                f"the context-parallel degree {degree}: {fix} whose token count is divisible by {degree}."
+            )
+        arg = info.spec.text_length_arg
+        raise ConfigError(
+            f"{arg}={length} text tokens are not divisible by the context-parallel degree {degree}: "
+            f"{fix.replace('sizes', 'a ' + arg)} divisible by {degree}."
+        )
+
+
+def check_shardable(cls: type, config: dict[str, Any], tp_degree: int, name: str) -> None:
+    """Heads and every (packed) block of the plan must divide by ``tp_degree``; checked on an empty
+    (meta) model built from the config alone, so no weight is read."""
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % tp_degree:
+        raise ConfigError(f"{name} has {heads} attention heads, not divisible by tp_degree={tp_degree}.")
+    with torch.device("meta"):
+        model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    try:
+        resolve_tp_shard_specs(model, cls._tp_plan, tp_degree)
+    except ValueError as err:
+        raise ConfigError(f"{name}: {err} Choose a tp_degree that divides it.") from None
+
+
+def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
+    """A ``_tp_plan``, loading options diffusers can shard, safetensors weights, divisible blocks."""
+    info = request.info
+    planned = info.models_with("_tp_plan")
+    if not planned:
+        raise ConfigError(
+            f"{info.class_name} has no model with a tensor-parallel plan (_tp_plan) in diffusers; "
+            f"use data_parallel or context parallelism, or a pipeline with one ({', '.join(with_plan('_tp_plan'))})."
+        )
+    options = request.from_pretrained_kwargs
+    for option, reason in TP_INCOMPATIBLE_OPTIONS.items():
+        if options.get(option) is not None:
+            raise ConfigError(f"model.from_pretrained_kwargs.{option} cannot be used with tensor parallelism: {reason}.")
+    if options.get("use_safetensors") is False or options.get("low_cpu_mem_usage") is False:
+        raise ConfigError(
+            "Tensor parallelism reads each rank's slice of safetensors files while loading: "
+            "drop use_safetensors=False and low_cpu_mem_usage=False."
+        )
+    for name, cls in planned.items():
+        folder = Path(info.path) / name
+        if folder.is_dir() and not any(folder.glob("*.safetensors")):
+            raise ConfigError(
+                f"{folder} has no .safetensors weights; tensor parallelism reads each rank's slice from "
+                "safetensors files. Convert the checkpoint (save_pretrained(safe_serialization=True))."
+            )
+        check_shardable(cls, info.configs.get(name, {}), dims.tp, name)
+
+
+def resolved_attention_backend(backend: Optional[str], device: torch.device, dims: ParallelDims,
+                               dtype: torch.dtype) -> Optional[str]:
+    """The attention backend context parallelism runs with: the configured one, or on CUDA with
+    ring attention ``_native_cudnn`` (``native`` returns no log-sum-exp there), which needs half
+    precision."""
+    if backend is not None or device.type == "cpu" or dims.ring == 1:
+        return backend
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(
+            "Ring attention on CUDA needs an attention backend that returns the log-sum-exp; those that "
+            "diffusers has need bfloat16 or float16: set model.torch_dtype to bfloat16, or attention_backend."
+        )
+    return "_native_cudnn"
