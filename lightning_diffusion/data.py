@@ -13,7 +13,7 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 
 from __future__ import annotations
 
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.errors import ConfigError, check_int, is_int, raise_problems
 from lightning_diffusion.preemption import STOP
 
 import csv
@@ -193,7 +193,7 @@ def _check_record(item: Any, where: str, lineno: int) -> dict[str, Any]:
     if not isinstance(prompt, str) or not prompt.strip():
         raise PromptFileError(f"{where}:{lineno}: no 'prompt' (a non-empty string).")
     seed = item.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    if seed is not None and not is_int(seed, 0):
         raise PromptFileError(f"{where}:{lineno}: 'seed' must be a non-negative integer, got {seed!r}.")
     negative = item.get("negative_prompt")
     if negative is not None and not isinstance(negative, str):
@@ -268,9 +268,8 @@ def collate_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def check_data_args(batch_size: Any, seed: Any, num_images_per_prompt: Any) -> list[str]:
     problems = []
     for name, value in (("batch_size", batch_size), ("num_images_per_prompt", num_images_per_prompt)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"data.{name} must be an integer >= 1, got {value!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        problems += filter(None, [check_int(value, f"data.{name}")])
+    if not is_int(seed, 0):
         problems.append(f"data.seed must be a non-negative integer, got {seed!r}.")
     return problems
 

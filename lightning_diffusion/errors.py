@@ -29,11 +29,14 @@ def gather(problems: list, check, *args, **kwargs):
         return None
 
 
+def is_int(value: Any, minimum: Optional[int] = None) -> bool:
+    """An ``int`` (not a ``bool``), at least ``minimum`` when given: the one integer test of configs."""
+    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
 def check_int(value: Any, name: str, minimum: int = 1) -> Optional[str]:
     """The problem with ``value`` as an integer >= ``minimum`` named ``name`` (None if it is one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        return f"{name} must be an integer >= {minimum}, got {value!r}."
-    return None
+    return None if is_int(value, minimum) else f"{name} must be an integer >= {minimum}, got {value!r}."
 
 
 # The CLI's launching process checks the whole config before it starts the other ranks, which run

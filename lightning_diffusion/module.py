@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule, summarize_records
-from lightning_diffusion.errors import gather, preflight_passed, raise_problems
+from lightning_diffusion.errors import check_int, gather, preflight_passed, raise_problems
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
 
 
@@ -24,8 +24,8 @@ def check_model_args(
     None when the path itself is wrong) and the problems found."""
     problems: list[str] = []
     steps = named.get("num_inference_steps")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        problems.append(f"model.num_inference_steps must be an integer >= 1, got {steps!r}.")
+    if steps is not None:
+        problems += filter(None, [check_int(steps, "model.num_inference_steps")])
     gather(problems, resolve_dtype, torch_dtype)
     info = gather(problems, inspect_pipeline, path)
     if info is not None:

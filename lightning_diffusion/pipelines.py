@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.specs import PipelineSpec, spec_for
 
 
@@ -172,7 +172,7 @@ class PipelineInfo:
         for name, value in (("height", height), ("width", width)):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
+            if not is_int(value, multiple) or value % multiple:
                 hint = f" (for example {max(multiple, round(value / multiple) * multiple)})" if isinstance(value, int) else ""
                 raise PipelineError(
                     f"{name}={value!r} cannot be made by {self.class_name}: use a positive multiple of {multiple}{hint}."
@@ -185,7 +185,7 @@ class PipelineInfo:
         if spec.frames_arg is None:
             raise PipelineError(f"{where}: {self.class_name} makes images, not videos; drop num_frames.")
         scale = spec.temporal_scale
-        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % scale:
+        if not is_int(frames, 1) or (frames - 1) % scale:
             raise PipelineError(
                 f"{where}: num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "
                 f"(for example {max(1, round(((frames if isinstance(frames, int) else 1) - 1) / scale)) * scale + 1})."

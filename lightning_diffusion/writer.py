@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.errors import ConfigError, check_int, raise_problems
 from lightning_diffusion.lock import OutputLock
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,7 @@ def check_writer_args(output_dir: Any, video_format: Any, fps: Any) -> list[str]
             break
     if video_format not in VIDEO_FORMATS:
         problems.append(f"writer.video_format must be one of {', '.join(VIDEO_FORMATS)}, got {video_format!r}.")
-    if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
-        problems.append(f"writer.fps must be an integer >= 1, got {fps!r}.")
+    problems += filter(None, [check_int(fps, "writer.fps")])
     return problems
 
 

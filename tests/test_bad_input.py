@@ -39,6 +39,8 @@ def files(tmp_path):
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
     (tmp_path / "afile").write_text("x")
+    # Record 2 asks for 48x80 pixels: 3 x 5 = 15 image tokens, which 2-way Ulysses cannot split.
+    (tmp_path / "odd-size.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "height": 48, "width": 80}\n')
     return tmp_path
 
 
@@ -89,7 +91,8 @@ CASES = [
 def test_bad_input_is_refused_before_any_weight_is_read(name, argv, message, files, capsys):
     out = files / "images"
     argv = [a.replace("{d}", str(files)) for a in argv]
-    if "--writer.output_dir" not in argv:
+    own_folder = "--writer.output_dir" in argv
+    if not own_folder:
         argv += ["--writer.output_dir", str(out)]
     OPENED.clear()
     with pytest.raises(SystemExit) as exit_info:
@@ -97,7 +100,8 @@ def test_bad_input_is_refused_before_any_weight_is_read(name, argv, message, fil
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert OPENED == []
-    assert not list(out.glob("*.png")) if out.exists() else True
+    if not own_folder:
+        assert not out.exists(), "a refused run creates no output folder"
 
 
 def test_every_problem_is_reported_at_once(files, capsys):
@@ -120,6 +124,14 @@ def test_strategy_problems_join_the_others(files, capsys):
     err = capsys.readouterr().err
     assert "2 problems:" in err and "writer.fps must be" in err
     assert "world size 3 is not divisible by ring 1 x ulysses 2 x tp 1 = 2" in err
+
+
+def test_a_record_whose_size_breaks_the_token_split_joins_the_other_problems(files, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", "configs/tiny-ulysses.yaml", "--data.prompts", f"{files}/odd-size.jsonl",
+              "--writer.output_dir", str(files / "images")])
+    assert exit_info.value.code == 2
+    assert "48x80 gives 15 image tokens" in capsys.readouterr().err
 
 
 def test_heads_against_ulysses_are_checked_before_any_process_starts(files, capsys):

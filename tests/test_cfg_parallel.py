@@ -118,3 +118,26 @@ def test_cfg_degree_is_one_or_two():
     with pytest.raises(ConfigError, match="cfg degree must be 1 or 2"):
         MeshStrategy(cfg=3)
     assert CFGParallelStrategy().degrees() == {"dp": -1, "cfg": 2, "ring": 1, "ulysses": 1, "tp": 1}
+
+
+def test_the_split_is_a_named_removable_hook_outside_the_context_parallel_ones(tmp_path):
+    """Installed on a real tiny Qwen-Image pipeline (no process group is needed to install it):
+    the hook sits last in the transformer's registry, so it wraps hooks registered before it, and
+    ``remove`` restores diffusers' own forward and ``encode_prompt``."""
+    from diffusers import DiffusionPipeline
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    from lightning_diffusion import tiny
+    from lightning_diffusion.specs import spec_for
+    from lightning_diffusion.strategies.cfg_split import HOOK_NAME, CFGSplit
+
+    pipe = DiffusionPipeline.from_pretrained(tiny.resolve("tiny:qwenimage"))
+    registry = HookRegistry.check_if_exists_or_initialize(pipe.transformer)
+    registry.register_hook(ModelHook(), "stands_for_context_parallel")
+    forward, encode = pipe.transformer.forward, pipe.encode_prompt
+    split = CFGSplit(pipe, spec_for("QwenImagePipeline").cfg, group=None, branch=0)
+    assert registry._hook_order == ["stands_for_context_parallel", HOOK_NAME]
+    assert pipe.transformer.forward is not forward and pipe.encode_prompt != encode
+    split.remove()
+    assert registry._hook_order == ["stands_for_context_parallel"]
+    assert pipe.transformer.forward == forward and pipe.encode_prompt == encode

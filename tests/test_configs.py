@@ -16,3 +16,35 @@ def test_config_parses(config, capsys):
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "pretrained_model_name_or_path" in printed and "output_dir" in printed
+
+
+REAL = [c for c in CONFIGS if not c.stem.startswith("tiny")]
+
+
+@pytest.mark.parametrize("config", REAL, ids=[c.stem for c in REAL])
+def test_real_model_config_degrees_fit_its_devices_and_model(config):
+    """The weights of these models are not here, so their sizes come from the published table:
+    the degrees must multiply to devices x nodes, the heads must divide tp x ulysses, and the
+    image and text tokens must divide the context-parallel degree (unless an anything-mode)."""
+    from lightning_diffusion.config import read_config
+    from lightning_diffusion.preflight import build_strategy, world_size
+    from lightning_diffusion.specs import published
+
+    cfg = read_config(str(config), check=False)
+    known = published(cfg.model.pretrained_model_name_or_path)
+    assert known is not None, f"{cfg.model.pretrained_model_name_or_path} is not in the published table"
+    spec, sizes = known
+    strategy = build_strategy(cfg.trainer.strategy)
+    size = world_size(cfg.trainer)
+    assert strategy is not None and size is not None, "a real-model config names our strategy and its devices"
+    dims = strategy.make_parallel_dims(size)  # raises when the degrees do not fit
+    anything = getattr(strategy, "ulysses_anything", False) or getattr(strategy, "ring_anything", False)
+    if dims.tp * dims.ulysses > 1 and not getattr(strategy, "ulysses_anything", False):
+        assert sizes.heads % (dims.tp * dims.ulysses) == 0, (sizes.heads, dims)
+    if dims.cp > 1 and not anything:
+        pixels = spec.vae_scale * spec.patch
+        height, width = cfg.model.height or spec.default_size[0], cfg.model.width or spec.default_size[1]
+        assert spec.image_tokens(height, width, cfg.model.num_frames, pixels) % dims.cp == 0
+        assert sizes.text_tokens % dims.cp == 0 or spec.prompt_length_text
+    if dims.cfg > 1:
+        assert spec.cfg is not None

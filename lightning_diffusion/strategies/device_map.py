@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, gather
+from lightning_diffusion.errors import ConfigError, check_int, gather
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
@@ -67,8 +67,9 @@ class DeviceMapStrategy(MeshStrategy):
             raise ConfigError(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got {device_map!r}.")
         if not isinstance(device_map, (str, dict)):
             raise ConfigError(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got {device_map!r}.")
-        if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int) or devices_per_process < 1:
-            raise ConfigError(f"devices_per_process must be an integer >= 1, got {devices_per_process!r}.")
+        problem = check_int(devices_per_process, "devices_per_process")
+        if problem:
+            raise ConfigError(problem)
         self.max_memory = {self._memory_key(k): size_in_bytes(v) for k, v in (max_memory or {}).items()}
         if offload_folder is not None:
             folder = Path(offload_folder).expanduser()

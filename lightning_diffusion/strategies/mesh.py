@@ -9,7 +9,7 @@ for sizes, ranks and sub-meshes; nothing else multiplies degrees.
 
 from __future__ import annotations
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, is_int
 
 from dataclasses import dataclass
 from typing import Optional
@@ -42,7 +42,7 @@ class ParallelDims:
     def check_degrees(degrees: dict[str, int]) -> None:
         """Each degree is an integer >= 1, or -1 for at most one of them."""
         for name, value in degrees.items():
-            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+            if not is_int(value) or (value < 1 and value != -1):
                 raise MeshError(f"{name} degree must be an integer >= 1 (or -1 to infer it), got {value!r}.")
         inferred = [name for name, value in degrees.items() if value == -1]
         if len(inferred) > 1:
