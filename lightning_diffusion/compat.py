@@ -1,15 +1,16 @@
 """Workarounds for other libraries' versions, in one place, each with the version and the reason.
 
-All of them are for running diffusers' own context- and tensor-parallel code on CPU with gloo ("CPU
-rehearsal"); on CUDA with NCCL none of them changes anything. ``apply_cpu_rehearsal_patches`` is
-idempotent and is called by the strategies before they enable parallelism on a CPU mesh. Delete an
+One of them (``apply_parallel_patches``) corrects where diffusers puts a rank's parallel model, on
+every device type. The others are for running diffusers' own context- and tensor-parallel code on
+CPU with gloo ("CPU rehearsal"); on CUDA with NCCL none of them changes anything. Both entry points
+are idempotent; the strategies call them before they make a model parallel. Delete an
 entry once the pinned diffusers release no longer needs it (checked against diffusers 0.42.1).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,27 +31,39 @@ def _once(name: str):
     return decorator
 
 
+def parallel_device(mesh_device_type: str, current_cuda_index: Optional[int]) -> torch.device:
+    """The device a rank's parallel model lives on: the mesh's device type, and on CUDA the rank's
+    own current device (the strategy sets it), never ``rank % device_count``."""
+    if mesh_device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh_device_type, current_cuda_index if current_cuda_index is not None else 0)
+
+
 @_once("resolve_parallel_config")
 def _patch_resolve_parallel_config() -> None:
-    """diffusers 0.42.1 ``ModelMixin._resolve_parallel_config`` computes
-    ``rank % torch.accelerator.device_count()``, a ZeroDivisionError on a machine without an
-    accelerator. With none, resolve on the CPU with the mesh the strategy always passes."""
+    """diffusers 0.42.1 ``ModelMixin._resolve_parallel_config`` puts a parallel model on
+    ``torch.device(accelerator, rank % torch.accelerator.device_count())``: a ZeroDivisionError on a
+    machine without an accelerator, shards on GPUs while the mesh and inputs are CPU/gloo on a
+    machine that has GPUs (a CPU rehearsal there), and on another rank's GPU when the ranks of a
+    node do not own GPUs 0..n-1 in rank order (``trainer.devices: [4, 5, 6, 7]``, SLURM's cyclic
+    distribution). The strategies always pass their mesh: resolve on the mesh's device type and the
+    rank's own device instead."""
     from diffusers.models.modeling_utils import ModelMixin
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 
     original = ModelMixin._resolve_parallel_config
 
     def _resolve_parallel_config(self, config):
-        if torch.accelerator.device_count() > 0:
-            return original(self, config)
         if isinstance(config, ContextParallelConfig):
             config = ParallelConfig(context_parallel_config=config)
         elif isinstance(config, TensorParallelConfig):
             config = ParallelConfig(tensor_parallel_config=config)
         inner = config.context_parallel_config or config.tensor_parallel_config
         if inner is None or inner.mesh is None:
-            raise RuntimeError("CPU rehearsal needs an explicit mesh in the parallel config.")
-        config.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), mesh=inner.mesh)
+            return original(self, config)  # no mesh given: diffusers' own resolution
+        current = torch.cuda.current_device() if inner.mesh.device_type == "cuda" else None
+        device = parallel_device(inner.mesh.device_type, current)
+        config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=inner.mesh)
         self._parallel_config = config
         return config
 
@@ -118,6 +131,12 @@ def _patch_tensor_parallel_devices() -> None:
 
     if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
         tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
+
+
+def apply_parallel_patches() -> None:
+    """Before any model is made parallel, on every device type: resolve each rank's device from
+    the mesh it is given."""
+    _patch_resolve_parallel_config()
 
 
 def apply_cpu_rehearsal_patches() -> None:

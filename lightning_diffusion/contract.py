@@ -76,9 +76,10 @@ class LoadPlan:
 class DiffusionStrategy(Protocol):
     """What a strategy provides to run a ``DiffusionModule`` (see the module docstring for the order)."""
 
-    def check_request(self, request: ModelRequest, world_size: Optional[int] = None) -> list:
-        """Problems (messages or ConfigErrors) of running ``request`` on ``world_size`` processes
-        (``None``: the strategy's own); no weight is read and no collective runs."""
+    def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
+                      device_type: Optional[str] = None) -> list:
+        """Problems (messages or ConfigErrors) of running ``request`` on ``world_size`` processes of
+        ``device_type`` (``None``: the strategy's own); no weight is read and no collective runs."""
         ...
 
     def load_plan(self, request: ModelRequest) -> LoadPlan:

@@ -66,6 +66,18 @@ def build_strategy(spec: Any) -> Optional[Any]:
     return strategy if isinstance(strategy, DiffusionParallelStrategy) else None
 
 
+def device_type(accelerator: Any) -> str:
+    """The device type a config's ``trainer.accelerator`` gives on this machine."""
+    name = str(accelerator or "auto").lower()
+    if name in ("gpu", "cuda"):
+        return "cuda"
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu" if name == "cpu" else name
+
+
 def world_size(trainer: Any) -> Optional[int]:
     """devices x num_nodes when the config says it (None for "auto" or a device list)."""
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
@@ -100,7 +112,7 @@ def preflight(config: Any) -> list:
             call_args = {**{k: v for k, v in named.items() if v is not None}, **(model.get("call_kwargs") or {})}
             request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
                                    dict(model.get("from_pretrained_kwargs") or {}), records)
-            problems += strategy.check_request(request, size)
+            problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
         gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
     return problems

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 @dataclass(frozen=True)
 class CFGBranches:
-    """How one pipeline feeds its two classifier-free-guidance branches (see ``strategies.cfg``).
+    """How one pipeline feeds its two classifier-free-guidance branches (see ``strategies.cfg_split``).
 
     ``kwargs``: the transformer arguments that differ between the branches, in the order of
     ``encode_prompt``'s outputs. ``one_call``: ``encode_prompt`` returns (positive, negative) in one
@@ -133,6 +133,11 @@ def spec_for(class_name: str) -> PipelineSpec:
 
 def with_cfg() -> dict[str, PipelineSpec]:
     return {name: spec for name, spec in SPECS.items() if spec.cfg is not None}
+
+
+def cfg_supported() -> str:
+    """The pipelines CFG parallel can split, with the argument that turns their CFG on."""
+    return ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in with_cfg().items())
 
 
 def with_plan(attribute: str) -> list[str]:

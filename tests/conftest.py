@@ -45,6 +45,26 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
     return proc
 
 
+@pytest.fixture
+def cli_here(capsys):
+    """``lightning-diffusion ARGS`` in this process, for runs that end before any rank starts
+    (refused configs): the same entry point as ``run_cli``, without a new interpreter."""
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        from lightning_diffusion.cli import main
+
+        capsys.readouterr()
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exit_info:
+            code = exit_info.code if isinstance(exit_info.code, int) else 0
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["lightning-diffusion", *args], code, out, err)
+
+    return run
+
+
 def tiny_args(output_dir: Path, *extra: str, config: str = "configs/tiny.yaml") -> list[str]:
     """``predict`` on a tiny config into ``output_dir``, saving float arrays for comparisons."""
     return [

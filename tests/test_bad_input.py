@@ -146,3 +146,15 @@ def test_not_enough_disk_space_for_the_expected_images(files, capsys):
         main(["predict", "--config", "configs/tiny.yaml", "--model.height", "65536", "--model.width", "65536",
               "--data.num_images_per_prompt", "1000", "--writer.output_dir", str(files / "images")])
     assert "outputs of 65536x65536 need about" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("procid, says", [("0", True), ("5", False)])
+def test_under_srun_only_the_first_task_of_the_job_prints_the_error(files, capsys, monkeypatch, procid, says):
+    """srun starts every task with the same command line: 16 tasks would print the message 16 times."""
+    monkeypatch.setenv("SLURM_PROCID", procid)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the first task of every node
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--config", "configs/tiny.yaml", "--data.batch_size", "0",
+              "--writer.output_dir", str(files / "images")])
+    assert exit_info.value.code == 2
+    assert ("data.batch_size must be" in capsys.readouterr().err) == says

@@ -3,9 +3,12 @@ is asserted: these machines are shared and noisy)."""
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
 
 
+@pytest.mark.slow
 def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     report = tmp_path / "bench.json"
     proc = run_cli("benchmark", "--config", "configs/tiny.yaml", "--data.prompts", "[a, b, c, d, e, f]",

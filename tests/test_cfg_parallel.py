@@ -27,6 +27,7 @@ def assert_matches(out, ref, count=5):
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
 
 
+@pytest.mark.slow
 def test_cfg2_matches_one_process(reference, tmp_path):
     proc = run_cli(*tiny_args(tmp_path, "--data.batch_size", "1", "--trainer.devices", "2",
                               "--trainer.strategy", "cfg_parallel", config=QWEN))
@@ -41,6 +42,7 @@ def test_cfg2_matches_one_process(reference, tmp_path):
 
 # Qwen-Image's text tokens (split by context parallelism) have the prompt's length, which is rarely
 # even: Ulysses runs in its anything-mode for it.
+@pytest.mark.slow
 @pytest.mark.parametrize("degrees", [dict(ulysses=2), dict(tp=2)], ids=["cfg2-ulysses2", "cfg2-tp2"])
 def test_cfg2_composes_with_context_and_tensor_parallel(degrees, reference, tmp_path):
     extra = ["--trainer.devices", "4", *MESH, "--trainer.strategy.init_args.cfg", "2"]
@@ -56,6 +58,7 @@ def test_cfg2_composes_with_context_and_tensor_parallel(degrees, reference, tmp_
     assert_matches(tmp_path, reference(QWEN))
 
 
+@pytest.mark.slow
 def test_flux_true_cfg_and_two_replicas_of_a_pair(tmp_path):
     # FLUX.1 with true CFG: a negative prompt for every image and true_cfg_scale > 1; 4 processes
     # are 2 replicas of a pair, so this also checks that only one rank of each pair writes.
@@ -72,6 +75,7 @@ def test_flux_true_cfg_and_two_replicas_of_a_pair(tmp_path):
     assert_matches(out, load_arrays(single))
 
 
+@pytest.mark.slow
 def test_wan_video_cfg2_matches_one_process(tmp_path):
     video = ("--data.batch_size", "1", "--data.prompts", "[a fox running, waves at night]")
     config = "configs/tiny-wan.yaml"
@@ -94,17 +98,17 @@ def test_wan_video_cfg2_matches_one_process(tmp_path):
     ],
     ids=["no-negative-prompts", "cfg-scale-1", "one-process"],
 )
-def test_configs_without_a_negative_branch_are_refused(extra, message, tmp_path):
-    proc = run_cli(*tiny_args(tmp_path, "--trainer.devices", "2", "--trainer.strategy", "cfg_parallel", *extra,
-                              config=QWEN), check=False)
+def test_configs_without_a_negative_branch_are_refused(extra, message, tmp_path, cli_here):
+    proc = cli_here(*tiny_args(tmp_path, "--trainer.devices", "2", "--trainer.strategy", "cfg_parallel", *extra,
+                               config=QWEN))
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir()), "nothing written"
 
 
-def test_flux_without_true_cfg_is_refused(tmp_path):
-    proc = run_cli(*tiny_args(tmp_path, "--data.prompts", FIVE_PROMPTS, "--trainer.devices", "2",
-                              "--trainer.strategy", "cfg_parallel"), check=False)
+def test_flux_without_true_cfg_is_refused(tmp_path, cli_here):
+    proc = cli_here(*tiny_args(tmp_path, "--data.prompts", FIVE_PROMPTS, "--trainer.devices", "2",
+                               "--trainer.strategy", "cfg_parallel"))
     assert proc.returncode == 2
     assert "FluxPipeline runs it only with true_cfg_scale > 1 (got 1.0)" in proc.stderr
 

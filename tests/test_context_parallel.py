@@ -42,6 +42,7 @@ MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_mode_matches_one_process(mode, reference, tmp_path):
     settings = dict(MODES[mode])
@@ -60,6 +61,7 @@ def test_mode_matches_one_process(mode, reference, tmp_path):
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
 
 
+@pytest.mark.slow
 def test_odd_token_count_without_anything_flag_fails_fast_on_every_rank(tmp_path):
     proc = run_cli(*cp_args(tmp_path / "out", 2, size=(48, 80), ulysses_degree=2), check=False, timeout=120)
     assert proc.returncode == 2
@@ -132,3 +134,15 @@ def test_model_without_context_parallel_plan(tmp_path):
     trainer = cpu_trainer(2, ulysses_degree=2)
     with pytest.raises(ConfigError, match="StableDiffusionPipeline has no model with a context-parallel plan"):
         check_model(trainer.strategy, DiffusionModule(str(tmp_path)))
+
+
+def test_ring_in_float32_on_cuda_is_refused_before_loading():
+    """Ring attention on CUDA needs a backend that returns the log-sum-exp (half precision only):
+    refused by the weight-free checks, on the planned device type, not after the weights load."""
+    from lightning_diffusion.errors import raise_problems
+    from lightning_diffusion.strategies import MeshStrategy
+
+    request = DiffusionModule("tiny:flux", height=64, width=64).request()
+    with pytest.raises(ConfigError, match="Ring attention on CUDA needs an attention backend"):
+        raise_problems(MeshStrategy(ring=2).check_request(request, world_size=2, device_type="cuda"))
+    assert MeshStrategy(ring=2).check_request(request, world_size=2, device_type="cpu") == []

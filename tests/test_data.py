@@ -105,6 +105,7 @@ def test_skipped_indices_are_removed_before_the_split():
     assert [s["index"] for batch in loader for s in batch] == [3, 4, 5]
 
 
+@pytest.mark.slow
 def test_a_million_line_prompt_file_is_streamed(tmp_path):
     """The data module keeps 8 bytes a record (line offsets), not the records: peak traced memory
     for indexing 1,000,000 lines, skipping the half already done and reading a batch stays under

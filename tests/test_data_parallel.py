@@ -32,6 +32,7 @@ def assert_written_once(out, count):
     assert len(list(out.glob("*.png"))) == count
 
 
+@pytest.mark.slow
 def test_two_replicas_are_bit_identical_to_one_process(reference, tmp_path):
     run_cli(*tiny_args(tmp_path, "--data.prompts", PROMPTS, "--data.batch_size", "1", "--trainer.devices", "2"))
     assert_written_once(tmp_path, 7)
@@ -41,6 +42,7 @@ def test_two_replicas_are_bit_identical_to_one_process(reference, tmp_path):
     assert all(np.array_equal(pngs[i], ref_pngs[i]) for i in range(7))
 
 
+@pytest.mark.slow
 def test_two_replicas_with_batch_size_three_match_one_process(reference, tmp_path):
     run_cli(*tiny_args(tmp_path, "--data.prompts", PROMPTS, "--data.batch_size", "3", "--trainer.devices", "2"))
     assert_written_once(tmp_path, 7)
@@ -51,6 +53,7 @@ def test_two_replicas_with_batch_size_three_match_one_process(reference, tmp_pat
     assert max(np.abs(pngs[i].astype(int) - ref_pngs[i].astype(int)).max() for i in range(7)) <= 1
 
 
+@pytest.mark.slow
 def test_batch_size_three_matches_batch_size_one_in_one_process(reference, tmp_path):
     run_cli(*tiny_args(tmp_path, "--data.prompts", PROMPTS, "--data.batch_size", "3"))
     assert_written_once(tmp_path, 7)
@@ -59,6 +62,7 @@ def test_batch_size_three_matches_batch_size_one_in_one_process(reference, tmp_p
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_more_replicas_than_prompts_is_not_an_error(reference, tmp_path):
     run_cli(*tiny_args(tmp_path, "--data.prompts", "[prompt number 0]", "--trainer.devices", "2"))
     assert_written_once(tmp_path, 1)

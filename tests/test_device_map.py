@@ -30,6 +30,7 @@ def dm_args(out, offload, devices=1, staged=False):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staged", [False, True], ids=["device-map", "staged"])
 def test_device_map_with_disk_offload_matches_plain_run(staged, reference, tmp_path):
     proc = run_cli(*dm_args(tmp_path / "out", tmp_path / "offload", staged=staged))
@@ -44,6 +45,7 @@ def test_device_map_with_disk_offload_matches_plain_run(staged, reference, tmp_p
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
 
 
+@pytest.mark.slow
 def test_two_device_map_replicas_split_the_prompts(reference, tmp_path):
     proc = run_cli(*dm_args(tmp_path / "out", tmp_path / "offload", devices=2, staged=True))
     log = proc.stdout + proc.stderr
@@ -99,3 +101,13 @@ def test_device_map_cannot_be_combined_with_tensor_parallelism():
     trainer = Trainer(accelerator="cpu", devices=2, strategy=TensorParallelStrategy(), logger=False)
     with pytest.raises(ConfigError, match="device_map cannot be used with tensor parallelism"):
         check_model(trainer.strategy, DiffusionModule("tiny:flux", from_pretrained_kwargs={"device_map": "auto"}))
+
+
+def test_each_process_budgets_its_own_gpus_and_the_cpu_only():
+    """Process 1 of a node with devices_per_process 2 owns GPUs 2 and 3: the budget lists them (the
+    user's 10 GB for its first one, the free memory of the other) and the CPU, never GPUs 0 and 1."""
+    from lightning_diffusion.strategies.device_map import process_max_memory
+
+    budget = process_max_memory({0: 10 * 2**30}, [2, 3], {2: 70 * 2**30, 3: 60 * 2**30}, 100 * 2**30)
+    assert budget == {2: 10 * 2**30, 3: 60 * 2**30, "cpu": 100 * 2**30}
+    assert process_max_memory({"cpu": 5, "disk": 9}, [0], {0: 7}, 100) == {0: 7, "cpu": 5, "disk": 9}

@@ -51,6 +51,7 @@ def wait_for_images(out, proc, count=2, limit=180):
     raise AssertionError("the run never got going")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "victim, strategy_args",
     [
@@ -89,3 +90,17 @@ def test_killed_rank_stops_the_job_and_a_rerun_completes(victim, strategy_args, 
     assert [line["index"] for line in lines] == list(range(COUNT))
     for line in lines:
         Image.open(out / line["file"]).verify()
+
+
+@pytest.mark.slow
+def test_a_replica_that_finishes_early_waits_longer_than_the_collective_timeout(tmp_path):
+    """Replica 1 makes its one image and then waits at the writer's barrier while replica 0's last
+    image takes far longer (about 20 s) than the 6 s process-group timeout: the run must still end with exit 0."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "slow", "num_inference_steps": 2000}\n')
+    proc = run_cli(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), "--data.batch_size", "1",
+                              "--trainer.devices", "2", "--trainer.strategy.class_path",
+                              "lightning_diffusion.strategies.DataParallelStrategy",
+                              "--trainer.strategy.init_args.timeout", "6"), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line["index"] for line in read_manifest_lines(tmp_path / "out")] == [0, 1, 2]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from PIL import Image
 
 from tests.conftest import REPO, read_manifest_lines, run_cli, tiny_args
@@ -22,6 +23,7 @@ def finished_lines(out):
     return lines
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_and_writes_every_index_once(tmp_path):
     out = tmp_path / "out"
     prompts = "[" + ", ".join(f"prompt {i}" for i in range(COUNT)) + "]"
@@ -66,6 +68,7 @@ def three_prompt_args(out, *extra):
     return tiny_args(out, "--data.prompts", "[a cat, a dog, a bird]", "--data.batch_size", "1", *extra)
 
 
+@pytest.mark.slow
 def test_truncated_image_and_cut_manifest_line_are_repaired(tmp_path):
     run_cli(*three_prompt_args(tmp_path))
     lines = read_manifest_lines(tmp_path)
@@ -84,6 +87,7 @@ def test_truncated_image_and_cut_manifest_line_are_repaired(tmp_path):
         Image.open(tmp_path / line["file"]).verify()
 
 
+@pytest.mark.slow
 def test_resuming_with_settings_that_change_images_is_refused(tmp_path):
     run_cli(*three_prompt_args(tmp_path))
     proc = run_cli(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5"), check=False)
@@ -93,6 +97,7 @@ def test_resuming_with_settings_that_change_images_is_refused(tmp_path):
     run_cli(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5", "--writer.allow_config_change", "true"))
 
 
+@pytest.mark.slow
 def test_a_folder_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path):
     tmp_path.mkdir(exist_ok=True)
     lock = tmp_path / ".lock"

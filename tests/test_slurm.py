@@ -30,6 +30,23 @@ ATOL = 1e-5
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
+@pytest.fixture
+def slurm_here(monkeypatch, capsys):
+    """``lightning-diffusion slurm ARGS`` in this process (for what needs no cluster): the same
+    ``main``, run from ``cwd`` with ``env`` added, its output captured."""
+
+    def run(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(cwd)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        capsys.readouterr()
+        code = slurm_module.main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["slurm", *args], code, out, err)
+
+    return run
+
+
 def slurm(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lightning_diffusion", "slurm", *args],
@@ -84,12 +101,12 @@ def job_log(out: Path, job: str) -> str:
 # ----------------------------------------------------------------------------- the script
 
 
-def test_rendered_script_for_4_nodes_of_8_gpus(tmp_path):
+def test_rendered_script_for_4_nodes_of_8_gpus(slurm_here, tmp_path):
     config = write_config(tmp_path / "big.yaml", accelerator="gpu", devices=8, num_nodes=4,
                           strategy={"class_path": "lightning_diffusion.strategies.MeshStrategy",
                                     "init_args": {"ulysses": 2}})
     out = tmp_path / "out"
-    proc = slurm("--config", str(config), "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00",
+    proc = slurm_here("--config", str(config), "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00",
                  "--partition", "gpu", "--account", "proj", "--cpus-per-task", "12", "--mem", "480G",
                  "--extra-sbatch=--qos=high", "--", "--writer.output_dir", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -119,8 +136,9 @@ def test_rendered_script_for_4_nodes_of_8_gpus(tmp_path):
     check, predict = steps
     assert check.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c ")
     words = shlex.split(predict)
-    assert words[:2] == ["srun", "--kill-on-bad-exit=1"] and words[-1] == "&"
-    command = words[2:-1]
+    assert words[:3] == ["srun", "--kill-on-bad-exit=1", "--gpu-bind=none"] and words[-1] == "&"
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in lines
+    command = words[3:-1]
     assert Path(command[0]).name == "lightning-diffusion" or command[1:3] == ["-m", "lightning_diffusion"]
     start = command.index("predict")
     assert command[start:] == ["predict", "--config", str(config), "--writer.output_dir", str(out),
@@ -143,32 +161,46 @@ def test_rendered_script_for_4_nodes_of_8_gpus(tmp_path):
          ["--nodes", "3"], "The world size 3 is not divisible"),
     ],
 )
-def test_resources_that_disagree_with_the_config_are_refused(tmp_path, trainer, flags, expected):
+def test_resources_that_disagree_with_the_config_are_refused(slurm_here, tmp_path, trainer, flags, expected):
     config = write_config(tmp_path / "c.yaml", **trainer)
-    proc = slurm("--config", str(config), *flags, cwd=tmp_path)
+    proc = slurm_here("--config", str(config), *flags, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     assert "lightning-diffusion slurm: error:" in proc.stderr and expected in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
-def test_without_sbatch_the_message_says_where_to_submit(tmp_path):
-    proc = slurm("--config", TINY, "--submit", "--", "--data.prompts", FIVE_PROMPTS,
+def test_a_device_map_job_asks_for_every_gpu_its_processes_span(slurm_here, tmp_path):
+    """2 processes x devices_per_process 2: 2 tasks and 4 GPUs per node, and 8 CPUs per task by default."""
+    config = write_config(tmp_path / "dm.yaml", accelerator="gpu", devices=2, strategy={
+        "class_path": "lightning_diffusion.strategies.DeviceMapStrategy", "init_args": {"devices_per_process": 2}})
+    proc = slurm_here("--config", str(config), "--", "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    options = [line[len("#SBATCH "):] for line in proc.stdout.splitlines() if line.startswith("#SBATCH")]
+    assert {"--ntasks-per-node=2", "--gpus-per-node=4", "--cpus-per-task=8"} <= set(options)
+    proc = slurm_here("--config", str(config), "--gpus-per-node", "2", "--", "--writer.output_dir", str(tmp_path / "out"),
+                 cwd=tmp_path)
+    assert proc.returncode == 2 and "devices_per_process 2 (4 GPUs per node)" in proc.stderr
+
+
+def test_without_sbatch_the_message_says_where_to_submit(slurm_here, tmp_path):
+    proc = slurm_here("--config", TINY, "--submit", "--", "--data.prompts", FIVE_PROMPTS,
                  "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path,
                  env={"PATH": str(Path(sys.executable).parent)})
     assert proc.returncode == 2
     assert "sbatch is not installed here" in proc.stderr and "--script FILE" in proc.stderr
 
 
-def test_an_output_folder_that_cannot_be_created_is_refused(tmp_path):
+def test_an_output_folder_that_cannot_be_created_is_refused(slurm_here, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    proc = slurm("--config", TINY, "--script", str(tmp_path / "job.sbatch"), "--", "--data.prompts", FIVE_PROMPTS,
+    proc = slurm_here("--config", TINY, "--script", str(tmp_path / "job.sbatch"), "--", "--data.prompts", FIVE_PROMPTS,
                  "--writer.output_dir", str(blocker / "out"), cwd=tmp_path)
     assert proc.returncode == 2
     assert str(blocker / "out") in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "job.sbatch").exists()
 
 
+@pytest.mark.slow
 def test_slurms_own_error_is_passed_through(cluster, tmp_path):
     proc = slurm("--config", TINY, "--partition", "no-such-partition", "--submit", "--", "--data.prompts", FIVE_PROMPTS,
                  "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path)
@@ -179,6 +211,7 @@ def test_slurms_own_error_is_passed_through(cluster, tmp_path):
 # ----------------------------------------------------------------------------- jobs on the cluster
 
 
+@pytest.mark.slow
 def test_two_nodes_data_parallel_match_one_process(cluster, reference, tmp_path):
     out = tmp_path / "out"
     proc = slurm("--config", TINY, "--nodes", "2", "--submit", "--wait", "--",
@@ -194,6 +227,7 @@ def test_two_nodes_data_parallel_match_one_process(cluster, reference, tmp_path)
     assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(5)) <= ATOL
 
 
+@pytest.mark.slow
 def test_context_parallel_group_spanning_two_nodes_matches_one_process(cluster, reference, tmp_path):
     out = tmp_path / "out"
     config = str(REPO / "configs" / "tiny-ulysses.yaml")
@@ -209,6 +243,7 @@ def test_context_parallel_group_spanning_two_nodes_matches_one_process(cluster, 
     assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(5)) <= ATOL
 
 
+@pytest.mark.slow
 def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_path):
     count = 16
     prompts = "[" + ", ".join(f"preempted prompt {i}" for i in range(count)) + "]"
@@ -261,6 +296,7 @@ def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_pa
     assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(count)) <= ATOL
 
 
+@pytest.mark.slow
 def test_scancel_finishes_the_images_in_flight_and_a_new_job_resumes(cluster, tmp_path):
     # scancel sends SIGTERM, then SIGKILL after KillWait (30 s, SLURM's default). The tasks finish
     # the image in flight, merge the manifest and exit on their own, without requeueing the job.

@@ -32,6 +32,7 @@ def args(pipeline, out, *extra):
     return tiny_args(out, "--data.batch_size", "1", *prompts, *extra, config=config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline, devices", [("flux", 2), ("qwenimage", 2), ("flux", 4)])
 def test_tensor_parallel_matches_one_process(pipeline, devices, reference, tmp_path):
     extra = ["--trainer.devices", str(devices), "--trainer.strategy.class_path",
@@ -96,3 +97,13 @@ def test_weights_that_are_not_safetensors(tmp_path):
         file.unlink()
     with pytest.raises(ConfigError, match="has no .safetensors weights"):
         check_model(tp_trainer(2).strategy, DiffusionModule(str(folder)))
+
+
+def test_parallel_models_live_on_the_meshs_device_type_and_the_ranks_own_gpu():
+    """diffusers 0.42.1 would place a rank's shards on cuda:(rank % device count) whenever a GPU
+    exists: wrong for a CPU mesh on a GPU machine and for ranks that own GPUs 4..7."""
+    from lightning_diffusion.compat import parallel_device
+
+    assert parallel_device("cpu", None) == torch.device("cpu")
+    assert parallel_device("cpu", 3) == torch.device("cpu")
+    assert parallel_device("cuda", 5) == torch.device("cuda", 5)

@@ -10,7 +10,6 @@ from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines import PipelineError
 from lightning_diffusion.strategies import MeshError, ParallelDims
 from lightning_diffusion.strategies.checks import check_cfg
-from tests.conftest import run_cli
 
 
 def test_missing_model_path(tmp_path):
@@ -103,23 +102,3 @@ def test_inferred_degree():
     dims = ParallelDims(world_size=8, dp=-1, ulysses=2, tp=2)
     assert dims.degrees == {"dp": 2, "cfg": 1, "ring": 1, "ulysses": 2, "tp": 2}
     assert dims.replica_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-
-
-def test_cli_reports_bad_input_and_writes_nothing(tmp_path):
-    bad = tmp_path / "p.jsonl"
-    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
-    out = tmp_path / "out"
-    proc = run_cli(
-        "predict", "--config", "configs/tiny.yaml", "--data.prompts", str(bad), "--writer.output_dir", str(out),
-        check=False,
-    )
-    assert proc.returncode != 0
-    assert f"{bad}:2: not valid JSON" in proc.stderr
-    assert not out.exists()
-    proc = run_cli(
-        "predict", "--config", "configs/tiny.yaml", "--model.height", "50", "--writer.output_dir", str(out),
-        "--trainer.devices", "2", check=False,
-    )
-    assert proc.returncode != 0
-    assert "height=50 cannot be made by FluxPipeline: use a positive multiple of 16 (for example 48)" in proc.stderr
-    assert not out.exists()

@@ -2,8 +2,11 @@
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
 
+@pytest.mark.slow
 def test_verify_passes_a_correct_plan_and_reads_overrides_given_with_equals(tmp_path):
     """One passing plan here (every strategy's parity with one device is tested in its own file);
     ``--data.prompts=FILE`` must reach verify itself: 2 prompts, not the config's 10."""
@@ -19,6 +22,7 @@ def test_verify_passes_a_correct_plan_and_reads_overrides_given_with_equals(tmp_
     assert all(image["max_abs"] < 1e-4 for image in result["images"])
 
 
+@pytest.mark.slow
 def test_verify_fails_a_plan_that_runs_but_is_wrong():
     """Tokens split over 2 ranks with attention left local to each shard: a plausible picture."""
     proc = run_cli("verify", "--config", "configs/tiny-ulysses.yaml", "--num-prompts", "2",
@@ -27,6 +31,7 @@ def test_verify_fails_a_plan_that_runs_but_is_wrong():
     assert proc.stdout.count("| FAIL |") == 2 and "FAIL: the plan does not reproduce" in proc.stdout
 
 
+@pytest.mark.slow
 def test_verify_fails_a_tp_plan_with_colwise_and_rowwise_swapped():
     proc = run_cli("verify", "--config", "configs/tiny-tp.yaml", "--num-prompts", "1",
                    "--trainer.strategy.class_path", "tests.broken_plans.SwappedFeedForwardTP", check=False)

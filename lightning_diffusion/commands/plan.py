@@ -21,7 +21,7 @@ from typing import Optional
 import yaml
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.specs import PipelineSpec, all_published, published, spec_for
+from lightning_diffusion.specs import PipelineSpec, all_published, cfg_supported, published, spec_for
 
 # Beyond this many tokens per image one GPU spends most of its time in attention and its
 # activations grow large: split the sequence (the guide's "long sequences").
@@ -80,11 +80,9 @@ def facts_for(model: str) -> ModelFacts:
 
 def cfg_note(facts: ModelFacts) -> str:
     """Whether CFG parallel (``cfg: 2``) applies to this model's pipeline."""
-    from lightning_diffusion.strategies.cfg import supported
-
     entry = facts.spec.cfg
     if entry is None:
-        return f"cfg parallel: not available for {facts.pipeline or 'this pipeline'} (supported: {supported()})"
+        return f"cfg parallel: not available for {facts.pipeline or 'this pipeline'} (supported: {cfg_supported()})"
     when = f"{entry.scale_arg} > 1" + (" and a negative prompt per image" if entry.needs_negative_prompt else "")
     return (f"cfg parallel: {facts.pipeline} runs two transformer passes per step with {when}; MeshStrategy "
             "cfg: 2 runs them on two GPUs at once (pairs of GPUs, times the degrees above)")

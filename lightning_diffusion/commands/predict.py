@@ -9,18 +9,27 @@ from lightning_diffusion import preemption
 from lightning_diffusion.config import DiffusionCLI, config_error_message
 
 
+def first_process() -> bool:
+    """Whether this is the job's first process: global rank 0 (``RANK``, or ``SLURM_PROCID`` for the
+    tasks ``srun`` starts on every node), else the first process of its node."""
+    for variable in ("RANK", "SLURM_PROCID"):
+        if variable in os.environ:
+            return os.environ[variable] == "0"
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def main(argv: list[str]) -> int:
     if preemption.in_slurm_job():
         preemption.STOP.install()  # before the weights load: SIGUSR1's default action kills the process
     try:
-        cli = DiffusionCLI(args=["predict", *argv])
+        DiffusionCLI(args=["predict", *argv])
     except ValueError as err:
         message = config_error_message(err)
         if message is None:
             raise
         # Input that cannot work: the message says what to change; a traceback adds nothing.
-        # Every rank finds the same problem; the first process of each node says it.
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        # Every process finds the same problem; the job's first one says it.
+        if first_process():
             print(f"lightning-diffusion: error: {message}", file=sys.stderr)
         return 2
     # Stopped on SLURM's signal with images left: requeue the job (global rank 0).

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_diffusion.config import check_config, config_error_message, read_config
+from lightning_diffusion.preflight import build_strategy
 from lightning_diffusion.errors import ConfigError
 
 DEFAULT_SIGNAL_SECONDS = 300
+DEFAULT_CPUS_PER_TASK = 8
 SCRIPT_NAME = "lightning-diffusion.sbatch"
 # Job states after which a job runs no more (scontrol's names).
 FINAL_STATES = {
@@ -89,8 +91,11 @@ def _count_devices(devices: Any) -> Optional[int]:
     return None
 
 
-def resources(trainer: dict[str, Any], nodes: Optional[int], gpus_per_node: Optional[int]) -> dict[str, Any]:
-    """Nodes, tasks per node and GPUs per node that agree with the config, or a ConfigError."""
+def resources(trainer: Any, nodes: Optional[int], gpus_per_node: Optional[int],
+              devices_per_process: int = 1) -> dict[str, Any]:
+    """Nodes, tasks per node and GPUs per node that agree with the config, or a ConfigError. A
+    process of ``DeviceMapStrategy`` spans ``devices_per_process`` GPUs: a node then needs
+    ``trainer.devices x devices_per_process`` GPUs for ``trainer.devices`` tasks."""
     problems = []
     configured_nodes = trainer.get("num_nodes")
     if nodes is not None and nodes < 1:
@@ -105,6 +110,7 @@ def resources(trainer: dict[str, Any], nodes: Optional[int], gpus_per_node: Opti
     accelerator = str(trainer.get("accelerator") or "auto").lower()
     devices = _count_devices(trainer.get("devices", "auto"))
     on_cpu = accelerator == "cpu"
+    per = devices_per_process
     if gpus_per_node is not None and gpus_per_node < 1:
         problems.append(f"--gpus-per-node must be >= 1, got {gpus_per_node}.")
     if on_cpu:
@@ -116,18 +122,21 @@ def resources(trainer: dict[str, Any], nodes: Optional[int], gpus_per_node: Opti
         if devices is None:
             problems.append("a CPU job needs trainer.devices as a number: the processes per node.")
     else:
-        if devices is not None and gpus_per_node is not None and devices != gpus_per_node:
+        if devices is not None and gpus_per_node is not None and devices * per != gpus_per_node:
+            spans = f" x devices_per_process {per}" if per > 1 else ""
             problems.append(
-                f"the config says trainer.devices: {trainer.get('devices')} ({devices} per node) but "
-                f"--gpus-per-node {gpus_per_node} was asked for; Lightning starts one task per device "
+                f"the config says trainer.devices: {trainer.get('devices')}{spans} ({devices * per} GPUs per node) but "
+                f"--gpus-per-node {gpus_per_node} was asked for; Lightning starts one task per process "
                 "(--ntasks-per-node = trainer.devices). Change one of them."
             )
+        if gpus_per_node is not None and gpus_per_node % per:
+            problems.append(f"--gpus-per-node {gpus_per_node} is not a multiple of devices_per_process {per}.")
         if devices is None and gpus_per_node is None:
             problems.append("say how many GPUs each node has: --gpus-per-node G, or trainer.devices: G in the config.")
     if problems:
         raise ConfigError("\n".join(problems))
-    tasks = devices if devices is not None else gpus_per_node
-    return {"nodes": node_count, "tasks_per_node": tasks, "gpus_per_node": None if on_cpu else tasks}
+    tasks = devices if devices is not None else gpus_per_node // per
+    return {"nodes": node_count, "tasks_per_node": tasks, "gpus_per_node": None if on_cpu else tasks * per}
 
 
 def check_output_folder(output_dir: Path) -> None:
@@ -162,7 +171,12 @@ def render(
     ]
     if res["gpus_per_node"]:
         sbatch.append(f"--gpus-per-node={res['gpus_per_node']}")
-    for flag in ("cpus_per_task", "mem", "time", "partition", "account"):
+    # Tokenizers, image encoding and NCCL's proxy thread need more than the 1 core a task gets
+    # by default; a GPU job gets DEFAULT_CPUS_PER_TASK unless --cpus-per-task says otherwise.
+    cpus = args.cpus_per_task if args.cpus_per_task is not None else (DEFAULT_CPUS_PER_TASK if res["gpus_per_node"] else None)
+    if cpus is not None:
+        sbatch.append(f"--cpus-per-task={cpus}")
+    for flag in ("mem", "time", "partition", "account"):
         value = getattr(args, flag)
         if value is not None:
             sbatch.append(f"--{flag.replace('_', '-')}={value}")
@@ -206,7 +220,12 @@ def render(
         "    exit 2",
         "fi",
         "",
-        f"srun --kill-on-bad-exit=1 {' '.join(q(word) for word in predict)} &",
+        *(["# srun of Slurm 22.05-23.02 does not take --cpus-per-task from the allocation without this.",
+           'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"'] if cpus is not None else []),
+        # Every task sees all the node's GPUs and Lightning gives each its own (by local rank);
+        # where a site binds one GPU per task by default, Lightning would find 1 of trainer.devices.
+        f"srun --kill-on-bad-exit=1 {'--gpu-bind=none ' if res['gpus_per_node'] else ''}"
+        f"{' '.join(q(word) for word in predict)} &",
         "step=$!",
         "# A signal sent to this shell only (scancel --signal=USR1 --batch) goes on to the tasks. On the",
         "# signal they finish the images in flight, merge the manifest and rank 0 requeues this job.",
@@ -297,7 +316,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"no config file at {args.config}.")
         # One parse; the checks run once the job's node and device counts are known.
         config = read_config(str(config_path), predict_args, check=False)
-        res = resources(config.trainer, args.nodes, args.gpus_per_node)
+        strategy = build_strategy(config.trainer.get("strategy"))
+        res = resources(config.trainer, args.nodes, args.gpus_per_node, getattr(strategy, "devices_per_process", 1))
         if args.submit:
             _slurm_command("sbatch")  # before the checks below, which take seconds
         if args.signal_seconds < 1:

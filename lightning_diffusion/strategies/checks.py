@@ -16,7 +16,7 @@ import torch
 
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.specs import spec_for, with_cfg, with_plan
+from lightning_diffusion.specs import cfg_supported, spec_for, with_plan
 from lightning_diffusion.strategies.mesh import ParallelDims
 
 # from_pretrained options that diffusers cannot combine with a tensor-parallel load, and why.
@@ -83,11 +83,10 @@ def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str
     ``default(name)``: the pipeline's default for a call argument (``PipelineInfo.call_default``:
     ``true_cfg_scale`` is 4.0 for Qwen-Image, 1.0 for FLUX)."""
     entry = spec_for(class_name).cfg
-    supported = ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in with_cfg().items())
     if entry is None:
         raise ConfigError(
             f"cfg=2 needs a pipeline whose two guidance passes this project knows how to split; {class_name} "
-            f"is not one. Supported: {supported}. Use cfg=1 (data_parallel) for it."
+            f"is not one. Supported: {cfg_supported()}. Use cfg=1 (data_parallel) for it."
         )
     scale = call_args.get(entry.scale_arg, default(entry.scale_arg))
     if not isinstance(scale, (int, float)) or scale <= 1:

@@ -34,6 +34,29 @@ def size_in_bytes(value: Union[int, str]) -> int:
         raise ConfigError(f"max_memory value {value!r} is not a size such as '16GB', '500MB' or a number of bytes.") from None
 
 
+def process_max_memory(user: dict[Union[int, str], int], gpus: list[int], free: dict[int, int],
+                       cpu_bytes: int) -> dict[Union[int, str], int]:
+    """accelerate's ``max_memory`` for one process that owns GPUs ``gpus``: each of them with the
+    user's budget (keys count from the process's first GPU) or its free memory, plus the CPU (the
+    user's budget or the available RAM) and disk if the user names it. GPUs of other processes are
+    not listed: accelerate would open a context on each, and diffusers' ``balanced`` assignment
+    cycles through every listed device, even one with a budget of 0."""
+    budget: dict[Union[int, str], int] = {}
+    for position, index in enumerate(gpus):
+        budget[index] = int(user.get(position, free[index]))
+    budget["cpu"] = int(user.get("cpu", cpu_bytes))
+    if "disk" in user:
+        budget["disk"] = int(user["disk"])
+    return budget
+
+
+def _available_ram() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
 class DeviceMapStrategy(MeshStrategy):
     """Place one pipeline over several devices of one process: the answer when the weights do not
     fit on one GPU and the interconnect is too slow for tensor parallelism (PCIe consumer cards).
@@ -106,25 +129,18 @@ class DeviceMapStrategy(MeshStrategy):
         return list(range(first, first + self.devices_per_process))
 
     def accelerate_max_memory(self) -> Optional[dict[Union[int, str], int]]:
-        """``max_memory`` with GPU keys made absolute; GPUs of other processes get nothing."""
-        if not self.max_memory:
-            return None
+        """This process's budget for accelerate: its own GPUs only (absolute numbers) and the CPU."""
         gpus = self.gpu_indices()
-        mapped: dict[Union[int, str], int] = {}
-        for key, value in self.max_memory.items():
-            if isinstance(key, int):
-                mapped[gpus[key]] = value
-            else:
-                mapped[key] = value
-        if self.root_device.type == "cuda":
-            for index in range(torch.cuda.device_count()):
-                mapped.setdefault(index, 0)
-        return mapped
+        if not gpus:
+            return dict(self.max_memory) or None
+        free = {index: int(torch.cuda.mem_get_info(index)[0]) for index in gpus}
+        return process_max_memory(self.max_memory, gpus, free, _available_ram())
 
     # ----------------------------------------------------------------- checks before weights
 
-    def check_request(self, request: ModelRequest, world_size: Optional[int] = None) -> list:
-        problems = super().check_request(request, world_size)
+    def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
+                      device_type: Optional[str] = None) -> list:
+        problems = super().check_request(request, world_size, device_type)
         gather(problems, self._check_devices)
         gather(problems, self._check_placement, request)
         return problems

@@ -131,10 +131,14 @@ class MeshStrategy(DiffusionParallelStrategy):
 
     # ----------------------------------------------------------------- the contract with the module
 
-    def check_request(self, request: ModelRequest, world_size: Optional[int] = None) -> list:
+    def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
+                      device_type: Optional[str] = None) -> list:
         problems: list = []
         dims = self.make_parallel_dims(world_size) if world_size is not None else self.parallel_dims
         info = request.info
+        if dims.cp > 1:
+            device = torch.device(self.planned_device_type(device_type))
+            gather(problems, resolved_attention_backend, self.attention_backend, device, dims, request.dtype)
         if dims.cfg > 1:
             gather(problems, check_cfg, info.class_name, dict(request.call_args), info.call_default, request.records)
         if dims.cp > 1:
@@ -161,6 +165,7 @@ class MeshStrategy(DiffusionParallelStrategy):
     def setup_pipeline(self, pipeline: Any) -> Any:
         dims = self.parallel_dims
         if dims.cp > 1:
+            compat.apply_parallel_patches()
             if self.root_device.type == "cpu":
                 compat.apply_cpu_rehearsal_patches()
             for component in pipeline.components.values():

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
 DEFAULT_TIMEOUT_S = 600.0
+# Barriers wait for slow loaders (tens of GB from a cold cache) and replicas still making their
+# last images; they are not collectives of a model-parallel step.
+IDLE_TIMEOUT = timedelta(hours=24)
 
 
 class DiffusionParallelStrategy(ParallelStrategy):
@@ -84,6 +87,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
+        self._idle_group: Optional[Any] = None
         self._device_mesh: Optional[DeviceMesh] = None
         # Stop on SLURM's signals (see ``preemption``), in SLURM jobs.
         self._stop_on_signal = False
@@ -153,9 +157,16 @@ class DiffusionParallelStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------- the contract (see ``contract``)
 
-    def check_request(self, request: ModelRequest, world_size: Optional[int] = None) -> list:
+    def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
+                      device_type: Optional[str] = None) -> list:
         """Problems of the model against the strategy that need no weights (subclasses add theirs)."""
         return []
+
+    def planned_device_type(self, device_type: Optional[str] = None) -> str:
+        """``device_type`` when given (the CLI's checks, before the Trainer exists), else this rank's."""
+        if device_type is not None:
+            return device_type
+        return self.root_device.type if self.parallel_devices else "cpu"
 
     def load_plan(self, request: ModelRequest) -> LoadPlan:
         return LoadPlan()
@@ -196,6 +207,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
             getattr(self._launcher, "procs", None), self.global_rank, self.node_rank, self.num_processes
         )
         self._watchdog.start()
+        # Every rank creates it, in the same order as every other group.
+        self._idle_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._parallel_dims = self.make_parallel_dims(self.world_size)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         log.info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
@@ -275,12 +288,13 @@ class DiffusionParallelStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
+        """Ranks wait here for others that are still loading weights or making their last images:
+        an idle wait, on a gloo group of its own with ``IDLE_TIMEOUT`` instead of the collective
+        timeout (NCCL's watchdog would abort a job whose images were all written). A dead rank is
+        still noticed: its node's watchdog ends the node, and gloo sees the closed connections."""
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        dist.barrier(group=self._idle_group)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -22,6 +22,7 @@ def load_sharded(cls: type, path: str, subfolder: Optional[str], dtype: torch.dt
     """Create ``cls`` from ``path/subfolder`` with this rank's shard of every planned weight."""
     from diffusers import TensorParallelConfig
 
+    compat.apply_parallel_patches()
     if tp_mesh.device_type == "cpu":
         compat.apply_cpu_rehearsal_patches()
     model = cls.from_pretrained(
