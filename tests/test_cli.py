@@ -1,6 +1,9 @@
 """The CLI end to end on configs/tiny.yaml, and make-tiny."""
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +134,15 @@ def test_the_package_has_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_gpu_acceptance_checks_are_named_and_skip_without_a_gpu(tmp_path):
+    report = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "scripts/gpu_acceptance.py", "--json", str(report)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(report.read_text())
+    assert {row["check"] for row in rows} >= {"cuda-pipeline", "cpu-tensor-parallel-on-a-gpu-machine",
+                                              "tensor-parallel-cuda", "ring-bf16-cuda"}
+    if not torch.cuda.is_available():
+        assert all(row["result"] == "SKIP" for row in rows)

@@ -44,11 +44,19 @@ class StepTimer(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.setup_at = time.perf_counter()
 
+    @staticmethod
+    def devices(trainer: pl.Trainer) -> list[int]:
+        """The GPUs rank 0 uses: all of a device map's, else its root device."""
+        spans = getattr(trainer.strategy, "gpu_indices", None)
+        indices = spans() if callable(spans) else []
+        return indices or [trainer.strategy.root_device.index or 0]
+
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.load_s = time.perf_counter() - self.setup_at
         self.cuda = trainer.strategy.root_device.type == "cuda"
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+            for index in self.devices(trainer):
+                torch.cuda.reset_peak_memory_stats(index)
 
     def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if self.cuda:
@@ -73,8 +81,8 @@ class StepTimer(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not trainer.is_global_zero:
             return
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 1024**3
+        if self.cuda:  # summed over the GPUs of rank 0 (a device map spans several)
+            peak = sum(torch.cuda.max_memory_allocated(index) for index in self.devices(trainer)) / 1024**3
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
         params = getattr(self, "last_params", {})
@@ -114,9 +122,12 @@ def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int,
     with torch.inference_mode():
         for number, first in enumerate(range(0, len(dataset), batch_size)):
             samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
+            negatives = [s["negative_prompt"] for s in samples]
+            # The same work as ours: negative prompts (the second CFG pass) where the records give them.
+            extra = {"negative_prompt": [n or "" for n in negatives]} if any(n is not None for n in negatives) else {}
             start = time.perf_counter()
             pipe(prompt=[s["prompt"] for s in samples], output_type="np",
-                 generator=[torch.Generator("cpu").manual_seed(s["seed"]) for s in samples], **call_args)
+                 generator=[torch.Generator("cpu").manual_seed(s["seed"]) for s in samples], **call_args, **extra)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if number >= warmup:
