@@ -4,7 +4,7 @@
 
 A random FLUX-architecture transformer (default 1536 hidden, 2 double + 4 single blocks: about
 1.2 GB in float32) is written once as safetensors, then loaded three ways, each in fresh processes:
-(a) ours, tp=2: ``lightning_diffusion.strategies.mesh_parallel.load_sharded`` (what
+(a) ours, tp=2: ``lightning_diffusion.strategies.sharded_load.load_sharded`` (what
     ``TensorParallelStrategy`` calls): each rank reads only its slices while loading;
 (b) whole then shard, tp=2: ``from_pretrained`` then ``enable_parallelism(TensorParallelConfig)``;
 (c) whole, one process: ``from_pretrained``.
@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_diffusion import compat
-    from lightning_diffusion.strategies.mesh_parallel import load_sharded
+    from lightning_diffusion.strategies.sharded_load import load_sharded
 
     distributed = args.worker != "whole"
     if distributed:

@@ -26,6 +26,8 @@ _PUBLIC = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "strategies":
+        return importlib.import_module("lightning_diffusion.strategies")
     if name in _PUBLIC:
         importlib.import_module("lightning_diffusion.strategies")  # registers the strategy names
         return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -64,8 +64,8 @@ class DiffusionCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self._parses_argv and preflight_passed():
             return  # checked by the process that started this rank, on the same command line
-        check_config(self.config[self.subcommand] if self.subcommand else self.config)
-        if self._parses_argv:
+        complete = check_config(self.config[self.subcommand] if self.subcommand else self.config)
+        if self._parses_argv and complete:
             mark_preflight_passed()
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
@@ -104,9 +104,22 @@ def read_config(config: str, overrides: Optional[list[str]] = None, check: bool 
     return parsed
 
 
-def check_config(config: Any) -> None:
-    """Every weight-free check of a parsed config (``preflight``), reported in one ``ConfigError``."""
-    raise_problems(preflight(config))
+def check_config(config: Any) -> bool:
+    """Every weight-free check of a parsed config (``preflight``), reported in one ``ConfigError``;
+    returns whether they were complete (see ``preflight``)."""
+    problems, complete = preflight(config)
+    raise_problems(problems)
+    return complete
+
+
+def report_config_error(err: ValueError, prog: str) -> int:
+    """For a command's ``except ValueError``: print the ConfigError behind ``err`` as
+    ``PROG: error: MESSAGE`` (no traceback) and return exit code 2; anything else is re-raised."""
+    message = config_error_message(err)
+    if message is None:
+        raise err
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def config_error_message(err: BaseException) -> Optional[str]:

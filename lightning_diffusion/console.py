@@ -1,10 +1,10 @@
 """What the project prints: one ``logging`` logger for the package, rank-aware, and a quiet start-up.
 
-Messages go through ``logging.getLogger(__name__)`` in each module, under the ``lightning_diffusion``
-logger configured here on import (as Lightning configures its own): INFO and above to stderr, on
-global rank 0 only unless a record says ``extra={"all_ranks": True}`` (a rank's own placement, its
-stop). Where the application has configured logging itself (the root logger has handlers), records
-propagate there instead.
+Every module logs through ``log``, the ``lightning_diffusion`` logger configured here on import (as
+Lightning configures its own): INFO and above, on global rank 0 only unless a record says
+``extra={"all_ranks": True}`` (a rank's own placement, its stop). The rank filter is on the logger
+itself, so it holds wherever the records go: to stderr, or where the application has configured
+logging before importing the package (the root logger has handlers), to the root's handlers.
 
 ``quiet()`` is for the command line: third-party start-up notices (transformers' torchvision
 notice, Lightning's accelerator and process-group banners and tips, deprecation warnings from
@@ -38,19 +38,20 @@ class RankZeroFilter(logging.Filter):
         return getattr(rank_zero_only, "rank", 0) == 0 or bool(getattr(record, "all_ranks", False))
 
 
+log = logging.getLogger(LOGGER)
+
+
 def configure() -> None:
-    logger = logging.getLogger(LOGGER)
-    if getattr(logger, "_lightning_diffusion_configured", False):
+    if getattr(log, "_lightning_diffusion_configured", False):
         return
-    logger._lightning_diffusion_configured = True  # type: ignore[attr-defined]
-    logger.setLevel(logging.INFO)
+    log._lightning_diffusion_configured = True  # type: ignore[attr-defined]
+    log.setLevel(logging.INFO)
+    log.addFilter(RankZeroFilter())  # one logger for the package: its filter sees every record
     if not logging.getLogger().hasHandlers():
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
-        # On the handler: a logger's own filters do not see its children's records.
-        handler.addFilter(RankZeroFilter())
-        logger.addHandler(handler)
-        logger.propagate = False
+        log.addHandler(handler)
+        log.propagate = False
 
 
 _VERBOSE_ENV = "LIGHTNING_DIFFUSION_VERBOSE"

@@ -47,7 +47,7 @@ _PREFLIGHT_ENV = "LIGHTNING_DIFFUSION_PREFLIGHT_PASSED"
 def _command_token() -> str:
     import hashlib
 
-    return hashlib.sha1("\0".join(sys.argv[1:]).encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha1("\0".join(sys.argv[1:]).encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
 
 
 def mark_preflight_passed() -> None:

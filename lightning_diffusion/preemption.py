@@ -24,7 +24,6 @@ ends when it says so, and the CLI asks it whether to requeue.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -35,7 +34,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+from lightning_diffusion.console import log
+
 _ALL = {"all_ranks": True}
 
 # EX_TEMPFAIL from sysexits.h: "try again later".
@@ -101,6 +101,10 @@ class StopController:
         images (None for a replica of one rank)."""
         self.install()
         self.enabled = True
+        # A new run in this process: only a signal that already arrived carries over.
+        self.stopping.clear()
+        self.stopped_early = False
+        self.images_made = 0
         self._group, self._device, self._rank = replica_group, device, global_rank
 
     def should_stop(self) -> bool:

@@ -88,8 +88,11 @@ def world_size(trainer: Any) -> Optional[int]:
     return devices * nodes
 
 
-def preflight(config: Any) -> list:
-    """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config."""
+def preflight(config: Any) -> tuple[list, bool]:
+    """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config.
+    Returns the problems and whether the checks were complete: the strategy's rules need the world
+    size, which a config with ``devices: auto`` (or a device list) leaves to the Trainer; then the
+    ranks must run them themselves."""
     model, data, writer = config.model, config.data, config.writer
     named = {key: model.get(key) for key in _NAMED}
     info: Optional[PipelineInfo]
@@ -106,6 +109,7 @@ def preflight(config: Any) -> list:
     # against the model run once the model and records are known to be right.
     strategy = gather(problems, build_strategy, config.trainer.get("strategy"))
     size = world_size(config.trainer)
+    complete = strategy is None or size is not None
     if strategy is not None and size is not None:
         gather(problems, strategy.make_parallel_dims, size)
         if info is not None and not problems:
@@ -115,4 +119,4 @@ def preflight(config: Any) -> list:
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
         gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
-    return problems
+    return problems, complete

@@ -15,7 +15,6 @@ which is ignored. The manifest is the single source of truth: a rerun skips the 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -27,10 +26,10 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
+from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, check_int, raise_problems
 from lightning_diffusion.lock import OutputLock
 
-log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.jsonl"
 _PART_GLOB = "manifest.part-*.jsonl"

@@ -85,7 +85,7 @@ def check_model(strategy, module, records=None) -> None:
     """Run a strategy's weight-free rules on a module's request, raising as every rank would."""
     from lightning_diffusion.errors import raise_problems
 
-    raise_problems(strategy.check_request(module.request(records)))
+    raise_problems(strategy.check_devices() + strategy.check_request(module.request(records)))
 
 
 FIVE_PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen, an astronaut, a watercolor map]"

@@ -111,3 +111,21 @@ def test_each_process_budgets_its_own_gpus_and_the_cpu_only():
     budget = process_max_memory({0: 10 * 2**30}, [2, 3], {2: 70 * 2**30, 3: 60 * 2**30}, 100 * 2**30)
     assert budget == {2: 10 * 2**30, 3: 60 * 2**30, "cpu": 100 * 2**30}
     assert process_max_memory({"cpu": 5, "disk": 9}, [0], {0: 7}, 100) == {0: 7, "cpu": 5, "disk": 9}
+
+
+def test_device_rules_run_on_the_rank_even_after_the_command_line_checks_passed(tmp_path, cli_here):
+    """How many GPUs a node has is known only on the rank: 'balanced' on a CPU is refused there,
+    with the same message, although the launching process's checks could not see it."""
+    proc = cli_here("predict", "--config", "configs/tiny-device-map.yaml", "--trainer.strategy.init_args.device_map",
+                    "balanced", "--writer.output_dir", str(tmp_path / "out"), "--trainer.enable_progress_bar", "false")
+    assert proc.returncode == 2
+    assert "device_map 'balanced' spreads components over GPUs" in proc.stderr
+
+
+def test_checks_that_need_the_world_size_are_left_to_the_ranks_when_devices_is_auto():
+    from lightning_diffusion.config import read_config
+    from lightning_diffusion.preflight import preflight
+
+    assert preflight(read_config("configs/tiny-ulysses.yaml", check=False)) == ([], True)
+    problems, complete = preflight(read_config("configs/tiny-ulysses.yaml", ["--trainer.devices", "auto"], check=False))
+    assert problems == [] and complete is False  # the ranks run the strategy's rules themselves

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_diffusion.config import config_error_message, read_config
+from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.data import PromptDataset, load_records
 from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
 
@@ -147,11 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = read_config(args.config, extra)
     except ValueError as err:
-        message = config_error_message(err)
-        if message is None:
-            raise
-        print(f"lightning-diffusion benchmark: error: {message}", file=sys.stderr)
-        return 2
+        return report_config_error(err, "lightning-diffusion benchmark")
 
     with tempfile.TemporaryDirectory(prefix="ld-bench-") as tmp:
         report = Path(tmp) / "report.json"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_diffusion.config import check_config, config_error_message, read_config
+from lightning_diffusion.config import check_config, read_config, report_config_error
 from lightning_diffusion.preflight import build_strategy
 from lightning_diffusion.errors import ConfigError
 
@@ -347,10 +347,5 @@ def main(argv: list[str]) -> int:
         expected = len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
         return wait_for(job_id, output_dir, expected)
     except ValueError as err:
-
-        message = config_error_message(err)
-        if message is None:
-            raise
-        print(f"lightning-diffusion slurm: error: {message}", file=sys.stderr)
-        return 2
+        return report_config_error(err, "lightning-diffusion slurm")
 

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lightning_diffusion.config import config_error_message, read_config
+from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.data import load_records
 from lightning_diffusion.pipelines import dtype_name
 
@@ -70,11 +70,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         config = read_config(args.config, extra)
     except ValueError as err:
-        message = config_error_message(err)
-        if message is None:
-            raise
-        print(f"lightning-diffusion verify: error: {message}", file=sys.stderr)
-        return 2
+        return report_config_error(err, "lightning-diffusion verify")
     records = list(load_records(config.data.prompts))[: args.num_prompts]
     dtype = dtype_name(config.model.torch_dtype)
     max_abs, min_psnr, min_ssim = THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])

@@ -17,7 +17,6 @@ without one, or a config without a negative branch, is refused before loading.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,10 +24,9 @@ import torch.distributed as dist
 
 from diffusers.hooks import HookRegistry, ModelHook
 
+from lightning_diffusion.console import log
 from lightning_diffusion.specs import CFGBranches
 
-
-log = logging.getLogger(__name__)
 
 HOOK_NAME = "lightning_diffusion.cfg_split"
 

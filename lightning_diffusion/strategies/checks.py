@@ -109,17 +109,23 @@ def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str
             )
 
 
+def planned_models(request: ModelRequest, plan: str, kind: str, instead: str) -> dict[str, type]:
+    """The pipeline's diffusers models with ``plan`` (``_cp_plan``, ``_tp_plan``), or a ConfigError."""
+    planned = request.info.models_with(plan)
+    if not planned:
+        raise ConfigError(
+            f"{request.info.class_name} has no model with a {kind}-parallel plan ({plan}) in diffusers; {instead}, "
+            f"or a pipeline whose transformer has one ({', '.join(with_plan(plan))})."
+        )
+    return planned
+
+
 def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_anything: bool,
                            ring_anything: bool) -> None:
     """The pipeline has a ``_cp_plan``, heads divide the Ulysses degree, and the token counts of
     every kind of image (per-record sizes included) divide the context-parallel degree."""
     info = request.info
-    planned = info.models_with("_cp_plan")
-    if not planned:
-        raise ConfigError(
-            f"{info.class_name} has no model with a context-parallel plan (_cp_plan) in diffusers; "
-            f"use data_parallel, or a pipeline whose transformer has one ({', '.join(with_plan('_cp_plan'))})."
-        )
+    planned = planned_models(request, "_cp_plan", "context", "use data_parallel")
     split = dims.ulysses * dims.tp
     for name in planned:
         heads = info.configs.get(name, {}).get("num_attention_heads")
@@ -192,12 +198,7 @@ def check_shardable(cls: type, config: dict[str, Any], tp_degree: int, name: str
 def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
     """A ``_tp_plan``, loading options diffusers can shard, safetensors weights, divisible blocks."""
     info = request.info
-    planned = info.models_with("_tp_plan")
-    if not planned:
-        raise ConfigError(
-            f"{info.class_name} has no model with a tensor-parallel plan (_tp_plan) in diffusers; "
-            f"use data_parallel or context parallelism, or a pipeline with one ({', '.join(with_plan('_tp_plan'))})."
-        )
+    planned = planned_models(request, "_tp_plan", "tensor", "use data_parallel or context parallelism")
     options = request.from_pretrained_kwargs
     for option, reason in TP_INCOMPATIBLE_OPTIONS.items():
         if options.get(option) is not None:

@@ -10,12 +10,9 @@ inputs and gather the output along the sequence, following the model's ``_cp_pla
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def enable_context_parallel(component: torch.nn.Module, cp_mesh: Any, ring: int, ulysses: int,

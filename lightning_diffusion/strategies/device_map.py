@@ -3,7 +3,6 @@ diffusers' and accelerate's ``device_map``, optionally run as staged encode / de
 
 from __future__ import annotations
 
-import logging
 import os
 from datetime import timedelta
 from functools import partial
@@ -12,6 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, check_int, gather
 from lightning_diffusion.pipelines import component_bytes
@@ -19,7 +19,6 @@ from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
 
-log = logging.getLogger(__name__)
 
 # The model a pipeline's weights are mostly in; "auto" spreads this one over devices, CPU and disk.
 DENOISERS = ("transformer", "unet")
@@ -51,10 +50,10 @@ def process_max_memory(user: dict[Union[int, str], int], gpus: list[int], free: 
 
 
 def _available_ram() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
+    """What accelerate itself counts for the CPU: memory available without swapping (page cache included)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 class DeviceMapStrategy(MeshStrategy):
@@ -141,8 +140,12 @@ class DeviceMapStrategy(MeshStrategy):
     def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
                       device_type: Optional[str] = None) -> list:
         problems = super().check_request(request, world_size, device_type)
-        gather(problems, self._check_devices)
         gather(problems, self._check_placement, request)
+        return problems
+
+    def check_devices(self) -> list:
+        problems = super().check_devices()
+        gather(problems, self._check_devices)
         return problems
 
     def _check_devices(self) -> None:

@@ -13,7 +13,6 @@ The rules checked before any weight loads are in ``checks``; the degrees in ``me
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 from functools import partial
 from typing import Any, Optional, Union
@@ -22,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_diffusion import compat
+from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, gather
 from lightning_diffusion.specs import spec_for
@@ -38,8 +38,6 @@ from lightning_diffusion.strategies.context import enable_context_parallel, mode
 from lightning_diffusion.strategies.mesh import ParallelDims
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sharded
-
-log = logging.getLogger(__name__)
 
 
 class MeshStrategy(DiffusionParallelStrategy):
@@ -79,8 +77,9 @@ class MeshStrategy(DiffusionParallelStrategy):
         attention_backend: Optional[str] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
         if cfg not in (1, 2) or isinstance(cfg, bool):
             raise ConfigError(f"cfg degree must be 1 or 2 (the two passes of classifier-free guidance), got {cfg!r}.")
         if dp is None:

@@ -9,7 +9,6 @@ models where they are. Concrete strategies choose the degrees and implement the 
 
 from __future__ import annotations
 
-import logging
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -35,6 +34,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, preflight_passed, raise_problems
 from lightning_diffusion.module import DiffusionModule
@@ -42,7 +42,6 @@ from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Watchdog
 
-log = logging.getLogger(__name__)
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
 DEFAULT_TIMEOUT_S = 600.0
@@ -162,6 +161,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
         """Problems of the model against the strategy that need no weights (subclasses add theirs)."""
         return []
 
+    def check_devices(self) -> list:
+        """Problems of this rank's devices (how many GPUs the node has): known only on the rank,
+        so run on every rank whatever the CLI checked before (subclasses add theirs)."""
+        return []
+
     def planned_device_type(self, device_type: Optional[str] = None) -> str:
         """``device_type`` when given (the CLI's checks, before the Trainer exists), else this rank's."""
         if device_type is not None:
@@ -188,9 +192,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         request = self._request()
         # Every rank checks before the process group starts, so a problem cannot hang a rank;
-        # ranks started by the CLI trust the check their launching process made on everything.
+        # ranks started by the CLI trust the check their launching process made on the config.
+        problems = self.check_devices()
         if request is not None and not preflight_passed():
-            raise_problems(self.check_request(request))
+            problems += self.check_request(request)
+        raise_problems(problems)
         super().setup_environment()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -294,7 +300,12 @@ class DiffusionParallelStrategy(ParallelStrategy):
         still noticed: its node's watchdog ends the node, and gloo sees the closed connections."""
         if not _distributed_is_initialized():
             return
-        dist.barrier(group=self._idle_group)
+        if self._idle_group is not None:
+            dist.barrier(group=self._idle_group)
+        elif dist.get_backend() == "nccl":  # set-up failed before the idle group was made
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -332,3 +343,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.accelerator.teardown()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.stop()
+        if self._idle_group is not None and _distributed_is_initialized():
+            # Left to interpreter exit, an extra gloo group can abort the process ("terminate called").
+            dist.destroy_process_group(self._idle_group)
+            self._idle_group = None

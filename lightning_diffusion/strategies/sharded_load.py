@@ -5,14 +5,12 @@ whole planned weight."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 
 from lightning_diffusion import compat
-
-log = logging.getLogger(__name__)
+from lightning_diffusion.console import log
 
 # from_pretrained options passed on to a sharded load (the others are refused before loading).
 PASSED_OPTIONS = ("revision", "variant", "token", "cache_dir")

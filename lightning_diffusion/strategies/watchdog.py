@@ -17,7 +17,6 @@ Ranks on other nodes find out through the process-group timeout (the strategy's 
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import subprocess
@@ -26,7 +25,8 @@ import threading
 import time
 from typing import Optional, Sequence
 
-log = logging.getLogger(__name__)
+from lightning_diffusion.console import log
+
 _ALL = {"all_ranks": True}  # a rank's own news: printed on every rank
 
 _POLL_S = 0.5
