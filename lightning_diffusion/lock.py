@@ -53,6 +53,16 @@ class OutputLock:
             return None
         return f"pid {owner.get('pid')} on {owner.get('host')}"
 
+    def describe(self) -> Optional[dict]:
+        """The lock's holder as recorded (host, pid, SLURM job, start), its heartbeat age and
+        whether it still counts as live; None when there is no lock. Reads only."""
+        try:
+            owner = json.loads(self.path.read_text())
+            age = time.time() - self.path.stat().st_mtime
+        except (OSError, ValueError):
+            return None
+        return {**owner, "heartbeat_age_s": round(age, 1), "live": self.holder() is not None}
+
     def acquire(self) -> Optional[str]:
         """Take the lock; return None, or a description of the run that holds it."""
         for _ in range(2):

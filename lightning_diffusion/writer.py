@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -103,29 +104,53 @@ def _finished(file: Path, size: Optional[int]) -> bool:
 
 
 RUN_FILE = "run.json"
+# Keys of run.json that describe runs rather than decide pictures: not compared on resume.
+RUN_META = ("expected", "history")
 
 
-def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """Finished images by index: the merged manifest plus parts left by a running or killed run.
-    Lines that do not parse (a line cut by a kill) and lines whose file is gone or has another size
-    than recorded (truncated, replaced) are not counted: those images are made again."""
+def scan_manifest(output_dir: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Finished images by index (the merged manifest plus parts left by a running or killed run),
+    and what was not counted, as ``file:line: why``. A line that does not parse (cut by a kill) and a
+    line whose file is gone or has another size than recorded (truncated, replaced) do not count:
+    those images are made again. An unterminated last line is a write in progress, not a problem."""
     folder = Path(output_dir)
     entries: dict[int, dict[str, Any]] = {}
+    problems: list[str] = []
     for file in [folder / MANIFEST, *sorted(folder.glob(_PART_GLOB))]:
         if not file.is_file():
             continue
-        with file.open(encoding="utf-8") as f:
-            for line in f:
+        with file.open(encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
                 if not line.endswith("\n"):
                     continue
                 try:
                     entry = json.loads(line)
                     index = int(entry["index"])
                 except (ValueError, KeyError, TypeError):
+                    problems.append(f"{file.name}:{number}: not a manifest line")
                     continue
                 if _finished(folder / str(entry.get("file", "")), entry.get("bytes")):
                     entries[index] = entry
-    return entries
+                else:
+                    problems.append(f"{file.name}:{number}: {entry.get('file')!r} is missing or not the size recorded")
+    return entries, problems
+
+
+def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """Finished images by index (see ``scan_manifest``)."""
+    return scan_manifest(output_dir)[0]
+
+
+def part_counts(output_dir: str | os.PathLike) -> dict[int, int]:
+    """Complete lines in each rank's manifest part (``manifest.part-R.jsonl``), by global rank R."""
+    counts = {}
+    for file in Path(output_dir).glob(_PART_GLOB):
+        try:
+            rank = int(file.name[len("manifest.part-"):-len(".jsonl")])
+            counts[rank] = file.read_bytes().count(b"\n")
+        except (ValueError, OSError):
+            continue
+    return counts
 
 
 def merge_manifest(output_dir: str | os.PathLike) -> int:
@@ -156,6 +181,16 @@ def check_writer_args(output_dir: Any, video_format: Any, fps: Any) -> list[str]
         problems.append(f"writer.video_format must be one of {', '.join(VIDEO_FORMATS)}, got {video_format!r}.")
     problems += filter(None, [check_int(fps, "writer.fps")])
     return problems
+
+
+def summary_text(summary: dict[str, Any], manifest: Path) -> str:
+    """The run's summary as one line for the log."""
+    rates = summary["images_per_s_by_rank"]
+    pace = ", ".join(f"rank {rank}: {rate:.2f}" for rank, rate in rates.items()) or "none"
+    expected = f" of {summary['expected']:,}" if summary.get("expected") is not None else ""
+    return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume; {summary['in_manifest']:,}"
+            f"{expected} in {manifest}; wall {summary['wall_s']:.1f} s, load {summary['load_s']:.1f} s; "
+            f"images/s per writing rank: {pace}")
 
 
 class ImageWriter(BasePredictionWriter):
@@ -191,6 +226,12 @@ class ImageWriter(BasePredictionWriter):
         self.fps = fps
         self.allow_config_change = allow_config_change
         self.done: set[int] = set()
+        self.expected: Optional[int] = None
+        self.pending: Optional[int] = None
+        self.summary: Optional[dict[str, Any]] = None
+        # Told the final count on global rank 0 once the manifest is merged (``ImageProgressBar``).
+        self.progress_listener: Optional[Any] = None
+        self._history: list = []
         self._part: Optional[Path] = None
         self._lock: Optional[OutputLock] = None
 
@@ -224,20 +265,32 @@ class ImageWriter(BasePredictionWriter):
             return (f"{self.output_dir} is being written by another run ({holder}); wait for it to end "
                     "or choose another writer.output_dir."), []
         run_file = self.output_dir / RUN_FILE
+        history: list = []
         if run_file.is_file():
             before = json.loads(run_file.read_text())
+            history = list(before.get("history") or [])
+            before = {k: v for k, v in before.items() if k not in RUN_META}
             changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
             if changed and not self.allow_config_change:
                 self._lock.release()
                 details = "; ".join(f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in changed)
                 return (f"{self.output_dir} holds images made with other settings ({details}). Use another "
                         "writer.output_dir, or writer.allow_config_change=true to add to it anyway."), []
-        _atomic_write(run_file, lambda f: f.write(json.dumps(settings, indent=2).encode("utf-8")))
+        self._history = history
+        self._write_run_file(settings)
         if any(self.output_dir.glob(_PART_GLOB)):
             merge_manifest(self.output_dir)
         return None, sorted(read_manifest(self.output_dir))
 
+    def _write_run_file(self, settings: dict[str, Any]) -> None:
+        """run.json: the settings that decide the pictures, the expected count, the runs' summaries."""
+        content = {**settings, "expected": self.expected, "history": self._history}
+        _atomic_write(self.output_dir / RUN_FILE, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.started_at = time.time()
+        self.predicting_at: Optional[float] = None
+        self.expected = getattr(trainer.datamodule, "num_images", None)
         result: tuple[Optional[str], list[int]] = (None, [])
         if trainer.is_global_zero:
             result = self._prepare_folder(self.run_settings(trainer, pl_module))
@@ -246,8 +299,10 @@ class ImageWriter(BasePredictionWriter):
         if error:
             raise ConfigError(error)
         self.done = set(done)
+        self.pending = None if self.expected is None else max(0, self.expected - len(self.done))
         if self.done:
-            log.info(f"Resuming into {self.output_dir}: {len(self.done)} images already done are skipped.")
+            todo = f", {self.pending:,} to make" if self.pending is not None else ""
+            log.info(f"resumed: {len(self.done):,} already in the manifest of {self.output_dir}{todo}.")
         skip = getattr(trainer.datamodule, "skip_indices", None)
         if callable(skip):
             skip(self.done)
@@ -303,7 +358,14 @@ class ImageWriter(BasePredictionWriter):
         size = (self.output_dir / name).stat().st_size
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
-        }}
+        }, "written": round(time.time(), 3)}
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.predicting_at = time.time()
+
+    def made(self) -> int:
+        """Outputs written by this run so far, by every rank (their manifest parts)."""
+        return sum(part_counts(self.output_dir).values())
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Not on_predict_end: a replica with no images skips the predict loop and its end hooks,
@@ -312,10 +374,33 @@ class ImageWriter(BasePredictionWriter):
             return
         trainer.strategy.barrier("image_writer_merge")
         if trainer.is_global_zero:
+            parts = part_counts(self.output_dir)
             total = merge_manifest(self.output_dir)
-            log.info(f"{total} outputs in {self.output_dir / MANIFEST}")
+            self.summary = self._summary(parts, total)
+            self._history.append(self.summary)
+            settings = json.loads((self.output_dir / RUN_FILE).read_text())
+            self._write_run_file({k: v for k, v in settings.items() if k not in RUN_META})
+            if self.progress_listener is not None:
+                self.progress_listener.finish(self.summary["made"], self.pending)
+            log.info(summary_text(self.summary, self.output_dir / MANIFEST))
             if self._lock is not None:
                 self._lock.release()
+
+    def _summary(self, parts: dict[int, int], total: int) -> dict[str, Any]:
+        end = time.time()
+        start = self.predicting_at or end
+        seconds = max(end - start, 1e-9)
+        return {
+            "finished": round(end, 3),
+            "made": sum(parts.values()),
+            "skipped": len(self.done),
+            "in_manifest": total,
+            "expected": self.expected,
+            "wall_s": round(end - self.started_at, 3),
+            "load_s": round(start - self.started_at, 3),
+            "images_per_s_by_rank": {str(rank): round(count / seconds, 4) for rank, count in sorted(parts.items())},
+            "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        }
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._lock is not None:

@@ -52,7 +52,7 @@ def test_killed_run_resumes_and_writes_every_index_once(tmp_path):
     kept = {line["index"]: (out / line["file"]).stat().st_mtime_ns for line in done[1:]}
 
     rerun = run_cli(*args, "--trainer.devices", "2")  # a different number of replicas is fine
-    assert f"{len(kept)} images already done are skipped" in rerun.stdout + rerun.stderr
+    assert f"resumed: {len(kept):,} already in the manifest" in rerun.stdout + rerun.stderr
 
     lines = read_manifest_lines(out)
     assert [line["index"] for line in lines] == list(range(COUNT))
@@ -79,7 +79,7 @@ def test_truncated_image_and_cut_manifest_line_are_repaired(tmp_path):
     manifest.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # last line cut in half
 
     rerun = run_cli(*three_prompt_args(tmp_path))
-    assert "1 images already done are skipped" in rerun.stdout + rerun.stderr  # only image 1 was intact
+    assert "resumed: 1 already in the manifest" in rerun.stdout + rerun.stderr  # only image 1 was intact
     repaired = read_manifest_lines(tmp_path)
     assert [line["index"] for line in repaired] == [0, 1, 2]
     for line in repaired:

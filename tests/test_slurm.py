@@ -283,7 +283,7 @@ def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_pa
     assert "received SIGUSR1" in log and "requeueing job" in log and "start 2" in log, log[-5000:]
     done_before = int(re.search(r"stopped early after (\d+) images", log).group(1))
     assert 1 <= done_before < count, "the first run must stop part way"
-    assert f"Resuming into {out}: {done_before} images already done are skipped." in log
+    assert f"resumed: {done_before:,} already in the manifest of {out}" in log
 
     lines = read_manifest_lines(out)
     assert sorted(line["index"] for line in lines) == list(range(count))  # each exactly once
@@ -331,7 +331,7 @@ def test_scancel_finishes_the_images_in_flight_and_a_new_job_resumes(cluster, tm
     again = slurm(*args, "--wait", "--", *tiny_args(out, *slow)[3:], cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr[-3000:]
     log = job_log(out, submitted_job(again))
-    assert f"{len(done)} images already done are skipped" in log, log[-4000:]
+    assert f"resumed: {len(done):,} already in the manifest" in log, log[-4000:]
     assert sorted(line["index"] for line in read_manifest_lines(out)) == list(range(count))
     assert len(list(out.glob("*.png"))) == count
 

@@ -71,7 +71,7 @@ def test_resume_redoes_only_missing_videos(tmp_path):
     kept = (tmp_path / first[0]["file"]).stat().st_mtime_ns
     (tmp_path / first[1]["file"]).unlink()
     proc = run_cli(*wan_args(tmp_path))
-    assert "2 images already done are skipped" in proc.stdout + proc.stderr
+    assert "resumed: 2 already in the manifest" in proc.stdout + proc.stderr
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2]
     assert (tmp_path / first[1]["file"]).is_file()
     assert (tmp_path / first[0]["file"]).stat().st_mtime_ns == kept

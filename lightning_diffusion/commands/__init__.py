@@ -12,5 +12,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "benchmark": ("lightning_diffusion.commands.benchmark", "time a config, optionally against diffusers called directly"),
     "plan": ("lightning_diffusion.commands.plan", "recommend a strategy and write its config for a model and GPUs"),
     "slurm": ("lightning_diffusion.commands.slurm", "render, submit and follow a SLURM batch job for a config"),
+    "status": ("lightning_diffusion.commands.status", "how far the run writing an output folder is (read-only)"),
     "make-tiny": ("lightning_diffusion.commands.make_tiny", "write a tiny random pipeline (no download)"),
 }

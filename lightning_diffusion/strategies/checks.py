@@ -47,35 +47,6 @@ def check_attention_backend(name: str) -> None:
         )
 
 
-def check_context_parallel_modes(dims: ParallelDims, ulysses_anything: bool, ring_anything: bool) -> None:
-    """diffusers' own rules for the context-parallel degrees and anything-modes (its
-    ``ContextParallelConfig`` validation, run here without a mesh), plus the TP pairings this
-    project has not verified against one device."""
-    if dims.cp == 1:
-        if ulysses_anything or ring_anything:
-            which = "ulysses_anything" if ulysses_anything else "ring_anything"
-            raise ConfigError(f"{which} needs a context-parallel degree > 1 (ulysses or ring).")
-        return
-    from diffusers import ContextParallelConfig
-
-    try:
-        ContextParallelConfig(ring_degree=dims.ring, ulysses_degree=dims.ulysses, ulysses_anything=ulysses_anything,
-                              ring_anything=ring_anything)
-    except (ValueError, NotImplementedError) as err:
-        raise ConfigError(f"context parallelism (ring {dims.ring} x ulysses {dims.ulysses}): {err}") from None
-    if dims.tp > 1:
-        if dims.ring > 1 and dims.ulysses > 1:
-            raise ConfigError(
-                "tp with both ring and ulysses > 1 is refused: that pairing is not verified against one "
-                "device; use tp with ulysses or with ring."
-            )
-        if ulysses_anything or ring_anything:
-            raise ConfigError(
-                "tp with an anything-mode is refused: that pairing is not verified against one device; "
-                "choose sizes whose token count divides the context-parallel degree."
-            )
-
-
 def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str], Any],
               records: Optional[Sequence[Any]]) -> None:
     """A cfg pair would only run the same work twice unless the pipeline's spec says how its two

@@ -84,6 +84,34 @@ class ParallelDims:
     def cp(self) -> int:
         return self.ring * self.ulysses
 
+    def check_context_parallel(self, ulysses_anything: bool = False, ring_anything: bool = False) -> None:
+        """diffusers' own rules for the context-parallel degrees and anything-modes (its
+        ``ContextParallelConfig`` validation, run here without a mesh), plus the TP pairings this
+        project has not verified against one device."""
+        if self.cp == 1:
+            if ulysses_anything or ring_anything:
+                which = "ulysses_anything" if ulysses_anything else "ring_anything"
+                raise MeshError(f"{which} needs a context-parallel degree > 1 (ulysses or ring).")
+            return
+        from diffusers import ContextParallelConfig
+
+        try:
+            ContextParallelConfig(ring_degree=self.ring, ulysses_degree=self.ulysses,
+                                  ulysses_anything=ulysses_anything, ring_anything=ring_anything)
+        except (ValueError, NotImplementedError) as err:
+            raise MeshError(f"context parallelism (ring {self.ring} x ulysses {self.ulysses}): {err}") from None
+        if self.tp > 1:
+            if self.ring > 1 and self.ulysses > 1:
+                raise MeshError(
+                    "tp with both ring and ulysses > 1 is refused: that pairing is not verified against one "
+                    "device; use tp with ulysses or with ring."
+                )
+            if ulysses_anything or ring_anything:
+                raise MeshError(
+                    "tp with an anything-mode is refused: that pairing is not verified against one device; "
+                    "choose sizes whose token count divides the context-parallel degree."
+                )
+
     @property
     def model_parallel_size(self) -> int:
         """Processes that work together on the same images (one replica)."""

@@ -30,7 +30,6 @@ from lightning_diffusion.strategies.checks import (
     check_attention_backend,
     check_cfg,
     check_context_parallel,
-    check_context_parallel_modes,
     check_tensor_parallel,
     resolved_attention_backend,
 )
@@ -109,7 +108,7 @@ class MeshStrategy(DiffusionParallelStrategy):
                 f"{kind} parallelism over {world_size} process(es) leaves a group of 1: "
                 "launch more devices (trainer.devices x trainer.num_nodes) or use strategy data_parallel."
             )
-        check_context_parallel_modes(dims, self.ulysses_anything, self.ring_anything)
+        dims.check_context_parallel(self.ulysses_anything, self.ring_anything)
         return dims
 
     @property

@@ -1,0 +1,109 @@
+"""``lightning-diffusion status OUTPUT_DIR [--json]``: how far a run is, from its folder alone.
+
+Reads only (safe while a job writes, from any machine that sees the folder): outputs done and
+expected (``run.json``), what each writing rank has flushed (its manifest part), the rate over the
+last minutes and an ETA (from the times in the manifest lines), and whether a run holds the lock.
+Exit code 0 when complete, 3 when incomplete and a run is writing, 4 when incomplete and nobody is,
+2 for a folder that is not an output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.lock import OutputLock
+from lightning_diffusion.writer import MANIFEST, RUN_FILE, part_counts, scan_manifest
+
+COMPLETE, RUNNING, STOPPED = 0, 3, 4
+RATE_WINDOW_S = 300.0
+
+
+def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is not a folder.")
+    run_file = folder / RUN_FILE
+    parts = part_counts(folder)
+    if not run_file.is_file() and not (folder / MANIFEST).is_file() and not parts:
+        raise ConfigError(f"{folder} is not an output folder of lightning-diffusion: it has no {RUN_FILE} and no "
+                          f"{MANIFEST}.")
+    try:
+        run = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    except ValueError:
+        raise ConfigError(f"{run_file} is not valid JSON.") from None
+    entries, problems = scan_manifest(folder)
+    expected = run.get("expected")
+    recent = sorted(e["written"] for e in entries.values()
+                    if isinstance(e.get("written"), (int, float)) and e["written"] >= now - RATE_WINDOW_S)
+    rate = (len(recent) - 1) / (recent[-1] - recent[0]) if len(recent) > 1 and recent[-1] > recent[0] else None
+    lock = OutputLock(folder).describe()
+    running = bool(lock and lock["live"])
+    done = len(entries)
+    complete = expected is not None and done >= expected
+    eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
+    history = run.get("history") or []
+    return {
+        "folder": str(folder),
+        "done": done,
+        "expected": expected,
+        "complete": complete,
+        "running": running,
+        "by_rank": {str(rank): count for rank, count in sorted(parts.items())},
+        "rate_per_s": rate,
+        "eta_s": eta,
+        "lock": lock,
+        "slurm_job": (lock or {}).get("slurm_job") or (history[-1].get("slurm_job") if history else None),
+        "not_counted": problems,
+        "last_run": history[-1] if history else None,
+    }
+
+
+def exit_code(status: dict[str, Any]) -> int:
+    if status["complete"]:
+        return COMPLETE
+    return RUNNING if status["running"] else STOPPED
+
+
+def text(status: dict[str, Any]) -> str:
+    expected = status["expected"]
+    of = f" of {expected:,} ({100 * status['done'] / expected:.0f}%)" if expected else " (expected count unknown)"
+    state = "complete" if status["complete"] else ("incomplete, running" if status["running"] else
+                                                   "incomplete, nobody is running it")
+    lines = [f"{status['folder']}: {status['done']:,}{of} outputs, {state}"]
+    if status["by_rank"]:
+        lines.append("  this run, by writing rank: " + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))
+    if status["rate_per_s"]:
+        eta = f"; ETA {datetime.timedelta(seconds=int(status['eta_s']))}" if status["eta_s"] is not None else ""
+        lines.append(f"  rate: {status['rate_per_s']:.2f} outputs/s over the last {RATE_WINDOW_S / 60:.0f} minutes{eta}")
+    lock = status["lock"]
+    if lock:
+        live = "live" if lock["live"] else "stale: its run is gone"
+        lines.append(f"  lock: pid {lock.get('pid')} on {lock.get('host')}, heartbeat {lock['heartbeat_age_s']:.0f} s ago "
+                     f"({live})")
+    if status["slurm_job"]:
+        lines.append(f"  SLURM job {status['slurm_job']}")
+    for problem in status["not_counted"][:10]:
+        lines.append(f"  not counted: {problem}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-diffusion status", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    args = parser.parse_args(argv)
+    try:
+        status = folder_status(Path(args.output_dir).expanduser())
+    except ConfigError as err:
+        print(f"lightning-diffusion status: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(status, indent=2) if args.json else text(status))
+    return exit_code(status)
