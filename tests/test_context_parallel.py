@@ -65,7 +65,7 @@ def test_odd_token_count_without_anything_flag_fails_before_any_rank_starts(tmp_
     proc = cli_here(*cp_args(tmp_path / "out", 2, size=(48, 80), ulysses_degree=2))
     assert proc.returncode == 2
     assert "48x80 gives 15 image tokens ((height/16) x (width/16)), not divisible by the context-parallel degree 2: " \
-           "use ulysses_anything=True" in proc.stderr
+           "set ulysses_anything: true, or choose sizes" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -104,15 +104,36 @@ def test_bad_options_are_refused(kwargs, message):
 
 
 def test_heads_not_divisible_by_ulysses_degree():
-    trainer = cpu_trainer(3, ulysses_degree=3)
-    with pytest.raises(ConfigError, match="4 attention heads, not divisible by ulysses_degree=3: use ulysses_anything"):
-        check_model(trainer.strategy, DiffusionModule("tiny:flux", height=64, width=64))
+    """4 heads over 3 ranks: diffusers' Ulysses-anything would pad to 6 and assert that the 2 padding
+    heads are fewer than the 2 per rank, so it is not suggested, and refused when asked for."""
+    module = DiffusionModule("tiny:flux", height=64, width=64)
+    for kwargs in (dict(ulysses_degree=3), dict(ulysses_degree=3, ulysses_anything=True)):
+        with pytest.raises(ConfigError, match="4 attention heads, not divisible by ulysses_degree=3, and ulysses_anything "
+                                              r"cannot split them either.*divides 4 \(2, 4\)"):
+            check_model(cpu_trainer(3, **kwargs).strategy, module)
+
+
+def test_ulysses_anything_is_suggested_only_where_it_can_split_the_heads(tmp_path):
+    """30 heads over 8 ranks: diffusers pads to 32 (2 padding heads, fewer than the 4 per rank)."""
+    import shutil
+
+    from lightning_diffusion import tiny
+
+    folder = tmp_path / "heads30"
+    shutil.copytree(tiny.resolve("tiny:flux"), folder)
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 30}))
+    module = DiffusionModule(str(folder), height=64, width=64)
+    with pytest.raises(ConfigError, match=r"30 attention heads, not divisible by ulysses_degree=8: set ulysses_anything: "
+                                          r"true, or a ulysses_degree that divides 30 \(2, 3, 5, 6, 10, 15, 30\)"):
+        check_model(cpu_trainer(8, ulysses_degree=8).strategy, module)
+    check_model(cpu_trainer(8, ulysses_degree=8, ulysses_anything=True).strategy, module)
 
 
 def test_text_length_not_divisible(tmp_path):
     trainer = cpu_trainer(2, ring_degree=2)
     module = DiffusionModule("tiny:flux", height=64, width=64, call_kwargs={"max_sequence_length": 63})
-    with pytest.raises(ConfigError, match="max_sequence_length=63 text tokens are not divisible .* use ring_anything"):
+    with pytest.raises(ConfigError, match="max_sequence_length=63 text tokens are not divisible .* set ring_anything: true"):
         check_model(trainer.strategy, module)
 
 
@@ -121,7 +142,7 @@ def test_prompt_length_text_needs_ulysses_anything(kwargs):
     # Qwen-Image does not pad its text to a fixed length, so most prompts would not split evenly; ring's
     # anything-mode rejects its attention mask (measured: ValueError from TemplatedRingAnythingAttention).
     module = DiffusionModule("tiny:qwenimage", height=64, width=64)
-    with pytest.raises(ConfigError, match="QwenImagePipeline's text tokens have each prompt's own length.*ulysses_anything=True"):
+    with pytest.raises(ConfigError, match="QwenImagePipeline's text tokens have each prompt's own length.*ulysses_anything: true"):
         check_model(cpu_trainer(2, **kwargs).strategy, module)
     check_model(cpu_trainer(2, ulysses_degree=2, ulysses_anything=True).strategy, module)
 

@@ -100,24 +100,37 @@ def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_an
     split = dims.ulysses * dims.tp
     for name in planned:
         heads = info.configs.get(name, {}).get("num_attention_heads")
-        if isinstance(heads, int) and heads % split and not ulysses_anything:
-            if dims.tp > 1:
-                raise ConfigError(
-                    f"{name} has {heads} attention heads, not divisible by tp x ulysses = {dims.tp} x "
-                    f"{dims.ulysses}: Ulysses splits the heads each tensor-parallel rank holds; "
-                    "lower one of the two or use ring instead of ulysses."
-                )
+        if not isinstance(heads, int) or heads % split == 0:
+            continue
+        if dims.tp > 1:
             raise ConfigError(
-                f"{name} has {heads} attention heads, not divisible by ulysses_degree={dims.ulysses}: "
-                f"use ulysses_anything=True or a ulysses_degree that divides {heads}."
+                f"{name} has {heads} attention heads, not divisible by tp x ulysses = {dims.tp} x "
+                f"{dims.ulysses}: Ulysses splits the heads each tensor-parallel rank holds; "
+                "lower one of the two or use ring instead of ulysses."
             )
+        divisors = ", ".join(str(d) for d in range(2, heads + 1) if heads % d == 0)
+        padding = dims.ulysses - heads % dims.ulysses
+        per_rank = (heads + padding) // dims.ulysses
+        if padding < per_rank:  # what diffusers' Ulysses-anything asserts (attention_dispatch._maybe_pad_qkv_head)
+            if not ulysses_anything:
+                raise ConfigError(
+                    f"{name} has {heads} attention heads, not divisible by ulysses_degree={dims.ulysses}: set "
+                    f"ulysses_anything: true, or a ulysses_degree that divides {heads} ({divisors})."
+                )
+            continue
+        raise ConfigError(
+            f"{name} has {heads} attention heads, not divisible by ulysses_degree={dims.ulysses}, and "
+            f"ulysses_anything cannot split them either: it pads them to {heads + padding} and needs the {padding} "
+            f"padding heads to be fewer than the {per_rank} heads per rank. Choose a ulysses_degree that divides "
+            f"{heads} ({divisors})."
+        )
     if info.spec.prompt_length_text and not ulysses_anything:
         # diffusers splits the text tokens too; an odd prompt would fail after the weights load. Ring's
         # anything-mode refuses the text attention mask these pipelines pass (diffusers 0.42.1).
         raise ConfigError(
             f"{info.class_name}'s text tokens have each prompt's own length, which the context-parallel degree "
             f"{dims.cp} would have to divide (an odd prompt fails after the weights load): use "
-            "Ulysses alone with ulysses_anything=True (ring_anything rejects its attention mask; tp with an "
+            "Ulysses alone with ulysses_anything: true (ring_anything rejects its attention mask; tp with an "
             "anything-mode is not verified here)."
         )
     if ulysses_anything or ring_anything:
@@ -133,7 +146,7 @@ def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[st
     if dims.ring > 1 and dims.ulysses > 1 or dims.tp > 1:
         fix = "choose sizes"
     else:
-        fix = f"use {'ulysses_anything' if dims.ring == 1 else 'ring_anything'}=True or choose sizes"
+        fix = f"set {'ulysses_anything' if dims.ring == 1 else 'ring_anything'}: true, or choose sizes"
     for kind, length in info.sequence_lengths(height, width, call_args).items():
         if length % degree == 0:
             continue
