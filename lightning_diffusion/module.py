@@ -32,6 +32,7 @@ def check_model_args(
         gather(problems, info.check_size, named.get("height"), named.get("width"))
         gather(problems, info.check_frames, named.get("num_frames"), "model")
         gather(problems, info.check_call_arguments, set(call_kwargs or {}), "model.call_kwargs")
+        gather(problems, info.check_call_values, dict(call_kwargs or {}), "model.call_kwargs")
         given = {k for k, v in named.items() if v is not None and k != "num_frames"}
         gather(problems, info.check_call_arguments, given, "model")
     return info, problems
@@ -48,6 +49,7 @@ def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: i
             break
         if overrides:
             gather(problems, info.check_call_arguments, set(overrides), f"prompt record {n}")
+            gather(problems, info.check_call_values, overrides, f"prompt record {n}")
             gather(problems, info.check_size, overrides.get("height"), overrides.get("width"))
             gather(problems, info.check_frames, overrides.get("num_frames"), f"prompt record {n}")
     if summary.first_negative is not None and "negative_prompt" not in info.call_parameters:

@@ -191,6 +191,19 @@ class PipelineInfo:
                 f"(for example {max(1, round(((frames if isinstance(frames, int) else 1) - 1) / scale)) * scale + 1})."
             )
 
+    def check_call_values(self, values: dict[str, Any], where: str) -> None:
+        """Each value fits the type the pipeline's ``__call__`` declares for it (numbers, booleans,
+        strings, lists), so that ``"guidance_scale": "high"`` is refused before loading, not deep in
+        the first denoising step."""
+        parameters = inspect.signature(self.pipeline_class.__call__).parameters
+        wrong = []
+        for name, value in values.items():
+            parameter = parameters.get(name)
+            if parameter is not None and matches_annotation(parameter.annotation, value) is False:
+                wrong.append(f"{name}={value!r} is not {describe_annotation(parameter.annotation)}")
+        if wrong:
+            raise PipelineError(f"{where}: {'; '.join(wrong)} ({self.class_name}).")
+
     def check_call_arguments(self, names: set[str], where: str) -> None:
         reserved = names & set(RESERVED_CALL_ARGS)
         if reserved:
@@ -204,6 +217,56 @@ class PipelineInfo:
                 f"{where}: {self.class_name} does not accept {', '.join(sorted(unknown))}. "
                 f"It accepts: {', '.join(sorted(self.call_parameters - set(RESERVED_CALL_ARGS)))}."
             )
+
+
+_TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string", list: "a list",
+               tuple: "a list", dict: "a mapping", type(None): "null"}
+_PLURALS = {float: "numbers", int: "integers", bool: "booleans", str: "strings"}
+
+
+def matches_annotation(annotation: Any, value: Any) -> Optional[bool]:
+    """Whether a config value fits a pipeline argument's annotation: True, False, or None when the
+    annotation says nothing checkable (tensors, images, callables: left to the pipeline)."""
+    import types
+    import typing
+
+    if annotation is inspect.Parameter.empty or annotation is typing.Any:
+        return None
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [matches_annotation(member, value) for member in typing.get_args(annotation)]
+        return True if True in verdicts else (None if None in verdicts else False)
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in (bool, str):
+        return isinstance(value, annotation)
+    if annotation in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, list):
+            return False
+        inner = typing.get_args(annotation)[:1]
+        verdicts = [matches_annotation(inner[0], item) for item in value] if inner else []
+        return False if False in verdicts else True
+    if annotation is dict or origin is dict:
+        return isinstance(value, dict)
+    return None
+
+
+def describe_annotation(annotation: Any) -> str:
+    import types
+    import typing
+
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        words = [describe_annotation(a) for a in typing.get_args(annotation) if a is not type(None)]
+        return " or ".join(dict.fromkeys(words))
+    base = typing.get_origin(annotation) or annotation
+    inner = typing.get_args(annotation)[:1]
+    if base in (list, tuple) and inner and inner[0] in _PLURALS:
+        return f"a list of {_PLURALS[inner[0]]}"
+    return _TYPE_WORDS.get(base, getattr(annotation, "__name__", str(annotation)))
 
 
 def _looks_local(path: str) -> bool:

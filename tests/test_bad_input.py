@@ -34,6 +34,7 @@ def files(tmp_path):
     (tmp_path / "noprompt.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "seed.jsonl").write_text('{"prompt": "x", "seed": "seven"}\n')
     (tmp_path / "eta.jsonl").write_text('{"prompt": "x", "eta": 0.3}\n')
+    (tmp_path / "typed.jsonl").write_text('{"prompt": "x"}\n{"prompt": "y", "guidance_scale": "high"}\n')
     (tmp_path / "p.parquet").write_text("x")
     (tmp_path / "notpipe").mkdir()
     (tmp_path / "unknown").mkdir()
@@ -45,6 +46,10 @@ def files(tmp_path):
 
 
 CASES = [
+    ("override of the wrong type", ["--data.prompts", "{d}/typed.jsonl"],
+     "prompt record 2: guidance_scale='high' is not a number (FluxPipeline)"),
+    ("call_kwargs of the wrong type", ["--model.call_kwargs", '{"max_sequence_length": "long"}'],
+     "model.call_kwargs: max_sequence_length='long' is not an integer (FluxPipeline)"),
     ("missing prompt file", ["--data.prompts", "{d}/nope.txt"], "nope.txt' does not exist"),
     ("empty prompt file", ["--data.prompts", "{d}/empty.txt"], "No prompts found"),
     ("jsonl line not JSON", ["--data.prompts", "{d}/bad.jsonl"], "bad.jsonl:2: not valid JSON"),
@@ -158,3 +163,10 @@ def test_under_srun_only_the_first_task_of_the_job_prints_the_error(files, capsy
               "--writer.output_dir", str(files / "images")])
     assert exit_info.value.code == 2
     assert ("data.batch_size must be" in capsys.readouterr().err) == says
+
+
+@pytest.mark.parametrize("command", ["verify", "benchmark"])
+def test_every_subcommand_reports_bad_input_like_predict(command, files, cli_here):
+    proc = cli_here(command, "--config", "configs/tiny.yaml", "--data.prompts", f"{files}/nope.txt")
+    assert proc.returncode == 2
+    assert f"lightning-diffusion {command}: error: Prompt file" in proc.stderr and "Traceback" not in proc.stderr
