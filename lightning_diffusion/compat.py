@@ -10,6 +10,7 @@ entry once the pinned diffusers release no longer needs it (checked against diff
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -131,6 +132,16 @@ def _patch_tensor_parallel_devices() -> None:
 
     if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
         tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
+
+
+def set_collective_timeout(timeout: timedelta) -> None:
+    """torch 2.13 gives ``init_process_group`` one timeout for the rendezvous (connecting to the
+    store) and the collectives; the strategies start it with a generous one and set the collectives'
+    own here, through the private ``distributed_c10d._set_pg_timeout`` (present since torch 2.4).
+    Where it is missing, the collectives keep the rendezvous timeout."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout)
 
 
 def apply_parallel_patches() -> None:

@@ -45,6 +45,51 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
     return proc
 
 
+def run_here(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``lightning-diffusion ARGS`` in this process, for single-process runs: the same entry point
+    as ``run_cli`` without a new interpreter (about 9 s of imports saved a run). Output, warnings and
+    the package's log are captured; the environment is restored (Lightning sets MASTER_PORT)."""
+    import contextlib
+    import io
+    import logging
+
+    import yaml
+
+    from lightning_diffusion.cli import main
+    from lightning_diffusion.console import log
+
+    words = list(args)
+    config = yaml.safe_load((REPO / words[words.index("--config") + 1]).read_text()) if "--config" in words else {}
+    devices = (config.get("trainer") or {}).get("devices", 1)
+    for flag, value in zip(words, words[1:]):
+        if flag == "--trainer.devices":
+            devices = value
+    # Lightning starts the other ranks by re-running sys.argv: here, that would be pytest.
+    assert str(devices) == "1", "run_here is for single-process runs; use run_cli"
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    log.addHandler(handler)
+    saved = dict(os.environ)
+    cwd = os.getcwd()
+    try:
+        os.chdir(REPO)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as exit_info:
+                code = exit_info.code if isinstance(exit_info.code, int) else 0
+    finally:
+        log.removeHandler(handler)
+        os.environ.clear()
+        os.environ.update(saved)
+        os.chdir(cwd)
+    proc = subprocess.CompletedProcess(["lightning-diffusion", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"CLI failed ({code}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
 @pytest.fixture
 def cli_here(capsys):
     """``lightning-diffusion ARGS`` in this process, for runs that end before any rank starts
@@ -103,7 +148,7 @@ def reference(tmp_path_factory):
         if key not in made:
             out = tmp_path_factory.mktemp("reference")
             prompts = ["--data.prompts", FIVE_PROMPTS] if config == "configs/tiny.yaml" else []
-            run_cli(*tiny_args(out, "--data.batch_size", "1", "--model.height", str(height),
+            run_here(*tiny_args(out, "--data.batch_size", "1", "--model.height", str(height),
                                "--model.width", str(width), *prompts, config=config))
             made[key] = load_arrays(out)
         return made[key]

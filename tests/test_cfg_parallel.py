@@ -12,7 +12,7 @@ import pytest
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import CFGParallelStrategy, MeshStrategy
 from lightning_diffusion.strategies.checks import check_cfg
-from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
 QWEN = "configs/tiny-qwenimage.yaml"
@@ -65,7 +65,7 @@ def test_flux_true_cfg_and_two_replicas_of_a_pair(tmp_path):
     cfg = ("--data.prompts", "configs/prompts/example-negative.jsonl", "--data.batch_size", "1",
            "--model.call_kwargs.true_cfg_scale", "2.5")
     single = tmp_path / "single"
-    run_cli(*tiny_args(single, *cfg))
+    run_here(*tiny_args(single, *cfg))
     out = tmp_path / "cfg"
     proc = run_cli(*tiny_args(out, *cfg, "--trainer.devices", "4", "--trainer.strategy", "cfg_parallel"))
     log = proc.stdout + proc.stderr
@@ -80,7 +80,7 @@ def test_wan_video_cfg2_matches_one_process(tmp_path):
     video = ("--data.batch_size", "1", "--data.prompts", "[a fox running, waves at night]")
     config = "configs/tiny-wan.yaml"
     single = tmp_path / "single"
-    run_cli(*tiny_args(single, *video, config=config))
+    run_here(*tiny_args(single, *video, config=config))
     out = tmp_path / "cfg"
     proc = run_cli(*tiny_args(out, *video, "--trainer.devices", "2", "--trainer.strategy", "cfg_parallel",
                               config=config))

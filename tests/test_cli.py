@@ -12,12 +12,12 @@ import torch
 from PIL import Image
 
 from lightning_diffusion.cli import main
-from tests.conftest import REPO, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import load_arrays, read_manifest_lines, REPO, run_here, tiny_args
 
 
 def test_tiny_config_writes_images_manifest_and_png_metadata(tmp_path):
     out = tmp_path / "out"
-    run_cli(*tiny_args(out))
+    run_here(*tiny_args(out))
     prompts = [line.strip() for line in (REPO / "configs/prompts/example.txt").read_text().splitlines() if line.strip()]
     lines = read_manifest_lines(out)
     assert [line["index"] for line in lines] == list(range(len(prompts))) and len(prompts) >= 8
@@ -43,7 +43,7 @@ def test_record_seed_and_overrides_reach_the_pipeline(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a cat", "seed": 42, "guidance_scale": 7.0}\n{"prompt": "a cat", "seed": 42}\n')
     out = tmp_path / "out"
-    run_cli(*tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "2"))
+    run_here(*tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "2"))
     first, second = read_manifest_lines(out)
     assert (first["seed"], first["guidance_scale"]) == (42, 7.0)
     assert (second["seed"], second["guidance_scale"]) == (42, 3.5)

@@ -10,7 +10,7 @@ one level on a few pixels.
 import numpy as np
 import pytest
 
-from tests.conftest import load_arrays, load_pngs, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import load_arrays, load_pngs, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
 
@@ -19,7 +19,7 @@ ATOL = 1e-5
 def reference(tmp_path_factory):
     """One process, batch size 1, 7 prompts (an odd count)."""
     out = tmp_path_factory.mktemp("reference")
-    run_cli(*tiny_args(out, "--data.prompts", PROMPTS, "--data.batch_size", "1"))
+    run_here(*tiny_args(out, "--data.prompts", PROMPTS, "--data.batch_size", "1"))
     return out
 
 
@@ -55,7 +55,7 @@ def test_two_replicas_with_batch_size_three_match_one_process(reference, tmp_pat
 
 @pytest.mark.slow
 def test_batch_size_three_matches_batch_size_one_in_one_process(reference, tmp_path):
-    run_cli(*tiny_args(tmp_path, "--data.prompts", PROMPTS, "--data.batch_size", "3"))
+    run_here(*tiny_args(tmp_path, "--data.prompts", PROMPTS, "--data.batch_size", "3"))
     assert_written_once(tmp_path, 7)
     ours, ref = load_arrays(tmp_path), load_arrays(reference)
     for i in range(7):

@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import DeviceMapStrategy, TensorParallelStrategy
-from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
 DM = "lightning_diffusion.strategies.DeviceMapStrategy"
@@ -33,7 +33,7 @@ def dm_args(out, offload, devices=1, staged=False):
 @pytest.mark.slow
 @pytest.mark.parametrize("staged", [False, True], ids=["device-map", "staged"])
 def test_device_map_with_disk_offload_matches_plain_run(staged, reference, tmp_path):
-    proc = run_cli(*dm_args(tmp_path / "out", tmp_path / "offload", staged=staged))
+    proc = run_here(*dm_args(tmp_path / "out", tmp_path / "offload", staged=staged))
     log = proc.stdout + proc.stderr
     transformer_map = log.split("transformer: ", 1)[1].splitlines()[0]
     assert "'cpu'" in transformer_map and "'disk'" in transformer_map  # split over CPU and disk

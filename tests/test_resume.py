@@ -11,7 +11,7 @@ import time
 import pytest
 from PIL import Image
 
-from tests.conftest import REPO, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import read_manifest_lines, REPO, run_cli, run_here, tiny_args
 
 COUNT = 40
 
@@ -70,7 +70,7 @@ def three_prompt_args(out, *extra):
 
 @pytest.mark.slow
 def test_truncated_image_and_cut_manifest_line_are_repaired(tmp_path):
-    run_cli(*three_prompt_args(tmp_path))
+    run_here(*three_prompt_args(tmp_path))
     lines = read_manifest_lines(tmp_path)
     truncated = tmp_path / lines[0]["file"]
     truncated.write_bytes(truncated.read_bytes()[:100])
@@ -78,7 +78,7 @@ def test_truncated_image_and_cut_manifest_line_are_repaired(tmp_path):
     text = manifest.read_text()
     manifest.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # last line cut in half
 
-    rerun = run_cli(*three_prompt_args(tmp_path))
+    rerun = run_here(*three_prompt_args(tmp_path))
     assert "resumed: 1 already in the manifest" in rerun.stdout + rerun.stderr  # only image 1 was intact
     repaired = read_manifest_lines(tmp_path)
     assert [line["index"] for line in repaired] == [0, 1, 2]
@@ -89,12 +89,12 @@ def test_truncated_image_and_cut_manifest_line_are_repaired(tmp_path):
 
 @pytest.mark.slow
 def test_resuming_with_settings_that_change_images_is_refused(tmp_path):
-    run_cli(*three_prompt_args(tmp_path))
-    proc = run_cli(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5"), check=False)
+    run_here(*three_prompt_args(tmp_path))
+    proc = run_here(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5"), check=False)
     assert proc.returncode == 2
     assert "holds images made with other settings (model.num_inference_steps: 4 then, 5 now)" in proc.stderr
     assert not (tmp_path / ".lock").exists()
-    run_cli(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5", "--writer.allow_config_change", "true"))
+    run_here(*three_prompt_args(tmp_path, "--model.num_inference_steps", "5", "--writer.allow_config_change", "true"))
 
 
 @pytest.mark.slow
@@ -102,7 +102,7 @@ def test_a_folder_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path)
     tmp_path.mkdir(exist_ok=True)
     lock = tmp_path / ".lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # a live process
-    proc = run_cli(*three_prompt_args(tmp_path), check=False)
+    proc = run_here(*three_prompt_args(tmp_path), check=False)
     assert proc.returncode == 2
     assert f"is being written by another run (pid {os.getpid()} on {socket.gethostname()})" in proc.stderr
     assert not list(tmp_path.glob("*.png"))
@@ -110,6 +110,6 @@ def test_a_folder_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
-    run_cli(*three_prompt_args(tmp_path))
+    run_here(*three_prompt_args(tmp_path))
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2]
     assert not lock.exists()

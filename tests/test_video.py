@@ -13,7 +13,7 @@ from PIL import Image
 
 from lightning_diffusion import DiffusionModule, ImageWriter
 from lightning_diffusion.pipelines import PipelineError
-from tests.conftest import load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
 PROMPTS = "[a red fox running, a lighthouse in a storm, a bowl of ramen]"
@@ -26,7 +26,7 @@ def wan_args(out, *extra):
 @pytest.fixture(scope="module")
 def video_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("wan-reference")
-    run_cli(*wan_args(out))
+    run_here(*wan_args(out))
     return out
 
 
@@ -66,11 +66,11 @@ def test_context_parallel_video_matches_one_process(strategy, extra, video_refer
 
 @pytest.mark.slow
 def test_resume_redoes_only_missing_videos(tmp_path):
-    run_cli(*wan_args(tmp_path))
+    run_here(*wan_args(tmp_path))
     first = read_manifest_lines(tmp_path)
     kept = (tmp_path / first[0]["file"]).stat().st_mtime_ns
     (tmp_path / first[1]["file"]).unlink()
-    proc = run_cli(*wan_args(tmp_path))
+    proc = run_here(*wan_args(tmp_path))
     assert "resumed: 2 already in the manifest" in proc.stdout + proc.stderr
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2]
     assert (tmp_path / first[1]["file"]).is_file()

@@ -23,6 +23,8 @@ def main(argv: list[str]) -> int:
         preemption.STOP.install()  # before the weights load: SIGUSR1's default action kills the process
     try:
         DiffusionCLI(args=["predict", *argv])
+        # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
+        return preemption.STOP.finish_job()
     except ValueError as err:
         message = config_error_message(err)
         if message is None:
@@ -32,11 +34,10 @@ def main(argv: list[str]) -> int:
         if first_process():
             print(f"lightning-diffusion: error: {message}", file=sys.stderr)
         return 2
-    # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
-    code = preemption.STOP.finish_job()
-    import torch.distributed as dist
+    finally:
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        # Left to interpreter exit, gloo's extra groups can abort the process ("terminate called").
-        dist.destroy_process_group()
-    return code
+        if dist.is_available() and dist.is_initialized():
+            # Left to interpreter exit, gloo's groups can abort the process ("terminate called"); a
+            # refusal after the group started (a folder in use) must not leave it to the next run.
+            dist.destroy_process_group()

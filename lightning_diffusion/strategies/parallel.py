@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_diffusion import compat
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, preflight_passed, raise_problems
@@ -48,6 +49,7 @@ DEFAULT_TIMEOUT_S = 600.0
 # Barriers wait for slow loaders (tens of GB from a cold cache) and replicas still making their
 # last images; they are not collectives of a model-parallel step.
 IDLE_TIMEOUT = timedelta(hours=24)
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
 
 
 class DiffusionParallelStrategy(ParallelStrategy):
@@ -203,12 +205,16 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        # Ranks start seconds or minutes apart (imports, a busy node): the rendezvous gets at least
+        # RENDEZVOUS_TIMEOUT, the collectives the strategy's own timeout.
         _init_dist_connection(
             self.cluster_environment,
             self._process_group_backend,
-            timeout=self._timeout,
+            timeout=max(self._timeout, RENDEZVOUS_TIMEOUT),
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
+        if self._timeout < RENDEZVOUS_TIMEOUT:
+            compat.set_collective_timeout(self._timeout)
         self._watchdog = Watchdog(
             getattr(self._launcher, "procs", None), self.global_rank, self.node_rank, self.num_processes
         )
@@ -343,7 +349,5 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.accelerator.teardown()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.stop()
-        if self._idle_group is not None and _distributed_is_initialized():
-            # Left to interpreter exit, an extra gloo group can abort the process ("terminate called").
-            dist.destroy_process_group(self._idle_group)
-            self._idle_group = None
+        # The idle group stays: Lightning tears the strategy down before the callbacks, and the
+        # writer's teardown still waits on it; destroy_process_group() at the end ends every group.
