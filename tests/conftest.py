@@ -64,8 +64,9 @@ def run_here(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     for flag, value in zip(words, words[1:]):
         if flag == "--trainer.devices":
             devices = value
-    # Lightning starts the other ranks by re-running sys.argv: here, that would be pytest.
-    assert str(devices) == "1", "run_here is for single-process runs; use run_cli"
+    # Lightning starts the other ranks by re-running sys.argv: here, that would be pytest. (verify
+    # and benchmark start their runs as processes of their own.)
+    assert words[0] != "predict" or str(devices) == "1", "run_here is for single-process runs; use run_cli"
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(err)
     log.addHandler(handler)
@@ -99,11 +100,15 @@ def cli_here(capsys):
         from lightning_diffusion.cli import main
 
         capsys.readouterr()
+        saved = dict(os.environ)  # Lightning sets MASTER_PORT and friends for the ranks it starts
         try:
             main(list(args))
             code = 0
         except SystemExit as exit_info:
             code = exit_info.code if isinstance(exit_info.code, int) else 0
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["lightning-diffusion", *args], code, out, err)
 

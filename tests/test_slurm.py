@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from lightning_diffusion.commands import slurm as slurm_module
-from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -291,7 +291,7 @@ def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_pa
     assert not list(tmp_path.rglob("*.ckpt")), "Lightning's full-checkpoint requeue must not run"
 
     single = tmp_path / "single"
-    run_cli(*tiny_args(single, *slow))
+    run_here(*tiny_args(single, *slow))
     ours, ref = load_arrays(out), load_arrays(single)
     assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(count)) <= ATOL
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_here
 
 @pytest.mark.slow
 def test_verify_passes_a_correct_plan_and_reads_overrides_given_with_equals(tmp_path):
@@ -13,8 +13,8 @@ def test_verify_passes_a_correct_plan_and_reads_overrides_given_with_equals(tmp_
     prompts = tmp_path / "two.txt"
     prompts.write_text("a red fox\na lighthouse\n")
     report = tmp_path / "report.json"
-    proc = run_cli("verify", "--config", "configs/tiny-ulysses.yaml", f"--data.prompts={prompts}",
-                   "--num-prompts", "4", "--json", str(report), timeout=600)
+    proc = run_here("verify", "--config", "configs/tiny-ulysses.yaml", f"--data.prompts={prompts}",
+                   "--num-prompts", "4", "--json", str(report))
     assert "PASS" in proc.stdout
     result = json.loads(report.read_text())
     assert result["pass"] and result["dtype"] == "float32"
@@ -25,7 +25,7 @@ def test_verify_passes_a_correct_plan_and_reads_overrides_given_with_equals(tmp_
 @pytest.mark.slow
 def test_verify_fails_a_plan_that_runs_but_is_wrong():
     """Tokens split over 2 ranks with attention left local to each shard: a plausible picture."""
-    proc = run_cli("verify", "--config", "configs/tiny-ulysses.yaml", "--num-prompts", "2",
+    proc = run_here("verify", "--config", "configs/tiny-ulysses.yaml", "--num-prompts", "2",
                    "--trainer.strategy.class_path", "tests.broken_plans.LocalAttentionUlysses", check=False)
     assert proc.returncode == 1
     assert proc.stdout.count("| FAIL |") == 2 and "FAIL: the plan does not reproduce" in proc.stdout
@@ -33,7 +33,7 @@ def test_verify_fails_a_plan_that_runs_but_is_wrong():
 
 @pytest.mark.slow
 def test_verify_fails_a_tp_plan_with_colwise_and_rowwise_swapped():
-    proc = run_cli("verify", "--config", "configs/tiny-tp.yaml", "--num-prompts", "1",
+    proc = run_here("verify", "--config", "configs/tiny-tp.yaml", "--num-prompts", "1",
                    "--trainer.strategy.class_path", "tests.broken_plans.SwappedFeedForwardTP", check=False)
     assert proc.returncode == 2
     assert "the plan run failed" in proc.stderr
