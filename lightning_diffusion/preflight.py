@@ -18,7 +18,8 @@ from lightning_diffusion.data import check_data_args, load_records
 from lightning_diffusion.errors import ConfigError, gather
 from lightning_diffusion.module import check_model_args, check_records
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
-from lightning_diffusion.writer import check_writer_args, read_manifest
+from lightning_diffusion.manifest import read_manifest
+from lightning_diffusion.writer import check_writer_args
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5

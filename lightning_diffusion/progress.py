@@ -19,7 +19,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
 
 from lightning_diffusion.console import log
-from lightning_diffusion.writer import ImageWriter, part_counts
+from lightning_diffusion.manifest import part_counts
+from lightning_diffusion.writer import ImageWriter
 
 
 def _clock(seconds: float) -> str:

@@ -31,8 +31,8 @@ def cp_args(out, devices, size=(64, 64), **init_args):
     )
 
 
+# 2-way Ulysses alone is run by test_verify.py, test_video.py and test_slurm.py; here it is part of dp2-ulysses2.
 MODES = {
-    "ulysses": dict(devices=2, ulysses_degree=2),
     "ring": dict(devices=2, ring_degree=2),
     "unified": dict(devices=4, ulysses_degree=2, ring_degree=2),
     # 48x80 pixels are 3x5 = 15 image tokens: odd, so no equal split over 2 ranks.

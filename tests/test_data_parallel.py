@@ -34,7 +34,17 @@ def assert_written_once(out, count):
 
 @pytest.mark.slow
 def test_two_replicas_are_bit_identical_to_one_process(reference, tmp_path):
-    run_cli(*tiny_args(tmp_path, "--data.prompts", PROMPTS, "--data.batch_size", "1", "--trainer.devices", "2"))
+    proc = run_cli(*tiny_args(tmp_path, "--data.prompts", PROMPTS, "--data.batch_size", "1", "--trainer.devices", "2",
+                              "--trainer.enable_progress_bar", "true"))
+    # Without a terminal, progress is plain lines (no carriage returns) ending with the job's count,
+    # and the run's summary is in run.json (docs/progress.md).
+    log = proc.stdout + proc.stderr
+    assert "\r" not in log and "progress: 7 of 7 (100%) images in" in log
+    assert "made 7 outputs, 0 skipped by resume; 7 of 7 in" in log
+    import json
+
+    summary = json.loads((tmp_path / "run.json").read_text())["history"][-1]
+    assert summary["made"] == 7 and summary["expected"] == 7 and set(summary["images_per_s_by_rank"]) == {"0", "1"}
     assert_written_once(tmp_path, 7)
     ours, ref = load_arrays(tmp_path), load_arrays(reference)
     assert all(np.array_equal(ours[i], ref[i]) for i in range(7))

@@ -277,7 +277,7 @@ def job_fields(job_id: str) -> Optional[dict[str, str]]:
 
 
 def count_done(output_dir: Path) -> int:
-    from lightning_diffusion.writer import read_manifest
+    from lightning_diffusion.manifest import read_manifest
 
     return len(read_manifest(output_dir)) if output_dir.is_dir() else 0
 

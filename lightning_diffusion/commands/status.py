@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.lock import OutputLock
-from lightning_diffusion.writer import MANIFEST, RUN_FILE, part_counts, scan_manifest
+from lightning_diffusion.manifest import MANIFEST, RUN_FILE, part_counts, scan_manifest
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0

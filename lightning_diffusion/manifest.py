@@ -1,0 +1,100 @@
+"""The output folder's records, readable without Lightning or torch: ``manifest.jsonl`` and the
+parts each rank appends while a run goes, ``run.json``, and atomic writes.
+
+``ImageWriter`` writes them; ``status`` and the checks before a run read them (from a login node
+too: nothing heavy is imported here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+MANIFEST = "manifest.jsonl"
+PART_GLOB = "manifest.part-*.jsonl"
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _finished(file: Path, size: Optional[int]) -> bool:
+    """The file of a manifest line is there and whole (its size is recorded, so a truncated file is
+    caught with a stat, without reading every image on resume)."""
+    try:
+        return file.is_file() and (size is None or file.stat().st_size == size)
+    except OSError:
+        return False
+
+
+RUN_FILE = "run.json"
+# Keys of run.json that describe runs rather than decide pictures: not compared on resume.
+RUN_META = ("expected", "history")
+
+
+def scan_manifest(output_dir: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Finished images by index (the merged manifest plus parts left by a running or killed run),
+    and what was not counted, as ``file:line: why``. A line that does not parse (cut by a kill) and a
+    line whose file is gone or has another size than recorded (truncated, replaced) do not count:
+    those images are made again. An unterminated last line is a write in progress, not a problem."""
+    folder = Path(output_dir)
+    entries: dict[int, dict[str, Any]] = {}
+    problems: list[str] = []
+    for file in [folder / MANIFEST, *sorted(folder.glob(PART_GLOB))]:
+        if not file.is_file():
+            continue
+        with file.open(encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.endswith("\n"):
+                    continue
+                try:
+                    entry = json.loads(line)
+                    index = int(entry["index"])
+                except (ValueError, KeyError, TypeError):
+                    problems.append(f"{file.name}:{number}: not a manifest line")
+                    continue
+                if _finished(folder / str(entry.get("file", "")), entry.get("bytes")):
+                    entries[index] = entry
+                else:
+                    problems.append(f"{file.name}:{number}: {entry.get('file')!r} is missing or not the size recorded")
+    return entries, problems
+
+
+def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """Finished images by index (see ``scan_manifest``)."""
+    return scan_manifest(output_dir)[0]
+
+
+def part_counts(output_dir: str | os.PathLike) -> dict[int, int]:
+    """Complete lines in each rank's manifest part (``manifest.part-R.jsonl``), by global rank R."""
+    counts = {}
+    for file in Path(output_dir).glob(PART_GLOB):
+        try:
+            rank = int(file.name[len("manifest.part-"):-len(".jsonl")])
+            counts[rank] = file.read_bytes().count(b"\n")
+        except (ValueError, OSError):
+            continue
+    return counts
+
+
+def merge_manifest(output_dir: str | os.PathLike) -> int:
+    """Rewrite ``manifest.jsonl`` from everything finished, sorted by index, and drop the parts."""
+    folder = Path(output_dir)
+    parts = sorted(folder.glob(PART_GLOB))
+    entries = read_manifest(folder)
+    text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries))
+    _atomic_write(folder / MANIFEST, lambda f: f.write(text.encode("utf-8")))
+    for part in parts:
+        part.unlink(missing_ok=True)
+    return len(entries)
