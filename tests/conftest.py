@@ -45,17 +45,33 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
     return proc
 
 
+def call_main(args) -> int:
+    """The CLI's ``main`` in this process; its exit code. The environment is restored afterwards:
+    Lightning sets MASTER_PORT and friends for the ranks it starts, and a later run that inherits
+    them waits for ranks that never come."""
+    from lightning_diffusion.cli import main
+
+    saved = dict(os.environ)
+    try:
+        main(list(args))
+        return 0
+    except SystemExit as exit_info:
+        return exit_info.code if isinstance(exit_info.code, int) else 0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def run_here(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """``lightning-diffusion ARGS`` in this process, for single-process runs: the same entry point
     as ``run_cli`` without a new interpreter (about 9 s of imports saved a run). Output, warnings and
-    the package's log are captured; the environment is restored (Lightning sets MASTER_PORT)."""
+    the package's log are captured."""
     import contextlib
     import io
     import logging
 
     import yaml
 
-    from lightning_diffusion.cli import main
     from lightning_diffusion.console import log
 
     words = list(args)
@@ -70,20 +86,13 @@ def run_here(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(err)
     log.addHandler(handler)
-    saved = dict(os.environ)
     cwd = os.getcwd()
     try:
         os.chdir(REPO)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main(list(args))
-                code = 0
-            except SystemExit as exit_info:
-                code = exit_info.code if isinstance(exit_info.code, int) else 0
+            code = call_main(args)
     finally:
         log.removeHandler(handler)
-        os.environ.clear()
-        os.environ.update(saved)
         os.chdir(cwd)
     proc = subprocess.CompletedProcess(["lightning-diffusion", *args], code, out.getvalue(), err.getvalue())
     if check and code != 0:
@@ -97,18 +106,8 @@ def cli_here(capsys):
     (refused configs): the same entry point as ``run_cli``, without a new interpreter."""
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        from lightning_diffusion.cli import main
-
         capsys.readouterr()
-        saved = dict(os.environ)  # Lightning sets MASTER_PORT and friends for the ranks it starts
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as exit_info:
-            code = exit_info.code if isinstance(exit_info.code, int) else 0
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        code = call_main(args)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["lightning-diffusion", *args], code, out, err)
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from lightning_diffusion.commands import slurm as slurm_module
-from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
 
 ATOL = 1e-5
 TINY = str(REPO / "configs" / "tiny.yaml")
