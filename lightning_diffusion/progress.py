@@ -1,6 +1,6 @@
 """``ImageProgressBar``: one bar for the whole job, on global rank 0.
 
-It counts the outputs every writing rank has flushed to its manifest part (``ImageWriter.made``,
+It counts the outputs every writing rank has flushed to its manifest part (``manifest.part_counts``,
 a few file reads every refresh, no collective), out of the run's pending total (the prompt set less
 what a resume skipped), and ends at exactly the merged count once the writer has merged the
 manifest. On a terminal it is a tqdm bar with rate and ETA; elsewhere (SLURM logs, nohup, CI) it

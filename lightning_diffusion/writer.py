@@ -285,10 +285,6 @@ class ImageWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.predicting_at = time.time()
 
-    def made(self) -> int:
-        """Outputs written by this run so far, by every rank (their manifest parts)."""
-        return sum(part_counts(self.output_dir).values())
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Not on_predict_end: a replica with no images skips the predict loop and its end hooks,
         # but every rank reaches teardown (and only after a run that did not raise).
