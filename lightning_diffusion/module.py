@@ -74,6 +74,11 @@ class DiffusionModule(pl.LightningModule):
         from_pretrained_kwargs: extra arguments for ``DiffusionPipeline.from_pretrained``
             (``revision``, ``variant``, ...).
         show_inner_progress: keep diffusers' per-step progress bars (off by default).
+        pad_batches: run every pipeline call with the configured ``data.batch_size``: a short
+            batch (a replica's last, or a group of records with their own overrides) is padded
+            with copies of its last sample, whose outputs are dropped. Batched kernels round
+            differently for different batch sizes, so this is what makes image i bit-identical
+            for any number of replicas and nodes, and across resumes (docs/config.md).
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
     array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
@@ -94,6 +99,7 @@ class DiffusionModule(pl.LightningModule):
         call_kwargs: Optional[dict[str, Any]] = None,
         from_pretrained_kwargs: Optional[dict[str, Any]] = None,
         show_inner_progress: bool = False,
+        pad_batches: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -111,10 +117,15 @@ class DiffusionModule(pl.LightningModule):
         assert info is not None
         self.info: PipelineInfo = info
         self.dtype_ = resolve_dtype(torch_dtype)
-        self.call_kwargs = dict(call_kwargs or {})
-        self.base_call_args = {k: v for k, v in named.items() if v is not None}
+        # The model folder's recommended arguments fill what the config leaves unset.
+        recommended = {k: v for k, v in info.recommended.items() if k in info.call_parameters}
+        self.call_kwargs = {**{k: v for k, v in recommended.items() if k not in named}, **dict(call_kwargs or {})}
+        self.base_call_args = {k: v if v is not None else recommended.get(k) for k, v in named.items()}
+        self.base_call_args = {k: v for k, v in self.base_call_args.items() if v is not None}
         self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
         self.show_inner_progress = show_inner_progress
+        self.pad_batches = pad_batches
+        self.batch_size: Optional[int] = None  # the data module's, read in setup; else the largest seen
         self.pipeline: Any = None
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
         self.load_plan = LoadPlan()
@@ -158,8 +169,10 @@ class DiffusionModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
-        if isinstance(datamodule, PromptDataModule) and not preflight_passed():
-            self.check_records(datamodule.records)
+        if isinstance(datamodule, PromptDataModule):
+            self.batch_size = datamodule.batch_size
+            if not preflight_passed():
+                self.check_records(datamodule.records)
 
     def check_records(self, records: Sequence[dict[str, Any]]) -> None:
         """Per-record overrides and negative prompts must be arguments this pipeline takes."""
@@ -201,6 +214,7 @@ class DiffusionModule(pl.LightningModule):
         for sample in batch:
             key = json.dumps(self.call_arguments(sample), sort_keys=True, default=str)
             groups.setdefault(key, []).append(sample)
+        self.batch_size = max(self.batch_size or 0, len(batch))
         results = {}
         for samples in groups.values():
             for sample, image, params in zip(samples, *self.generate(samples)):
@@ -215,7 +229,11 @@ class DiffusionModule(pl.LightningModule):
         return [results[sample["index"]] for sample in batch]
 
     def generate(self, samples: list[dict[str, Any]]) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
-        """One pipeline call for samples that share their arguments; noise from one CPU generator each."""
+        """One pipeline call for samples that share their arguments; noise from one CPU generator each.
+        With ``pad_batches`` the call is padded to the batch size and the padding's outputs dropped."""
+        real = len(samples)
+        if self.pad_batches and self.batch_size and real < self.batch_size:
+            samples = samples + [samples[-1]] * (self.batch_size - real)
         kwargs = self.call_arguments(samples[0])
         generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
         negatives = [sample["negative_prompt"] for sample in samples]
@@ -233,4 +251,4 @@ class DiffusionModule(pl.LightningModule):
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
         if images.ndim == 5:  # videos: (batch, frames, height, width, 3)
             sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]
-        return list(images), [{**params, **size} for size in sizes]
+        return list(images)[:real], [{**params, **size} for size in sizes][:real]

@@ -27,7 +27,7 @@ from lightning_diffusion.commands import slurm as slurm_module
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
 
 ATOL = 1e-5
-TINY = str(REPO / "configs" / "tiny.yaml")
+TINY = str(REPO / "configs" / "tiny-flux.yaml")
 
 
 @pytest.fixture
@@ -280,7 +280,8 @@ def test_signal_part_way_finishes_in_flight_requeues_and_resumes(cluster, tmp_pa
     single = tmp_path / "single"
     run_here(*tiny_args(single, *slow))
     ours, ref = load_arrays(out), load_arrays(single)
-    assert max(float(np.abs(ours[i] - ref[i]).max()) for i in range(count)) <= ATOL
+    # data parallel over two nodes, stopped and requeued: the same calls, so the same bits
+    assert all(np.array_equal(ours[i], ref[i]) for i in range(count))
 
 
 @pytest.mark.slow
