@@ -17,6 +17,11 @@ SLURM requeues a preempted one itself. Lightning's own ``SIGTERM`` handler is re
 loop: it swallows the signal and runs a broadcast inside the handler, which can interleave with
 the collectives of a context- or tensor-parallel step.
 
+``SIGINT`` (Ctrl-C) during the prediction loop stops the same way in any run, SLURM or not: the
+batch in flight is finished, the manifest merged, ``stopped after 8 of 40 images; run the same
+command to resume`` printed, and the command exits with 130 (128 + SIGINT). A second Ctrl-C stops
+at once (Lightning's shutdown; every file is still whole, being written under a temporary name).
+
 All of it is one object, ``STOP`` (a ``StopController``; signals are per process, so there is one
 per process): the strategies enable it in SLURM jobs and ask it at every batch, the prompt sampler
 ends when it says so, and the CLI asks it whether to requeue.
@@ -40,6 +45,7 @@ _ALL = {"all_ranks": True}
 
 # EX_TEMPFAIL from sysexits.h: "try again later".
 REQUEUE_EXIT_CODE = 75
+INTERRUPT_EXIT_CODE = 128 + signal.SIGINT
 STOP_SIGNAL = signal.SIGUSR1
 
 
@@ -54,6 +60,10 @@ class StopController:
     def __init__(self) -> None:
         self.requested = threading.Event()   # a signal arrived on this rank
         self.terminated = threading.Event()  # ... and it was SIGTERM
+        self.interrupted = threading.Event()  # ... and it was SIGINT (Ctrl-C)
+        self.slurm = False                   # requeue when stopped early (SLURM jobs only)
+        self.totals: Optional[tuple[int, Optional[int]]] = None  # (in the manifest, expected), set by the writer
+        self._previous_sigint: Any = None
         self.stopping = threading.Event()    # the ranks of this replica agreed to stop
         self.enabled = False
         self.stopped_early = False
@@ -81,6 +91,26 @@ class StopController:
                 flush=True,
             )
 
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        if self.interrupted.is_set():  # the second Ctrl-C: stop now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.interrupted.set()
+        self.requested.set()
+        if os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0":
+            print("\nlightning-diffusion: interrupted: finishing the images in flight, then stopping "
+                  "(Ctrl-C again to stop at once).", flush=True)
+
+    def watch_interrupt(self) -> None:
+        """Stop cleanly on Ctrl-C during the prediction loop (see the module's docstring). Main thread only."""
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self._previous_sigint = signal.signal(signal.SIGINT, self._interrupt)
+
+    def _restore_interrupt(self) -> None:
+        if self._previous_sigint is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
     def install(self) -> None:
         """Record ``SIGUSR1`` instead of dying of it (its default action). Main thread only."""
         if self._installed or threading.current_thread() is not threading.main_thread():
@@ -96,11 +126,16 @@ class StopController:
 
     # ----------------------------------------------------------------- the run
 
-    def enable(self, replica_group: Optional[Any], device: torch.device, global_rank: int) -> None:
+    def enable(self, replica_group: Optional[Any], device: torch.device, global_rank: int, slurm: bool = False) -> None:
         """Stop on the signals for this run: ``replica_group`` holds the ranks that make the same
-        images (None for a replica of one rank)."""
+        images (None for a replica of one rank); ``slurm``: a SLURM job, requeued when it stops early."""
         self.install()
         self.enabled = True
+        self.slurm = slurm
+        self.totals = None
+        if self.interrupted.is_set():  # a Ctrl-C belongs to the run it stopped
+            self.interrupted.clear()
+            self.requested.clear()
         # A new run in this process: only a signal that already arrived carries over.
         self.stopping.clear()
         self.stopped_early = False
@@ -129,12 +164,16 @@ class StopController:
         """After ``predict``, on every rank (a collective): whether any replica stopped early, the
         images made by this run over all replicas (counted by their writing ranks), and whether any
         rank received ``SIGTERM``."""
-        mine = [int(self.stopped_early), self.images_made, int(self.terminated.is_set())]
-        if not (dist.is_available() and dist.is_initialized()):
-            return bool(mine[0]), mine[1], bool(mine[2])
-        counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        return bool(counts[0].item()), int(counts[1].item()), bool(counts[2].item())
+        stopped, made, terminated, _ = self._outcome()
+        return stopped, made, terminated
+
+    def _outcome(self) -> tuple[bool, int, bool, bool]:
+        mine = [int(self.stopped_early), self.images_made, int(self.terminated.is_set()), int(self.interrupted.is_set())]
+        if dist.is_available() and dist.is_initialized():
+            counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+            mine = [int(c) for c in counts.tolist()]
+        return bool(mine[0]), mine[1], bool(mine[2]), bool(mine[3])
 
     def finish_job(self) -> int:
         """After ``predict`` returned on every rank: requeue the SLURM job if the run stopped early.
@@ -144,8 +183,16 @@ class StopController:
         would requeue forever, or ``scontrol`` refused)."""
         if not self.enabled:
             return 0
-        stopped, made, terminated = self.outcome()  # every rank is here after the manifest merge
-        if not stopped or self._rank != 0:
+        self._restore_interrupt()
+        stopped, made, terminated, interrupted = self._outcome()  # every rank is here after the manifest merge
+        if stopped and interrupted:
+            if self._rank == 0:
+                done, expected = self.totals or (made, None)
+                of = f" of {expected:,}" if expected is not None else ""
+                log.info(f"lightning-diffusion: stopped after {done:,}{of} images; run the same command to resume.",
+                         extra=_ALL)
+            return INTERRUPT_EXIT_CODE
+        if not stopped or self._rank != 0 or not self.slurm:
             return 0
         return _requeue(made, terminated)
 

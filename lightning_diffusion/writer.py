@@ -30,6 +30,7 @@ from PIL.PngImagePlugin import PngInfo
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, check_int, raise_problems
 from lightning_diffusion.lock import OutputLock
+from lightning_diffusion.preemption import STOP
 from lightning_diffusion.manifest import (
     MANIFEST,
     PART_GLOB,
@@ -301,6 +302,7 @@ class ImageWriter(BasePredictionWriter):
             if self.progress_listener is not None:
                 self.progress_listener.finish(self.summary["made"], self.pending)
             log.info(summary_text(self.summary, self.output_dir / MANIFEST))
+            STOP.totals = (total, self.expected)
             if self._lock is not None:
                 self._lock.release()
 

@@ -113,3 +113,36 @@ def test_a_folder_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path)
     run_here(*three_prompt_args(tmp_path))
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2]
     assert not lock.exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_batch_in_flight_and_the_rerun_completes(tmp_path):
+    """SIGINT to the job's process group, as a terminal's Ctrl-C sends it to every rank: the batch
+    in flight is finished, the manifest merged, the stop said in one line, exit 130; the same command
+    then makes the rest, each index once."""
+    import re
+
+    out = tmp_path / "out"
+    prompts = "[" + ", ".join(f"prompt {i}" for i in range(COUNT)) + "]"
+    args = tiny_args(out, "--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "12",
+                     "--trainer.devices", "2")
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(finished_lines(out)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 130, output[-3000:]
+    stopped = re.search(r"stopped after (\d+) of 40 images; run the same command to resume\.", output)
+    assert stopped, output[-3000:]
+    done = int(stopped.group(1))
+    assert 4 <= done < COUNT and "Detected KeyboardInterrupt" not in output and "Traceback" not in output
+    assert [line["index"] for line in read_manifest_lines(out)] == sorted(line["index"] for line in
+                                                                          read_manifest_lines(out))
+    assert len(read_manifest_lines(out)) == done and not list(out.glob("manifest.part-*"))
+    assert not list(out.glob(".*tmp*")) and len(list(out.glob("*.png"))) == done
+
+    rerun = run_cli(*args)
+    assert f"resumed: {done:,} already in the manifest" in rerun.stdout + rerun.stderr
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(COUNT))

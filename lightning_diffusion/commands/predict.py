@@ -25,6 +25,11 @@ def main(argv: list[str]) -> int:
         DiffusionCLI(args=["predict", *argv])
         # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
         return preemption.STOP.finish_job()
+    except SystemExit:
+        # A second Ctrl-C: Lightning's shutdown exits with 1; the shell's convention is 128 + SIGINT.
+        if preemption.STOP.interrupted.is_set():
+            return preemption.INTERRUPT_EXIT_CODE
+        raise
     except ValueError as err:
         message = config_error_message(err)
         if message is None:

@@ -225,8 +225,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         log.info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
         self._warn_groups_across_nodes()
-        if self._stop_on_signal:
-            STOP.enable(self._new_replica_group(), self.root_device, self.global_rank)
+        # Every run stops cleanly on Ctrl-C; SLURM jobs also on SLURM's signals, and requeue.
+        STOP.enable(self._new_replica_group(), self.root_device, self.global_rank, slurm=self._stop_on_signal)
         if request is not None:
             self.lightning_module.use_load_plan(self.load_plan(request))
 
@@ -269,6 +269,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         super().on_predict_start()
         # After Lightning's handler, which it registers just before the loop (see preemption).
         STOP.watch_terminate()
+        STOP.watch_interrupt()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
