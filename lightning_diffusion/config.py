@@ -9,9 +9,11 @@ exactly what ``predict`` will run.
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
@@ -38,6 +40,56 @@ TRAINER_DEFAULTS = {
 }
 
 
+def _known_keys(parser: Any) -> list[str]:
+    keys = []
+    for action in getattr(parser, "_actions", []):
+        dest = getattr(action, "dest", None)
+        if isinstance(dest, str) and dest not in ("help", "config") and not dest.startswith("_"):
+            keys.append(dest)
+    return keys
+
+
+def _suggest(key: str, keys: list[str]) -> str:
+    """``did you mean model.num_inference_steps?`` for ``model.num_steps``: the closest key of the
+    same group (by its last part), else of all keys."""
+    group, _, leaf = key.rpartition(".")
+    same = [k for k in keys if k.rpartition(".")[0] == group]
+    leaves = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in same], n=1, cutoff=0.5)
+    match = f"{group}.{leaves[0]}" if leaves and group else (leaves[0] if leaves else None)
+    if match is None:
+        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+        match = close[0] if close else None
+    return f"; did you mean {match}?" if match else ""
+
+
+def friendly_parser_error(message: str, keys: list[str]) -> str:
+    """jsonargparse's message, problem first and short: an unknown key with the closest known one, a
+    value of the wrong type as ``KEY: expected int or null, got 'abc'``."""
+    unknown = re.search(r"does not accept options? '([^']+)'|unrecognized arguments: --?([^\s=]+)", message)
+    if unknown:
+        key = unknown.group(1) or unknown.group(2)
+        return f"unknown key {key}{_suggest(key, keys)} (lightning-diffusion predict --help lists every key)"
+    typed = re.match(r'Parser key "([^"]+)":', message)
+    if typed:
+        given = re.search(r"(?:Given value|Got value): (.*)", message)
+        kinds = re.findall(r"Expected a <class '(\w+)'>", message)
+        names = [("null" if k == "NoneType" else k) for k in dict.fromkeys(kinds)]
+        if given and names:
+            return f"{typed.group(1)}: expected {' or '.join(names)}, got {given.group(1).strip()!r}"
+    return " ".join(line.strip() for line in message.strip().splitlines()[:3])
+
+
+class _Parser(LightningArgumentParser):
+    """Parse errors as one line that starts with the problem, not 70 lines of usage."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        sys.stderr.write(f"lightning-diffusion: error: {friendly_parser_error(message, _known_keys(parser))}\n")
+        self.exit(2)
+
+
 class DiffusionCLI(LightningCLI):
     """``LightningCLI`` with the prompt data module, the diffusion module and a top-level ``writer``."""
 
@@ -48,6 +100,7 @@ class DiffusionCLI(LightningCLI):
             DiffusionModule,
             PromptDataModule,
             save_config_callback=None,
+            parser_class=_Parser,
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=False,
             args=args,

@@ -101,7 +101,7 @@ def test_bad_input_is_refused_before_any_weight_is_read(name, argv, message, fil
         argv += ["--writer.output_dir", str(out)]
     OPENED.clear()
     with pytest.raises(SystemExit) as exit_info:
-        main(["predict", "--config", "configs/tiny.yaml", "--trainer.enable_progress_bar", "false", *argv])
+        main(["predict", "--config", "configs/tiny-flux.yaml", "--trainer.enable_progress_bar", "false", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert OPENED == []
@@ -111,7 +111,7 @@ def test_bad_input_is_refused_before_any_weight_is_read(name, argv, message, fil
 
 def test_every_problem_is_reported_at_once(files, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["predict", "--config", "configs/tiny.yaml", "--data.prompts", f"{files}/bad.jsonl",
+        main(["predict", "--config", "configs/tiny-flux.yaml", "--data.prompts", f"{files}/bad.jsonl",
               "--data.batch_size", "0", "--model.height", "50", "--writer.fps", "0",
               "--writer.output_dir", str(files / "images")])
     assert exit_info.value.code == 2
@@ -148,7 +148,7 @@ def test_heads_against_ulysses_are_checked_before_any_process_starts(files, caps
 
 def test_not_enough_disk_space_for_the_expected_images(files, capsys):
     with pytest.raises(SystemExit):
-        main(["predict", "--config", "configs/tiny.yaml", "--model.height", "65536", "--model.width", "65536",
+        main(["predict", "--config", "configs/tiny-flux.yaml", "--model.height", "65536", "--model.width", "65536",
               "--data.num_images_per_prompt", "1000", "--writer.output_dir", str(files / "images")])
     assert "outputs of 65536x65536 need about" in capsys.readouterr().err
 
@@ -159,7 +159,7 @@ def test_under_srun_only_the_first_task_of_the_job_prints_the_error(files, capsy
     monkeypatch.setenv("SLURM_PROCID", procid)
     monkeypatch.setenv("LOCAL_RANK", "0")  # the first task of every node
     with pytest.raises(SystemExit) as exit_info:
-        main(["predict", "--config", "configs/tiny.yaml", "--data.batch_size", "0",
+        main(["predict", "--config", "configs/tiny-flux.yaml", "--data.batch_size", "0",
               "--writer.output_dir", str(files / "images")])
     assert exit_info.value.code == 2
     assert ("data.batch_size must be" in capsys.readouterr().err) == says
@@ -167,6 +167,29 @@ def test_under_srun_only_the_first_task_of_the_job_prints_the_error(files, capsy
 
 @pytest.mark.parametrize("command", ["verify", "benchmark"])
 def test_every_subcommand_reports_bad_input_like_predict(command, files, cli_here):
-    proc = cli_here(command, "--config", "configs/tiny.yaml", "--data.prompts", f"{files}/nope.txt")
+    proc = cli_here(command, "--config", "configs/tiny-flux.yaml", "--data.prompts", f"{files}/nope.txt")
     assert proc.returncode == 2
     assert f"lightning-diffusion {command}: error: Prompt file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.num_steps", "4"],
+     "unknown key model.num_steps; did you mean model.num_inference_steps? (lightning-diffusion predict --help "
+     "lists every key)"),
+    (["--trainer.devicez", "2"], "unknown key trainer.devicez; did you mean trainer.devices?"),
+    (["--model.height", "abc"], "model.height: expected int or null, got 'abc'"),
+    (["--data.batch_size", "x"], "data.batch_size: expected int, got 'x'"),
+])
+def test_parse_errors_come_first_in_one_line_with_the_closest_key(args, message, cli_here):
+    proc = cli_here("predict", "--config", "configs/tiny-flux.yaml", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lightning-diffusion: error: {message}"), proc.stderr
+
+
+def test_an_unknown_key_in_a_config_file_is_named_with_a_suggestion(tmp_path, cli_here):
+    (tmp_path / "bad.yaml").write_text("data:\n  batchsize: 4\n")
+    proc = cli_here("predict", "--config", "configs/tiny-flux.yaml", "--config", str(tmp_path / "bad.yaml"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("lightning-diffusion: error: unknown key data.batchsize; did you mean "
+                                          "data.batch_size?")
