@@ -65,9 +65,12 @@ def _suggest(key: str, keys: list[str]) -> str:
 def friendly_parser_error(message: str, keys: list[str]) -> str:
     """jsonargparse's message, problem first and short: an unknown key with the closest known one, a
     value of the wrong type as ``KEY: expected int or null, got 'abc'``."""
-    unknown = re.search(r"does not accept options? '([^']+)'|unrecognized arguments: --?([^\s=]+)", message)
+    unknown = re.search(r"(?:Group '([^']+)' )?does not accept options? '([^']+)'|unrecognized arguments: --?([^\s=]+)",
+                        message)
     if unknown:
-        key = unknown.group(1) or unknown.group(2)
+        key = unknown.group(2) or unknown.group(3)
+        if unknown.group(1):
+            key = f"{unknown.group(1)}.{key}"
         return f"unknown key {key}{_suggest(key, keys)} (lightning-diffusion predict --help lists every key)"
     typed = re.match(r'Parser key "([^"]+)":', message)
     if typed:

@@ -17,13 +17,14 @@ SLURM requeues a preempted one itself. Lightning's own ``SIGTERM`` handler is re
 loop: it swallows the signal and runs a broadcast inside the handler, which can interleave with
 the collectives of a context- or tensor-parallel step.
 
-``SIGINT`` (Ctrl-C) during the prediction loop stops the same way in any run, SLURM or not: the
+``SIGINT`` (Ctrl-C) from the strategy's setup to its teardown stops the same way in any run, SLURM
+or not (outside SLURM jobs ``SIGTERM`` and ``SIGUSR1`` keep their default action): the
 batch in flight is finished, the manifest merged, ``stopped after 8 of 40 images; run the same
 command to resume`` printed, and the command exits with 130 (128 + SIGINT). A second Ctrl-C stops
 at once (Lightning's shutdown; every file is still whole, being written under a temporary name).
 
 All of it is one object, ``STOP`` (a ``StopController``; signals are per process, so there is one
-per process): the strategies enable it in SLURM jobs and ask it at every batch, the prompt sampler
+per process): the strategies enable it in every run (SLURM's signals only in SLURM jobs) and ask it at every batch, the prompt sampler
 ends when it says so, and the CLI asks it whether to requeue.
 """
 
@@ -81,15 +82,10 @@ class StopController:
         if signum == signal.SIGTERM:
             first = first or not self.terminated.is_set()
             self.terminated.set()
-        rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
-        if first and rank == "0":
-            # print, not logging: a signal handler must not wait for a lock the interrupted code holds.
+        if first and self._rank == 0:
             then = "stopping (no requeue from here)" if signum == signal.SIGTERM else "stopping so that the job can be requeued"
-            print(
-                f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
-                f"then {then}.",
-                flush=True,
-            )
+            _say(f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
+                 f"then {then}.")
 
     def _interrupt(self, signum: int, frame: Any) -> None:
         if self.interrupted.is_set():  # the second Ctrl-C: stop now
@@ -97,16 +93,20 @@ class StopController:
             raise KeyboardInterrupt
         self.interrupted.set()
         self.requested.set()
-        if os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0":
-            print("\nlightning-diffusion: interrupted: finishing the images in flight, then stopping "
-                  "(Ctrl-C again to stop at once).", flush=True)
+        if self._rank == 0:
+            _say("\nlightning-diffusion: interrupted: finishing the images in flight, then stopping "
+                 "(Ctrl-C again to stop at once).")
 
     def watch_interrupt(self) -> None:
-        """Stop cleanly on Ctrl-C during the prediction loop (see the module's docstring). Main thread only."""
-        if self.enabled and threading.current_thread() is threading.main_thread():
+        """Stop cleanly on Ctrl-C from here to ``finish_job`` (see the module's docstring): installed
+        when the strategy sets up, so a Ctrl-C while the weights load stops at the first batch, and
+        a replica without images (which skips the loop) stops with the others. Main thread only."""
+        if threading.current_thread() is threading.main_thread() and self._previous_sigint is None:
             self._previous_sigint = signal.signal(signal.SIGINT, self._interrupt)
 
-    def _restore_interrupt(self) -> None:
+    def release_interrupt(self) -> None:
+        """Give Ctrl-C back (the strategy's teardown and ``finish_job``): after the run it interrupts
+        the caller's script as usual. The record of a Ctrl-C stays for ``finish_job``."""
         if self._previous_sigint is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._previous_sigint)
             self._previous_sigint = None
@@ -119,23 +119,27 @@ class StopController:
         self._installed = True
 
     def watch_terminate(self) -> None:
-        """Record ``SIGTERM`` too, for the prediction loop (Lightning registers its own handler just
-        before the loop and restores the previous one after it). Main thread only."""
-        if self.enabled and threading.current_thread() is threading.main_thread():
+        """Record ``SIGTERM`` too, for the prediction loop of a SLURM job (Lightning registers its own
+        handler just before the loop and restores the previous one after it). Main thread only."""
+        if self.enabled and self.slurm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._record)
 
     # ----------------------------------------------------------------- the run
 
     def enable(self, replica_group: Optional[Any], device: torch.device, global_rank: int, slurm: bool = False) -> None:
         """Stop on the signals for this run: ``replica_group`` holds the ranks that make the same
-        images (None for a replica of one rank); ``slurm``: a SLURM job, requeued when it stops early."""
-        self.install()
+        images (None for a replica of one rank); ``slurm``: a SLURM job, which also stops on SLURM's
+        signals and is requeued when it stops early. Every run stops on Ctrl-C."""
+        if slurm:
+            self.install()
         self.enabled = True
         self.slurm = slurm
         self.totals = None
         if self.interrupted.is_set():  # a Ctrl-C belongs to the run it stopped
             self.interrupted.clear()
             self.requested.clear()
+        self._rank = global_rank
+        self.watch_interrupt()
         # A new run in this process: only a signal that already arrived carries over.
         self.stopping.clear()
         self.stopped_early = False
@@ -183,8 +187,9 @@ class StopController:
         would requeue forever, or ``scontrol`` refused)."""
         if not self.enabled:
             return 0
-        self._restore_interrupt()
+        self.release_interrupt()
         stopped, made, terminated, interrupted = self._outcome()  # every rank is here after the manifest merge
+        self.interrupted.clear()  # this run's; an in-process caller's next run starts afresh
         if stopped and interrupted:
             if self._rank == 0:
                 done, expected = self.totals or (made, None)
@@ -195,6 +200,15 @@ class StopController:
         if not stopped or self._rank != 0 or not self.slurm:
             return 0
         return _requeue(made, terminated)
+
+
+def _say(line: str) -> None:
+    """Write from a signal handler: ``print`` can raise "reentrant call" on a buffered stream the
+    interrupted code was writing, and logging may wait for a lock it holds."""
+    try:
+        os.write(1, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def _requeue(made: int, terminated: bool) -> int:

@@ -187,9 +187,12 @@ def test_parse_errors_come_first_in_one_line_with_the_closest_key(args, message,
     assert len(lines) == 1 and lines[0].startswith(f"lightning-diffusion: error: {message}"), proc.stderr
 
 
-def test_an_unknown_key_in_a_config_file_is_named_with_a_suggestion(tmp_path, cli_here):
-    (tmp_path / "bad.yaml").write_text("data:\n  batchsize: 4\n")
-    proc = cli_here("predict", "--config", "configs/tiny-flux.yaml", "--config", str(tmp_path / "bad.yaml"))
+@pytest.mark.parametrize("command", ["predict", "verify"])  # verify parses through read_config
+def test_an_unknown_key_in_a_config_file_is_named_with_a_suggestion(command, tmp_path, cli_here):
+    (tmp_path / "bad.yaml").write_text("data:\n  batchsize: 4\nmodel:\n  num_steps: 4\n")
+    proc = cli_here(command, "--config", "configs/tiny-flux.yaml", "--config", str(tmp_path / "bad.yaml"))
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("lightning-diffusion: error: unknown key data.batchsize; did you mean "
-                                          "data.batch_size?")
+    line = proc.stderr.strip()
+    assert line.startswith("lightning-diffusion: error: unknown key ") and "\n" not in line
+    assert ("data.batchsize; did you mean data.batch_size?" in line
+            or "model.num_steps; did you mean model.num_inference_steps?" in line), line

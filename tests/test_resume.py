@@ -131,6 +131,7 @@ def test_ctrl_c_stops_after_the_batch_in_flight_and_the_rerun_completes(tmp_path
     deadline = time.monotonic() + 240
     while len(finished_lines(out)) < 4 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 130, output[-3000:]

@@ -163,9 +163,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.compare_diffusers:
         model, data = cfg.model, cfg.data
-        call_args = {k: model[k] for k in ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
-                     if model.get(k) is not None}
-        call_args.update(model.get("call_kwargs") or {})
+        from lightning_diffusion.module import effective_call_args
+        from lightning_diffusion.pipelines import inspect_pipeline
+
+        named = {k: model.get(k) for k in ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")}
+        base, extra = effective_call_args(inspect_pipeline(model.pretrained_model_name_or_path), named,
+                                          model.get("call_kwargs"))
+        call_args = {**base, **extra}  # what predict calls the pipeline with, the model's recommendations included
         records = list(load_records(data.prompts))
         bare = diffusers_loop(model.pretrained_model_name_or_path, model.torch_dtype, records, int(data.batch_size),
                               call_args, int(data.seed), args.warmup)

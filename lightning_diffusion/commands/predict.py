@@ -25,9 +25,10 @@ def main(argv: list[str]) -> int:
         DiffusionCLI(args=["predict", *argv])
         # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
         return preemption.STOP.finish_job()
-    except SystemExit:
+    except SystemExit as exit_info:
         # A second Ctrl-C: Lightning's shutdown exits with 1; the shell's convention is 128 + SIGINT.
-        if preemption.STOP.interrupted.is_set():
+        if isinstance(exit_info.__context__, KeyboardInterrupt):
+            preemption.STOP.interrupted.clear()
             return preemption.INTERRUPT_EXIT_CODE
         raise
     except ValueError as err:

@@ -269,7 +269,6 @@ class DiffusionParallelStrategy(ParallelStrategy):
         super().on_predict_start()
         # After Lightning's handler, which it registers just before the loop (see preemption).
         STOP.watch_terminate()
-        STOP.watch_interrupt()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -350,5 +349,6 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.accelerator.teardown()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.stop()
+        STOP.release_interrupt()
         # The idle group stays: Lightning tears the strategy down before the callbacks, and the
         # writer's teardown still waits on it; destroy_process_group() at the end ends every group.
