@@ -39,8 +39,50 @@ def _finished(file: Path, size: Optional[int]) -> bool:
 
 
 RUN_FILE = "run.json"
-# Keys of run.json that describe runs rather than decide pictures: not compared on resume.
-RUN_META = ("expected", "history")
+# Keys of run.json that describe runs rather than decide pictures: not compared on resume. The
+# prompt file is compared by content (``data.prompts_sha256``), its path only recorded.
+RUN_META = ("expected", "history", "data.prompts")
+PROMPTS_HASH = "data.prompts_sha256"
+
+
+def prompts_hash(prompts: Any) -> str:
+    """SHA-256 of a prompt file's bytes, or of an inline list's JSON: a copy under another path is
+    the same prompt set."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    if isinstance(prompts, (str, os.PathLike)) and Path(prompts).expanduser().is_file():
+        with open(Path(prompts).expanduser(), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    else:
+        digest.update(json.dumps(prompts, sort_keys=True, default=str).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -> Optional[str]:
+    """Why ``output_dir`` may not be resumed with ``settings`` (the message), or None: its run.json
+    records other settings that decide pictures. A folder from before prompt hashes compares the
+    prompt file's path, as it was made."""
+    run_file = Path(output_dir) / RUN_FILE
+    if not run_file.is_file():
+        return None
+    try:
+        recorded = json.loads(run_file.read_text())
+    except ValueError:
+        return f"{run_file} is not valid JSON; move it away to start the folder afresh."
+    before = {k: v for k, v in recorded.items() if k not in RUN_META}
+    now = {k: v for k, v in settings.items() if k not in RUN_META}
+    if PROMPTS_HASH not in before:  # made before prompt hashes: the path is what was recorded
+        before.pop(PROMPTS_HASH, None)
+        now.pop(PROMPTS_HASH, None)
+        before["data.prompts"], now["data.prompts"] = recorded.get("data.prompts"), settings.get("data.prompts")
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if not changed:
+        return None
+    details = "; ".join(f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in changed)
+    return (f"{output_dir} holds images made with other settings ({details}). Use another writer.output_dir, or "
+            "writer.allow_config_change=true to add to it anyway.")
 
 
 def scan_manifest(output_dir: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], list[str]]:

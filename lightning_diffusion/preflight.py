@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.data import check_data_args, load_records
 from lightning_diffusion.errors import ConfigError, gather
-from lightning_diffusion.module import check_model_args, check_records
+from lightning_diffusion.module import check_model_args, check_records, effective_call_args, image_settings
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
-from lightning_diffusion.manifest import read_manifest
-from lightning_diffusion.writer import check_writer_args
+from lightning_diffusion.manifest import read_manifest, settings_conflict
+from lightning_diffusion.writer import check_writer_args, run_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5
@@ -114,10 +114,22 @@ def preflight(config: Any) -> tuple[list, bool]:
     if strategy is not None and size is not None:
         gather(problems, strategy.make_parallel_dims, size)
         if info is not None and not problems:
-            call_args = {**{k: v for k, v in named.items() if v is not None}, **(model.get("call_kwargs") or {})}
+            base, extra = effective_call_args(info, named, model.get("call_kwargs"))
+            call_args = {**base, **extra}
             request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
                                    dict(model.get("from_pretrained_kwargs") or {}), records)
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
         gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
+        if not writer.get("allow_config_change"):
+            # The writer checks again when the run starts; here it costs no process start.
+            base, extra = effective_call_args(info, named, model.get("call_kwargs"))
+            settings = run_settings(
+                image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
+                               dict(model.get("from_pretrained_kwargs") or {})),
+                data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
+                writer.get("fps") or 16)
+            conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)
+            if conflict:
+                problems.append(conflict)
     return problems, complete

@@ -34,12 +34,15 @@ from lightning_diffusion.preemption import STOP
 from lightning_diffusion.manifest import (
     MANIFEST,
     PART_GLOB,
+    PROMPTS_HASH,
     RUN_FILE,
     RUN_META,
     _atomic_write,
     merge_manifest,
     part_counts,
+    prompts_hash,
     read_manifest,
+    settings_conflict,
 )
 
 
@@ -106,6 +109,24 @@ def check_writer_args(output_dir: Any, video_format: Any, fps: Any) -> list[str]
     return problems
 
 
+def run_settings(image_settings: dict[str, Any], seed: Any, num_images_per_prompt: Any, prompts: Any,
+                 video_format: str = "mp4", fps: int = 16) -> dict[str, Any]:
+    """run.json's settings: the model's (``module.image_settings``), the seeds, the prompt set (its
+    content hash compared, its path recorded) and a non-default video encoding."""
+    settings = dict(image_settings)
+    if seed is not None:
+        settings["data.seed"] = seed
+    if num_images_per_prompt is not None:
+        settings["data.num_images_per_prompt"] = num_images_per_prompt
+    if isinstance(prompts, (str, Path)):
+        settings["data.prompts"] = str(Path(prompts).expanduser().resolve())
+    if prompts is not None:
+        settings[PROMPTS_HASH] = prompts_hash(prompts)
+    if video_format != "mp4" or fps != 16:
+        settings.update({"writer.video_format": video_format, "writer.fps": fps})
+    return json.loads(json.dumps(settings, default=str))
+
+
 def summary_text(summary: dict[str, Any], manifest: Path) -> str:
     """The run's summary as one line for the log."""
     rates = summary["images_per_s_by_rank"]
@@ -165,19 +186,11 @@ class ImageWriter(BasePredictionWriter):
 
     def run_settings(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """What decides the pictures of this folder: model, call arguments, seeds, prompts."""
-        settings: dict[str, Any] = {}
         describe = getattr(pl_module, "image_settings", None)
-        if callable(describe):
-            settings.update(describe())
         data = trainer.datamodule
-        for key in ("seed", "num_images_per_prompt"):
-            if hasattr(data, key):
-                settings[f"data.{key}"] = getattr(data, key)
-        if hasattr(data, "prompts") and isinstance(data.prompts, (str, Path)):
-            settings["data.prompts"] = str(Path(data.prompts).expanduser().resolve())
-        if self.video_format != "mp4" or self.fps != 16:
-            settings.update({"writer.video_format": self.video_format, "writer.fps": self.fps})
-        return json.loads(json.dumps(settings, default=str))
+        return run_settings(describe() if callable(describe) else {}, getattr(data, "seed", None),
+                            getattr(data, "num_images_per_prompt", None), getattr(data, "prompts", None),
+                            self.video_format, self.fps)
 
     def _prepare_folder(self, settings: dict[str, Any]) -> tuple[Optional[str], list[int]]:
         """On global rank 0: lock, compare settings, merge parts. Returns (error, done indices)."""
@@ -190,15 +203,14 @@ class ImageWriter(BasePredictionWriter):
         run_file = self.output_dir / RUN_FILE
         history: list = []
         if run_file.is_file():
-            before = json.loads(run_file.read_text())
-            history = list(before.get("history") or [])
-            before = {k: v for k, v in before.items() if k not in RUN_META}
-            changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
-            if changed and not self.allow_config_change:
+            conflict = None if self.allow_config_change else settings_conflict(self.output_dir, settings)
+            if conflict:
                 self._lock.release()
-                details = "; ".join(f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in changed)
-                return (f"{self.output_dir} holds images made with other settings ({details}). Use another "
-                        "writer.output_dir, or writer.allow_config_change=true to add to it anyway."), []
+                return conflict, []
+            try:
+                history = list(json.loads(run_file.read_text()).get("history") or [])
+            except ValueError:
+                history = []
         self._history = history
         self._write_run_file(settings)
         if any(self.output_dir.glob(PART_GLOB)):

@@ -147,3 +147,22 @@ def test_ctrl_c_stops_after_the_batch_in_flight_and_the_rerun_completes(tmp_path
     rerun = run_cli(*args)
     assert f"resumed: {done:,} already in the manifest" in rerun.stdout + rerun.stderr
     assert [line["index"] for line in read_manifest_lines(out)] == list(range(COUNT))
+
+
+def test_other_settings_are_refused_before_any_process_starts_and_prompts_compare_by_content(tmp_path, cli_here):
+    prompts, copy, other = tmp_path / "p.txt", tmp_path / "copy.txt", tmp_path / "other.txt"
+    prompts.write_text("a cat\na dog\n")
+    copy.write_bytes(prompts.read_bytes())
+    other.write_text("a cat\na bird\n")
+    out = tmp_path / "out"
+    run_here(*tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "1"))
+    # preflight refuses it: exit 2 from the launching process, no rank, no lock taken
+    proc = cli_here(*tiny_args(out, "--data.prompts", str(copy), "--model.num_inference_steps", "5"))
+    assert proc.returncode == 2
+    assert "holds images made with other settings (model.num_inference_steps: 4 then, 5 now)" in proc.stderr
+    assert "data.prompts" not in proc.stderr  # a byte-identical copy elsewhere is the same prompt set
+    assert not (out / ".lock").exists()
+    proc = cli_here(*tiny_args(out, "--data.prompts", str(other)))
+    assert proc.returncode == 2 and "data.prompts_sha256: '" in proc.stderr
+    resumed = run_here(*tiny_args(out, "--data.prompts", str(copy), "--data.batch_size", "1"))
+    assert "resumed: 2 already in the manifest" in resumed.stdout + resumed.stderr
