@@ -14,7 +14,7 @@ FLUX1, FLUX2 = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.2-dev"
 QWEN, WAN = "Qwen/Qwen-Image", "Wan-AI/Wan2.1-T2V-14B-Diffusers"
 
 SITUATIONS = [
-    # model, gpus, GB each, interconnect, height, width, frames -> strategy, init args
+    # model, gpus, GB each, interconnect, height, width, frames -> strategy, init args (--goal latency)
     (FLUX1, 8, 80, "nvlink", 1024, 1024, None, "data_parallel", {}),
     (QWEN, 1, 80, "nvlink", 1024, 1024, None, "data_parallel", {}),
     (FLUX1, 2, 24, "pcie", 1024, 1024, None, "DeviceMapStrategy", {"device_map": "auto"}),
@@ -31,17 +31,37 @@ SITUATIONS = [
 
 @pytest.mark.parametrize("model, gpus, gb, link, height, width, frames, strategy, args", SITUATIONS)
 def test_plan_recommends_the_documented_strategy(model, gpus, gb, link, height, width, frames, strategy, args):
-    plan = choose(facts_for(model), gpus, gb, link, height, width, frames, prompts=1000)
+    plan = choose(facts_for(model), gpus, gb, link, height, width, frames, prompts=1000, goal="latency")
     assert plan.strategy == strategy, plan.reasons
     assert {k: plan.init_args[k] for k in args} == args, plan.init_args
     assert plan.reasons and "GB" in plan.reasons[0]
+
+
+THROUGHPUT = [
+    # many prompts: replicas whenever the pipeline fits, however long the sequence; the smallest group otherwise
+    (FLUX1, 8, 80, "pcie", 2048, 2048, None, 100_000, "data_parallel", {}, 8),
+    (FLUX1, 4, 80, "nvlink", 4096, 4096, None, 1000, "data_parallel", {}, 4),
+    (WAN, 8, 80, "nvlink", 720, 1280, 81, 1000, "data_parallel", {}, 8),
+    (FLUX1, 4, 24, "pcie", 1024, 1024, None, 1000, "DeviceMapStrategy", {"devices_per_process": 2}, 2),
+    (FLUX2, 4, 48, "nvlink", 1024, 1024, None, 1000, "TensorParallelStrategy", {"tp_degree": 2}, 4),
+    # fewer prompts than GPUs: each image gets the GPUs
+    (FLUX1, 4, 80, "nvlink", 4096, 4096, None, 1, "ContextParallelStrategy", {"ulysses_degree": 4}, 4),
+]
+
+
+@pytest.mark.parametrize("model, gpus, gb, link, height, width, frames, prompts, strategy, args, devices", THROUGHPUT)
+def test_plan_prefers_replicas_for_throughput(model, gpus, gb, link, height, width, frames, prompts, strategy, args,
+                                              devices):
+    plan = choose(facts_for(model), gpus, gb, link, height, width, frames, prompts=prompts)
+    assert plan.strategy == strategy, plan.reasons
+    assert {k: plan.init_args[k] for k in args} == args and plan.devices == devices, (plan.init_args, plan.devices)
 
 
 def test_plan_writes_a_config_the_cli_accepts(tmp_path, capsys):
     written = tmp_path / "plan.yaml"
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", FLUX1, "--gpus", "4", "--gpu-memory", "80GB", "--height", "4096", "--width", "4096",
-              "--write", str(written)])
+              "--goal", "latency", "--write", str(written)])
     assert exit_info.value.code == 0
     assert "recommended: ContextParallelStrategy" in capsys.readouterr().out
     config = yaml.safe_load(written.read_text())

@@ -1,13 +1,21 @@
 """``lightning-diffusion plan``: choose a strategy from the resource that is short.
 
     lightning-diffusion plan --model black-forest-labs/FLUX.1-dev --gpus 8 --gpu-memory 80GB \\
-        [--interconnect nvlink|pcie] [--height 1024 --width 1024 --frames 81] [--prompts 10000] [--write plan.yaml]
+        [--interconnect nvlink|pcie] [--height 1024 --width 1024 --frames 81] [--prompts 10000]
+        [--goal throughput|latency] [--write plan.yaml]
 
 Component sizes come from the safetensors headers of a local pipeline folder (no weight is read)
 or, for the models below, from a table of their published sizes. The decision follows the
 diffusers guide: many prompts and the pipeline fits on one GPU: data parallel; one component too
 big for a GPU: tensor parallel over NVLink, a device map over PCIe; a long sequence: context
 parallel, Ulysses while the heads divide, Unified (ring x Ulysses) beyond; both: TP x CP.
+
+The goal is throughput by default: data parallelism is the only strategy that scales images per
+second linearly, so when the pipeline fits on one GPU and there are at least as many prompts as
+GPUs, every GPU is a replica, however long the sequence; a model that needs several GPUs gets the
+smallest group that holds it, and the rest of the GPUs are replicas of that group. ``--goal
+latency`` (or fewer prompts than GPUs) spends GPUs on each image instead: context parallel for long
+sequences.
 """
 
 from __future__ import annotations
@@ -116,7 +124,7 @@ def activation_gb(facts: ModelFacts, sequence: int) -> float:
 
 
 def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, height: int, width: int,
-           frames: Optional[int], prompts: int) -> Plan:
+           frames: Optional[int], prompts: int, goal: str = "throughput") -> Plan:
     usable = gpu_gb * _HEADROOM
     sequence = tokens(facts, height, width, frames)
     act = activation_gb(facts, sequence)
@@ -130,9 +138,13 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
         ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % d == 0)
         return {"ulysses_degree": ulysses, "ring_degree": group // ulysses}
 
-    if fits_whole and not long:
+    throughput = goal == "throughput" and prompts >= gpus
+    if fits_whole and (not long or throughput):
+        why = "" if not long else (
+            f"; the sequence is long, but replicas scale throughput linearly and context parallel does not "
+            f"(--goal latency splits each image over the GPUs instead)")
         return Plan("data_parallel", devices=gpus, reasons=[
-            numbers, f"the whole pipeline fits on one GPU: {gpus} replicas split the {prompts:,} prompts"])
+            numbers, f"the whole pipeline fits on one GPU: {gpus} replicas split the {prompts:,} prompts{why}"])
     if fits_denoiser and long:
         group = gpus
         degrees = cp_degrees(group)
@@ -151,12 +163,17 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
     shards = next((t for t in (2, 4, 8) if t <= gpus and facts.denoiser_gb / t + act <= usable
                    and facts.heads % t == 0), None)
     if interconnect == "pcie" or shards is None:
-        return Plan("DeviceMapStrategy", {"device_map": "auto", "staged": True, "devices_per_process": gpus},
-                    devices=1, reasons=[
+        # The fewest GPUs whose memory holds the model: the others are replicas of that group.
+        per = next((k for k in range(2, gpus + 1) if facts.total_gb / k + act <= usable), gpus)
+        per = per if throughput else gpus
+        replicas = gpus // per
+        return Plan("DeviceMapStrategy", {"device_map": "auto", "staged": True, "devices_per_process": per},
+                    devices=replicas, reasons=[
             numbers, "the transformer does not fit on one GPU and "
                      + ("PCIe is too slow for per-layer tensor-parallel traffic" if interconnect == "pcie"
                         else "no tensor-parallel degree makes it fit")
-                     + ": spread it with device_map auto"])
+                     + f": spread it with device_map auto over {per} GPUs"
+                     + (f", {replicas} replicas" if replicas > 1 else "")])
     if long and gpus // shards > 1:
         group = gpus // shards
         ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % (d * shards) == 0)
@@ -180,6 +197,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--frames", type=int)
     parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("--goal", choices=["throughput", "latency"], default="throughput",
+                        help="throughput: replicas first (default); latency: split each image over GPUs")
     parser.add_argument("--write", help="write the recommended config (YAML) here")
     args = parser.parse_args(argv)
     gpu_gb = float(args.gpu_memory.upper().removesuffix("GB").removesuffix("G"))
@@ -188,7 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"lightning-diffusion plan: error: {err}", file=sys.stderr)
         return 2
-    plan = choose(facts, args.gpus, gpu_gb, args.interconnect, args.height, args.width, args.frames, args.prompts)
+    plan = choose(facts, args.gpus, gpu_gb, args.interconnect, args.height, args.width, args.frames, args.prompts,
+                  args.goal)
     print(f"recommended: {plan.strategy} {plan.init_args or ''} on {plan.devices} process(es)")
     for reason in plan.reasons:
         print(f"  - {reason}")
