@@ -56,7 +56,7 @@ def test_mode_matches_one_process(mode, reference, tmp_path):
     lines = read_manifest_lines(tmp_path)
     assert [line["index"] for line in lines] == list(range(5))  # each index once, one writer per group
     assert len(list(tmp_path.glob("*.png"))) == 5
-    ours, ref = load_arrays(tmp_path), reference("configs/tiny.yaml", *size)
+    ours, ref = load_arrays(tmp_path), reference("configs/tiny-flux.yaml", *size)
     for i in range(5):
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
 
@@ -65,7 +65,7 @@ def test_odd_token_count_without_anything_flag_fails_before_any_rank_starts(tmp_
     proc = cli_here(*cp_args(tmp_path / "out", 2, size=(48, 80), ulysses_degree=2))
     assert proc.returncode == 2
     assert "48x80 gives 15 image tokens ((height/16) x (width/16)), not divisible by the context-parallel degree 2: " \
-           "set ulysses_anything: true, or choose sizes" in proc.stderr
+           "set ulysses_anything: true (strategy name: ulysses_anything), or choose sizes" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -125,9 +125,14 @@ def test_ulysses_anything_is_suggested_only_where_it_can_split_the_heads(tmp_pat
     (folder / "transformer" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 30}))
     module = DiffusionModule(str(folder), height=64, width=64)
     with pytest.raises(ConfigError, match=r"30 attention heads, not divisible by ulysses_degree=8: set ulysses_anything: "
-                                          r"true, or a ulysses_degree that divides 30 \(2, 3, 5, 6, 10, 15, 30\)"):
+                                          r"true \(strategy name: ulysses_anything\), or a ulysses_degree that divides "
+                                          r"30 \(2, 3, 5, 6, 10, 15, 30\)"):
         check_model(cpu_trainer(8, ulysses_degree=8).strategy, module)
     check_model(cpu_trainer(8, ulysses_degree=8, ulysses_anything=True).strategy, module)
+    # the short name the message offers takes the flag with it
+    short = Trainer(accelerator="cpu", devices=8, strategy="ulysses_anything", logger=False)
+    assert isinstance(short.strategy, ContextParallelStrategy)
+    check_model(short.strategy, module)
 
 
 def test_text_length_not_divisible(tmp_path):

@@ -115,7 +115,8 @@ def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_an
             if not ulysses_anything:
                 raise ConfigError(
                     f"{name} has {heads} attention heads, not divisible by ulysses_degree={dims.ulysses}: set "
-                    f"ulysses_anything: true, or a ulysses_degree that divides {heads} ({divisors})."
+                    f"ulysses_anything: true (strategy name: ulysses_anything), or a ulysses_degree that divides "
+                    f"{heads} ({divisors})."
                 )
             continue
         raise ConfigError(
@@ -146,7 +147,8 @@ def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[st
     if dims.ring > 1 and dims.ulysses > 1 or dims.tp > 1:
         fix = "choose sizes"
     else:
-        fix = f"set {'ulysses_anything' if dims.ring == 1 else 'ring_anything'}: true, or choose sizes"
+        mode = "ulysses_anything" if dims.ring == 1 else "ring_anything"
+        fix = f"set {mode}: true (strategy name: {mode}), or choose sizes"
     for kind, length in info.sequence_lengths(height, width, call_args).items():
         if length % degree == 0:
             continue
