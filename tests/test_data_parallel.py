@@ -75,7 +75,8 @@ def test_batch_size_three_matches_batch_size_one_in_one_process(reference, tmp_p
 
 @pytest.mark.slow
 def test_more_replicas_than_prompts_is_not_an_error(reference, tmp_path):
-    run_cli(*tiny_args(tmp_path, "--data.prompts", "[prompt number 0]", "--trainer.devices", "2"))
+    run_cli(*tiny_args(tmp_path, "--data.prompts", "[prompt number 0]", "--data.batch_size", "1", "--trainer.devices",
+                       "2"))
     assert_written_once(tmp_path, 1)
     assert np.array_equal(load_arrays(tmp_path)[0], load_arrays(reference)[0])
 
