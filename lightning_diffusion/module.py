@@ -38,6 +38,31 @@ def check_model_args(
     return info, problems
 
 
+def effective_call_args(
+    info: PipelineInfo, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(named arguments, other call arguments) as the pipeline is called: the config's, with the
+    model folder's recommended values (``PipelineInfo.recommended``) where the config sets nothing."""
+    recommended = {k: v for k, v in info.recommended.items() if k in info.call_parameters}
+    base = {k: v if v is not None else recommended.get(k) for k, v in named.items()}
+    extra = {**{k: v for k, v in recommended.items() if k not in named}, **dict(call_kwargs or {})}
+    return {k: v for k, v in base.items() if v is not None}, extra
+
+
+def image_settings(
+    path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The model settings that decide the pictures, as run.json records them (the writer and
+    preflight both compute them, so that a folder is refused before anything starts)."""
+    return {
+        "model": path,
+        "torch_dtype": torch_dtype,
+        **{f"model.{k}": v for k, v in sorted(call_args.items())},
+        **{f"from_pretrained.{k}": from_pretrained_kwargs[k] for k in ("revision", "variant")
+           if k in from_pretrained_kwargs},
+    }
+
+
 def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10) -> list[str]:
     """Per-record overrides and negative prompts must be arguments this pipeline takes (the first
     ``most`` problems are reported; each distinct set of overrides is checked once, named by the
@@ -70,7 +95,8 @@ class DiffusionModule(pl.LightningModule):
             (``None`` leaves the pipeline's default); a prompt record may override them.
         num_frames: frames per video, for video pipelines (Wan: 4 x k + 1).
         call_kwargs: any other argument the pipeline's ``__call__`` accepts (``true_cfg_scale``,
-            ``max_sequence_length``, ...).
+            ``max_sequence_length``, ...); a ``negative_prompt`` here is the default of the records
+            that have none.
         from_pretrained_kwargs: extra arguments for ``DiffusionPipeline.from_pretrained``
             (``revision``, ``variant``, ...).
         show_inner_progress: keep diffusers' per-step progress bars (off by default).
@@ -117,11 +143,7 @@ class DiffusionModule(pl.LightningModule):
         assert info is not None
         self.info: PipelineInfo = info
         self.dtype_ = resolve_dtype(torch_dtype)
-        # The model folder's recommended arguments fill what the config leaves unset.
-        recommended = {k: v for k, v in info.recommended.items() if k in info.call_parameters}
-        self.call_kwargs = {**{k: v for k, v in recommended.items() if k not in named}, **dict(call_kwargs or {})}
-        self.base_call_args = {k: v if v is not None else recommended.get(k) for k, v in named.items()}
-        self.base_call_args = {k: v for k, v in self.base_call_args.items() if v is not None}
+        self.base_call_args, self.call_kwargs = effective_call_args(info, named, call_kwargs)
         self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
         self.show_inner_progress = show_inner_progress
         self.pad_batches = pad_batches
@@ -138,13 +160,7 @@ class DiffusionModule(pl.LightningModule):
 
     def image_settings(self) -> dict[str, Any]:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
-        return {
-            "model": self.model_path,
-            "torch_dtype": self.hparams.torch_dtype,
-            **{f"model.{k}": v for k, v in sorted({**self.base_call_args, **self.call_kwargs}.items())},
-            **{f"from_pretrained.{k}": self.from_pretrained_kwargs[k] for k in ("revision", "variant")
-               if k in self.from_pretrained_kwargs},
-        }
+        return image_settings(self.model_path, self.hparams.torch_dtype, self.call_args, self.from_pretrained_kwargs)
 
     @property
     def call_args(self) -> dict[str, Any]:
@@ -205,6 +221,11 @@ class DiffusionModule(pl.LightningModule):
             if isinstance(component, nn.Module):
                 self.components[name] = component
 
+    def negative_prompt(self, sample: dict[str, Any]) -> Optional[str]:
+        """The record's own negative prompt, else ``call_kwargs.negative_prompt`` (the default)."""
+        own = sample.get("negative_prompt")
+        return own if own is not None else self.call_args.get("negative_prompt")
+
     def call_arguments(self, sample: dict[str, Any]) -> dict[str, Any]:
         return {**self.call_args, **sample["overrides"]}
 
@@ -222,7 +243,7 @@ class DiffusionModule(pl.LightningModule):
                     "index": sample["index"],
                     "prompt": sample["prompt"],
                     "seed": sample["seed"],
-                    "negative_prompt": sample["negative_prompt"],
+                    "negative_prompt": self.negative_prompt(sample),
                     "image": image,
                     "params": params,
                 }
@@ -235,8 +256,9 @@ class DiffusionModule(pl.LightningModule):
         if self.pad_batches and self.batch_size and real < self.batch_size:
             samples = samples + [samples[-1]] * (self.batch_size - real)
         kwargs = self.call_arguments(samples[0])
+        kwargs.pop("negative_prompt", None)
         generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
-        negatives = [sample["negative_prompt"] for sample in samples]
+        negatives = [self.negative_prompt(sample) for sample in samples]
         if any(n is not None for n in negatives):
             kwargs["negative_prompt"] = [n or "" for n in negatives]
         output = self.pipeline(

@@ -20,10 +20,10 @@ from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.specs import PipelineSpec, spec_for
 
 
-# Arguments the project sets itself for every call; users must not pass them in call_kwargs.
+# Arguments the project sets itself for every call; users must not pass them in call_kwargs. (A
+# ``negative_prompt`` there is the default of the records that have none of their own.)
 RESERVED_CALL_ARGS = (
-    "prompt", "negative_prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt",
-    "return_dict",
+    "prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt", "return_dict",
 )
 
 DTYPES = {
@@ -94,6 +94,9 @@ class PipelineInfo:
     pipeline_class: type
     model_index: dict[str, Any]
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Call arguments the model folder recommends (its ``lightning_diffusion.json``, "call_defaults"):
+    # used where the config sets nothing, e.g. tiny:shapes' size, steps and text length.
+    recommended: dict[str, Any] = field(default_factory=dict)
 
     @property
     def spec(self) -> PipelineSpec:
@@ -326,4 +329,8 @@ def inspect_pipeline(pretrained_model_name_or_path: str) -> PipelineInfo:
         config = _read_json(path, f"{name}/config.json", local)
         if config is not None:
             configs[name] = config
-    return PipelineInfo(path, class_name, pipeline_class, model_index, configs)
+    recommended = (_read_json(path, RECOMMENDED_FILE, local) or {}).get("call_defaults", {}) if local else {}
+    return PipelineInfo(path, class_name, pipeline_class, model_index, configs, dict(recommended))
+
+
+RECOMMENDED_FILE = "lightning_diffusion.json"

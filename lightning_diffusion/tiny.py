@@ -147,6 +147,72 @@ def build_flux(directory: str | os.PathLike) -> Path:
     return Path(directory)
 
 
+# tiny:shapes reads captions of at most this many words (plus the end token); configs pass it as
+# ``max_sequence_length`` because FluxPipeline's default (512) would pad the prompt far beyond it.
+SHAPES_TEXT_LENGTH = 32
+
+
+def _word_tokenizer(model_max_length: int):
+    """One token per word of the shapes captions (lower-cased; other words are ``<unk>``), and an end
+    token after the prompt, which CLIP's pooled output reads."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from lightning_diffusion.shapes import VOCABULARY
+
+    specials = ["<pad>", "</s>", "<unk>"]  # the end token must not be id 2 (CLIP's legacy pooling)
+    vocab = {tok: i for i, tok in enumerate(specials + VOCABULARY)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
+        model_max_length=model_max_length,
+    )
+
+
+def shapes_architecture():
+    """The untrained ``tiny:shapes`` pipeline (``scripts/train_shapes.py`` trains it): FLUX.1
+    architecture with a 4x VAE (64x64 images are 16x16x4 latents, 64 image tokens), a transformer of
+    two double and two single blocks with 4 heads of 32 (Ulysses 2 and 4 and tp=2 still shard it),
+    no guidance embedding, and word-level CLIP and T5 towers."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = _word_tokenizer(SHAPES_TEXT_LENGTH)
+    vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
+        num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=False,
+        axes_dims_rope=(8, 12, 12),
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        sample_size=64, scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=SHAPES_TEXT_LENGTH, projection_dim=32, pad_token_id=0, bos_token_id=1,
+        eos_token_id=1,
+    ))
+    torch.manual_seed(3)
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=vocab_size, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1,
+    ))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=2.0, use_dynamic_shifting=False)
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=_word_tokenizer(512), transformer=transformer,
+    )
+
+
 def _small_causal_vae(cls: type, dim_mult: list[int], z_dim: int = 4):
     """A small Wan-family VAE (Qwen-Image's derives from Wan's): 8x spatial downsampling, z_dim
     latent channels whose mean and std must be given with that length."""
@@ -275,18 +341,32 @@ def is_tiny(name: str) -> bool:
     return isinstance(name, str) and name.startswith(TINY_PREFIX)
 
 
+# Trained tiny pipelines shipped inside the package (``scripts/train_shapes.py`` made them).
+SHIPPED = {"shapes": Path(__file__).parent / "models" / "shapes"}
+
+
+def names() -> list[str]:
+    from lightning_diffusion import specs
+
+    return [TINY_PREFIX + k for k in [*SHIPPED, *specs.tiny_names()]]
+
+
 def resolve(name: str) -> str:
-    """Map ``tiny:NAME`` to its cached folder, building it on first use; other names pass through."""
+    """Map ``tiny:NAME`` to its folder: a shipped trained pipeline, or a random one built into the cache
+    on first use. Other names pass through."""
     if not is_tiny(name):
         return name
     from lightning_diffusion import specs
 
     kind = name[len(TINY_PREFIX) :]
+    if kind in SHIPPED:
+        if not (SHIPPED[kind] / "model_index.json").is_file():
+            raise ConfigError(f"{name}'s weights are missing from {SHIPPED[kind]}: reinstall lightning-diffusion, or in a "
+                              "source checkout train them with scripts/train_shapes.py; tiny:flux needs no weights.")
+        return str(SHIPPED[kind])
     builder = specs.tiny_builder(kind)
     if builder is None:
-        raise ConfigError(
-            f"Unknown tiny pipeline {name!r}; choose one of: {', '.join('tiny:' + k for k in specs.tiny_names())}"
-        )
+        raise ConfigError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join(names())}")
     target = cache_root() / f"tiny-{kind}-v{_BUILD_VERSION}"
     if (target / "model_index.json").is_file():
         return str(target)

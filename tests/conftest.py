@@ -114,7 +114,7 @@ def cli_here(capsys):
     return run
 
 
-def tiny_args(output_dir: Path, *extra: str, config: str = "configs/tiny.yaml") -> list[str]:
+def tiny_args(output_dir: Path, *extra: str, config: str = "configs/tiny-flux.yaml") -> list[str]:
     """``predict`` on a tiny config into ``output_dir``, saving float arrays for comparisons."""
     return [
         "predict",
@@ -137,6 +137,11 @@ def check_model(strategy, module, records=None) -> None:
     raise_problems(strategy.check_devices() + strategy.check_request(module.request(records)))
 
 
+# tiny:shapes (configs/tiny.yaml) in parity tests: five captions, 4 steps (parity does not need 20).
+SHAPES_ARGS = ["--data.prompts", "[a red circle on a blue background, a small yellow star in the top left corner on a "
+               "black background, a large green square on a white background, a purple triangle at the bottom on a "
+               "yellow background, a white star and a pink circle on a green background]",
+               "--model.num_inference_steps", "4"]
 FIVE_PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen, an astronaut, a watercolor map]"
 
 
@@ -144,14 +149,16 @@ FIVE_PROMPTS = "[a red fox in the snow, a lighthouse in a storm, a bowl of ramen
 def reference(tmp_path_factory):
     """Single-process float images (batch size 1) of a tiny config, made once per session and size:
     ``reference(config, height, width)`` -> {index: array}. The prompts are FIVE_PROMPTS for
-    tiny.yaml and the config's own (5 records) for tiny-qwenimage.yaml."""
+    tiny-flux.yaml, SHAPES_ARGS for tiny.yaml (tiny:shapes) and the config's own (5 records) for
+    tiny-qwenimage.yaml."""
     made: dict[tuple, dict[int, np.ndarray]] = {}
 
-    def get(config: str = "configs/tiny.yaml", height: int = 64, width: int = 64) -> dict[int, np.ndarray]:
+    def get(config: str = "configs/tiny-flux.yaml", height: int = 64, width: int = 64) -> dict[int, np.ndarray]:
         key = (config, height, width)
         if key not in made:
             out = tmp_path_factory.mktemp("reference")
-            prompts = ["--data.prompts", FIVE_PROMPTS] if config == "configs/tiny.yaml" else []
+            prompts = {"configs/tiny-flux.yaml": ["--data.prompts", FIVE_PROMPTS],
+                       "configs/tiny.yaml": SHAPES_ARGS}.get(config, [])
             run_here(*tiny_args(out, "--data.batch_size", "1", "--model.height", str(height),
                                "--model.width", str(width), *prompts, config=config))
             made[key] = load_arrays(out)

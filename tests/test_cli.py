@@ -1,4 +1,4 @@
-"""The CLI end to end on configs/tiny.yaml, and make-tiny."""
+"""The CLI end to end on configs/tiny-flux.yaml, and make-tiny."""
 
 import ast
 import json
@@ -88,7 +88,7 @@ def test_one_config_reader_takes_equals_and_nested_overrides(tmp_path):
 
     prompts = tmp_path / "other.txt"
     prompts.write_text("a fox\n")
-    config = read_config("configs/tiny.yaml", [f"--data.prompts={prompts}", "--model.call_kwargs.max_sequence_length=32",
+    config = read_config("configs/tiny-flux.yaml", [f"--data.prompts={prompts}", "--model.call_kwargs.max_sequence_length=32",
                                                "--trainer.devices", "2"])
     assert config.data.prompts == str(prompts)
     assert config.model.call_kwargs == {"max_sequence_length": 32}

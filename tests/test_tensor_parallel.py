@@ -22,7 +22,7 @@ from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest
 
 ATOL = 1e-5
 PIPELINES = {
-    "flux": ("configs/tiny.yaml", ["--data.prompts", FIVE_PROMPTS]),
+    "flux": ("configs/tiny-flux.yaml", ["--data.prompts", FIVE_PROMPTS]),
     "qwenimage": ("configs/tiny-qwenimage.yaml", []),  # 5 records with negative prompts, true CFG
 }
 

@@ -141,8 +141,8 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
     throughput = goal == "throughput" and prompts >= gpus
     if fits_whole and (not long or throughput):
         why = "" if not long else (
-            f"; the sequence is long, but replicas scale throughput linearly and context parallel does not "
-            f"(--goal latency splits each image over the GPUs instead)")
+            "; the sequence is long, but replicas scale throughput linearly and context parallel does not "
+            "(--goal latency splits each image over the GPUs instead)")
         return Plan("data_parallel", devices=gpus, reasons=[
             numbers, f"the whole pipeline fits on one GPU: {gpus} replicas split the {prompts:,} prompts{why}"])
     if fits_denoiser and long:

@@ -66,7 +66,7 @@ def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str
             f"cfg=2 splits classifier-free guidance, but {class_name} runs it only with {entry.scale_arg} > 1 "
             f"(got {scale!r}): set {where} above 1, or use cfg=1."
         )
-    if entry.needs_negative_prompt and records is not None:
+    if entry.needs_negative_prompt and records is not None and call_args.get("negative_prompt") is None:
         from lightning_diffusion.data import summarize_records
 
         summary = summarize_records(records)

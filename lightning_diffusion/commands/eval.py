@@ -1,0 +1,360 @@
+"""``lightning-diffusion eval OUTPUT_DIR [--reference REF_DIR] [--fid] [--clip CLIP_DIR] [--json]``.
+
+Metrics of an output folder, read through its manifest (only finished images count):
+
+* against a reference folder made with the same prompts and seeds (``--reference``): per image and
+  overall max absolute difference, PSNR and SSIM (torchmetrics), on the images both folders hold;
+* prompt adherence, for prompts that are ``tiny:shapes`` captions: the share of images whose
+  background and shape colours (and, stated separately, shape and position) match the caption,
+  read by the analytic detector of ``lightning_diffusion.shapes`` (no learned model);
+* ``--fid``: FID and KID (torchmetrics) against the reference folder, or, for shapes captions without
+  one, against the captions drawn exactly by ``shapes.render``. Features come from a VAE encoder
+  (``--features``; for shapes captions ``tiny:shapes`` by default: its latents pooled to 4x4x4) or from Inception
+  (``--features inception``, which needs the torch-fidelity package and ``--inception-weights``);
+* ``--clip DIR``: CLIP score (torchmetrics' definition) with a local CLIP model folder.
+
+Reads only; writes nothing. Exit code 0 on success, 2 for bad input (a one-line message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.manifest import MANIFEST, PART_GLOB, scan_manifest
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+FEATURE_POOL = 4  # VAE latents pooled to 4x4: 64 features for 4 latent channels
+
+
+def _entries(folder: Path, what: str) -> dict[int, dict[str, Any]]:
+    if not folder.is_dir():
+        raise ConfigError(f"{what} {folder} is not a folder.")
+    if not (folder / MANIFEST).is_file() and not any(folder.glob(PART_GLOB)):
+        raise ConfigError(f"{what} {folder} has no {MANIFEST}: eval reads the images a run recorded there.")
+    entries, _ = scan_manifest(folder)
+    if not entries:
+        raise ConfigError(f"{what} {folder} records no finished image.")
+    videos = sorted(i for i, e in entries.items() if Path(str(e["file"])).suffix.lower() not in IMAGE_SUFFIXES)
+    if videos:
+        raise ConfigError(f"{what} {folder} holds videos ({entries[videos[0]]['file']}, ...): eval reads images only.")
+    return entries
+
+
+def _load(folder: Path, entry: dict[str, Any]):
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    with Image.open(folder / entry["file"]) as image:
+        array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def _indices(indices: list[int]) -> str:
+    shown = ", ".join(str(i) for i in indices[:10])
+    return shown + (f" and {len(indices) - 10} more" if len(indices) > 10 else "")
+
+
+def match_reference(ours: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]]) -> list[int]:
+    """The indices both folders hold, after checking they were made from the same prompts and seeds."""
+    common = sorted(set(ours) & set(ref))
+    if not common:
+        raise ConfigError("the reference folder holds none of the output's image indices.")
+    differ = [i for i in common if ours[i].get("prompt") != ref[i].get("prompt") or ours[i].get("seed") != ref[i].get("seed")]
+    if differ:
+        raise ConfigError(f"the reference was made with other prompts or seeds: indices {_indices(differ)} differ.")
+    return common
+
+
+def _check_sizes(images: dict[int, Any], refs: dict[int, Any]) -> None:
+    for index, image in images.items():
+        ref = refs.get(index)
+        if ref is not None and ref.shape != image.shape:
+            raise ConfigError(f"image {index} is {image.shape[2]}x{image.shape[1]} in the output and "
+                              f"{ref.shape[2]}x{ref.shape[1]} in the reference: compare images of one size.")
+    sizes = {tuple(image.shape) for image in images.values()}
+    if len(sizes) > 1:
+        raise ConfigError(f"the output holds images of different sizes ({', '.join('x'.join(map(str, s[1:][::-1])) for s in sorted(sizes))}).")
+
+
+class VAEFeatures:
+    """FID/KID features: a pipeline's VAE encoder, latents' mean pooled to 4x4 and flattened. Built as
+    a torch module lazily (imports stay cheap)."""
+
+    @staticmethod
+    def build(source: str):
+        import torch
+        from diffusers import AutoencoderKL
+
+        from lightning_diffusion import tiny
+
+        folder = Path(tiny.resolve(source))
+        if not (folder / "vae").is_dir():
+            raise ConfigError(f"--features {source}: {folder} has no vae/ folder to take an encoder from.")
+        try:
+            vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--features {source}: its VAE does not load as an AutoencoderKL ({err}).") from None
+        vae.eval().requires_grad_(False)
+
+        class Encoder(torch.nn.Module):
+            num_features = vae.config.latent_channels * FEATURE_POOL * FEATURE_POOL
+
+            def __init__(self):
+                super().__init__()
+                self.vae = vae
+
+            @torch.no_grad()
+            def forward(self, images: torch.Tensor) -> torch.Tensor:  # float images in [0, 1]
+                latents = self.vae.encode(images.float() * 2 - 1).latent_dist.mean
+                return torch.nn.functional.adaptive_avg_pool2d(latents, FEATURE_POOL).flatten(1)
+
+        return Encoder()
+
+
+def _feature_module(args):
+    if args.features == "inception":
+        if importlib.util.find_spec("torch_fidelity") is None:
+            raise ConfigError("--features inception needs the torch-fidelity package (pip install torch-fidelity) and "
+                              "its Inception weights offline (--inception-weights FILE); or use --features tiny:shapes.")
+        if not args.inception_weights or not Path(args.inception_weights).is_file():
+            raise ConfigError("--features inception needs --inception-weights FILE (torch-fidelity's "
+                              "pt_inception-2015-12-05 weights): nothing is downloaded.")
+        return _inception(args.inception_weights)
+    return VAEFeatures.build(args.features)
+
+
+def _inception(weights: str):
+    """torch-fidelity's Inception v3 (FID's usual features, 2048) from a local weights file, as a
+    feature module that both FID and KID take (they would otherwise each load their own)."""
+    import torch
+    from torchmetrics.image.fid import NoTrainInceptionV3
+
+    net = NoTrainInceptionV3(name="inception-v3-compat", features_list=["2048"],
+                             feature_extractor_weights_path=weights)
+
+    class Inception(torch.nn.Module):
+        num_features = 2048
+
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        @torch.no_grad()
+        def forward(self, images: torch.Tensor) -> torch.Tensor:  # float images in [0, 1]
+            return self.net((images.clamp(0, 1) * 255).round().to(torch.uint8))
+
+    return Inception()
+
+
+def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
+    import torch
+    from torchmetrics.image.fid import FrechetInceptionDistance
+    from torchmetrics.image.kid import KernelInceptionDistance
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*will save all extracted features in buffer.*")
+    subset = min(50, len(real), len(fake))
+    fid = FrechetInceptionDistance(feature=feature, normalize=True)
+    kid = KernelInceptionDistance(feature=feature, normalize=True, subset_size=subset)
+    for metric in (fid, kid):
+        for start in range(0, len(real), 64):
+            metric.update(torch.stack(real[start:start + 64]), real=True)
+        for start in range(0, len(fake), 64):
+            metric.update(torch.stack(fake[start:start + 64]), real=False)
+    kid_mean, kid_std = kid.compute()
+    return {"fid": float(fid.compute()), "kid": float(kid_mean), "kid_std": float(kid_std),
+            "fid_images": len(fake)}
+
+
+def evaluate(args) -> dict[str, Any]:
+    from lightning_diffusion import shapes
+    from lightning_diffusion.commands.verify import compare
+
+    folder = Path(args.output_dir)
+    ours = _entries(folder, "output")
+    indices = sorted(ours)
+    ref_folder = Path(args.reference) if args.reference else None
+    refs = _entries(ref_folder, "reference") if ref_folder else {}
+    compared = match_reference(ours, refs) if ref_folder else []
+    if args.clip and not (Path(args.clip) / "config.json").is_file():
+        raise ConfigError(f"--clip {args.clip} is not a local CLIP model folder (no config.json); nothing is downloaded.")
+    scenes = {i: shapes.parse_caption(str(ours[i].get("prompt", ""))) for i in indices}
+    shape_captions = all(scene is not None for scene in scenes.values())
+    if args.fid and not ref_folder and not shape_captions:
+        raise ConfigError("--fid needs --reference REF_DIR (only tiny:shapes captions have a drawn reference).")
+    if args.fid and args.features is None:
+        if not shape_captions:
+            raise ConfigError("--fid on these prompts needs --features: a pipeline folder whose VAE encodes them, or "
+                              "inception (the default, tiny:shapes' VAE, knows only shapes).")
+        args.features = "tiny:shapes"
+    feature = _feature_module(args) if args.fid else None
+
+    images = {i: _load(folder, ours[i]) for i in indices}
+    ref_images = {i: _load(ref_folder, refs[i]) for i in compared}
+    if ref_folder or args.fid:  # pixel metrics and FID compare images of one size
+        _check_sizes(images, ref_images)
+
+    rows = []
+    for i in indices:
+        row: dict[str, Any] = {"index": i, "prompt": ours[i].get("prompt"), "seed": ours[i].get("seed")}
+        if i in ref_images:
+            a = images[i].permute(1, 2, 0).numpy()
+            b = ref_images[i].permute(1, 2, 0).numpy()
+            row.update(compare(a, b))
+        if scenes[i] is not None:
+            found = shapes.detect(images[i])
+            row["detected"] = {"background": found.background, "colour": found.colour, "shape": found.kind,
+                               "position": found.position}
+            row["adherence"] = shapes.adherence(images[i], scenes[i])
+        rows.append(row)
+
+    summary: dict[str, Any] = {"images": len(indices), "folder": str(folder)}
+    if compared:
+        diffs = [r for r in rows if "max_abs" in r]
+        summary["reference"] = {
+            "folder": str(ref_folder), "compared": len(diffs),
+            "max_abs": max(r["max_abs"] for r in diffs),
+            "psnr_mean": _mean([r["psnr"] for r in diffs]), "psnr_min": min(r["psnr"] for r in diffs),
+            "ssim_mean": _mean([r["ssim"] for r in diffs]), "ssim_min": min(r["ssim"] for r in diffs),
+        }
+    judged = [r for r in rows if "adherence" in r]
+    if judged:
+        summary["adherence"] = {
+            key: {"share": sum(r["adherence"][key] for r in with_key) / len(with_key), "images": len(with_key)}
+            for key in ("colour", "shape", "position")
+            if (with_key := [r for r in judged if key in r["adherence"]])
+        }
+    if args.fid:
+        if ref_folder:
+            real = [ref_images[i] for i in compared]
+            fake = [images[i] for i in compared]
+            against = str(ref_folder)
+        else:
+            side = images[indices[0]].shape[-1]
+            real = [shapes.render(scenes[i], size=side, seed=int(ours[i].get("seed") or 0)) for i in indices]
+            fake = [images[i] for i in indices]
+            against = "the captions drawn by shapes.render"
+        if len(real) < 2:
+            raise ConfigError("--fid needs at least 2 images.")
+        summary["fid"] = {**_fid_kid(feature, real, fake), "features": args.features,
+                          "against": against}
+    if args.clip:
+        summary["clip_score"] = _clip_score(args.clip, [images[i] for i in indices],
+                                            [str(ours[i].get("prompt", "")) for i in indices])
+    return {"summary": summary, "images": rows}
+
+
+def _clip_score(model_dir: str, images: list, prompts: list[str]) -> float:
+    """CLIP score as torchmetrics defines it: 100 x max(cosine(image, text), 0), averaged. Computed
+    here because torchmetrics 1.9's CLIPScore takes only hub names it knows and breaks on
+    transformers 5's ``get_image_features`` output."""
+    import torch
+    from transformers import CLIPModel, CLIPProcessor
+
+    try:
+        model = CLIPModel.from_pretrained(model_dir).eval()
+        processor = CLIPProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--clip {model_dir} does not load as a CLIP model and processor ({err}).") from None
+    scores = []
+    with torch.no_grad():
+        for start in range(0, len(images), 32):
+            batch = [(image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy() for image in images[start:start + 32]]
+            inputs = processor(text=prompts[start:start + 32], images=batch, return_tensors="pt", padding=True,
+                               truncation=True, max_length=model.config.text_config.max_position_embeddings)
+            output = model(**inputs)
+            image, text = output.image_embeds, output.text_embeds
+            cosine = torch.nn.functional.cosine_similarity(image, text, dim=-1)
+            scores.append(100 * cosine.clamp(min=0))
+    return float(torch.cat(scores).mean())
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("inf")
+
+
+def _finite(value: Any) -> Any:
+    """Strict JSON: an infinite PSNR (identical images) is written as the string "inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def report(result: dict[str, Any], per_image: bool) -> str:
+    summary, rows = result["summary"], result["images"]
+    lines = [f"{summary['folder']}: {summary['images']} images"]
+    has_ref = "reference" in summary
+    has_adh = "adherence" in summary
+    if per_image:
+        head = ["Image"] + (["Max abs diff", "PSNR (dB)", "SSIM"] if has_ref else []) + \
+               (["Detected", "Colours", "Shape"] if has_adh else []) + ["Prompt"]
+        lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for row in rows:
+            cells = [str(row["index"])]
+            if has_ref:
+                cells += ([f"{row['max_abs']:.3g}", f"{row['psnr']:.1f}", f"{row['ssim']:.4f}"] if "max_abs" in row
+                          else ["", "", ""])
+            if has_adh:
+                if "adherence" in row:
+                    d, a = row["detected"], row["adherence"]
+                    shape = "-" if "shape" not in a else ("yes" if a["shape"] else "NO")  # two shapes: not judged
+                    cells += [f"{d['colour']} {d['shape']} on {d['background']}", "yes" if a["colour"] else "NO", shape]
+                else:
+                    cells += ["", "", ""]
+            cells.append(str(row["prompt"]))
+            lines.append("| " + " | ".join(cells) + " |")
+    if has_ref:
+        r = summary["reference"]
+        lines.append(f"against {r['folder']} ({r['compared']} images): max abs diff {r['max_abs']:.3g}, "
+                     f"PSNR mean {r['psnr_mean']:.1f} dB (min {r['psnr_min']:.1f}), "
+                     f"SSIM mean {r['ssim_mean']:.4f} (min {r['ssim_min']:.4f})")
+    if has_adh:
+        parts = [f"{key} {100 * v['share']:.1f}% of {v['images']}" for key, v in summary["adherence"].items()]
+        lines.append("prompt adherence (shapes captions): " + ", ".join(parts))
+    if "fid" in summary:
+        f = summary["fid"]
+        lines.append(f"FID {f['fid']:.3f}, KID {f['kid']:.4f} +- {f['kid_std']:.4f} ({f['fid_images']} images, "
+                     f"{f['features']} features, against {f['against']})")
+    if "clip_score" in summary:
+        lines.append(f"CLIP score {summary['clip_score']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-diffusion eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir")
+    parser.add_argument("--reference", help="an output folder made with the same prompts and seeds")
+    parser.add_argument("--fid", action="store_true", help="FID and KID (against --reference, or drawn shapes)")
+    parser.add_argument("--features",
+                        help="FID/KID features: a pipeline folder or tiny:NAME whose VAE encodes, or 'inception' "
+                             "(default for shapes captions: tiny:shapes)")
+    parser.add_argument("--inception-weights", help="torch-fidelity's Inception weights file (--features inception)")
+    parser.add_argument("--clip", help="a local CLIP model folder for the CLIP score")
+    parser.add_argument("--per-image", action="store_true", help="print every image's row (--json always has them)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    try:
+        result = evaluate(args)
+    except ConfigError as err:
+        print(f"lightning-diffusion eval: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_finite(result), indent=2, default=str))
+    else:
+        print(report(result, args.per_image or len(result["images"]) <= 20))
+    return 0
