@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -51,8 +52,8 @@ def main() -> None:
     load_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    cli("predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(out / "quickstart"),
-        "--writer.allow_config_change", "true")
+    shutil.rmtree(out / "quickstart", ignore_errors=True)
+    cli("predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(out / "quickstart"))
     quickstart_s = time.perf_counter() - start
 
     settings = [(int(s.split(":")[0]), float(s.split(":")[1])) for s in args.settings]
@@ -62,11 +63,11 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for steps, cfg in settings:
         folder = out / f"steps{steps}-cfg{cfg:g}"
-        extra = ["--model.num_inference_steps", str(steps), "--model.call_kwargs.true_cfg_scale", str(cfg),
-                 "--model.call_kwargs.negative_prompt", ""]
+        extra = ["--model.num_inference_steps", str(steps), "--model.call_kwargs.true_cfg_scale", str(cfg)]
+        shutil.rmtree(folder, ignore_errors=True)  # measure every image, never resume
         start = time.perf_counter()
         cli("predict", "--config", "configs/tiny.yaml", "--data.prompts", str(prompts), "--writer.output_dir",
-            str(folder), "--writer.allow_config_change", "true", *extra)
+            str(folder), *extra)
         seconds = time.perf_counter() - start
         summary = json.loads(cli("eval", str(folder), "--fid", "--json").stdout)["summary"]
         a, fid = summary["adherence"], summary["fid"]

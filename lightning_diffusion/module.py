@@ -33,6 +33,10 @@ def check_model_args(
         gather(problems, info.check_frames, named.get("num_frames"), "model")
         gather(problems, info.check_call_arguments, set(call_kwargs or {}), "model.call_kwargs")
         gather(problems, info.check_call_values, dict(call_kwargs or {}), "model.call_kwargs")
+        negative = (call_kwargs or {}).get("negative_prompt")
+        if negative is not None and not isinstance(negative, str):
+            problems.append(f"model.call_kwargs.negative_prompt is the default negative prompt of every record: "
+                            f"give one string, not {negative!r} (records set their own in the prompt file).")
         given = {k for k, v in named.items() if v is not None and k != "num_frames"}
         gather(problems, info.check_call_arguments, given, "model")
     return info, problems

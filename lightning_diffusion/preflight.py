@@ -120,10 +120,10 @@ def preflight(config: Any) -> tuple[list, bool]:
                                    dict(model.get("from_pretrained_kwargs") or {}), records)
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
-        gather(problems, check_disk_space, info, named, records, data.num_images_per_prompt, writer.output_dir)
+        base, extra = effective_call_args(info, named, model.get("call_kwargs"))
+        gather(problems, check_disk_space, info, base, records, data.num_images_per_prompt, writer.output_dir)
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
-            base, extra = effective_call_args(info, named, model.get("call_kwargs"))
             settings = run_settings(
                 image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
                                dict(model.get("from_pretrained_kwargs") or {})),

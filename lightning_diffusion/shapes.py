@@ -107,9 +107,9 @@ def parse_caption(text: str) -> Optional[Scene]:
 
 
 def sample_scenes(seed: int, n: int, two_shapes: float = 0.2) -> list[Scene]:
-    """``n`` scenes drawn from ``seed``: a size word half the time, a position word one time in three
-    (each shape of two: two times in three, never the same), a second shape with probability
-    ``two_shapes``. Over 10 million distinct captions are possible."""
+    """``n`` scenes drawn from ``seed``: a size word half the time, a position word two times in
+    three (each shape of two: one time in three, never the same one), a second shape with
+    probability ``two_shapes``. Over 10 million distinct captions are possible."""
     g = torch.Generator().manual_seed(seed)
 
     def pick(options, p_none: float = 0.0):

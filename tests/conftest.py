@@ -137,7 +137,7 @@ def check_model(strategy, module, records=None) -> None:
     raise_problems(strategy.check_devices() + strategy.check_request(module.request(records)))
 
 
-# tiny:shapes (configs/tiny.yaml) in parity tests: five captions, 4 steps (parity does not need 20).
+# tiny:shapes (configs/tiny.yaml) in parity tests: five captions, 4 steps (parity does not need 12).
 SHAPES_ARGS = ["--data.prompts", "[a red circle on a blue background, a small yellow star in the top left corner on a "
                "black background, a large green square on a white background, a purple triangle at the bottom on a "
                "yellow background, a white star and a pink circle on a green background]",

@@ -146,3 +146,17 @@ def test_gpu_acceptance_checks_are_named_and_skip_without_a_gpu(tmp_path):
                                               "tensor-parallel-cuda", "ring-bf16-cuda"}
     if not torch.cuda.is_available():
         assert all(row["result"] == "SKIP" for row in rows)
+
+
+def test_call_kwargs_negative_prompt_is_the_default_of_records_without_one(tmp_path, cli_here):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a cat", "negative_prompt": "blurry"}\n{"prompt": "a cat"}\n')
+    out = tmp_path / "out"
+    args = tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "2", "--model.call_kwargs.true_cfg_scale",
+                     "2.0")
+    run_here(*args, "--model.call_kwargs.negative_prompt", "ugly")
+    first, second = read_manifest_lines(out)
+    assert (first["negative_prompt"], second["negative_prompt"]) == ("blurry", "ugly")
+    assert Image.open(out / second["file"]).text["negative_prompt"] == "ugly"
+    proc = cli_here(*tiny_args(tmp_path / "list", "--model.call_kwargs.negative_prompt", '["a", "b"]'))
+    assert proc.returncode == 2 and "model.call_kwargs.negative_prompt is the default negative prompt" in proc.stderr

@@ -118,11 +118,14 @@ def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int,
     pipe = DiffusionPipeline.from_pretrained(inspect_pipeline(model).path, dtype=resolve_dtype(dtype)).to(device)
     pipe.set_progress_bar_config(disable=True)
     dataset = PromptDataset(records, seed=seed)
+    call_args = dict(call_args)
+    default_negative = call_args.pop("negative_prompt", None)  # the records' default, as in DiffusionModule
     times, images = [], 0
     with torch.inference_mode():
         for number, first in enumerate(range(0, len(dataset), batch_size)):
             samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
-            negatives = [s["negative_prompt"] for s in samples]
+            negatives = [s["negative_prompt"] if s["negative_prompt"] is not None else default_negative
+                         for s in samples]
             # The same work as ours: negative prompts (the second CFG pass) where the records give them.
             extra = {"negative_prompt": [n or "" for n in negatives]} if any(n is not None for n in negatives) else {}
             start = time.perf_counter()

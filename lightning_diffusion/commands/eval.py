@@ -73,14 +73,14 @@ def match_reference(ours: dict[int, dict[str, Any]], ref: dict[int, dict[str, An
     return common
 
 
-def _check_sizes(images: dict[int, Any], refs: dict[int, Any]) -> None:
+def _check_sizes(images: dict[int, Any], refs: dict[int, Any], one_size: bool) -> None:
     for index, image in images.items():
         ref = refs.get(index)
         if ref is not None and ref.shape != image.shape:
             raise ConfigError(f"image {index} is {image.shape[2]}x{image.shape[1]} in the output and "
                               f"{ref.shape[2]}x{ref.shape[1]} in the reference: compare images of one size.")
     sizes = {tuple(image.shape) for image in images.values()}
-    if len(sizes) > 1:
+    if one_size and len(sizes) > 1:
         raise ConfigError(f"the output holds images of different sizes ({', '.join('x'.join(map(str, s[1:][::-1])) for s in sorted(sizes))}).")
 
 
@@ -194,14 +194,16 @@ def evaluate(args) -> dict[str, Any]:
     if args.fid and args.features is None:
         if not shape_captions:
             raise ConfigError("--fid on these prompts needs --features: a pipeline folder whose VAE encodes them, or "
-                              "inception (the default, tiny:shapes' VAE, knows only shapes).")
+                              "inception (the default for shapes captions, tiny:shapes' VAE, knows only shapes).")
         args.features = "tiny:shapes"
     feature = _feature_module(args) if args.fid else None
 
     images = {i: _load(folder, ours[i]) for i in indices}
     ref_images = {i: _load(ref_folder, refs[i]) for i in compared}
-    if ref_folder or args.fid:  # pixel metrics and FID compare images of one size
-        _check_sizes(images, ref_images)
+    if ref_folder or args.fid:  # pixel metrics compare pairs of one size; FID images of one size
+        _check_sizes(images, ref_images, one_size=args.fid)
+    if args.fid and not ref_folder and images[indices[0]].shape[-1] != images[indices[0]].shape[-2]:
+        raise ConfigError("--fid against drawn shapes needs square images (they are drawn square).")
 
     rows = []
     for i in indices:
