@@ -163,8 +163,9 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
     shards = next((t for t in (2, 4, 8) if t <= gpus and facts.denoiser_gb / t + act <= usable
                    and facts.heads % t == 0), None)
     if interconnect == "pcie" or shards is None:
-        # The fewest GPUs whose memory holds the model: the others are replicas of that group.
-        per = next((k for k in range(2, gpus + 1) if facts.total_gb / k + act <= usable), gpus)
+        # The fewest GPUs whose memory holds the model, a divisor of the count so that none idles: the
+        # others are replicas of that group.
+        per = next((k for k in range(2, gpus + 1) if gpus % k == 0 and facts.total_gb / k + act <= usable), gpus)
         per = per if throughput else gpus
         replicas = gpus // per
         return Plan("DeviceMapStrategy", {"device_map": "auto", "staged": True, "devices_per_process": per},
