@@ -19,6 +19,19 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Every process stands for a GPU: one thread each, in this process (in-process references) and in
+# the ranks it starts (they inherit it; Lightning otherwise gives a lone process all the cores and
+# each of two ranks half). CPU kernels split their sums by thread count, so a reference made with 2
+# threads differs from 1-thread ranks by about 1e-6, and bit-identity tests need equal threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_process():
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory):
