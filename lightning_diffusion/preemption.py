@@ -138,7 +138,6 @@ class StopController:
         if self.interrupted.is_set():  # a Ctrl-C belongs to the run it stopped
             self.interrupted.clear()
             self.requested.clear()
-        self._rank = global_rank
         self.watch_interrupt()
         # A new run in this process: only a signal that already arrived carries over.
         self.stopping.clear()
@@ -164,14 +163,10 @@ class StopController:
     def count(self, images: int) -> None:
         self.images_made += images
 
-    def outcome(self) -> tuple[bool, int, bool]:
+    def outcome(self) -> tuple[bool, int, bool, bool]:
         """After ``predict``, on every rank (a collective): whether any replica stopped early, the
         images made by this run over all replicas (counted by their writing ranks), and whether any
-        rank received ``SIGTERM``."""
-        stopped, made, terminated, _ = self._outcome()
-        return stopped, made, terminated
-
-    def _outcome(self) -> tuple[bool, int, bool, bool]:
+        rank received ``SIGTERM``, and whether any received ``SIGINT``."""
         mine = [int(self.stopped_early), self.images_made, int(self.terminated.is_set()), int(self.interrupted.is_set())]
         if dist.is_available() and dist.is_initialized():
             counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
@@ -188,7 +183,7 @@ class StopController:
         if not self.enabled:
             return 0
         self.release_interrupt()
-        stopped, made, terminated, interrupted = self._outcome()  # every rank is here after the manifest merge
+        stopped, made, terminated, interrupted = self.outcome()  # every rank is here after the manifest merge
         self.interrupted.clear()  # this run's; an in-process caller's next run starts afresh
         if stopped and interrupted:
             if self._rank == 0:
