@@ -16,7 +16,11 @@ same steps, before the process group starts for the checks):
    ``from_pretrained`` arguments;
 4. Lightning calls ``module.configure_model()``: the module loads the pipeline with the plan;
 5. ``module.use_pipeline(strategy.setup_pipeline(module.pipeline))``: context-parallel hooks, the
-   CFG split, a staged wrapper... what ``predict_step`` then calls.
+   CFG split, a staged wrapper... what ``predict_step`` then calls;
+6. if ``module.needs_shard_group``: ``module.use_shard_group(group)``, the process group of the
+   ranks that hold pieces of the same transformer call (ring x ulysses x tp of one replica and
+   guidance branch; ``None`` when each process holds whole tensors), over which data-dependent
+   decisions inside the transformer (a first-block cache) are agreed.
 """
 
 from __future__ import annotations

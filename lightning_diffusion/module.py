@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_diffusion.cache import CacheStats, StepCache, check_cache, install
+from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule, summarize_records
 from lightning_diffusion.errors import check_int, gather, preflight_passed, raise_problems
@@ -18,10 +20,12 @@ from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolv
 
 
 def check_model_args(
-    path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]]
+    path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]],
+    cache: Optional[dict[str, Any]] = None, records: Optional[Sequence[dict[str, Any]]] = None,
 ) -> tuple[Optional[PipelineInfo], list[str]]:
     """Every check of the model settings that needs no weights; returns the pipeline's info (or
-    None when the path itself is wrong) and the problems found."""
+    None when the path itself is wrong) and the problems found. ``records``: the prompt records,
+    when known (their negative prompts decide whether a guidance pass on the negative runs)."""
     problems: list[str] = []
     steps = named.get("num_inference_steps")
     if steps is not None:
@@ -39,7 +43,48 @@ def check_model_args(
                             f"give one string, not {negative!r} (records set their own in the prompt file).")
         given = {k for k, v in named.items() if v is not None and k != "num_frames"}
         gather(problems, info.check_call_arguments, given, "model")
+        if cache is not None:
+            base, extra = effective_call_args(info, named, call_kwargs)
+            problems += model_cache_problems(info, cache, {**base, **extra}, records)
     return info, problems
+
+
+def model_cache_problems(info: PipelineInfo, cache: Any, call_args: dict[str, Any],
+                         records: Optional[Sequence[dict[str, Any]]] = None) -> list[str]:
+    """``model.cache`` against this pipeline, the call arguments and (when known) the records."""
+    problems = check_cache(cache, denoisers(info), info.class_name, negative_branch(info, call_args, records),
+                           separate_passes=info.spec.cfg is not None)
+    if isinstance(cache, dict) and cache.get("type") == "magcache":
+        sets = summarize_records(records).override_sets() if records else []
+        steps = {overrides.get("num_inference_steps") for _, overrides in sets} - {None}
+        if steps - {call_args.get("num_inference_steps")}:
+            problems.append("model.cache: magcache's ratios are laid out for one step count, and prompt records set "
+                            f"num_inference_steps {sorted(steps)}; give every record the config's step count.")
+    return problems
+
+
+def denoisers(info: PipelineInfo) -> dict[str, Optional[type]]:
+    """The pipeline's transformer components (those its guidance loop calls) and their classes."""
+    names = info.spec.cfg.transformers if info.spec.cfg is not None else ("transformer",)
+    return {name: info.component_class(name) for name in names if name in info.model_index}
+
+
+def negative_branch(info: PipelineInfo, call_args: dict[str, Any],
+                    records: Optional[Sequence[dict[str, Any]]] = None) -> bool:
+    """Whether some image runs a guidance pass on a negative prompt (true CFG): the scale above 1
+    and, where the pipeline needs one, a negative prompt in the config or a record."""
+    entry = info.spec.cfg
+    if entry is None:
+        return False
+    summary = summarize_records(records) if records else None
+    scales = {call_args.get(entry.scale_arg, info.call_default(entry.scale_arg))}
+    if summary is not None:
+        scales |= {overrides.get(entry.scale_arg) for _, overrides in summary.override_sets()} - {None}
+    if not any(isinstance(scale, (int, float)) and scale > 1 for scale in scales):
+        return False
+    if not entry.needs_negative_prompt or call_args.get("negative_prompt") is not None:
+        return True
+    return summary is not None and summary.first_negative is not None
 
 
 def effective_call_args(
@@ -54,7 +99,8 @@ def effective_call_args(
 
 
 def image_settings(
-    path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any]
+    path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any],
+    cache: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The model settings that decide the pictures, as run.json records them (the writer and
     preflight both compute them, so that a folder is refused before anything starts)."""
@@ -64,6 +110,7 @@ def image_settings(
         **{f"model.{k}": v for k, v in sorted(call_args.items())},
         **{f"from_pretrained.{k}": from_pretrained_kwargs[k] for k in ("revision", "variant")
            if k in from_pretrained_kwargs},
+        **({"model.cache": dict(cache)} if cache is not None else {}),
     }
 
 
@@ -104,6 +151,10 @@ class DiffusionModule(pl.LightningModule):
         from_pretrained_kwargs: extra arguments for ``DiffusionPipeline.from_pretrained``
             (``revision``, ``variant``, ...).
         show_inner_progress: keep diffusers' per-step progress bars (off by default).
+        cache: step caching, ``{type: first_block, threshold: 0.08}`` (or ``taylorseer``,
+            ``magcache``, ``pyramid_attention_broadcast``, ``faster_cache``; other keys go to the
+            diffusers config). A first-block cache decides per image, agreed over the ranks that
+            share the transformer call (``cache``; docs/caching.md).
         pad_batches: run every pipeline call with the configured ``data.batch_size``: a short
             batch (a replica's last, or a group of records with their own overrides) is padded
             with copies of its last sample, whose outputs are dropped. Batched kernels round
@@ -130,6 +181,7 @@ class DiffusionModule(pl.LightningModule):
         from_pretrained_kwargs: Optional[dict[str, Any]] = None,
         show_inner_progress: bool = False,
         pad_batches: bool = True,
+        cache: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -142,7 +194,7 @@ class DiffusionModule(pl.LightningModule):
         }
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
-        info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs)
+        info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
@@ -153,6 +205,9 @@ class DiffusionModule(pl.LightningModule):
         self.pad_batches = pad_batches
         self.batch_size: Optional[int] = None  # the data module's, read in setup; else the largest seen
         self.pipeline: Any = None
+        self.cache = dict(cache) if cache is not None else None
+        self.step_cache: Optional[StepCache] = None
+        self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
         self.load_plan = LoadPlan()
         # The pipeline's torch modules, registered so that Lightning's device moves reach them.
@@ -164,7 +219,8 @@ class DiffusionModule(pl.LightningModule):
 
     def image_settings(self) -> dict[str, Any]:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
-        return image_settings(self.model_path, self.hparams.torch_dtype, self.call_args, self.from_pretrained_kwargs)
+        return image_settings(self.model_path, self.hparams.torch_dtype, self.call_args, self.from_pretrained_kwargs,
+                              self.cache)
 
     @property
     def call_args(self) -> dict[str, Any]:
@@ -185,6 +241,18 @@ class DiffusionModule(pl.LightningModule):
         """Call ``pipeline`` from now on (a strategy's parallelised or wrapped pipeline)."""
         self.pipeline = pipeline
 
+    @property
+    def needs_shard_group(self) -> bool:
+        """Whether decisions inside the transformer depend on the data (a first-block cache), so
+        that the ranks sharing one transformer call must agree on them (``use_shard_group``)."""
+        return bool(self.cache) and self.cache.get("type") == "first_block"
+
+    def use_shard_group(self, group: Any) -> None:
+        """The process group of the ranks that hold pieces of the same transformer call (ring x
+        ulysses x tp of one replica and guidance branch); the cache agrees its decisions over it."""
+        if self.step_cache is not None:
+            self.step_cache.set_group(group)
+
     # ----------------------------------------------------------------- Lightning hooks
 
     def setup(self, stage: str) -> None:
@@ -195,8 +263,12 @@ class DiffusionModule(pl.LightningModule):
                 self.check_records(datamodule.records)
 
     def check_records(self, records: Sequence[dict[str, Any]]) -> None:
-        """Per-record overrides and negative prompts must be arguments this pipeline takes."""
-        raise_problems(check_records(self.info, records))
+        """Per-record overrides and negative prompts must be arguments this pipeline takes (and
+        the cache must suit the guidance passes the records' negative prompts turn on)."""
+        problems = check_records(self.info, records)
+        if self.cache is not None:
+            problems += model_cache_problems(self.info, self.cache, self.call_args, records)
+        raise_problems(problems)
 
     def configure_model(self) -> None:
         if self.pipeline is not None:
@@ -224,6 +296,38 @@ class DiffusionModule(pl.LightningModule):
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module):
                 self.components[name] = component
+        if self.cache is not None:
+            steps = self.call_args.get("num_inference_steps") or self.info.call_default("num_inference_steps")
+            self.step_cache = install(self.cache, pipeline, steps, separate_passes=self.info.spec.cfg is not None)
+
+    def cache_summary(self) -> Optional[dict[str, Any]]:
+        """What the step cache reused in this run, summed over every process (a collective: every
+        rank calls it, at the end of a run; computed once, then remembered). ``None`` without a
+        data-dependent cache, which has nothing to count."""
+        if self.step_cache is None or self.step_cache.kind != "first_block" or self._trainer is None:
+            return None
+        if self.cache_totals is None:
+            # Every process counted its own decisions (rank 0 of each shard group only); sum them
+            # once every rank is done (an idle wait first: replicas finish at different times).
+            strategy = self.trainer.strategy
+            strategy.barrier("cache_stats")
+            totals = strategy.reduce(self.step_cache.stats.as_tensor().to(strategy.root_device), reduce_op="sum")
+            self.cache_totals = [float(v) for v in totals.cpu()]
+            line = CacheStats.describe(self.step_cache.kind, self.cache_totals)
+            if line and self.trainer.is_global_zero:
+                log.info(line)
+        image_steps, reused, calls, skipped = (int(v) for v in self.cache_totals)
+        return {"type": self.step_cache.kind, "image_steps": image_steps, "reused_image_steps": reused,
+                "calls": calls, "skipped_calls": skipped,
+                "reused_fraction": round(reused / image_steps, 4) if image_steps else 0.0}
+
+    def on_predict_start(self) -> None:
+        if self.step_cache is not None:  # a second predict on the same module counts afresh
+            self.step_cache.stats, self.cache_totals = CacheStats(), None
+
+    def teardown(self, stage: str) -> None:
+        if stage == "predict":
+            self.cache_summary()
 
     def negative_prompt(self, sample: dict[str, Any]) -> Optional[str]:
         """The record's own negative prompt, else ``call_kwargs.negative_prompt`` (the default)."""

@@ -97,12 +97,14 @@ def preflight(config: Any) -> tuple[list, bool]:
     model, data, writer = config.model, config.data, config.writer
     named = {key: model.get(key) for key in _NAMED}
     info: Optional[PipelineInfo]
-    info, problems = check_model_args(
-        model.pretrained_model_name_or_path, model.torch_dtype, named, model.get("call_kwargs")
-    )
-    data_problems = check_data_args(data.batch_size, data.seed, data.num_images_per_prompt)
-    problems += data_problems
+    problems: list = []
     records = gather(problems, load_records, data.prompts)
+    info, model_problems = check_model_args(
+        model.pretrained_model_name_or_path, model.torch_dtype, named, model.get("call_kwargs"),
+        model.get("cache"), records,
+    )
+    problems = model_problems + problems
+    problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt)
     if info is not None and records is not None:
         problems += check_records(info, records)
     problems += check_writer_args(writer.output_dir, writer.video_format, writer.fps)
@@ -126,7 +128,7 @@ def preflight(config: Any) -> tuple[list, bool]:
             # The writer checks again when the run starts; here it costs no process start.
             settings = run_settings(
                 image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
-                               dict(model.get("from_pretrained_kwargs") or {})),
+                               dict(model.get("from_pretrained_kwargs") or {}), model.get("cache")),
                 data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
                 writer.get("fps") or 16)
             conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)

@@ -79,6 +79,8 @@ class StepTimer(Callback):
         self.last_params = outputs[0]["params"] if outputs else getattr(self, "last_params", {})
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        summary = getattr(pl_module, "cache_summary", None)
+        cache = summary() if callable(summary) else None  # a collective: every rank, before rank 0 returns
         if not trainer.is_global_zero:
             return
         if self.cuda:  # summed over the GPUs of rank 0 (a device map spans several)
@@ -106,16 +108,26 @@ class StepTimer(Callback):
             "load_s": self.load_s,
             "timed_batches": len(self.times),
             "device": "cuda" if self.cuda else "cpu",
+            "cache": cache,
         }, indent=2))
 
 
 def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int, call_args: dict,
-                   seed: int, warmup: int) -> dict[str, Any]:
-    """A bare diffusers loop on the same prompts, seeds and batch size, timed like StepTimer."""
+                   seed: int, warmup: int, cache: Optional[dict] = None) -> dict[str, Any]:
+    """A bare diffusers loop on the same prompts, seeds and batch size, timed like StepTimer; with
+    ``cache``, diffusers' own cache of that type (its batch-wide first-block decision included)."""
     from diffusers import DiffusionPipeline
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    pipe = DiffusionPipeline.from_pretrained(inspect_pipeline(model).path, dtype=resolve_dtype(dtype)).to(device)
+    info = inspect_pipeline(model)
+    pipe = DiffusionPipeline.from_pretrained(info.path, dtype=resolve_dtype(dtype)).to(device)
+    if cache:
+        from lightning_diffusion.cache import build_config
+
+        config = build_config(cache, pipe, call_args.get("num_inference_steps"), info.spec.cfg is not None)
+        for component in pipe.components.values():
+            if hasattr(component, "enable_cache"):
+                component.enable_cache(config)
     pipe.set_progress_bar_config(disable=True)
     dataset = PromptDataset(records, seed=seed)
     call_args = dict(call_args)
@@ -175,7 +187,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         call_args = {**base, **extra}  # what predict calls the pipeline with, the model's recommendations included
         records = list(load_records(data.prompts))
         bare = diffusers_loop(model.pretrained_model_name_or_path, model.torch_dtype, records, int(data.batch_size),
-                              call_args, int(data.seed), args.warmup)
+                              call_args, int(data.seed), args.warmup, model.get("cache"))
         bare_ips = bare["images"] / bare["seconds"] if bare["seconds"] else 0.0
         result["diffusers_images_per_sec"] = bare_ips
         result["time_ratio_vs_diffusers"] = bare_ips / result["images_per_sec"] if result["images_per_sec"] else None

@@ -117,6 +117,17 @@ class ParallelDims:
         """Processes that work together on the same images (one replica)."""
         return self.cfg * self.cp * self.tp
 
+    @property
+    def shard_size(self) -> int:
+        """Processes that hold pieces of the same transformer call (ring x ulysses x tp)."""
+        return self.cp * self.tp
+
+    def shard_groups(self) -> list[list[int]]:
+        """Global ranks of each shard group: ranks with the same ``dp`` and ``cfg`` coordinates,
+        which are ``shard_size`` adjacent ranks (the mesh's innermost dimensions)."""
+        size = self.shard_size
+        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
 

@@ -251,6 +251,20 @@ class DiffusionParallelStrategy(ParallelStrategy):
                 mine = group
         return mine
 
+    def _new_shard_group(self) -> Optional[Any]:
+        """A process group per shard group (ranks that hold pieces of one transformer call), over
+        which data-dependent decisions inside the transformer are agreed; ``None`` when each
+        process holds whole tensors."""
+        assert self._parallel_dims is not None
+        if self._parallel_dims.shard_size == 1:
+            return None
+        mine = None
+        for ranks in self._parallel_dims.shard_groups():  # every rank creates every group
+            group = dist.new_group(ranks, timeout=self._timeout)
+            if self.global_rank in ranks:
+                mine = group
+        return mine
+
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if STOP.should_stop():
@@ -284,6 +298,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         module = self.lightning_module
         if isinstance(module, DiffusionModule) and module.pipeline is not None:
             module.use_pipeline(self.setup_pipeline(module.pipeline))
+            if module.needs_shard_group:
+                module.use_shard_group(self._new_shard_group())
         self.barrier("pipeline_placed")
 
     @override

@@ -1,0 +1,270 @@
+"""Step caching (``model.cache``): diffusers' caching hooks, made safe under every strategy.
+
+diffusers ships caches that reuse transformer work between denoising steps
+(``transformer.enable_cache(config)``). This module checks a ``model.cache`` mapping before any
+weight loads, builds the diffusers config from it, and installs it on every transformer of a
+loaded pipeline. Two of diffusers' behaviours are changed where they would break our promises:
+
+* **First-block cache** (``first_block``) decides from the first block's residual whether to run
+  the remaining blocks. diffusers takes one decision for the whole batch, from the local tensor:
+  an image depends on its batch neighbours, and under context or tensor parallelism (each rank
+  holds a shard of the tokens) ranks can decide differently and one then waits in a collective the
+  other never enters. ``FirstBlockCache`` here decides per image, from sums all-reduced over the
+  *shard group* (the ranks that hold pieces of the same transformer call: ring x ulysses x tp of
+  one replica and guidance branch), so every rank of the group takes the same decision and the
+  decision is the one a single process takes. When the images of a batch disagree, the whole
+  batch runs the remaining blocks and the images that chose to reuse take their cached result:
+  the batch size never changes, and no image depends on its neighbours.
+* **Pyramid attention broadcast** and **FasterCache** keep one state for the two guidance passes
+  that FLUX, Qwen-Image and Wan run one after the other, so the negative pass would reuse the
+  positive pass's attention; they are refused when a negative branch runs, and FasterCache always
+  runs with ``is_guidance_distilled`` (our pipelines never batch the two branches).
+
+TaylorSeer and MagCache decide from the step index alone (the same on every rank and for every
+image) and are installed as diffusers builds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+
+CACHE_TYPES = {
+    "first_block": "FirstBlockCacheConfig",
+    "taylorseer": "TaylorSeerCacheConfig",
+    "magcache": "MagCacheConfig",
+    "pyramid_attention_broadcast": "PyramidAttentionBroadcastConfig",
+    "faster_cache": "FasterCacheConfig",
+}
+# Arguments we fill from the pipeline; a config must not set them.
+_FILLED = {"current_timestep_callback", "num_inference_steps"}
+# Python callables: not settable from a config (diffusers' defaults apply).
+_CALLABLES = {"attention_weight_callback", "low_frequency_weight_callback", "high_frequency_weight_callback"}
+# Transformers whose blocks the per-image first-block cache is verified on (tests/test_cache.py, or a
+# tiny run): text and image tokens stay separate through every block. FLUX.2 joins them before its
+# single blocks, so a residual of the last block is not comparable with the first's.
+FIRST_BLOCK_TRANSFORMERS = ("FluxTransformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel")
+_POSITIVE_INTS = ("cache_interval", "max_skip_steps", "spatial_attention_block_skip_range",
+                  "temporal_attention_block_skip_range", "cross_attention_block_skip_range",
+                  "unconditional_batch_skip_range", "disable_cache_before_step", "max_order")
+_RANGES = ("spatial_attention_timestep_skip_range", "temporal_attention_timestep_skip_range",
+           "cross_attention_timestep_skip_range", "low_frequency_weight_update_timestep_range",
+           "high_frequency_weight_update_timestep_range", "unconditional_batch_timestep_skip_range")
+# Caches with one state for both guidance passes (see the module docstring).
+_SHARED_BRANCH_STATE = ("pyramid_attention_broadcast", "faster_cache")
+_THRESHOLDS = {"first_block": "relative change of the first block's residual", "magcache": "accumulated error"}
+
+
+
+def _config_class(kind: str) -> type:
+    import diffusers
+
+    return getattr(diffusers, CACHE_TYPES[kind])
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_cache(
+    cache: Any,
+    transformers: Mapping[str, Optional[type]],
+    class_name: str,
+    negative_branch: bool,
+    separate_passes: bool = True,
+) -> list[str]:
+    """Problems of a ``model.cache`` mapping, found without weights. ``transformers``: the
+    pipeline's denoiser components and their classes; ``negative_branch``: whether a guidance pass
+    on the negative prompt runs (some image has CFG on); ``separate_passes``: the pipeline runs its
+    guidance passes one after the other (a registered ``PipelineSpec.cfg``)."""
+    if cache is None:
+        return []
+    valid = ", ".join(CACHE_TYPES)
+    if not isinstance(cache, Mapping) or "type" not in cache:
+        return [f"model.cache must be a mapping with a type ({valid}), e.g. {{type: first_block, threshold: 0.08}}; "
+                f"got {cache!r}."]
+    kind = cache["type"]
+    if kind not in CACHE_TYPES:
+        close = difflib.get_close_matches(str(kind), list(CACHE_TYPES), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return [f"model.cache.type {kind!r} is not a cache type{hint}; valid: {valid}."]
+    problems: list[str] = []
+    options = {k: v for k, v in cache.items() if k != "type"}
+    fields = [f.name for f in dataclasses.fields(_config_class(kind)) if f.name not in _FILLED | _CALLABLES]
+    for name in options:
+        if name in _FILLED:
+            problems.append(f"model.cache.{name} is set from the pipeline ({kind}); leave it out.")
+        elif name in _CALLABLES:
+            problems.append(f"model.cache.{name} is a Python callable, which a config cannot give; leave it out "
+                            "(diffusers' default applies).")
+        elif name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"model.cache: {kind} takes no {name!r}{hint}; it takes {', '.join(fields)}.")
+    if kind in _THRESHOLDS and "threshold" in options:
+        threshold = options["threshold"]
+        if not _is_number(threshold) or not 0 < threshold <= 1:
+            problems.append(f"model.cache.threshold ({_THRESHOLDS[kind]}) must be a number in (0, 1], "
+                            f"got {threshold!r}; larger reuses more steps (typical: 0.05 to 0.3).")
+    for name in _POSITIVE_INTS:
+        value = options.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            problems.append(f"model.cache.{name} must be an integer >= 1, got {value!r}.")
+    for name in _RANGES:
+        value = options.get(name)
+        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 2
+                                      and all(_is_number(v) for v in value)):
+            problems.append(f"model.cache.{name} must be two timesteps [low, high], got {value!r}.")
+    ratios = options.get("mag_ratios")
+    if kind == "magcache" and ratios is None and not options.get("calibrate"):
+        problems.append("model.cache: magcache needs mag_ratios, a list of per-step magnitude ratios of this "
+                        "checkpoint (FLUX.1-dev's published list is diffusers.hooks.mag_cache.FLUX_MAG_RATIOS; "
+                        "copy its numbers), or calibrate: true to print them.")
+    elif ratios is not None and not (isinstance(ratios, (list, tuple)) and ratios and all(map(_is_number, ratios))):
+        problems.append(f"model.cache.mag_ratios must be a list of numbers, got {ratios!r}.")
+    dtype = options.get("taylor_factors_dtype")
+    if dtype is not None:
+        from lightning_diffusion.pipelines import resolve_dtype
+
+        try:
+            resolve_dtype(dtype)
+        except ValueError as err:
+            problems.append(f"model.cache.taylor_factors_dtype: {err}")
+    if kind == "faster_cache" and options.get("is_guidance_distilled") is False and separate_passes:
+        problems.append("model.cache.is_guidance_distilled: false would split each batch into guidance halves; "
+                        f"{class_name} runs its guidance passes one after the other, so leave it out.")
+    if kind in _SHARED_BRANCH_STATE and negative_branch:
+        problems.append(
+            f"model.cache: {kind} keeps one state for both guidance passes, and {class_name} runs a negative pass "
+            "here (true CFG with a negative prompt): the negative pass would reuse the positive one's attention. "
+            "Use first_block, taylorseer or magcache with CFG."
+        )
+    from diffusers.models.cache_utils import CacheMixin
+
+    if not transformers:
+        problems.append(f"model.cache: {class_name} has no transformer component to cache.")
+    for name, cls in transformers.items():
+        if cls is not None and not issubclass(cls, CacheMixin):
+            problems.append(f"model.cache: {class_name}'s {name} ({cls.__name__}) has no cache support in diffusers.")
+        elif kind == "first_block" and cls is not None and cls.__name__ not in FIRST_BLOCK_TRANSFORMERS:
+            problems.append(f"model.cache: first_block is verified on {', '.join(FIRST_BLOCK_TRANSFORMERS)}, not on "
+                            f"{class_name}'s {cls.__name__}; use taylorseer or magcache for it.")
+    if not problems:
+        try:  # diffusers' own validation of the values, with a stand-in for the pipeline
+            build_config(cache, _NoPipeline(), 28, separate_passes)
+        except (TypeError, ValueError) as err:
+            problems.append(f"model.cache: diffusers refuses this {kind} config: {err}")
+    return problems
+
+
+class _NoPipeline:
+    current_timestep = 500
+
+
+def build_config(cache: Mapping[str, Any], pipeline: Any, num_inference_steps: Optional[int],
+                 separate_passes: bool) -> Any:
+    """The diffusers config of ``cache`` for a loaded ``pipeline`` (callbacks read its current
+    timestep). ``separate_passes``: the pipeline runs its guidance passes one after the other (its
+    ``PipelineSpec`` has ``cfg``), so FasterCache must not split batches into guidance halves."""
+    kind = cache["type"]
+    options = {k: v for k, v in cache.items() if k != "type"}
+    for tuple_field in _RANGES:
+        if isinstance(options.get(tuple_field), list):  # YAML has lists, diffusers wants tuples
+            options[tuple_field] = tuple(options[tuple_field])
+    if isinstance(options.get("taylor_factors_dtype"), str):
+        from lightning_diffusion.pipelines import resolve_dtype
+
+        options["taylor_factors_dtype"] = resolve_dtype(options["taylor_factors_dtype"])
+    if kind in ("pyramid_attention_broadcast", "faster_cache"):
+        options["current_timestep_callback"] = lambda: pipeline.current_timestep
+    if kind == "faster_cache" and separate_passes:
+        options["is_guidance_distilled"] = True
+    if kind == "magcache" and num_inference_steps:
+        options["num_inference_steps"] = num_inference_steps
+    return _config_class(kind)(**options)
+
+
+class CacheStats:
+    """What a cache reused on this process: image-steps (one image through the transformer once)
+    and whole transformer calls whose remaining blocks were skipped."""
+
+    def __init__(self) -> None:
+        self.image_steps = 0
+        self.reused_image_steps = 0
+        self.calls = 0
+        self.skipped_calls = 0
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.image_steps, self.reused_image_steps, self.calls, self.skipped_calls],
+                            dtype=torch.float64)
+
+    @staticmethod
+    def describe(kind: str, totals: Sequence[float]) -> Optional[str]:
+        image_steps, reused, calls, skipped = (int(v) for v in totals)
+        if not image_steps:
+            return None
+        return (f"{kind.replace('_', '-')} cache: {100 * reused / image_steps:.0f}% of image steps reused "
+                f"({reused} of {image_steps}); {skipped} of {calls} transformer calls skipped their remaining blocks")
+
+
+class StepCache:
+    """A cache installed on a pipeline's transformers. ``group``: the shard group whose ranks must
+    agree (``None``: this process holds whole tensors). Only rank 0 of a group counts statistics,
+    so that summing over all processes counts each image step once."""
+
+    def __init__(self, kind: str, threshold: Optional[float]) -> None:
+        self.kind = kind
+        self.threshold = threshold
+        self.group: Any = None
+        self.stats = CacheStats()
+        self.counting = True
+
+    def set_group(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.counting = group is None or dist.get_rank(group) == 0
+
+    def decide(self, residual: torch.Tensor, reference: torch.Tensor) -> list[bool]:
+        """Per image: whether the remaining blocks must run (the residual moved by more than the threshold)."""
+        sums = torch.stack([
+            (residual - reference).abs().flatten(1).sum(1, dtype=torch.float32),
+            reference.abs().flatten(1).sum(1, dtype=torch.float32),
+        ])
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(sums, group=self.group)
+        change = torch.where(sums[1] > 0, sums[0] / sums[1], torch.full_like(sums[0], float("inf")))
+        return (~(change <= self.threshold)).tolist()  # NaN computes
+
+    def count(self, compute: list[bool]) -> None:
+        if self.counting:
+            reused = compute.count(False)
+            self.stats.image_steps += len(compute)
+            self.stats.reused_image_steps += reused
+            self.stats.calls += 1
+            self.stats.skipped_calls += reused == len(compute)
+
+
+def install(cache: Mapping[str, Any], pipeline: Any, num_inference_steps: Optional[int],
+            separate_passes: bool = True) -> StepCache:
+    """Install ``cache`` on every cache-capable transformer of ``pipeline``."""
+    from diffusers.models.cache_utils import CacheMixin
+
+    kind = cache["type"]
+    step_cache = StepCache(kind, cache.get("threshold", 0.05))
+    for component in pipeline.components.values():
+        if not isinstance(component, CacheMixin):
+            continue
+        if kind == "first_block":
+            from lightning_diffusion.first_block_cache import install_first_block
+
+            install_first_block(component, step_cache)
+        else:
+            component.enable_cache(build_config(cache, pipeline, num_inference_steps, separate_passes))
+    return step_cache

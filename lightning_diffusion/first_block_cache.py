@@ -1,0 +1,163 @@
+"""First-block cache with one decision per image, agreed over the shard group (see ``cache``).
+
+diffusers' hook machinery (``ModelHook``, ``StateManager`` per cache context, the block metadata
+of ``TransformerBlockRegistry``) with our own decision: the first block always runs; per image,
+the relative change of its residual since the image's last computed step, summed over the shards
+of the group, decides whether the remaining blocks run. Imported only when the cache is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+from diffusers.hooks._helpers import TransformerBlockRegistry
+from diffusers.hooks.hooks import BaseState, CacheContext, StateManager
+from diffusers.utils.torch_utils import unwrap_module
+
+HEAD_HOOK = "lightning_diffusion.fbc_head"
+BLOCK_HOOK = "lightning_diffusion.fbc_block"
+
+
+class FirstBlockState(BaseState):
+    """Per cache context (guidance branch), per image of the batch: the first block's residual at
+    the image's last computed step (the reference), the remaining blocks' residuals then (the
+    tail), this step's first-block outputs (the head) and decisions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        self.reference: Optional[torch.Tensor] = None
+        self.tail: Optional[tuple] = None
+        self.head: Optional[tuple] = None
+        self.compute: list[bool] = []
+
+
+def install_first_block(model: torch.nn.Module, step_cache: Any) -> None:
+    """Hooks on the first block (decides), the blocks after it (skip or run) and the last (records).
+    ``step_cache``: a ``cache.StepCache`` (its ``decide`` and ``count``)."""
+    blocks = [block for name, child in model.named_children()
+              if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+              for block in child]
+    if len(blocks) < 2:
+        raise ValueError(f"first_block cache needs at least two transformer blocks in {type(model).__name__}.")
+    manager = StateManager(FirstBlockState)
+    HookRegistry.check_if_exists_or_initialize(blocks[0]).register_hook(_HeadHook(manager, step_cache), HEAD_HOOK)
+    for block in blocks[1:]:
+        is_tail = block is blocks[-1]
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(_BlockHook(manager, is_tail), BLOCK_HOOK)
+    HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
+
+
+class _Block:
+    """A block's (hidden, encoder) inputs and outputs, by the block class's diffusers metadata."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.meta = TransformerBlockRegistry.get(unwrap_module(module).__class__)
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple:
+        get = self.meta._get_parameter_from_args_kwargs
+        hidden = get(self.meta.hidden_states_argument_name, args, kwargs)
+        if self.meta.return_encoder_hidden_states_index is None:
+            return (hidden,)
+        return hidden, get(self.meta.encoder_hidden_states_argument_name, args, kwargs)
+
+    def outputs(self, output: Any) -> tuple:
+        if not isinstance(output, tuple):
+            return (output,)
+        parts = (output[self.meta.return_hidden_states_index],)
+        if self.meta.return_encoder_hidden_states_index is not None:
+            parts += (output[self.meta.return_encoder_hidden_states_index],)
+        return parts
+
+    def output(self, parts: tuple) -> Any:
+        """The block's return value made of (hidden, encoder) ``parts``."""
+        if self.meta.return_encoder_hidden_states_index is None:
+            return parts[0]
+        out: list[Any] = [None, None]
+        out[self.meta.return_hidden_states_index] = parts[0]
+        out[self.meta.return_encoder_hidden_states_index] = parts[1]
+        return tuple(out)
+
+
+def _select(keep: list[bool], computed: tuple, reused: tuple) -> tuple:
+    """Per image: the computed tensors where ``keep``, else the reused ones (batch is dimension 0)."""
+    mask = torch.tensor(keep, device=computed[0].device)
+    return tuple(torch.where(mask.view(-1, *([1] * (c.ndim - 1))), c, r.to(c.device)) for c, r in zip(computed, reused))
+
+
+class _HeadHook(ModelHook):
+    """On the first block: run it, decide per image, and either let the remaining blocks run
+    (some image needs them) or return every image's cached result (none does)."""
+
+    _is_stateful = True
+
+    def __init__(self, state_manager: Any, step_cache: Any) -> None:
+        super().__init__()
+        self.state_manager = state_manager
+        self.step_cache = step_cache
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.block = _Block(module)
+        return module
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.state_manager.reset()
+        return module
+
+    @torch.compiler.disable
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.state_manager._context is None:  # a pipeline without cache contexts
+            self.state_manager.set_context(CacheContext(name="inference"))
+        state = self.state_manager.get_state()
+        hidden_in = self.block.inputs(args, kwargs)[0]
+        output = self.fn_ref.original_forward(*args, **kwargs)
+        head = self.block.outputs(output)
+        residual = head[0] - hidden_in.to(head[0].device)
+        fresh = state.reference is None or state.reference.shape != residual.shape
+        compute = [True] * residual.shape[0] if fresh else self.step_cache.decide(residual, state.reference)
+        self.step_cache.count(compute)
+        state.compute, state.head = compute, head
+        state.reference = residual if all(compute) else _select(compute, (residual,), (state.reference,))[0]
+        if any(compute):
+            return output
+        return self.block.output(_reuse(head, state.tail))
+
+
+def _reuse(head: tuple, tail: tuple) -> tuple:
+    # Blocks of a transformer spread by a device map may sit on different devices.
+    return tuple(h + t.to(h.device) for h, t in zip(head, tail))
+
+
+class _BlockHook(ModelHook):
+    """On every other block: pass the inputs through when every image reuses; run otherwise. The
+    last block records the remaining blocks' residuals and mixes computed and reused images."""
+
+    def __init__(self, state_manager: Any, is_tail: bool) -> None:
+        super().__init__()
+        self.state_manager = state_manager
+        self.is_tail = is_tail
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.block = _Block(module)
+        return module
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = self.state_manager.get_state()
+        if not any(state.compute):
+            return self.block.output(self.block.inputs(args, kwargs))
+        output = self.fn_ref.original_forward(*args, **kwargs)
+        if not self.is_tail:
+            return output
+        parts = self.block.outputs(output)
+        residuals = tuple(p - h.to(p.device) for p, h in zip(parts, state.head))
+        if all(state.compute):
+            state.tail = residuals
+            return output
+        reused = _reuse(state.head, state.tail)
+        state.tail = _select(state.compute, residuals, state.tail)
+        return self.block.output(_select(state.compute, parts, reused))
