@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 RATE = re.compile(r"images/s per writing rank: rank 0: ([0-9.]+)")
 REUSED = re.compile(r"cache: (\d+)% of image steps reused")
 
-FLUX_MAG_RATIOS = None  # filled from diffusers in main()
 ONE = ["--trainer.devices", "1"]
 ULYSSES = ["--trainer.devices", "2", "--trainer.strategy.class_path",
            "lightning_diffusion.strategies.ContextParallelStrategy", "--trainer.strategy.init_args.ulysses_degree", "2"]
@@ -40,6 +39,8 @@ NO_CFG = ["--model.call_kwargs", "{max_sequence_length: 32, true_cfg_scale: 1.0}
 
 def settings() -> list[tuple[str, str, list[str], dict | None]]:
     """(row name, baseline row, layout and call flags, cache)."""
+    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
     mag = [round(float(v), 5) for v in FLUX_MAG_RATIOS]
     rows = [("none", "none", ONE, None)]
     rows += [(f"first_block {t}", "none", ONE, {"type": "first_block", "threshold": t}) for t in (0.1, 0.2)]
@@ -73,12 +74,8 @@ def cli(*args: str, tries: int = 1) -> subprocess.CompletedProcess:
 
 
 def main() -> None:
-    global FLUX_MAG_RATIOS
-    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS as ratios
-
     from lightning_diffusion.shapes import caption, held_out_scenes
 
-    FLUX_MAG_RATIOS = ratios
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--images", type=int, default=12)

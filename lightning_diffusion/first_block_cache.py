@@ -90,20 +90,28 @@ def _select(keep: list[bool], computed: tuple, reused: tuple) -> tuple:
     return tuple(torch.where(mask.view(-1, *([1] * (c.ndim - 1))), c, r.to(c.device)) for c, r in zip(computed, reused))
 
 
-class _HeadHook(ModelHook):
+class _FirstBlockHook(ModelHook):
+    """What both hooks share: the state manager of the transformer's blocks, and the block's
+    (hidden, encoder) layout, read when the hook is registered."""
+
+    def __init__(self, state_manager: Any) -> None:
+        super().__init__()
+        self.state_manager = state_manager
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.block = _Block(module)
+        return module
+
+
+class _HeadHook(_FirstBlockHook):
     """On the first block: run it, decide per image, and either let the remaining blocks run
     (some image needs them) or return every image's cached result (none does)."""
 
     _is_stateful = True
 
     def __init__(self, state_manager: Any, step_cache: Any) -> None:
-        super().__init__()
-        self.state_manager = state_manager
+        super().__init__(state_manager)
         self.step_cache = step_cache
-
-    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        self.block = _Block(module)
-        return module
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         self.state_manager.reset()
@@ -133,18 +141,13 @@ def _reuse(head: tuple, tail: tuple) -> tuple:
     return tuple(h + t.to(h.device) for h, t in zip(head, tail))
 
 
-class _BlockHook(ModelHook):
+class _BlockHook(_FirstBlockHook):
     """On every other block: pass the inputs through when every image reuses; run otherwise. The
     last block records the remaining blocks' residuals and mixes computed and reused images."""
 
     def __init__(self, state_manager: Any, is_tail: bool) -> None:
-        super().__init__()
-        self.state_manager = state_manager
+        super().__init__(state_manager)
         self.is_tail = is_tail
-
-    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        self.block = _Block(module)
-        return module
 
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.state_manager.get_state()

@@ -125,7 +125,11 @@ class ParallelDims:
     def shard_groups(self) -> list[list[int]]:
         """Global ranks of each shard group: ranks with the same ``dp`` and ``cfg`` coordinates,
         which are ``shard_size`` adjacent ranks (the mesh's innermost dimensions)."""
-        size = self.shard_size
+        return self._adjacent(self.shard_size)
+
+    def _adjacent(self, size: int) -> list[list[int]]:
+        """The world's ranks in runs of ``size`` adjacent ranks (the mesh is row-major, so the
+        innermost dimensions of one outer coordinate are adjacent)."""
         return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -133,8 +137,7 @@ class ParallelDims:
 
     def replica_groups(self) -> list[list[int]]:
         """Global ranks of each replica, in order: ranks ``r`` with the same ``r // model_parallel_size``."""
-        size = self.model_parallel_size
-        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+        return self._adjacent(self.model_parallel_size)
 
     def describe(self) -> str:
         shape = ", ".join(f"{name}={value}" for name, value in self._shown().items())

@@ -242,25 +242,23 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def _new_replica_group(self) -> Optional[Any]:
         """A process group per replica (ranks that make the same images), for the stop agreement."""
         assert self._parallel_dims is not None
-        if self._parallel_dims.model_parallel_size == 1:
-            return None
-        mine = None
-        for ranks in self._parallel_dims.replica_groups():  # every rank creates every group
-            group = dist.new_group(ranks)
-            if self.global_rank in ranks:
-                mine = group
-        return mine
+        return self._new_groups(self._parallel_dims.replica_groups())
 
     def _new_shard_group(self) -> Optional[Any]:
         """A process group per shard group (ranks that hold pieces of one transformer call), over
         which data-dependent decisions inside the transformer are agreed; ``None`` when each
-        process holds whole tensors."""
+        process holds whole tensors. Its collectives wait the strategy's timeout, like the others."""
         assert self._parallel_dims is not None
-        if self._parallel_dims.shard_size == 1:
+        return self._new_groups(self._parallel_dims.shard_groups(), timeout=self._timeout)
+
+    def _new_groups(self, groups: list[list[int]], timeout: Optional[timedelta] = None) -> Optional[Any]:
+        """Create every group of ``groups`` (every rank creates every group, in the same order) and
+        return this rank's; ``None`` when the groups are single ranks."""
+        if len(groups[0]) == 1:
             return None
         mine = None
-        for ranks in self._parallel_dims.shard_groups():  # every rank creates every group
-            group = dist.new_group(ranks, timeout=self._timeout)
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout)
             if self.global_rank in ranks:
                 mine = group
         return mine
