@@ -20,7 +20,10 @@ same steps, before the process group starts for the checks):
 6. if ``module.needs_shard_group``: ``module.use_shard_group(group)``, the process group of the
    ranks that hold pieces of the same transformer call (ring x ulysses x tp of one replica and
    guidance branch; ``None`` when each process holds whole tensors), over which data-dependent
-   decisions inside the transformer (a first-block cache) are agreed.
+   decisions inside the transformer (a first-block cache) are agreed;
+7. if ``module.split_work``: ``module.use_group(group)``, the process group of one replica's ranks
+   (cfg x ring x ulysses x tp; ``None`` with one process per replica), over which the module
+   splits text encoding and VAE decoding (``group_work``).
 """
 
 from __future__ import annotations

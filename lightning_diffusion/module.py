@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import numpy as np
@@ -22,6 +22,7 @@ from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolv
 def check_model_args(
     path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]],
     cache: Optional[dict[str, Any]] = None, records: Optional[Sequence[dict[str, Any]]] = None,
+    vae_tiling: Any = None,
 ) -> tuple[Optional[PipelineInfo], list[str]]:
     """Every check of the model settings that needs no weights; returns the pipeline's info (or
     None when the path itself is wrong) and the problems found. ``records``: the prompt records,
@@ -46,7 +47,34 @@ def check_model_args(
         if cache is not None:
             base, extra = effective_call_args(info, named, call_kwargs)
             problems += model_cache_problems(info, cache, {**base, **extra}, records)
+        problems += vae_tiling_problems(info, vae_tiling)
     return info, problems
+
+
+def vae_tiling_problems(info: PipelineInfo, vae_tiling: Any) -> list[str]:
+    """``model.vae_tiling``: ``true``, or the settings of the VAE's ``enable_tiling``, for a VAE
+    that has a tiled decode."""
+    if vae_tiling is None or vae_tiling is False:
+        return []
+    if vae_tiling is not True and not isinstance(vae_tiling, dict):
+        return [f"model.vae_tiling is true, false or the settings of the VAE's enable_tiling (a mapping), "
+                f"not {vae_tiling!r}."]
+    vae = info.component_class("vae")
+    if not _can_tile(vae, info.configs.get("vae", {})):
+        which = f"its VAE ({vae.__name__})" if isinstance(vae, type) else "it has no VAE that"
+        return [f"model.vae_tiling: {info.class_name} cannot decode by tiles: {which} has no tiled decoding; "
+                "remove model.vae_tiling."]
+    if isinstance(vae_tiling, dict):
+        import inspect
+
+        accepted = [name for name in inspect.signature(vae.enable_tiling).parameters if name != "self"]
+        unknown = sorted(set(vae_tiling) - set(accepted))
+        if unknown:
+            takes = f"takes {', '.join(accepted)}" if accepted else "takes no settings (use model.vae_tiling: true)"
+            return [f"model.vae_tiling: {vae.__name__}.enable_tiling {takes}; unknown: {', '.join(unknown)}."]
+        return [problem for k, v in vae_tiling.items() if v is not None
+                for problem in filter(None, [check_int(v, f"model.vae_tiling.{k}")])]
+    return []
 
 
 def model_cache_problems(info: PipelineInfo, cache: Any, call_args: dict[str, Any],
@@ -87,6 +115,19 @@ def negative_branch(info: PipelineInfo, call_args: dict[str, Any],
     return summary is not None and summary.first_negative is not None
 
 
+def _can_tile(vae: Optional[type], config: dict[str, Any]) -> bool:
+    """Whether a VAE class decodes by tiles: diffusers' VAEs say so by a ``use_tiling`` attribute
+    set in ``__init__``, so the class is built from its config on the meta device (no memory)."""
+    if not isinstance(vae, type) or not callable(getattr(vae, "enable_tiling", None)):
+        return False
+    try:
+        with torch.device("meta"):
+            model = vae.from_config(config)
+    except Exception:  # a config this class cannot build: leave the verdict to the load
+        return True
+    return hasattr(model, "use_tiling")
+
+
 def effective_call_args(
     info: PipelineInfo, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,7 +141,7 @@ def effective_call_args(
 
 def image_settings(
     path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any],
-    cache: Optional[dict[str, Any]] = None,
+    cache: Optional[dict[str, Any]] = None, vae_tiling: Any = None,
 ) -> dict[str, Any]:
     """The model settings that decide the pictures, as run.json records them (the writer and
     preflight both compute them, so that a folder is refused before anything starts)."""
@@ -111,6 +152,7 @@ def image_settings(
         **{f"from_pretrained.{k}": from_pretrained_kwargs[k] for k in ("revision", "variant")
            if k in from_pretrained_kwargs},
         **({"model.cache": dict(cache)} if cache is not None else {}),
+        **({"model.vae_tiling": vae_tiling} if vae_tiling not in (None, False) else {}),
     }
 
 
@@ -160,6 +202,13 @@ class DiffusionModule(pl.LightningModule):
             with copies of its last sample, whose outputs are dropped. Batched kernels round
             differently for different batch sizes, so this is what makes image i bit-identical
             for any number of replicas and nodes, and across resumes (docs/config.md).
+        vae_tiling: decode by overlapping tiles (diffusers' ``enable_tiling``; ``true`` or its
+            settings, such as ``tile_sample_min_height``): less memory for large images and videos,
+            and under model parallelism the tiles are dealt over the group's ranks. Tiled decoding
+            blends tile seams, so its pictures differ slightly from untiled ones.
+        split_work: split text encoding and VAE decoding over the ranks of each model-parallel
+            group (by sample, or by tile with ``vae_tiling``) instead of repeating it on each rank
+            (``group_work``; docs/strategies.md).
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
     array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
@@ -182,6 +231,8 @@ class DiffusionModule(pl.LightningModule):
         show_inner_progress: bool = False,
         pad_batches: bool = True,
         cache: Optional[dict[str, Any]] = None,
+        vae_tiling: Optional[Union[bool, dict[str, int]]] = None,
+        split_work: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -194,7 +245,8 @@ class DiffusionModule(pl.LightningModule):
         }
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
-        info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache)
+        info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
+                                          vae_tiling=vae_tiling)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
@@ -207,6 +259,9 @@ class DiffusionModule(pl.LightningModule):
         self.pipeline: Any = None
         self.cache = dict(cache) if cache is not None else None
         self.step_cache: Optional[StepCache] = None
+        self.vae_tiling = vae_tiling
+        self.split_work = split_work
+        self.group_work: Any = None
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
         self.load_plan = LoadPlan()
@@ -220,7 +275,7 @@ class DiffusionModule(pl.LightningModule):
     def image_settings(self) -> dict[str, Any]:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
         return image_settings(self.model_path, self.hparams.torch_dtype, self.call_args, self.from_pretrained_kwargs,
-                              self.cache)
+                              self.cache, self.vae_tiling)
 
     @property
     def call_args(self) -> dict[str, Any]:
@@ -252,6 +307,18 @@ class DiffusionModule(pl.LightningModule):
         ulysses x tp of one replica and guidance branch); the cache agrees its decisions over it."""
         if self.step_cache is not None:
             self.step_cache.set_group(group)
+
+    def use_group(self, group: Any) -> None:
+        """The process group of the ranks that make the same images (one replica's cfg x ring x
+        ulysses x tp ranks): text encoding and VAE decoding are split over it (``group_work``)
+        unless ``split_work`` is off. ``None``: one process per replica, nothing to split."""
+        if not self.split_work or self.pipeline is None or self.group_work is not None:
+            return
+        from lightning_diffusion import group_work
+
+        self.group_work = group_work.install(self.pipeline, group)
+        if self.group_work is not None and self.global_rank == 0:
+            log.info(f"split over the group: {self.group_work.description}")
 
     # ----------------------------------------------------------------- Lightning hooks
 
@@ -292,6 +359,8 @@ class DiffusionModule(pl.LightningModule):
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)
+        if self.vae_tiling:
+            pipeline.vae.enable_tiling(**(self.vae_tiling if isinstance(self.vae_tiling, dict) else {}))
         self.pipeline = pipeline
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module):

@@ -164,5 +164,7 @@ def test_other_settings_are_refused_before_any_process_starts_and_prompts_compar
     assert not (out / ".lock").exists()
     proc = cli_here(*tiny_args(out, "--data.prompts", str(other)))
     assert proc.returncode == 2 and "data.prompts_sha256: '" in proc.stderr
+    proc = cli_here(*tiny_args(out, "--data.prompts", str(copy), "--model.vae_tiling", "true"))
+    assert proc.returncode == 2 and "(model.vae_tiling: None then, True now)" in proc.stderr, proc.stderr[-2000:]
     resumed = run_here(*tiny_args(out, "--data.prompts", str(copy), "--data.batch_size", "1"))
     assert "resumed: 2 already in the manifest" in resumed.stdout + resumed.stderr

@@ -251,6 +251,12 @@ class DiffusionParallelStrategy(ParallelStrategy):
         assert self._parallel_dims is not None
         return self._new_groups(self._parallel_dims.shard_groups(), timeout=self._timeout)
 
+    def _new_work_group(self) -> Optional[Any]:
+        """A process group per replica, over which text encoding and VAE decoding are split;
+        ``None`` with one process per replica. Its collectives wait the strategy's timeout."""
+        assert self._parallel_dims is not None
+        return self._new_groups(self._parallel_dims.replica_groups(), timeout=self._timeout)
+
     def _new_groups(self, groups: list[list[int]], timeout: Optional[timedelta] = None) -> Optional[Any]:
         """Create every group of ``groups`` (every rank creates every group, in the same order) and
         return this rank's; ``None`` when the groups are single ranks."""
@@ -298,6 +304,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
             module.use_pipeline(self.setup_pipeline(module.pipeline))
             if module.needs_shard_group:
                 module.use_shard_group(self._new_shard_group())
+            if module.split_work:
+                module.use_group(self._new_work_group())
         self.barrier("pipeline_placed")
 
     @override

@@ -1,0 +1,254 @@
+"""Text encoding and VAE decoding split over each replica's model-parallel group (``group_work``).
+
+Two levels. The split itself, in two real gloo processes, against the same components on one
+process: dealt tiles give exactly one device's tiled decode (bit for bit), splits by sample agree
+within 1e-5 (smaller batches round differently), and a deliberately wrong gather (two tiles
+swapped) fails the same comparison. Then whole runs of every strategy with batches of two and
+tiling, against one process with the same batch size and tiling: decoded float images within
+ATOL (measured at most 2.1e-6; Wan cfg 2 with tiles 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_diffusion import DiffusionModule
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.group_work import GroupWork
+from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+
+ATOL = 1e-5
+SMALL_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32,
+               "tile_sample_stride_height": 24, "tile_sample_stride_width": 24}
+PROMPTS = ["a red fox", "a much longer prompt about a lighthouse standing in a storm at night", "ramen"]
+
+
+class SwappedTiles(GroupWork):
+    """A wrong gather: the first two tiles' outputs change places."""
+
+    def _answers(self, calls, parts):
+        answers = super()._answers(calls, parts)
+        first, second = calls.index(0), calls.index(1)
+        answers[first], answers[second] = answers[second], answers[first]
+        return answers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _latents(vae, name: str, batch: int, size: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    if name == "flux":
+        return torch.randn(batch, vae.config.latent_channels, size // 8, size // 8, generator=generator)
+    frames = 3 if name == "wan" else 1
+    return torch.randn(batch, vae.config.z_dim, frames, size // 8, size // 8, generator=generator)
+
+
+def _decode(vae, z):
+    return vae.decode(z, return_dict=False)[0]
+
+
+def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _split_worker(rank: int, name: str, port: int, out: str) -> None:
+    from diffusers import DiffusionPipeline
+
+    from lightning_diffusion import tiny
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        pipeline = DiffusionPipeline.from_pretrained(tiny.resolve(f"tiny:{name}"))
+        vae, results = pipeline.vae, {}
+        with torch.inference_mode():
+            # By sample, tiling off: 3 latents over 2 ranks (the second rank pads with a copy).
+            z = _latents(vae, name, 3, 32)
+            alone = _decode(vae, z)
+            encoded_alone = pipeline.encode_prompt(prompt=PROMPTS)
+            work = GroupWork(pipeline, dist.group.WORLD)
+            results["sample"] = _max_difference(_decode(vae, z), alone)
+            encoded = pipeline.encode_prompt(prompt=PROMPTS)
+            results["encoders"] = len(work.encoders)
+            results["encoded"] = [None if a is None else (list(a.shape), _max_difference(a, b))
+                                  for a, b in zip(encoded, encoded_alone)]
+            results["encoded_none"] = [(a is None) == (b is None) for a, b in zip(encoded, encoded_alone)]
+            work.remove()
+            # By tile: tiling on both sides.
+            vae.enable_tiling(**({} if name == "flux" else SMALL_TILES))
+            z = _latents(vae, name, 2, 64)
+            alone = _decode(vae, z)
+            for kind, cls in (("tiles", GroupWork), ("swapped", SwappedTiles)):
+                work = cls(pipeline, dist.group.WORLD)
+                results[kind] = _max_difference(_decode(vae, z), alone)
+                results[f"{kind}_dealt"] = [work.tiles, work.tiles_seen, work.tiles_decoded]
+                work.remove()
+            results["removed"] = _max_difference(_decode(vae, z), alone)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def split_results(tmp_path_factory):
+    """The split's measurements per tiny pipeline, from two gloo processes (made once per module)."""
+    made = {}
+
+    def get(name: str) -> list[dict]:
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"split-{name}")
+            torch.multiprocessing.spawn(_split_worker, args=(name, _free_port(), str(out)), nprocs=2)
+            made[name] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["flux", "qwenimage", "wan"])
+def test_dealt_tiles_equal_one_device_and_a_swap_does_not(name, split_results):
+    for rank, results in enumerate(split_results(name)):
+        tiled, seen, decoded = results["tiles_dealt"]
+        assert tiled and seen >= 4, results
+        assert decoded in (seen // 2, seen - seen // 2), f"rank {rank} decoded {decoded} of {seen} tiles"
+        assert results["tiles"] == 0.0, f"rank {rank}: tile-parallel decode differs by {results['tiles']}"
+        assert results["swapped"] > 1e-3, f"rank {rank}: swapping two tiles went unnoticed"
+        assert results["removed"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["flux", "qwenimage", "wan"])
+def test_split_by_sample_matches_one_process(name, split_results):
+    for results in split_results(name):
+        assert results["sample"] <= ATOL
+        assert results["encoders"] == (2 if name == "flux" else 1)
+        assert all(results["encoded_none"]), results["encoded_none"]
+        for entry in results["encoded"]:
+            if entry is not None:
+                shape, difference = entry
+                # every output is per prompt except FLUX's text position ids (512 x 3, shared)
+                assert shape[0] == len(PROMPTS) or name == "flux" and shape == [512, 3], shape
+                assert difference <= ATOL
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+SMALL_TILES_ARG = json.dumps(SMALL_TILES)
+RUNS = {
+    # name: (config, flags, tiling, processes per group)
+    "ulysses2": ("configs/tiny-ulysses.yaml", [], None, 2),
+    "dp2-ulysses2": ("configs/tiny-ulysses.yaml", ["--trainer.devices", "4"], None, 2),
+    "tp2-tiles": ("configs/tiny-tp.yaml", [], "true", 2),
+    "cfg2": ("configs/tiny-cfg.yaml", [], None, 2),
+    "cfg2-ulysses2-tiles": ("configs/tiny-cfg.yaml", [
+        "--trainer.devices", "4", "--trainer.strategy.class_path", "lightning_diffusion.strategies.MeshStrategy",
+        "--trainer.strategy.init_args.cfg", "2", "--trainer.strategy.init_args.ulysses", "2",
+        "--trainer.strategy.init_args.ulysses_anything", "true"], SMALL_TILES_ARG, 4),
+    "wan-cfg2-tiles": ("configs/tiny-wan.yaml", ["--trainer.devices", "2", "--trainer.strategy", "cfg_parallel"],
+                       SMALL_TILES_ARG, 2),
+}
+# The single-process config of each, and what both runs share: the flux configs' five prompts
+# (like the other parity tests); Wan at 48x48, the smallest size its tiles of 32 split.
+ALONE = {"configs/tiny-ulysses.yaml": "configs/tiny-flux.yaml", "configs/tiny-tp.yaml": "configs/tiny-flux.yaml",
+         "configs/tiny-cfg.yaml": "configs/tiny-qwenimage.yaml"}
+SHARED_ARGS = {"configs/tiny-flux.yaml": ["--data.prompts", FIVE_PROMPTS],
+               "configs/tiny-wan.yaml": ["--model.height", "48", "--model.width", "48"]}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Single-process float outputs with batch size 2 (and tiling when asked), made once per module."""
+    made = {}
+
+    def get(config: str, tiling) -> dict[int, np.ndarray]:
+        key = (config, tiling)
+        if key not in made:
+            out = tmp_path_factory.mktemp("one-process")
+            extra = ["--model.vae_tiling", tiling] if tiling else []
+            run_here(*tiny_args(out, "--data.batch_size", "2", *SHARED_ARGS.get(config, []), *extra, config=config))
+            made[key] = load_arrays(out)
+        return made[key]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_strategies_with_the_split_match_one_process(name, one_process, tmp_path):
+    config, flags, tiling, group = RUNS[name]
+    alone = ALONE.get(config, config)
+    extra = ["--model.vae_tiling", tiling] if tiling else []
+    proc = run_cli(*tiny_args(tmp_path, "--data.batch_size", "2", *SHARED_ARGS.get(alone, []), *flags, *extra,
+                              config=config), timeout=600)
+    log = proc.stdout + proc.stderr
+    assert f"by {'tile' if tiling else 'sample'}, over each group of {group} ranks" in log, log[-3000:]
+    ours, ref = load_arrays(tmp_path), one_process(alone, tiling)
+    assert sorted(ours) == sorted(ref) and len(read_manifest_lines(tmp_path)) == len(ref)
+    for i in ref:
+        np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=ATOL, err_msg=f"{name}: output {i}")
+
+
+@pytest.mark.slow
+def test_split_can_be_switched_off(tmp_path):
+    proc = run_cli(*tiny_args(tmp_path, "--data.prompts", "[a, b]", "--model.split_work", "false",
+                              config="configs/tiny-ulysses.yaml"))
+    assert "split over the group" not in proc.stdout + proc.stderr
+    assert len(load_arrays(tmp_path)) == 2
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _pipeline_with_vae(tmp_path: Path, vae_class: str) -> Path:
+    """tiny:flux's configs (no weights: the checks read configs only) with another VAE class."""
+    from lightning_diffusion import tiny
+
+    source, target = Path(tiny.resolve("tiny:flux")), tmp_path / "model"
+    for file in source.rglob("*.json"):
+        (target / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+        (target / file.relative_to(source)).write_text(file.read_text())
+    index = json.loads((target / "model_index.json").read_text())
+    index["vae"] = ["diffusers", vae_class]
+    (target / "model_index.json").write_text(json.dumps(index))
+    (target / "vae" / "config.json").write_text(json.dumps({"_class_name": vae_class}))
+    return target
+
+
+def test_tiling_a_vae_without_tiles_is_refused_before_loading(tmp_path, cli_here):
+    model = _pipeline_with_vae(tmp_path, "AutoencoderKLTemporalDecoder")
+    message = ("model.vae_tiling: FluxPipeline cannot decode by tiles: its VAE (AutoencoderKLTemporalDecoder) has no "
+               "tiled decoding")
+    with pytest.raises(ConfigError, match=r"model\.vae_tiling: FluxPipeline cannot decode by tiles"):
+        DiffusionModule(str(model), vae_tiling=True)
+    proc = cli_here(*tiny_args(tmp_path / "out", "--model.pretrained_model_name_or_path", str(model),
+                               "--model.vae_tiling", "true"))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"tile_size": 64}, r"AutoencoderKL.enable_tiling takes no settings \(use model.vae_tiling: true\); "
+                        r"unknown: tile_size"),
+    ("yes", r"model.vae_tiling is true, false or the settings of the VAE's enable_tiling"),
+])
+def test_bad_tiling_settings(value, message):
+    with pytest.raises(ConfigError, match=message):
+        DiffusionModule("tiny:flux", vae_tiling=value)
+
+
+def test_tiling_settings_are_checked_against_the_vae():
+    with pytest.raises(ConfigError, match=r"model.vae_tiling.tile_sample_min_height must be an integer >= 1, got 0"):
+        DiffusionModule("tiny:wan", vae_tiling={"tile_sample_min_height": 0})
+    with pytest.raises(ConfigError, match=r"AutoencoderKLWan.enable_tiling takes tile_sample_min_height, "):
+        DiffusionModule("tiny:wan", vae_tiling={"tile_height": 32})
+    assert DiffusionModule("tiny:wan", vae_tiling=SMALL_TILES).vae_tiling == SMALL_TILES
