@@ -7,7 +7,8 @@ GPUs. ``GroupWork`` installs three things on a loaded pipeline, on every rank of
 * **Text encoders by sample.** A diffusers hook on each ``text_encoder*`` component splits a call's
   batch (every tensor argument whose first dimension is the batch: ids, masks) into equal slices,
   one per rank (the last padded with copies of its last row), and all-gathers the tensors of the
-  outputs, so every rank gets what one device computes for the whole batch. The tokenizer padded
+  outputs, so every rank gets what one device computes for the whole batch (a call whose tensor
+  arguments are not all batch-first, such as an image encoder's flattened patches, runs whole). The tokenizer padded
   the batch to one length before the call, so the slices have equal shapes. Output fields no
   diffusion pipeline reads (``NOT_GATHERED``: logits, the KV cache) come back as ``None``.
 * **VAE decoding by sample.** ``vae.decode`` on a batch of two or more latents decodes one slice per
@@ -42,7 +43,7 @@ from lightning_diffusion.console import log
 HOOK_NAME = "lightning_diffusion.group_split"
 # VAE classes whose tiled decode the tile deal is tested on (tests/test_group_work.py).
 TILE_PARALLEL = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")
-NOT_GATHERED = ("logits", "past_key_values", "loss")
+NOT_GATHERED = ("logits", "past_key_values", "cache", "loss")  # transformers 4 and 5 names
 _ALIGN = 16  # bytes: every tensor starts at an offset any dtype can be viewed from
 
 
@@ -133,7 +134,8 @@ class GroupWork:
         self.new_tile = True
         self.mine: dict[int, torch.Tensor] = {}
         self.answers: list[torch.Tensor] = []
-        self.tiles_seen = self.tiles_decoded = 0  # over the run: tiles of tiled decodes, and this rank's share
+        # Over the run: calls split by sample, tiles of tiled decodes and this rank's share of them.
+        self.encoder_splits = self.decode_splits = self.tiles_seen = self.tiles_decoded = 0
         if isinstance(self.vae, torch.nn.Module) and callable(getattr(self.vae, "decode", None)):
             self._original_decode = self.vae.decode
             self.vae.decode = self.decode
@@ -147,6 +149,12 @@ class GroupWork:
         if self.vae is not None:
             parts.append("VAE decoding by tile" if self.tiles else "VAE decoding by sample")
         return f"{' and '.join(parts)}, over each group of {self.size} ranks"
+
+    def summary(self) -> str:
+        """What this rank split so far (every rank of a group splits the same calls)."""
+        tiles = f", {self.tiles_seen} tiles dealt (this rank decoded {self.tiles_decoded})" if self.tiles else ""
+        return (f"group split: {self.encoder_splits} text-encoder calls and {self.decode_splits} decodes split by "
+                f"sample{tiles}")
 
     def remove(self) -> None:
         for module in self.encoders:
@@ -205,6 +213,7 @@ class GroupWork:
             # patches): the call runs whole, as on one device.
             return forward(*args, **kwargs)
         output = forward(*(self._take(v, batch) for v in args), **{k: self._take(v, batch) for k, v in kwargs.items()})
+        self.encoder_splits += 1
         return self._gather(output, batch)
 
     # ----------------------------------------------------------------- VAE decoding
@@ -220,17 +229,25 @@ class GroupWork:
             return self._original_decode(z, *args, **kwargs)
         batch = z.shape[0]
         output = self._original_decode(self._take(z, batch), *args, **kwargs)
+        self.decode_splits += 1
         return _with_sample(output, self._gather(_sample(output), batch))
 
     def _will_tile(self, z: torch.Tensor) -> bool:
-        """Whether the VAE's decode of ``z`` takes its tiled path (each class's own condition)."""
+        """Whether the VAE's decode of ``z`` takes its tiled path (each class's own condition) with
+        at least two tiles, so that its blending starts (where pass one stops)."""
         vae = self.vae
+        if not vae.use_tiling:
+            return False
         if hasattr(vae, "tile_latent_min_size"):  # AutoencoderKL
             limit_h = limit_w = vae.tile_latent_min_size
+            stride_h = stride_w = int(vae.tile_latent_min_size * (1 - vae.tile_overlap_factor))
         else:  # the causal video VAEs
             ratio = vae.spatial_compression_ratio
             limit_h, limit_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
-        return z.shape[-1] > limit_w or z.shape[-2] > limit_h
+            stride_h, stride_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
+        height, width = z.shape[-2], z.shape[-1]
+        tiles = len(range(0, height, max(stride_h, 1))) * len(range(0, width, max(stride_w, 1)))
+        return (width > limit_w or height > limit_h) and tiles >= 2
 
     def _wrap_tiling(self, vae: torch.nn.Module) -> None:
         HookRegistry.check_if_exists_or_initialize(vae.decoder).register_hook(_DecoderHook(self), HOOK_NAME)
@@ -281,13 +298,16 @@ class GroupWork:
         calls = self.calls
         self.tiles_seen += calls[-1] + 1 if calls else 0
         self.tiles_decoded += len({calls[c] for c in self.mine})
-        parts = exchange([self.mine[c] for c in sorted(self.mine)], self.group, z.device)
+        try:
+            parts = exchange([self.mine[c] for c in sorted(self.mine)], self.group, z.device)
+        finally:
+            self.mine = {}
         self.answers = self._answers(calls, parts)
         self.mode, self.calls, self.new_tile = "replay", [], True
         try:
             output = self._original_decode(z, *args, **kwargs)
         finally:
-            self.mode, self.answers, self.mine = "off", [], {}
+            self.mode, self.answers = "off", []
         if self.calls != calls:
             raise RuntimeError("tile-parallel decoding: the second pass made other decoder calls than the first; "
                                "this VAE's tiled decode is not one the tile deal knows (set model.vae_tiling: false).")

@@ -72,8 +72,14 @@ def vae_tiling_problems(info: PipelineInfo, vae_tiling: Any) -> list[str]:
         if unknown:
             takes = f"takes {', '.join(accepted)}" if accepted else "takes no settings (use model.vae_tiling: true)"
             return [f"model.vae_tiling: {vae.__name__}.enable_tiling {takes}; unknown: {', '.join(unknown)}."]
-        return [problem for k, v in vae_tiling.items() if v is not None
-                for problem in filter(None, [check_int(v, f"model.vae_tiling.{k}")])]
+        problems = [problem for k, v in vae_tiling.items() if v is not None
+                    for problem in filter(None, [check_int(v, f"model.vae_tiling.{k}")])]
+        for side in ("height", "width"):
+            tile, stride = vae_tiling.get(f"tile_sample_min_{side}"), vae_tiling.get(f"tile_sample_stride_{side}")
+            if not problems and tile is not None and stride is not None and stride > tile:
+                problems.append(f"model.vae_tiling: tile_sample_stride_{side} {stride} is larger than "
+                                f"tile_sample_min_{side} {tile}: tiles must overlap (stride <= tile size).")
+        return problems
     return []
 
 
@@ -397,6 +403,8 @@ class DiffusionModule(pl.LightningModule):
     def teardown(self, stage: str) -> None:
         if stage == "predict":
             self.cache_summary()
+            if self.group_work is not None and self.global_rank == 0:
+                log.info(self.group_work.summary())
 
     def negative_prompt(self, sample: dict[str, Any]) -> Optional[str]:
         """The record's own negative prompt, else ``call_kwargs.negative_prompt`` (the default)."""

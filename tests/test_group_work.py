@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -83,6 +84,7 @@ def _split_worker(rank: int, name: str, port: int, out: str) -> None:
             results["sample"] = _max_difference(_decode(vae, z), alone)
             encoded = pipeline.encode_prompt(prompt=PROMPTS)
             results["encoders"] = len(work.encoders)
+            results["splits"] = [work.encoder_splits, work.decode_splits]
             results["encoded"] = [None if a is None else (list(a.shape), _max_difference(a, b))
                                   for a, b in zip(encoded, encoded_alone)]
             results["encoded_none"] = [(a is None) == (b is None) for a, b in zip(encoded, encoded_alone)]
@@ -97,6 +99,12 @@ def _split_worker(rank: int, name: str, port: int, out: str) -> None:
                 results[f"{kind}_dealt"] = [work.tiles, work.tiles_seen, work.tiles_decoded]
                 work.remove()
             results["removed"] = _max_difference(_decode(vae, z), alone)
+            # diffusers decodes sample by sample with slicing on: each sample's tiles are dealt
+            vae.enable_slicing()
+            alone = _decode(vae, z)
+            work = GroupWork(pipeline, dist.group.WORLD)
+            results["sliced"] = [_max_difference(_decode(vae, z), alone), work.tiles_seen]
+            work.remove()
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -126,6 +134,7 @@ def test_dealt_tiles_equal_one_device_and_a_swap_does_not(name, split_results):
         assert results["tiles"] == 0.0, f"rank {rank}: tile-parallel decode differs by {results['tiles']}"
         assert results["swapped"] > 1e-3, f"rank {rank}: swapping two tiles went unnoticed"
         assert results["removed"] == 0.0
+        assert results["sliced"] == [0.0, 2 * seen], results["sliced"]  # the tiles of each of 2 samples
 
 
 @pytest.mark.parametrize("name", ["flux", "qwenimage", "wan"])
@@ -133,6 +142,8 @@ def test_split_by_sample_matches_one_process(name, split_results):
     for results in split_results(name):
         assert results["sample"] <= ATOL
         assert results["encoders"] == (2 if name == "flux" else 1)
+        # one split call per encoder (Wan's encode_prompt also encodes the default negative "")
+        assert results["splits"] == [{"flux": 2, "qwenimage": 1, "wan": 2}[name], 1], results["splits"]
         assert all(results["encoded_none"]), results["encoded_none"]
         for entry in results["encoded"]:
             if entry is not None:
@@ -193,6 +204,12 @@ def test_strategies_with_the_split_match_one_process(name, one_process, tmp_path
                               config=config), timeout=600)
     log = proc.stdout + proc.stderr
     assert f"by {'tile' if tiling else 'sample'}, over each group of {group} ranks" in log, log[-3000:]
+    # the split happened (a run whose calls all ran whole would match too)
+    done = re.search(r"group split: (\d+) text-encoder calls and (\d+) decodes split by sample"
+                     r"(, (\d+) tiles dealt \(this rank decoded (\d+)\))?", log)
+    assert done, log[-3000:]
+    encoder_calls, decodes, tiles, mine = (int(value or 0) for value in done.group(1, 2, 4, 5))
+    assert encoder_calls > 0 and (0 < mine < tiles if tiling else decodes > 0), done.group(0)
     ours, ref = load_arrays(tmp_path), one_process(alone, tiling)
     assert sorted(ours) == sorted(ref) and len(read_manifest_lines(tmp_path)) == len(ref)
     for i in ref:
@@ -247,6 +264,8 @@ def test_bad_tiling_settings(value, message):
 
 
 def test_tiling_settings_are_checked_against_the_vae():
+    with pytest.raises(ConfigError, match=r"tile_sample_stride_width 64 is larger than tile_sample_min_width 32"):
+        DiffusionModule("tiny:wan", vae_tiling={"tile_sample_min_width": 32, "tile_sample_stride_width": 64})
     with pytest.raises(ConfigError, match=r"model.vae_tiling.tile_sample_min_height must be an integer >= 1, got 0"):
         DiffusionModule("tiny:wan", vae_tiling={"tile_sample_min_height": 0})
     with pytest.raises(ConfigError, match=r"AutoencoderKLWan.enable_tiling takes tile_sample_min_height, "):

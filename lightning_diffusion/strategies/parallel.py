@@ -89,6 +89,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._idle_group: Optional[Any] = None
+        self._replica_group: Optional[Any] = None
         self._device_mesh: Optional[DeviceMesh] = None
         # Stop on SLURM's signals (see ``preemption``), in SLURM jobs.
         self._stop_on_signal = False
@@ -226,7 +227,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         log.info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
         self._warn_groups_across_nodes()
         # Every run stops cleanly on Ctrl-C; SLURM jobs also on SLURM's signals, and requeue.
-        STOP.enable(self._new_replica_group(), self.root_device, self.global_rank, slurm=self._stop_on_signal)
+        self._replica_group = self._new_replica_group()
+        STOP.enable(self._replica_group, self.root_device, self.global_rank, slurm=self._stop_on_signal)
         if request is not None:
             self.lightning_module.use_load_plan(self.load_plan(request))
 
@@ -240,7 +242,9 @@ class DiffusionParallelStrategy(ParallelStrategy):
             )
 
     def _new_replica_group(self) -> Optional[Any]:
-        """A process group per replica (ranks that make the same images), for the stop agreement."""
+        """A process group per replica (ranks that make the same images): the stop agreement at
+        each batch, and the split of text encoding and decoding inside the pipeline call (both on
+        the main thread, in the same order on every rank of the replica)."""
         assert self._parallel_dims is not None
         return self._new_groups(self._parallel_dims.replica_groups())
 
@@ -250,12 +254,6 @@ class DiffusionParallelStrategy(ParallelStrategy):
         process holds whole tensors. Its collectives wait the strategy's timeout, like the others."""
         assert self._parallel_dims is not None
         return self._new_groups(self._parallel_dims.shard_groups(), timeout=self._timeout)
-
-    def _new_work_group(self) -> Optional[Any]:
-        """A process group per replica, over which text encoding and VAE decoding are split;
-        ``None`` with one process per replica. Its collectives wait the strategy's timeout."""
-        assert self._parallel_dims is not None
-        return self._new_groups(self._parallel_dims.replica_groups(), timeout=self._timeout)
 
     def _new_groups(self, groups: list[list[int]], timeout: Optional[timedelta] = None) -> Optional[Any]:
         """Create every group of ``groups`` (every rank creates every group, in the same order) and
@@ -305,7 +303,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             if module.needs_shard_group:
                 module.use_shard_group(self._new_shard_group())
             if module.split_work:
-                module.use_group(self._new_work_group())
+                module.use_group(self._replica_group)
         self.barrier("pipeline_placed")
 
     @override
