@@ -53,7 +53,8 @@ class _TilesDecoded(Exception):
 
 def exchange(tensors: list[torch.Tensor], group: Any, device: torch.device) -> list[list[torch.Tensor]]:
     """Every rank's ``tensors`` (any number, shapes and dtypes) on every rank of ``group``, by rank:
-    one all-gather of their shapes and one of their bytes (padded to the longest rank's)."""
+    one all-gather of their shapes and one of their bytes (padded to the longest rank's). The list
+    is emptied once packed, so that its tensors can be freed before the others arrive."""
     size = dist.get_world_size(group)
     metas: list[Any] = [None] * size
     dist.all_gather_object(metas, [(tuple(t.shape), t.dtype) for t in tensors], group=group)
@@ -63,8 +64,10 @@ def exchange(tensors: list[torch.Tensor], group: Any, device: torch.device) -> l
         pieces += [data, data.new_zeros((-data.numel()) % _ALIGN)]
     lengths = [sum(_padded_bytes(shape, dtype) for shape, dtype in meta) for meta in metas]
     longest = max(lengths)
-    mine = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
-    mine = torch.cat([mine, mine.new_zeros(longest - mine.numel())]) if mine.numel() < longest else mine
+    mine = torch.cat(pieces + [torch.zeros(longest - sum(p.numel() for p in pieces), dtype=torch.uint8,
+                                            device=device)])
+    pieces.clear()
+    tensors.clear()
     buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
     dist.all_gather(buffers, mine, group=group)
     result = []
@@ -195,8 +198,9 @@ class GroupWork:
         _map_tensors(output, collect)
         if not local:
             return output
+        count = len(local)
         parts = exchange(local, self.group, local[0].device)
-        whole = iter([torch.cat([rank_parts[i] for rank_parts in parts])[:batch] for i in range(len(local))])
+        whole = iter([torch.cat([rank_parts[i] for rank_parts in parts])[:batch] for i in range(count)])
 
         def replace(tensor: torch.Tensor) -> torch.Tensor:
             return next(whole) if tensor.dim() >= 1 and tensor.shape[0] == chunk else tensor
@@ -298,10 +302,9 @@ class GroupWork:
         calls = self.calls
         self.tiles_seen += calls[-1] + 1 if calls else 0
         self.tiles_decoded += len({calls[c] for c in self.mine})
-        try:
-            parts = exchange([self.mine[c] for c in sorted(self.mine)], self.group, z.device)
-        finally:
-            self.mine = {}
+        owned = [self.mine[c] for c in sorted(self.mine)]
+        self.mine = {}
+        parts = exchange(owned, self.group, z.device)
         self.answers = self._answers(calls, parts)
         self.mode, self.calls, self.new_tile = "replay", [], True
         try:
