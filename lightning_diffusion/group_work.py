@@ -99,22 +99,15 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return value
 
 
-class _EncoderHook(ModelHook):
-    def __init__(self, work: "GroupWork") -> None:
+class _Hook(ModelHook):
+    """A module's forward handed to ``route(original_forward, args, kwargs)``."""
+
+    def __init__(self, route: Callable[[Callable, tuple, dict], Any]) -> None:
         super().__init__()
-        self.work = work
+        self.route = route
 
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return self.work.encode(self.fn_ref.original_forward, args, kwargs)
-
-
-class _DecoderHook(ModelHook):
-    def __init__(self, work: "GroupWork") -> None:
-        super().__init__()
-        self.work = work
-
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return self.work.decoder_call(self.fn_ref.original_forward, args, kwargs)
+        return self.route(self.fn_ref.original_forward, args, kwargs)
 
 
 class GroupWork:
@@ -129,7 +122,7 @@ class GroupWork:
         self.encoders = [module for name, module in pipeline.components.items()
                          if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)]
         for module in self.encoders:
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(_EncoderHook(self), HOOK_NAME)
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(_Hook(self.encode), HOOK_NAME)
         self.vae = getattr(pipeline, "vae", None)
         self.tiles = False
         self.mode = "off"  # decoder calls: "off" (pass through), "collect" (pass one), "replay" (pass two)
@@ -254,7 +247,7 @@ class GroupWork:
         return (width > limit_w or height > limit_h) and tiles >= 2
 
     def _wrap_tiling(self, vae: torch.nn.Module) -> None:
-        HookRegistry.check_if_exists_or_initialize(vae.decoder).register_hook(_DecoderHook(self), HOOK_NAME)
+        HookRegistry.check_if_exists_or_initialize(vae.decoder).register_hook(_Hook(self.decoder_call), HOOK_NAME)
         self.counts_tiles_by_cache = callable(getattr(vae, "clear_cache", None))
         if self.counts_tiles_by_cache:
             clear_cache = vae.clear_cache
