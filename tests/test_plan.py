@@ -7,7 +7,7 @@ import yaml
 
 from lightning_diffusion.cli import main
 from lightning_diffusion.pipelines import safetensors_bytes
-from lightning_diffusion.commands.plan import ModelFacts, choose, facts_for
+from lightning_diffusion.commands.plan import ModelFacts, choose, facts_for, runner_up
 from lightning_diffusion.specs import all_published
 
 FLUX1, FLUX2 = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.2-dev"
@@ -55,6 +55,29 @@ def test_plan_prefers_replicas_for_throughput(model, gpus, gb, link, height, wid
     plan = choose(facts_for(model), gpus, gb, link, height, width, frames, prompts=prompts)
     assert plan.strategy == strategy, plan.reasons
     assert {k: plan.init_args[k] for k in args} == args and plan.devices == devices, (plan.init_args, plan.devices)
+
+
+def test_plan_gives_expected_throughput_of_its_choice_and_why_the_runner_up_lost(capsys):
+    facts = facts_for(FLUX1)
+    chosen = choose(facts, 8, 80, "nvlink", 2048, 2048, None, prompts=100_000)
+    other, why = runner_up(facts, 8, 80, "nvlink", 2048, 2048, None, 100_000, "throughput", chosen)
+    assert chosen.rate("nvlink") == 8.0 and other.strategy == "ContextParallelStrategy"
+    assert 1 < other.rate("nvlink") < 8 and other.rate("pcie") < other.rate("nvlink")
+    assert why.startswith("fewer images per hour: it spends 8 GPUs on each image")
+    # the latency goal flips them, and says what the replicas would have bought
+    latency = choose(facts, 8, 80, "nvlink", 2048, 2048, None, prompts=100_000, goal="latency")
+    other, why = runner_up(facts, 8, 80, "nvlink", 2048, 2048, None, 100_000, "latency", latency)
+    assert other.strategy == "data_parallel" and "1 GPU(s) per image against 8" in why
+    # a device map runs one GPU at a time: its group makes one GPU's images, its replicas add up
+    device_map = choose(facts_for(FLUX1), 4, 24, "pcie", 1024, 1024, None, prompts=1000)
+    assert (device_map.group, device_map.replicas, device_map.rate("pcie")) == (2, 2, 2.0)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", FLUX1, "--gpus", "8", "--gpu-memory", "80GB", "--height", "2048", "--width", "2048",
+              "--prompts", "100000"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "  1. data_parallel (8 replicas): 8.0x\n  2. ContextParallelStrategy (ulysses_degree 8): 4.9x, not chosen: " \
+           "fewer images per hour" in out, out
 
 
 def test_plan_writes_a_config_the_cli_accepts(tmp_path, capsys):

@@ -21,6 +21,7 @@ sequences.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,10 @@ from lightning_diffusion.specs import PipelineSpec, all_published, cfg_supported
 # activations grow large: split the sequence (the guide's "long sequences").
 LONG_SEQUENCE = 16_384
 _HEADROOM = 0.9  # of GPU memory usable for weights and activations
+# Rule of thumb for expected throughput, not a measurement: a model-parallel group (context or
+# tensor parallel) keeps this fraction of linear speed-up per doubling of its size (per-layer or
+# per-attention exchanges); a device map runs one GPU at a time, so its group makes one GPU's rate.
+GROUP_EFFICIENCY = {"nvlink": 0.85, "pcie": 0.6}
 
 
 @dataclass
@@ -102,6 +107,23 @@ class Plan:
     init_args: dict = field(default_factory=dict)
     devices: int = 1
     reasons: list[str] = field(default_factory=list)
+    group: int = 1  # GPUs that make one image together
+    replicas: int = 1
+
+    def rate(self, interconnect: str) -> float:
+        """Expected images per hour relative to one GPU running the whole pipeline (``GROUP_EFFICIENCY``)."""
+        if self.group == 1 or self.strategy == "DeviceMapStrategy":
+            per_group = 1.0
+        else:
+            per_group = self.group * GROUP_EFFICIENCY[interconnect] ** math.log2(self.group)
+        return self.replicas * per_group
+
+    def label(self) -> str:
+        if self.strategy == "data_parallel":
+            return f"data_parallel ({self.replicas} replicas)"
+        degrees = ", ".join(f"{k} {v}" for k, v in self.init_args.items() if isinstance(v, int) and v > 1)
+        replicas = f", {self.replicas} replicas" if self.replicas > 1 else ""
+        return f"{self.strategy} ({degrees or 'one group'}{replicas})"
 
     def config(self, facts: ModelFacts, height: int, width: int, frames: Optional[int]) -> dict:
         strategy = self.strategy if not self.init_args else {
@@ -143,20 +165,20 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
         why = "" if not long else (
             "; the sequence is long, but replicas scale throughput linearly and context parallel does not "
             "(--goal latency splits each image over the GPUs instead)")
-        return Plan("data_parallel", devices=gpus, reasons=[
+        return Plan("data_parallel", devices=gpus, group=1, replicas=gpus, reasons=[
             numbers, f"the whole pipeline fits on one GPU: {gpus} replicas split the {prompts:,} prompts{why}"])
     if fits_denoiser and long:
         group = gpus
         degrees = cp_degrees(group)
         mode = "Ulysses" if degrees["ring_degree"] == 1 else "Unified (ring x Ulysses)"
-        return Plan("ContextParallelStrategy", degrees, devices=gpus, reasons=[
+        return Plan("ContextParallelStrategy", degrees, devices=gpus, group=group, reasons=[
             numbers, f"the sequence is long: split it over {group} GPUs with {mode}; "
                      f"{facts.heads} heads allow Ulysses up to {degrees['ulysses_degree']}"])
     if fits_denoiser and not fits_whole:
         # Each component fits, not all together: move whole components, no per-layer traffic.
         return Plan("DeviceMapStrategy", {"device_map": "balanced", "staged": True,
                                           "devices_per_process": min(gpus, 2)},
-                    devices=max(1, gpus // 2), reasons=[
+                    devices=max(1, gpus // 2), group=min(gpus, 2), replicas=max(1, gpus // 2), reasons=[
             numbers, "each component fits on a GPU but not all of them together: place whole components "
                      "(device_map balanced, staged encode/denoise/decode), replicas on the other GPUs"])
     # The transformer itself does not fit on one GPU.
@@ -169,7 +191,7 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
         per = per if throughput else gpus
         replicas = gpus // per
         return Plan("DeviceMapStrategy", {"device_map": "auto", "staged": True, "devices_per_process": per},
-                    devices=replicas, reasons=[
+                    devices=replicas, group=per, replicas=replicas, reasons=[
             numbers, "the transformer does not fit on one GPU and "
                      + ("PCIe is too slow for per-layer tensor-parallel traffic" if interconnect == "pcie"
                         else "no tensor-parallel degree makes it fit")
@@ -179,12 +201,42 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
         group = gpus // shards
         ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % (d * shards) == 0)
         return Plan("MeshStrategy", {"dp": 1, "tp": shards, "ulysses": ulysses, "ring": group // ulysses},
-                    devices=gpus, reasons=[
+                    devices=gpus, group=gpus, reasons=[
             numbers, f"the transformer needs {shards} GPUs (tensor parallel over NVLink) and the sequence is long: "
                      f"TP {shards} x context parallel {group}"])
-    return Plan("TensorParallelStrategy", {"tp_degree": shards}, devices=gpus, reasons=[
+    return Plan("TensorParallelStrategy", {"tp_degree": shards}, devices=gpus, group=shards, replicas=gpus // shards,
+                reasons=[
         numbers, f"the transformer needs {shards} GPUs: tensor parallel over NVLink, "
                  f"{gpus // shards} replica(s) of tp {shards}"])
+
+
+def runner_up(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, height: int, width: int,
+              frames: Optional[int], prompts: int, goal: str, chosen: Plan) -> Optional[tuple[Plan, str]]:
+    """The plan the other goal gives and why it lost to ``chosen`` (None when both goals agree)."""
+    other_goal = "latency" if goal == "throughput" else "throughput"
+    other = choose(facts, gpus, gpu_gb, interconnect, height, width, frames, max(prompts, gpus), other_goal)
+    if (other.strategy, other.init_args, other.devices) == (chosen.strategy, chosen.init_args, chosen.devices):
+        return None
+    if goal == "latency":
+        why = (f"more images per hour, but {other.group} GPU(s) per image against {chosen.group}: each image takes "
+               "longer (--goal latency asks for the fastest image)")
+    elif prompts < gpus:
+        why = f"{prompts:,} prompts cannot keep {other.replicas} replicas busy"
+    else:
+        why = f"fewer images per hour: it spends {other.group} GPUs on each image (--goal latency picks it)"
+    return other, why
+
+
+def describe_rates(chosen: Plan, other: Optional[tuple[Plan, str]], interconnect: str) -> list[str]:
+    """The expected-throughput lines ``plan`` prints for its choice and the runner-up."""
+    lines = ["expected images per hour relative to one GPU (a rule of thumb: model-parallel groups keep "
+             f"{GROUP_EFFICIENCY[interconnect]:.0%} per doubling over {interconnect}; a device map runs one GPU "
+             "at a time):",
+             f"  1. {chosen.label()}: {chosen.rate(interconnect):.1f}x"]
+    if other is not None:
+        plan, why = other
+        lines.append(f"  2. {plan.label()}: {plan.rate(interconnect):.1f}x, not chosen: {why}")
+    return lines
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -214,6 +266,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for reason in plan.reasons:
         print(f"  - {reason}")
     print(f"  - {cfg_note(facts)}")
+    other = runner_up(facts, args.gpus, gpu_gb, args.interconnect, args.height, args.width, args.frames,
+                      args.prompts, args.goal, plan)
+    print("\n".join(describe_rates(plan, other, args.interconnect)))
     text = yaml.safe_dump(plan.config(facts, args.height, args.width, args.frames), sort_keys=False)
     print(text)
     if args.write:
