@@ -22,7 +22,7 @@ from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolv
 def check_model_args(
     path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]],
     cache: Optional[dict[str, Any]] = None, records: Optional[Sequence[dict[str, Any]]] = None,
-    vae_tiling: Any = None,
+    vae_tiling: Any = None, compile: Optional[str] = None, vae_slicing: bool = False,
 ) -> tuple[Optional[PipelineInfo], list[str]]:
     """Every check of the model settings that needs no weights; returns the pipeline's info (or
     None when the path itself is wrong) and the problems found. ``records``: the prompt records,
@@ -48,7 +48,31 @@ def check_model_args(
             base, extra = effective_call_args(info, named, call_kwargs)
             problems += model_cache_problems(info, cache, {**base, **extra}, records)
         problems += vae_tiling_problems(info, vae_tiling)
+        problems += compile_problems(info, compile)
+        if vae_slicing and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}), "use_slicing"):
+            problems.append(f"model.vae_slicing: {info.class_name}'s VAE cannot decode sample by sample; "
+                            "remove model.vae_slicing.")
     return info, problems
+
+
+COMPILE_MODES = ("regional", "full")
+
+
+def compile_problems(info: PipelineInfo, mode: Any) -> list[str]:
+    """``model.compile``: ``regional`` (``compile_repeated_blocks``: each distinct transformer block
+    compiled once and reused) needs denoisers that name their repeated blocks; ``full`` compiles
+    each denoiser whole."""
+    if mode is None:
+        return []
+    if mode not in COMPILE_MODES:
+        return [f"model.compile is regional, full or null, not {mode!r}."]
+    if mode == "regional":
+        for name, cls in denoisers(info).items():
+            if not getattr(cls, "_repeated_blocks", None):
+                which = cls.__name__ if isinstance(cls, type) else "unknown"
+                return [f"model.compile: regional compiles a transformer's repeated blocks, and {info.class_name}'s "
+                        f"{name} ({which}) names none; use model.compile: full."]
+    return []
 
 
 def vae_tiling_problems(info: PipelineInfo, vae_tiling: Any) -> list[str]:
@@ -60,7 +84,8 @@ def vae_tiling_problems(info: PipelineInfo, vae_tiling: Any) -> list[str]:
         return [f"model.vae_tiling is true, false or the settings of the VAE's enable_tiling (a mapping), "
                 f"not {vae_tiling!r}."]
     vae = info.component_class("vae")
-    if not _can_tile(vae, info.configs.get("vae", {})):
+    if not callable(getattr(vae, "enable_tiling", None)) or not _vae_has(vae, info.configs.get("vae", {}),
+                                                                          "use_tiling"):
         which = f"its VAE ({vae.__name__})" if isinstance(vae, type) else "it has no VAE that"
         return [f"model.vae_tiling: {info.class_name} cannot decode by tiles: {which} has no tiled decoding; "
                 "remove model.vae_tiling."]
@@ -121,17 +146,18 @@ def negative_branch(info: PipelineInfo, call_args: dict[str, Any],
     return summary is not None and summary.first_negative is not None
 
 
-def _can_tile(vae: Optional[type], config: dict[str, Any]) -> bool:
-    """Whether a VAE class decodes by tiles: diffusers' VAEs say so by a ``use_tiling`` attribute
-    set in ``__init__``, so the class is built from its config on the meta device (no memory)."""
-    if not isinstance(vae, type) or not callable(getattr(vae, "enable_tiling", None)):
+def _vae_has(vae: Optional[type], config: dict[str, Any], attribute: str) -> bool:
+    """Whether a VAE class decodes by tiles (``use_tiling``) or by sample (``use_slicing``):
+    diffusers' VAEs say so by an attribute set in ``__init__``, so the class is built from its
+    config on the meta device (no memory)."""
+    if not isinstance(vae, type):
         return False
     try:
         with torch.device("meta"):
             model = vae.from_config(config)
     except Exception:  # a config this class cannot build: leave the verdict to the load
         return True
-    return hasattr(model, "use_tiling")
+    return hasattr(model, attribute)
 
 
 def effective_call_args(
@@ -147,7 +173,7 @@ def effective_call_args(
 
 def image_settings(
     path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any],
-    cache: Optional[dict[str, Any]] = None, vae_tiling: Any = None,
+    cache: Optional[dict[str, Any]] = None, vae_tiling: Any = None, speed: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The model settings that decide the pictures, as run.json records them (the writer and
     preflight both compute them, so that a folder is refused before anything starts)."""
@@ -159,6 +185,7 @@ def image_settings(
            if k in from_pretrained_kwargs},
         **({"model.cache": dict(cache)} if cache is not None else {}),
         **({"model.vae_tiling": vae_tiling} if vae_tiling not in (None, False) else {}),
+        **{f"model.{k}": v for k, v in sorted((speed or {}).items()) if v not in (None, False)},
     }
 
 
@@ -215,6 +242,10 @@ class DiffusionModule(pl.LightningModule):
         split_work: split text encoding and VAE decoding over the ranks of each model-parallel
             group (by sample, or by tile with ``vae_tiling``) instead of repeating it on each rank
             (``group_work``; docs/strategies.md).
+        compile: ``regional`` (each distinct transformer block compiled once with
+            ``torch.compile`` and reused: short compile, most of the gain) or ``full`` (each
+            denoiser whole); compiled on the first batch of each shape (``pad_batches`` keeps one).
+        vae_slicing: decode a batch sample by sample (diffusers' ``enable_slicing``: less memory).
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
     array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
@@ -239,6 +270,8 @@ class DiffusionModule(pl.LightningModule):
         cache: Optional[dict[str, Any]] = None,
         vae_tiling: Optional[Union[bool, dict[str, int]]] = None,
         split_work: bool = True,
+        compile: Optional[str] = None,
+        vae_slicing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -252,7 +285,7 @@ class DiffusionModule(pl.LightningModule):
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
         info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
-                                          vae_tiling=vae_tiling)
+                                          vae_tiling=vae_tiling, compile=compile, vae_slicing=vae_slicing)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
@@ -268,6 +301,8 @@ class DiffusionModule(pl.LightningModule):
         self.vae_tiling = vae_tiling
         self.split_work = split_work
         self.group_work: Any = None
+        self.speed = {"compile": compile, "vae_slicing": vae_slicing}
+        self.compiled = False
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
         self.load_plan = LoadPlan()
@@ -281,7 +316,7 @@ class DiffusionModule(pl.LightningModule):
     def image_settings(self) -> dict[str, Any]:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
         return image_settings(self.model_path, self.hparams.torch_dtype, self.call_args, self.from_pretrained_kwargs,
-                              self.cache, self.vae_tiling)
+                              self.cache, self.vae_tiling, self.speed)
 
     @property
     def call_args(self) -> dict[str, Any]:
@@ -367,6 +402,8 @@ class DiffusionModule(pl.LightningModule):
             pipeline.set_progress_bar_config(disable=True)
         if self.vae_tiling:
             pipeline.vae.enable_tiling(**(self.vae_tiling if isinstance(self.vae_tiling, dict) else {}))
+        if self.speed["vae_slicing"]:
+            pipeline.vae.enable_slicing()
         self.pipeline = pipeline
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module):
@@ -396,7 +433,26 @@ class DiffusionModule(pl.LightningModule):
                 "calls": calls, "skipped_calls": skipped,
                 "reused_fraction": round(reused / image_steps, 4) if image_steps else 0.0}
 
+    def compile_denoisers(self) -> None:
+        """``model.compile`` on each denoiser of the pipeline the strategy set up (after its
+        context-parallel hooks, sharding and caches), once."""
+        mode = self.speed["compile"]
+        if mode is None or self.compiled or self.pipeline is None:
+            return
+        for name in denoisers(self.info):
+            component = getattr(self.pipeline, name, None)
+            if not isinstance(component, nn.Module):
+                continue
+            if mode == "regional":
+                component.compile_repeated_blocks()
+            else:
+                component.compile()
+        self.compiled = True
+        if self.global_rank == 0:
+            log.info(f"model.compile: {mode} on {', '.join(denoisers(self.info))}; the first batch of each shape compiles")
+
     def on_predict_start(self) -> None:
+        self.compile_denoisers()
         if self.step_cache is not None:  # a second predict on the same module counts afresh
             self.step_cache.stats, self.cache_totals = CacheStats(), None
 
@@ -454,7 +510,8 @@ class DiffusionModule(pl.LightningModule):
         )
         images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt")}
-        params = {"model": self.model_path, **self.info.call_defaults, **recorded}
+        options = {k: v for k, v in {"vae_tiling": self.vae_tiling, **self.speed}.items() if v not in (None, False)}
+        params = {"model": self.model_path, **self.info.call_defaults, **recorded, **options}
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
         if images.ndim == 5:  # videos: (batch, frames, height, width, 3)
             sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]

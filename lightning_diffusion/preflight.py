@@ -101,7 +101,7 @@ def preflight(config: Any) -> tuple[list, bool]:
     records = gather(problems, load_records, data.prompts)
     info, model_problems = check_model_args(
         model.pretrained_model_name_or_path, model.torch_dtype, named, model.get("call_kwargs"),
-        model.get("cache"), records, model.get("vae_tiling"),
+        model.get("cache"), records, model.get("vae_tiling"), model.get("compile"), model.get("vae_slicing"),
     )
     problems = model_problems + problems
     problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt)
@@ -129,7 +129,8 @@ def preflight(config: Any) -> tuple[list, bool]:
             settings = run_settings(
                 image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
-                               model.get("vae_tiling")),
+                               model.get("vae_tiling"),
+                               {"compile": model.get("compile"), "vae_slicing": model.get("vae_slicing")}),
                 data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
                 writer.get("fps") or 16)
             conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)

@@ -76,6 +76,8 @@ class StepTimer(Callback):
         if batch_idx >= self.warmup:
             self.times.append(elapsed)
             self.images += len(batch)
+        else:  # warm-up: a compiled model compiles here
+            self.warmup_s = getattr(self, "warmup_s", 0.0) + elapsed
         self.last_params = outputs[0]["params"] if outputs else getattr(self, "last_params", {})
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -106,6 +108,7 @@ class StepTimer(Callback):
             # rank 0's batches, times the replicas that run alongside it
             "images_per_sec": self.images * replicas / total if total else 0.0,
             "load_s": self.load_s,
+            "warmup_s": getattr(self, "warmup_s", 0.0),
             "timed_batches": len(self.times),
             "device": "cuda" if self.cuda else "cpu",
             "cache": cache,

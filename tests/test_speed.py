@@ -1,0 +1,77 @@
+"""Speed settings from the config (first part): ``model.compile`` and ``model.vae_slicing``.
+
+Compiled runs are compared with the eager single-process reference (same seeds and batch size):
+decoded float images within COMPILED_ATOL (inductor fuses and reorders float operations; measured
+2.7e-6 for regional compile in one process, 2.6e-6 under Ulysses 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_diffusion import DiffusionModule
+from lightning_diffusion.errors import ConfigError
+from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+
+COMPILED_ATOL = 1e-4
+
+
+def test_regional_compile_matches_eager_and_compiles_once_per_shape(reference, tmp_path):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    proc = run_here(*tiny_args(tmp_path, "--data.batch_size", "1", "--data.prompts", FIVE_PROMPTS,
+                               "--model.compile", "regional", "--model.vae_slicing", "true"))
+    assert "model.compile: regional on transformer" in proc.stderr
+    # FLUX.1 has two repeated block classes; five batches of one shape must not compile again
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < compiled <= 4, dict(torch._dynamo.utils.counters["stats"])
+    torch._dynamo.reset()
+    ours, ref = load_arrays(tmp_path), reference()
+    for i in range(5):
+        np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=COMPILED_ATOL, err_msg=f"image {i}")
+    lines = read_manifest_lines(tmp_path)
+    assert lines[0]["compile"] == "regional" and lines[0]["vae_slicing"] is True  # metadata of each image
+    settings = json.loads((tmp_path / "run.json").read_text())
+    assert settings["model.compile"] == "regional" and settings["model.vae_slicing"] is True
+
+
+@pytest.mark.slow
+def test_regional_compile_under_ulysses_matches_one_process(reference, tmp_path):
+    proc = run_cli(*tiny_args(tmp_path, "--data.batch_size", "1", "--data.prompts", FIVE_PROMPTS,
+                              "--model.compile", "regional", config="configs/tiny-ulysses.yaml"), timeout=900)
+    assert "model.compile: regional on transformer" in proc.stdout + proc.stderr
+    ours, ref = load_arrays(tmp_path), reference()
+    for i in range(5):
+        np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=COMPILED_ATOL, err_msg=f"image {i}")
+
+
+def _with_transformer(tmp_path: Path, cls: str) -> Path:
+    """tiny:flux's configs (no weights: the checks read configs only) naming another transformer class."""
+    from lightning_diffusion import tiny
+
+    source, target = Path(tiny.resolve("tiny:flux")), tmp_path / "model"
+    for file in source.rglob("*.json"):
+        (target / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+        (target / file.relative_to(source)).write_text(file.read_text())
+    index = json.loads((target / "model_index.json").read_text())
+    index["transformer"] = ["diffusers", cls]
+    (target / "model_index.json").write_text(json.dumps(index))
+    return target
+
+
+def test_bad_speed_settings_are_refused_before_loading(tmp_path, cli_here):
+    with pytest.raises(ConfigError, match=r"model.compile is regional, full or null, not 'fast'"):
+        DiffusionModule("tiny:flux", compile="fast")
+    model = _with_transformer(tmp_path, "SD3Transformer2DModel")
+    with pytest.raises(ConfigError, match=r"model.compile: regional compiles a transformer's repeated blocks, and "
+                                          r"FluxPipeline's transformer \(SD3Transformer2DModel\) names none; use "
+                                          r"model.compile: full"):
+        DiffusionModule(str(model), compile="regional")
+    proc = cli_here(*tiny_args(tmp_path / "out", "--model.compile", "fast"))
+    assert proc.returncode == 2 and "model.compile is regional, full or null" in proc.stderr
+    assert not (tmp_path / "out").exists()
