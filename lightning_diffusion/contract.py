@@ -47,7 +47,8 @@ class ModelRequest:
     ``dtype``: the weights' torch dtype. ``call_args``: the pipeline-call arguments of the config
     (``height``, ``num_inference_steps``, ``call_kwargs``...). ``from_pretrained_kwargs``: the
     user's extra loading options. ``records``: the prompt records, when known (per-record overrides
-    of the call arguments, negative prompts).
+    of the call arguments, negative prompts). ``attention_backend``: the denoisers' diffusers
+    attention backend the model config asks for (``None``: diffusers' default).
     """
 
     info: "PipelineInfo"
@@ -55,6 +56,7 @@ class ModelRequest:
     call_args: Mapping[str, Any]
     from_pretrained_kwargs: Mapping[str, Any] = field(default_factory=dict)
     records: Optional[Sequence[Mapping[str, Any]]] = None
+    attention_backend: Optional[str] = None
 
     def call_arg_sets(self) -> list[dict[str, Any]]:
         """The call arguments of every distinct kind of image: the config's, with each distinct set

@@ -15,7 +15,7 @@ from lightning_diffusion.cache import CacheStats, StepCache, check_cache, instal
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule, summarize_records
-from lightning_diffusion.errors import check_int, gather, preflight_passed, raise_problems
+from lightning_diffusion.errors import ConfigError, check_int, gather, preflight_passed, raise_problems
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
 
 
@@ -23,6 +23,7 @@ def check_model_args(
     path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]],
     cache: Optional[dict[str, Any]] = None, records: Optional[Sequence[dict[str, Any]]] = None,
     vae_tiling: Any = None, compile: Optional[str] = None, vae_slicing: bool = False,
+    attention_backend: Optional[str] = None,
 ) -> tuple[Optional[PipelineInfo], list[str]]:
     """Every check of the model settings that needs no weights; returns the pipeline's info (or
     None when the path itself is wrong) and the problems found. ``records``: the prompt records,
@@ -32,6 +33,8 @@ def check_model_args(
     if steps is not None:
         problems += filter(None, [check_int(steps, "model.num_inference_steps")])
     gather(problems, resolve_dtype, torch_dtype)
+    if attention_backend is not None:
+        gather(problems, check_attention_backend_name, attention_backend)
     info = gather(problems, inspect_pipeline, path)
     if info is not None:
         gather(problems, info.check_size, named.get("height"), named.get("width"))
@@ -56,6 +59,21 @@ def check_model_args(
 
 
 COMPILE_MODES = ("regional", "full")
+
+
+def check_attention_backend_name(name: Any) -> None:
+    """``model.attention_backend``: a diffusers attention backend whose package is installed."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    try:
+        backend = AttentionBackendName(name)
+    except ValueError:
+        raise ConfigError(f"model.attention_backend {name!r} is not a diffusers attention backend; choose one of: "
+                          f"{', '.join(sorted(b.value for b in AttentionBackendName))}.") from None
+    try:
+        _check_attention_backend_requirements(backend)
+    except (RuntimeError, ImportError) as err:
+        raise ConfigError(f"model.attention_backend {name!r}: {err}") from None
 
 
 def compile_problems(info: PipelineInfo, mode: Any) -> list[str]:
@@ -246,6 +264,8 @@ class DiffusionModule(pl.LightningModule):
             ``torch.compile`` and reused: short compile, most of the gain) or ``full`` (each
             denoiser whole); compiled on the first batch of each shape (``pad_batches`` keeps one).
         vae_slicing: decode a batch sample by sample (diffusers' ``enable_slicing``: less memory).
+        attention_backend: the denoisers' diffusers attention backend (``set_attention_backend``)
+            under every strategy; context parallelism needs one that supports it.
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
     array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
@@ -272,6 +292,7 @@ class DiffusionModule(pl.LightningModule):
         split_work: bool = True,
         compile: Optional[str] = None,
         vae_slicing: bool = False,
+        attention_backend: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -285,7 +306,8 @@ class DiffusionModule(pl.LightningModule):
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
         info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
-                                          vae_tiling=vae_tiling, compile=compile, vae_slicing=vae_slicing)
+                                          vae_tiling=vae_tiling, compile=compile, vae_slicing=vae_slicing,
+                                          attention_backend=attention_backend)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
@@ -301,7 +323,7 @@ class DiffusionModule(pl.LightningModule):
         self.vae_tiling = vae_tiling
         self.split_work = split_work
         self.group_work: Any = None
-        self.speed = {"compile": compile, "vae_slicing": vae_slicing}
+        self.speed = {"compile": compile, "vae_slicing": vae_slicing, "attention_backend": attention_backend}
         self.compiled = False
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
@@ -327,7 +349,8 @@ class DiffusionModule(pl.LightningModule):
 
     def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
         """What a strategy may know before the weights load (see ``contract``)."""
-        return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records)
+        return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
+                            self.speed["attention_backend"])
 
     def use_load_plan(self, plan: LoadPlan) -> None:
         """Load with ``plan`` in ``configure_model`` (a strategy's components and options)."""
@@ -404,6 +427,9 @@ class DiffusionModule(pl.LightningModule):
             pipeline.vae.enable_tiling(**(self.vae_tiling if isinstance(self.vae_tiling, dict) else {}))
         if self.speed["vae_slicing"]:
             pipeline.vae.enable_slicing()
+        if self.speed["attention_backend"] is not None:
+            for name in denoisers(self.info):
+                getattr(pipeline, name).set_attention_backend(self.speed["attention_backend"])
         self.pipeline = pipeline
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module):

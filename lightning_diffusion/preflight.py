@@ -102,6 +102,7 @@ def preflight(config: Any) -> tuple[list, bool]:
     info, model_problems = check_model_args(
         model.pretrained_model_name_or_path, model.torch_dtype, named, model.get("call_kwargs"),
         model.get("cache"), records, model.get("vae_tiling"), model.get("compile"), model.get("vae_slicing"),
+        model.get("attention_backend"),
     )
     problems = model_problems + problems
     problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt)
@@ -119,7 +120,8 @@ def preflight(config: Any) -> tuple[list, bool]:
             base, extra = effective_call_args(info, named, model.get("call_kwargs"))
             call_args = {**base, **extra}
             request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
-                                   dict(model.get("from_pretrained_kwargs") or {}), records)
+                                   dict(model.get("from_pretrained_kwargs") or {}), records,
+                                   model.get("attention_backend"))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
         base, extra = effective_call_args(info, named, model.get("call_kwargs"))
@@ -130,7 +132,8 @@ def preflight(config: Any) -> tuple[list, bool]:
                 image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
                                model.get("vae_tiling"),
-                               {"compile": model.get("compile"), "vae_slicing": model.get("vae_slicing")}),
+                               {"compile": model.get("compile"), "vae_slicing": model.get("vae_slicing"),
+                                "attention_backend": model.get("attention_backend")}),
                 data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
                 writer.get("fps") or 16)
             conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)

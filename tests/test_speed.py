@@ -1,4 +1,5 @@
-"""Speed settings from the config (first part): ``model.compile`` and ``model.vae_slicing``.
+"""Speed settings from the config (first part): ``model.compile``, ``model.vae_slicing`` and
+``model.attention_backend``.
 
 Compiled runs are compared with the eager single-process reference (same seeds and batch size):
 decoded float images within COMPILED_ATOL (inductor fuses and reorders float operations; measured
@@ -74,4 +75,33 @@ def test_bad_speed_settings_are_refused_before_loading(tmp_path, cli_here):
         DiffusionModule(str(model), compile="regional")
     proc = cli_here(*tiny_args(tmp_path / "out", "--model.compile", "fast"))
     assert proc.returncode == 2 and "model.compile is regional, full or null" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_attention_backend_is_set_on_the_denoisers_and_matches_the_default(reference, tmp_path):
+    module = DiffusionModule("tiny:flux", attention_backend="_native_math")
+    module.configure_model()
+    processors = [m.processor for m in module.pipeline.transformer.modules() if hasattr(m, "processor")]
+    assert processors and {str(p._attention_backend) for p in processors} == {"AttentionBackendName._NATIVE_MATH"}
+    run_here(*tiny_args(tmp_path, "--data.batch_size", "1", "--data.prompts", FIVE_PROMPTS,
+                        "--model.attention_backend", "_native_math"))
+    ours, ref = load_arrays(tmp_path), reference()
+    for i in range(5):  # the math kernel against SDPA's default on CPU
+        np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=1e-5, err_msg=f"image {i}")
+    assert read_manifest_lines(tmp_path)[0]["attention_backend"] == "_native_math"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model.attention_backend", "nope"], "model.attention_backend 'nope' is not a diffusers attention backend"),
+    (["--model.attention_backend", "_native_cudnn"],
+     "attention_backend '_native_cudnn' needs a GPU; on CPU use one of: native, _native_math"),
+    (["--model.attention_backend", "_native_math", "--trainer.devices", "2", "--trainer.strategy", "ulysses"],
+     "attention_backend '_native_math' cannot do context parallelism"),
+    (["--model.attention_backend", "_native_math", "--config", "configs/tiny-ulysses.yaml",
+      "--trainer.strategy.init_args.attention_backend", "native"],
+     "the strategy's attention_backend 'native' and model.attention_backend '_native_math' differ; set one of them."),
+])
+def test_bad_attention_backends_are_refused_before_loading(extra, message, tmp_path, cli_here):
+    proc = cli_here(*tiny_args(tmp_path / "out", *extra))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()

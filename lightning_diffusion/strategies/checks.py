@@ -47,6 +47,17 @@ def check_attention_backend(name: str) -> None:
         )
 
 
+# Backends that run on a CPU (the others need CUDA, ROCm, an NPU or XLA kernels).
+CPU_ATTENTION_BACKENDS = ("native", "_native_math")
+
+
+def check_backend_device(name: str, device: torch.device) -> None:
+    """An attention backend that cannot run on ``device`` (a CUDA kernel in a CPU rehearsal)."""
+    if device.type == "cpu" and name not in CPU_ATTENTION_BACKENDS:
+        raise ConfigError(f"attention_backend {name!r} needs a GPU; on CPU use one of: "
+                          f"{', '.join(CPU_ATTENTION_BACKENDS)} (or leave it unset).")
+
+
 def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str], Any],
               records: Optional[Sequence[Any]]) -> None:
     """A cfg pair would only run the same work twice unless the pipeline's spec says how its two

@@ -28,6 +28,7 @@ from lightning_diffusion.specs import spec_for
 from lightning_diffusion.strategies.cfg_split import CFGSplit
 from lightning_diffusion.strategies.checks import (
     check_attention_backend,
+    check_backend_device,
     check_cfg,
     check_context_parallel,
     check_tensor_parallel,
@@ -134,9 +135,14 @@ class MeshStrategy(DiffusionParallelStrategy):
         problems: list = []
         dims = self.make_parallel_dims(world_size) if world_size is not None else self.parallel_dims
         info = request.info
+        device = torch.device(self.planned_device_type(device_type))
+        backend = gather(problems, self._backend, request)
+        if backend is not None:
+            gather(problems, check_backend_device, backend, device)
+            if dims.cp > 1:
+                gather(problems, check_attention_backend, backend)
         if dims.cp > 1:
-            device = torch.device(self.planned_device_type(device_type))
-            gather(problems, resolved_attention_backend, self.attention_backend, device, dims, request.dtype)
+            gather(problems, resolved_attention_backend, backend, device, dims, request.dtype)
         if dims.cfg > 1:
             gather(problems, check_cfg, info.class_name, dict(request.call_args), info.call_default, request.records)
         if dims.cp > 1:
@@ -145,7 +151,16 @@ class MeshStrategy(DiffusionParallelStrategy):
             gather(problems, check_tensor_parallel, request, dims)
         return problems
 
+    def _backend(self, request: ModelRequest) -> Optional[str]:
+        """The attention backend: the strategy's ``attention_backend`` or the model's (one of them)."""
+        ours, theirs = self.attention_backend, request.attention_backend
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ConfigError(f"the strategy's attention_backend {ours!r} and model.attention_backend {theirs!r} "
+                              "differ; set one of them.")
+        return ours or theirs
+
     def load_plan(self, request: ModelRequest) -> LoadPlan:
+        self._request_backend = request.attention_backend
         plan = LoadPlan()
         if self.tp_degree > 1:
             options = {k: v for k, v in request.from_pretrained_kwargs.items() if k in PASSED_OPTIONS}
@@ -168,7 +183,8 @@ class MeshStrategy(DiffusionParallelStrategy):
                 compat.apply_cpu_rehearsal_patches()
             for component in pipeline.components.values():
                 if isinstance(component, torch.nn.Module) and getattr(component, "_cp_plan", None) is not None:
-                    backend = resolved_attention_backend(self.attention_backend, self.root_device, dims, component.dtype)
+                    configured = self.attention_backend or getattr(self, "_request_backend", None)
+                    backend = resolved_attention_backend(configured, self.root_device, dims, component.dtype)
                     enable_context_parallel(
                         component, self.device_mesh["ring", "ulysses"], dims.ring, dims.ulysses,
                         self.ulysses_anything, self.ring_anything, backend, self.global_rank, self.world_size,
