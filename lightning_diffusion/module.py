@@ -86,7 +86,7 @@ def compile_problems(info: PipelineInfo, mode: Any) -> list[str]:
         return [f"model.compile is regional, full or null, not {mode!r}."]
     if mode == "regional":
         for name, cls in denoisers(info).items():
-            if not getattr(cls, "_repeated_blocks", None):
+            if cls is not None and not getattr(cls, "_repeated_blocks", None):  # None: an absent component
                 which = cls.__name__ if isinstance(cls, type) else "unknown"
                 return [f"model.compile: regional compiles a transformer's repeated blocks, and {info.class_name}'s "
                         f"{name} ({which}) names none; use model.compile: full."]
@@ -429,7 +429,9 @@ class DiffusionModule(pl.LightningModule):
             pipeline.vae.enable_slicing()
         if self.speed["attention_backend"] is not None:
             for name in denoisers(self.info):
-                getattr(pipeline, name).set_attention_backend(self.speed["attention_backend"])
+                component = getattr(pipeline, name, None)
+                if isinstance(component, nn.Module):  # Wan 2.1 lists an empty transformer_2
+                    component.set_attention_backend(self.speed["attention_backend"])
         self.pipeline = pipeline
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module):

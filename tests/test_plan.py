@@ -67,7 +67,16 @@ def test_plan_gives_expected_throughput_of_its_choice_and_why_the_runner_up_lost
     # the latency goal flips them, and says what the replicas would have bought
     latency = choose(facts, 8, 80, "nvlink", 2048, 2048, None, prompts=100_000, goal="latency")
     other, why = runner_up(facts, 8, 80, "nvlink", 2048, 2048, None, 100_000, "latency", latency)
-    assert other.strategy == "data_parallel" and "1 GPU(s) per image against 8" in why
+    assert other.strategy == "data_parallel" and why.startswith("more images per hour, but --goal latency")
+    # fewer prompts than GPUs: the choice is the latency one, and the replicas are the runner-up
+    few = choose(facts, 8, 80, "nvlink", 2048, 2048, None, prompts=3)
+    other, why = runner_up(facts, 8, 80, "nvlink", 2048, 2048, None, 3, "throughput", few)
+    assert few.strategy == "ContextParallelStrategy" and other.strategy == "data_parallel"
+    assert why == "3 prompts cannot keep 8 replicas busy"
+    # one GPU: one plan, whatever the goal and the sequence
+    one = choose(facts, 1, 80, "nvlink", 2048, 2048, None, prompts=1000, goal="latency")
+    assert one.strategy == "data_parallel" and runner_up(facts, 1, 80, "nvlink", 2048, 2048, None, 1000,
+                                                          "latency", one) is None
     # a device map runs one GPU at a time: its group makes one GPU's images, its replicas add up
     device_map = choose(facts_for(FLUX1), 4, 24, "pcie", 1024, 1024, None, prompts=1000)
     assert (device_map.group, device_map.replicas, device_map.rate("pcie")) == (2, 2, 2.0)

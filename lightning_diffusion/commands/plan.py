@@ -161,7 +161,7 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
         return {"ulysses_degree": ulysses, "ring_degree": group // ulysses}
 
     throughput = goal == "throughput" and prompts >= gpus
-    if fits_whole and (not long or throughput):
+    if fits_whole and (not long or throughput or gpus == 1):
         why = "" if not long else (
             "; the sequence is long, but replicas scale throughput linearly and context parallel does not "
             "(--goal latency splits each image over the GPUs instead)")
@@ -213,13 +213,16 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
 def runner_up(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, height: int, width: int,
               frames: Optional[int], prompts: int, goal: str, chosen: Plan) -> Optional[tuple[Plan, str]]:
     """The plan the other goal gives and why it lost to ``chosen`` (None when both goals agree)."""
-    other_goal = "latency" if goal == "throughput" else "throughput"
-    other = choose(facts, gpus, gpu_gb, interconnect, height, width, frames, max(prompts, gpus), other_goal)
-    if (other.strategy, other.init_args, other.devices) == (chosen.strategy, chosen.init_args, chosen.devices):
+    if goal == "throughput" and prompts < gpus:  # the choice was already made for latency: show the replicas
+        other = choose(facts, gpus, gpu_gb, interconnect, height, width, frames, gpus, "throughput")
+    else:
+        other_goal = "latency" if goal == "throughput" else "throughput"
+        other = choose(facts, gpus, gpu_gb, interconnect, height, width, frames, max(prompts, gpus), other_goal)
+    if gpus == 1 or (other.strategy, other.init_args, other.devices) == (chosen.strategy, chosen.init_args,
+                                                                         chosen.devices):
         return None
     if goal == "latency":
-        why = (f"more images per hour, but {other.group} GPU(s) per image against {chosen.group}: each image takes "
-               "longer (--goal latency asks for the fastest image)")
+        why = "more images per hour, but --goal latency spends the GPUs on each image instead"
     elif prompts < gpus:
         why = f"{prompts:,} prompts cannot keep {other.replicas} replicas busy"
     else:
@@ -254,6 +257,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="throughput: replicas first (default); latency: split each image over GPUs")
     parser.add_argument("--write", help="write the recommended config (YAML) here")
     args = parser.parse_args(argv)
+    if args.gpus < 1:
+        parser.error(f"--gpus must be at least 1, got {args.gpus}")
     gpu_gb = float(args.gpu_memory.upper().removesuffix("GB").removesuffix("G"))
     try:
         facts = facts_for(args.model)

@@ -220,7 +220,15 @@ def resolved_attention_backend(backend: Optional[str], device: torch.device, dim
     """The attention backend context parallelism runs with: the configured one, or on CUDA with
     ring attention ``_native_cudnn`` (``native`` returns no log-sum-exp there), which needs half
     precision."""
-    if backend is not None or device.type == "cpu" or dims.ring == 1:
+    if device.type == "cpu" or dims.ring == 1:
+        return backend
+    if backend == "native":
+        raise ConfigError("Ring attention on CUDA needs an attention backend that returns the log-sum-exp, and "
+                          "native does not: use _native_cudnn (bfloat16 or float16), flash or sage, or leave it unset.")
+    if backend is not None:
+        if backend in ("_native_cudnn", "_native_flash") and dtype not in (torch.bfloat16, torch.float16):
+            raise ConfigError(f"Ring attention on CUDA with {backend} needs bfloat16 or float16: set "
+                              "model.torch_dtype to bfloat16.")
         return backend
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(
