@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -191,3 +192,20 @@ def load_arrays(output_dir: Path) -> dict[int, np.ndarray]:
 
 def load_pngs(output_dir: Path) -> dict[int, np.ndarray]:
     return {int(Path(f).name[:6]): np.asarray(Image.open(f)) for f in glob.glob(str(output_dir / "*.png"))}
+
+
+def tiny_flux_with(folder: Path, component: str, cls: str, config: Optional[dict] = None) -> Path:
+    """tiny:flux's configs, without weights (the checks before loading read configs only), with
+    ``component`` naming diffusers' class ``cls`` (and ``config`` as its config.json, if given)."""
+    from lightning_diffusion import tiny
+
+    source, target = Path(tiny.resolve("tiny:flux")), folder / "model"
+    for file in source.rglob("*.json"):
+        (target / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+        (target / file.relative_to(source)).write_text(file.read_text())
+    index = json.loads((target / "model_index.json").read_text())
+    index[component] = ["diffusers", cls]
+    (target / "model_index.json").write_text(json.dumps(index))
+    if config is not None:
+        (target / component / "config.json").write_text(json.dumps(config))
+    return target

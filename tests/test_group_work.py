@@ -24,7 +24,8 @@ import torch.distributed as dist
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.group_work import GroupWork
-from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+from tests.conftest import (FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args,
+                            tiny_flux_with)
 
 ATOL = 1e-5
 SMALL_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32,
@@ -226,23 +227,9 @@ def test_split_can_be_switched_off(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input
 
-def _pipeline_with_vae(tmp_path: Path, vae_class: str) -> Path:
-    """tiny:flux's configs (no weights: the checks read configs only) with another VAE class."""
-    from lightning_diffusion import tiny
-
-    source, target = Path(tiny.resolve("tiny:flux")), tmp_path / "model"
-    for file in source.rglob("*.json"):
-        (target / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
-        (target / file.relative_to(source)).write_text(file.read_text())
-    index = json.loads((target / "model_index.json").read_text())
-    index["vae"] = ["diffusers", vae_class]
-    (target / "model_index.json").write_text(json.dumps(index))
-    (target / "vae" / "config.json").write_text(json.dumps({"_class_name": vae_class}))
-    return target
-
-
 def test_tiling_a_vae_without_tiles_is_refused_before_loading(tmp_path, cli_here):
-    model = _pipeline_with_vae(tmp_path, "AutoencoderKLTemporalDecoder")
+    model = tiny_flux_with(tmp_path, "vae", "AutoencoderKLTemporalDecoder",
+                           {"_class_name": "AutoencoderKLTemporalDecoder"})
     message = ("model.vae_tiling: FluxPipeline cannot decode by tiles: its VAE (AutoencoderKLTemporalDecoder) has no "
                "tiled decoding")
     with pytest.raises(ConfigError, match=r"model\.vae_tiling: FluxPipeline cannot decode by tiles"):

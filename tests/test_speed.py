@@ -9,14 +9,14 @@ decoded float images within COMPILED_ATOL (inductor fuses and reorders float ope
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
-from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+from tests.conftest import (FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args,
+                            tiny_flux_with)
 
 COMPILED_ATOL = 1e-4
 
@@ -52,24 +52,10 @@ def test_regional_compile_under_ulysses_matches_one_process(reference, tmp_path)
         np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=COMPILED_ATOL, err_msg=f"image {i}")
 
 
-def _with_transformer(tmp_path: Path, cls: str) -> Path:
-    """tiny:flux's configs (no weights: the checks read configs only) naming another transformer class."""
-    from lightning_diffusion import tiny
-
-    source, target = Path(tiny.resolve("tiny:flux")), tmp_path / "model"
-    for file in source.rglob("*.json"):
-        (target / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
-        (target / file.relative_to(source)).write_text(file.read_text())
-    index = json.loads((target / "model_index.json").read_text())
-    index["transformer"] = ["diffusers", cls]
-    (target / "model_index.json").write_text(json.dumps(index))
-    return target
-
-
 def test_bad_speed_settings_are_refused_before_loading(tmp_path, cli_here):
     with pytest.raises(ConfigError, match=r"model.compile is regional, full or null, not 'fast'"):
         DiffusionModule("tiny:flux", compile="fast")
-    model = _with_transformer(tmp_path, "SD3Transformer2DModel")
+    model = tiny_flux_with(tmp_path, "transformer", "SD3Transformer2DModel")
     with pytest.raises(ConfigError, match=r"model.compile: regional compiles a transformer's repeated blocks, and "
                                           r"FluxPipeline's transformer \(SD3Transformer2DModel\) names none; use "
                                           r"model.compile: full"):
