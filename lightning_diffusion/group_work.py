@@ -5,12 +5,12 @@ runs the text encoders and the VAE decoder on the whole batch: work that gets no
 GPUs. ``GroupWork`` installs three things on a loaded pipeline, on every rank of the group:
 
 * **Text encoders by sample.** A diffusers hook on each ``text_encoder*`` component splits a call's
-  batch (every tensor argument whose first dimension is the batch: ids, masks) into equal slices,
-  one per rank (the last padded with copies of its last row), and all-gathers the tensors of the
-  outputs, so every rank gets what one device computes for the whole batch (a call whose tensor
-  arguments are not all batch-first, such as an image encoder's flattened patches, runs whole). The tokenizer padded
-  the batch to one length before the call, so the slices have equal shapes. Output fields no
-  diffusion pipeline reads (``NOT_GATHERED``: logits, the KV cache) come back as ``None``.
+  batch (its tensor arguments, ids and masks, all batch-first) into equal slices, one per rank (the
+  last padded with copies of its last row), and all-gathers the tensors of the outputs, so every
+  rank gets what one device computes for the whole batch. A call whose tensor arguments are not all
+  batch-first (an image encoder's flattened patches) runs whole. The tokenizer padded the batch to
+  one length before the call, so the slices have equal shapes. Output fields no diffusion pipeline
+  reads (``NOT_GATHERED``: logits, the KV cache) come back as ``None``.
 * **VAE decoding by sample.** ``vae.decode`` on a batch of two or more latents decodes one slice per
   rank and all-gathers the images.
 * **VAE decoding by tile** (``model.vae_tiling``, for the VAEs in ``TILE_PARALLEL``). The tiles of

@@ -467,6 +467,7 @@ class DiffusionModule(pl.LightningModule):
         mode = self.speed["compile"]
         if mode is None or self.compiled or self.pipeline is None:
             return
+        compiled = []
         for name in denoisers(self.info):
             component = getattr(self.pipeline, name, None)
             if not isinstance(component, nn.Module):
@@ -475,9 +476,10 @@ class DiffusionModule(pl.LightningModule):
                 component.compile_repeated_blocks()
             else:
                 component.compile()
+            compiled.append(name)
         self.compiled = True
         if self.global_rank == 0:
-            log.info(f"model.compile: {mode} on {', '.join(denoisers(self.info))}; the first batch of each shape compiles")
+            log.info(f"model.compile: {mode} on {', '.join(compiled)}; the first batch of each shape compiles")
 
     def on_predict_start(self) -> None:
         self.compile_denoisers()
