@@ -191,10 +191,11 @@ def effective_call_args(
 
 def image_settings(
     path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any],
-    cache: Optional[dict[str, Any]] = None, vae_tiling: Any = None, speed: Optional[dict[str, Any]] = None,
+    cache: Optional[dict[str, Any]] = None, options: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The model settings that decide the pictures, as run.json records them (the writer and
-    preflight both compute them, so that a folder is refused before anything starts)."""
+    preflight both compute them, so that a folder is refused before anything starts). ``options``:
+    the model's decoding and speed options (``vae_tiling``, ``compile``...), recorded when set."""
     return {
         "model": path,
         "torch_dtype": torch_dtype,
@@ -202,8 +203,7 @@ def image_settings(
         **{f"from_pretrained.{k}": from_pretrained_kwargs[k] for k in ("revision", "variant")
            if k in from_pretrained_kwargs},
         **({"model.cache": dict(cache)} if cache is not None else {}),
-        **({"model.vae_tiling": vae_tiling} if vae_tiling not in (None, False) else {}),
-        **{f"model.{k}": v for k, v in sorted((speed or {}).items()) if v not in (None, False)},
+        **{f"model.{k}": v for k, v in sorted((options or {}).items()) if v not in (None, False)},
     }
 
 
@@ -320,10 +320,11 @@ class DiffusionModule(pl.LightningModule):
         self.pipeline: Any = None
         self.cache = dict(cache) if cache is not None else None
         self.step_cache: Optional[StepCache] = None
-        self.vae_tiling = vae_tiling
         self.split_work = split_work
         self.group_work: Any = None
-        self.speed = {"compile": compile, "vae_slicing": vae_slicing, "attention_backend": attention_backend}
+        # Options that change float rounding or seams: recorded in run.json and each image's metadata.
+        self.options = {"vae_tiling": vae_tiling, "compile": compile, "vae_slicing": vae_slicing,
+                        "attention_backend": attention_backend}
         self.compiled = False
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
@@ -338,7 +339,7 @@ class DiffusionModule(pl.LightningModule):
     def image_settings(self) -> dict[str, Any]:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
         return image_settings(self.model_path, self.hparams.torch_dtype, self.call_args, self.from_pretrained_kwargs,
-                              self.cache, self.vae_tiling, self.speed)
+                              self.cache, self.options)
 
     @property
     def call_args(self) -> dict[str, Any]:
@@ -350,7 +351,7 @@ class DiffusionModule(pl.LightningModule):
     def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
         """What a strategy may know before the weights load (see ``contract``)."""
         return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
-                            self.speed["attention_backend"])
+                            self.options["attention_backend"])
 
     def use_load_plan(self, plan: LoadPlan) -> None:
         """Load with ``plan`` in ``configure_model`` (a strategy's components and options)."""
@@ -423,16 +424,15 @@ class DiffusionModule(pl.LightningModule):
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)
-        if self.vae_tiling:
-            pipeline.vae.enable_tiling(**(self.vae_tiling if isinstance(self.vae_tiling, dict) else {}))
-        if self.speed["vae_slicing"]:
+        tiling = self.options["vae_tiling"]
+        if tiling:
+            pipeline.vae.enable_tiling(**(tiling if isinstance(tiling, dict) else {}))
+        if self.options["vae_slicing"]:
             pipeline.vae.enable_slicing()
-        if self.speed["attention_backend"] is not None:
-            for name in denoisers(self.info):
-                component = getattr(pipeline, name, None)
-                if isinstance(component, nn.Module):  # Wan 2.1 lists an empty transformer_2
-                    component.set_attention_backend(self.speed["attention_backend"])
         self.pipeline = pipeline
+        if self.options["attention_backend"] is not None:
+            for component in self.denoiser_modules().values():
+                component.set_attention_backend(self.options["attention_backend"])
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module):
                 self.components[name] = component
@@ -464,22 +464,23 @@ class DiffusionModule(pl.LightningModule):
     def compile_denoisers(self) -> None:
         """``model.compile`` on each denoiser of the pipeline the strategy set up (after its
         context-parallel hooks, sharding and caches), once."""
-        mode = self.speed["compile"]
+        mode = self.options["compile"]
         if mode is None or self.compiled or self.pipeline is None:
             return
-        compiled = []
-        for name in denoisers(self.info):
-            component = getattr(self.pipeline, name, None)
-            if not isinstance(component, nn.Module):
-                continue
+        modules = self.denoiser_modules()
+        for component in modules.values():
             if mode == "regional":
                 component.compile_repeated_blocks()
             else:
                 component.compile()
-            compiled.append(name)
         self.compiled = True
         if self.global_rank == 0:
-            log.info(f"model.compile: {mode} on {', '.join(compiled)}; the first batch of each shape compiles")
+            log.info(f"model.compile: {mode} on {', '.join(modules)}; the first batch of each shape compiles")
+
+    def denoiser_modules(self) -> dict[str, nn.Module]:
+        """The pipeline's denoisers that are loaded (Wan 2.1 lists an empty ``transformer_2``)."""
+        found = {name: getattr(self.pipeline, name, None) for name in denoisers(self.info)}
+        return {name: module for name, module in found.items() if isinstance(module, nn.Module)}
 
     def on_predict_start(self) -> None:
         self.compile_denoisers()
@@ -540,7 +541,7 @@ class DiffusionModule(pl.LightningModule):
         )
         images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt")}
-        options = {k: v for k, v in {"vae_tiling": self.vae_tiling, **self.speed}.items() if v not in (None, False)}
+        options = {k: v for k, v in self.options.items() if v not in (None, False)}
         params = {"model": self.model_path, **self.info.call_defaults, **recorded, **options}
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
         if images.ndim == 5:  # videos: (batch, frames, height, width, 3)

@@ -131,9 +131,8 @@ def preflight(config: Any) -> tuple[list, bool]:
             settings = run_settings(
                 image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
-                               model.get("vae_tiling"),
-                               {"compile": model.get("compile"), "vae_slicing": model.get("vae_slicing"),
-                                "attention_backend": model.get("attention_backend")}),
+                               {key: model.get(key) for key in ("vae_tiling", "compile", "vae_slicing",
+                                                                "attention_backend")}),
                 data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
                 writer.get("fps") or 16)
             conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)

@@ -257,4 +257,4 @@ def test_tiling_settings_are_checked_against_the_vae():
         DiffusionModule("tiny:wan", vae_tiling={"tile_sample_min_height": 0})
     with pytest.raises(ConfigError, match=r"AutoencoderKLWan.enable_tiling takes tile_sample_min_height, "):
         DiffusionModule("tiny:wan", vae_tiling={"tile_height": 32})
-    assert DiffusionModule("tiny:wan", vae_tiling=SMALL_TILES).vae_tiling == SMALL_TILES
+    assert DiffusionModule("tiny:wan", vae_tiling=SMALL_TILES).options["vae_tiling"] == SMALL_TILES

@@ -93,6 +93,7 @@ class MeshStrategy(DiffusionParallelStrategy):
         self.ulysses_anything = ulysses_anything
         self.ring_anything = ring_anything
         self.attention_backend = attention_backend
+        self._configured_backend = attention_backend  # with the model's, once the request is known
         self._sharded: set[str] = set()
         self._cfg_split: Optional[CFGSplit] = None
 
@@ -160,7 +161,7 @@ class MeshStrategy(DiffusionParallelStrategy):
         return ours or theirs
 
     def load_plan(self, request: ModelRequest) -> LoadPlan:
-        self._request_backend = request.attention_backend
+        self._configured_backend = self._backend(request)
         plan = LoadPlan()
         if self.tp_degree > 1:
             options = {k: v for k, v in request.from_pretrained_kwargs.items() if k in PASSED_OPTIONS}
@@ -183,8 +184,8 @@ class MeshStrategy(DiffusionParallelStrategy):
                 compat.apply_cpu_rehearsal_patches()
             for component in pipeline.components.values():
                 if isinstance(component, torch.nn.Module) and getattr(component, "_cp_plan", None) is not None:
-                    configured = self.attention_backend or getattr(self, "_request_backend", None)
-                    backend = resolved_attention_backend(configured, self.root_device, dims, component.dtype)
+                    backend = resolved_attention_backend(self._configured_backend, self.root_device, dims,
+                                                         component.dtype)
                     enable_context_parallel(
                         component, self.device_mesh["ring", "ulysses"], dims.ring, dims.ulysses,
                         self.ulysses_anything, self.ring_anything, backend, self.global_rank, self.world_size,
