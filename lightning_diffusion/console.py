@@ -70,6 +70,10 @@ def quiet(verbose: bool = False) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     for pattern in _QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    # torchao, when installed, is imported by diffusers and warns at import about CUDA extensions
+    # built for other Pythons and about enum registration in torch's pytree: not about this run.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def quiet_lightning() -> None:

@@ -48,7 +48,8 @@ class ModelRequest:
     (``height``, ``num_inference_steps``, ``call_kwargs``...). ``from_pretrained_kwargs``: the
     user's extra loading options. ``records``: the prompt records, when known (per-record overrides
     of the call arguments, negative prompts). ``attention_backend``: the denoisers' diffusers
-    attention backend the model config asks for (``None``: diffusers' default).
+    attention backend the model config asks for (``None``: diffusers' default). ``quantization``:
+    the model's ``quantization`` setting (``None``: full-precision weights).
     """
 
     info: "PipelineInfo"
@@ -57,6 +58,7 @@ class ModelRequest:
     from_pretrained_kwargs: Mapping[str, Any] = field(default_factory=dict)
     records: Optional[Sequence[Mapping[str, Any]]] = None
     attention_backend: Optional[str] = None
+    quantization: Optional[Mapping[str, Any]] = None
 
     def call_arg_sets(self) -> list[dict[str, Any]]:
         """The call arguments of every distinct kind of image: the config's, with each distinct set
@@ -68,7 +70,10 @@ class ModelRequest:
         return [{**self.call_args, **overrides} for _, overrides in summarize_records(self.records).override_sets()]
 
 
-ComponentLoader = Callable[["PipelineInfo", "torch.dtype"], "nn.Module"]
+# Called as ``load(info, dtype)``, plus ``quantization_config=`` (the backend config for the
+# component's ``from_pretrained``) for a component ``model.quantization`` names; a strategy whose
+# loader cannot quantize refuses that in ``check_request``.
+ComponentLoader = Callable[..., "nn.Module"]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from lightning_diffusion.cache import CacheStats, StepCache, check_cache, instal
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule, summarize_records
+from lightning_diffusion import quantization
 from lightning_diffusion.errors import ConfigError, check_int, gather, preflight_passed, raise_problems
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
 
@@ -22,12 +23,14 @@ from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolv
 def check_model_args(
     path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]],
     cache: Optional[dict[str, Any]] = None, records: Optional[Sequence[dict[str, Any]]] = None,
-    vae_tiling: Any = None, compile: Optional[str] = None, vae_slicing: bool = False,
-    attention_backend: Optional[str] = None,
+    options: Optional[dict[str, Any]] = None,
 ) -> tuple[Optional[PipelineInfo], list[str]]:
     """Every check of the model settings that needs no weights; returns the pipeline's info (or
     None when the path itself is wrong) and the problems found. ``records``: the prompt records,
-    when known (their negative prompts decide whether a guidance pass on the negative runs)."""
+    when known (their negative prompts decide whether a guidance pass on the negative runs).
+    ``options``: the module's ``OPTIONS`` (``vae_tiling``, ``compile``...), absent ones unset."""
+    options = {key: (options or {}).get(key) for key in OPTIONS}
+    attention_backend = options["attention_backend"]
     problems: list[str] = []
     steps = named.get("num_inference_steps")
     if steps is not None:
@@ -50,15 +53,22 @@ def check_model_args(
         if cache is not None:
             base, extra = effective_call_args(info, named, call_kwargs)
             problems += model_cache_problems(info, cache, {**base, **extra}, records)
-        problems += vae_tiling_problems(info, vae_tiling)
-        problems += compile_problems(info, compile)
-        if vae_slicing and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}), "use_slicing"):
+        problems += vae_tiling_problems(info, options["vae_tiling"])
+        problems += compile_problems(info, options["compile"])
+        if options["quantization"] is not None:
+            classes = {name: info.component_class(name) for name in info.model_index}
+            gather(problems, quantization.check, options["quantization"], info.model_index, classes,
+                   tuple(denoisers(info)))
+        if options["vae_slicing"] and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}), "use_slicing"):
             problems.append(f"model.vae_slicing: {info.class_name}'s VAE cannot decode sample by sample; "
                             "remove model.vae_slicing.")
     return info, problems
 
 
 COMPILE_MODES = ("regional", "full")
+# The module's options that change pictures (float rounding, seams): recorded in run.json and in
+# each image's metadata, so that a folder is not resumed with other values.
+OPTIONS = ("vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
 
 
 def check_attention_backend_name(name: Any) -> None:
@@ -266,6 +276,9 @@ class DiffusionModule(pl.LightningModule):
         vae_slicing: decode a batch sample by sample (diffusers' ``enable_slicing``: less memory).
         attention_backend: the denoisers' diffusers attention backend (``set_attention_backend``)
             under every strategy; context parallelism needs one that supports it.
+        quantization: quantize components while they load (diffusers' quantization backends):
+            ``{backend: torchao, quant_type: int8wo, components: [transformer]}``; components
+            default to the denoisers; other keys are the backend config's arguments.
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
     array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
@@ -293,6 +306,7 @@ class DiffusionModule(pl.LightningModule):
         compile: Optional[str] = None,
         vae_slicing: bool = False,
         attention_backend: Optional[str] = None,
+        quantization: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -305,9 +319,10 @@ class DiffusionModule(pl.LightningModule):
         }
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
+        options = {"vae_tiling": vae_tiling, "compile": compile, "vae_slicing": vae_slicing,
+                   "attention_backend": attention_backend, "quantization": quantization}
         info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
-                                          vae_tiling=vae_tiling, compile=compile, vae_slicing=vae_slicing,
-                                          attention_backend=attention_backend)
+                                          options=options)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
@@ -322,9 +337,10 @@ class DiffusionModule(pl.LightningModule):
         self.step_cache: Optional[StepCache] = None
         self.split_work = split_work
         self.group_work: Any = None
-        # Options that change float rounding or seams: recorded in run.json and each image's metadata.
-        self.options = {"vae_tiling": vae_tiling, "compile": compile, "vae_slicing": vae_slicing,
-                        "attention_backend": attention_backend}
+        if from_pretrained_kwargs and quantization is not None and "quantization_config" in from_pretrained_kwargs:
+            raise ConfigError("model.quantization and model.from_pretrained_kwargs.quantization_config both "
+                              "quantize: keep model.quantization.")
+        self.options = options  # OPTIONS: recorded in run.json and each image's metadata
         self.compiled = False
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
@@ -351,7 +367,7 @@ class DiffusionModule(pl.LightningModule):
     def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
         """What a strategy may know before the weights load (see ``contract``)."""
         return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
-                            self.options["attention_backend"])
+                            self.options["attention_backend"], self.options["quantization"])
 
     def use_load_plan(self, plan: LoadPlan) -> None:
         """Load with ``plan`` in ``configure_model`` (a strategy's components and options)."""
@@ -405,7 +421,16 @@ class DiffusionModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.pipeline is not None:
             return
-        self.load_pipeline(**{name: load(self.info, self.dtype_) for name, load in self.load_plan.components.items()})
+        quantized = self.quantization_configs()
+        self.load_pipeline(**{
+            name: load(self.info, self.dtype_, **({"quantization_config": quantized[name]} if name in quantized else {}))
+            for name, load in self.load_plan.components.items()
+        })
+
+    def quantization_configs(self) -> dict[str, Any]:
+        """``model.quantization`` as each quantized component's backend config (none without it)."""
+        spec = self.options["quantization"]
+        return quantization.component_configs(spec, self.info.model_index, tuple(denoisers(self.info))) if spec else {}
 
     def load_pipeline(self, **components: Any) -> None:
         """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may
@@ -419,6 +444,9 @@ class DiffusionModule(pl.LightningModule):
             transformers_logging.disable_progress_bar()
         # safetensors only and no remote code unless the user opts in (from_pretrained_kwargs).
         options = {"use_safetensors": True, "trust_remote_code": False, **self.from_pretrained_kwargs}
+        quantized = {name: c for name, c in self.quantization_configs().items() if name not in components}
+        if quantized:  # a component the strategy built was quantized by its loader
+            options["quantization_config"] = quantization.pipeline_config(quantized)
         pipeline = DiffusionPipeline.from_pretrained(
             self.info.path, dtype=self.dtype_, **options, **self.load_plan.pipeline_kwargs, **components
         )

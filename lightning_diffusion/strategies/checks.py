@@ -14,8 +14,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_diffusion import quantization
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.module import denoisers
 from lightning_diffusion.specs import cfg_supported, spec_for, with_plan
 from lightning_diffusion.strategies.mesh import ParallelDims
 
@@ -200,6 +202,14 @@ def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
     for option, reason in TP_INCOMPATIBLE_OPTIONS.items():
         if options.get(option) is not None:
             raise ConfigError(f"model.from_pretrained_kwargs.{option} cannot be used with tensor parallelism: {reason}.")
+    sharded_and_quantized = [name for name in quantization.quantized(request.quantization, tuple(denoisers(info)))
+                             if name in planned]
+    if sharded_and_quantized:
+        raise ConfigError(
+            f"model.quantization quantizes {', '.join(sharded_and_quantized)}, which tensor parallelism shards while "
+            f"it loads, and {TP_INCOMPATIBLE_OPTIONS['quantization_config']}: leave it out of "
+            "model.quantization.components, or use data_parallel or context parallelism."
+        )
     if options.get("use_safetensors") is False or options.get("low_cpu_mem_usage") is False:
         raise ConfigError(
             "Tensor parallelism reads each rank's slice of safetensors files while loading: "

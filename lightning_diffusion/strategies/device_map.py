@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_diffusion import quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, check_int, gather
@@ -141,7 +142,27 @@ class DeviceMapStrategy(MeshStrategy):
                       device_type: Optional[str] = None) -> list:
         problems = super().check_request(request, world_size, device_type)
         gather(problems, self._check_placement, request)
+        gather(problems, self._check_quantized_placement, request, self.planned_device_type(device_type))
         return problems
+
+    def _check_quantized_placement(self, request: ModelRequest, device_type: str) -> None:
+        """diffusers' torchao quantizer leaves the weights a device map puts on the CPU or disk
+        unquantized (offloaded weights are not quantized): in a CPU rehearsal that is all of them."""
+        if request.quantization is None or device_type != "cpu":
+            return
+        from lightning_diffusion.module import denoisers
+
+        if self.device_map == "auto":  # the first denoiser (load_plan)
+            placed = {n for n in DENOISERS if n in request.info.model_index}
+        else:
+            placed = set(request.info.model_index) if self.device_map == "balanced" else set(self.device_map)
+        both = [n for n in quantization.quantized(request.quantization, tuple(denoisers(request.info))) if n in placed]
+        if both:
+            raise ConfigError(
+                f"model.quantization: {', '.join(both)} would load unquantized, because diffusers does not quantize "
+                "weights a device map places on the CPU or disk, and on a CPU run that is every weight; drop "
+                "model.quantization for this CPU rehearsal, or use data_parallel."
+            )
 
     def check_devices(self) -> list:
         problems = super().check_devices()
@@ -214,8 +235,9 @@ class DeviceMapStrategy(MeshStrategy):
             plan.components[name] = partial(self._load_placed, name, cls, target)
         return plan
 
-    def _load_placed(self, name: str, cls: type, target: str, info: Any, dtype: torch.dtype) -> torch.nn.Module:
-        kwargs: dict[str, Any] = {}
+    def _load_placed(self, name: str, cls: type, target: str, info: Any, dtype: torch.dtype,
+                     **from_pretrained: Any) -> torch.nn.Module:
+        kwargs: dict[str, Any] = dict(from_pretrained)  # quantization_config
         if target == "auto":
             kwargs.update(device_map="auto", max_memory=self.accelerate_max_memory())
             if self.offload_folder:

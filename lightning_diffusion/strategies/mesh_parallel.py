@@ -133,7 +133,7 @@ class MeshStrategy(DiffusionParallelStrategy):
 
     def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
                       device_type: Optional[str] = None) -> list:
-        problems: list = []
+        problems: list = super().check_request(request, world_size, device_type)
         dims = self.make_parallel_dims(world_size) if world_size is not None else self.parallel_dims
         info = request.info
         device = torch.device(self.planned_device_type(device_type))

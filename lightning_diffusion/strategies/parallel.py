@@ -34,10 +34,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_diffusion import compat
+from lightning_diffusion import compat, quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, preflight_passed, raise_problems
+from lightning_diffusion.errors import ConfigError, gather, preflight_passed, raise_problems
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
@@ -162,7 +162,10 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
                       device_type: Optional[str] = None) -> list:
         """Problems of the model against the strategy that need no weights (subclasses add theirs)."""
-        return []
+        problems: list = []
+        device = torch.device(self.planned_device_type(device_type))
+        gather(problems, quantization.device_problem, request.quantization, device)
+        return problems
 
     def check_devices(self) -> list:
         """Problems of this rank's devices (how many GPUs the node has): known only on the rank,
