@@ -29,8 +29,11 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+# Input files a record may carry (a path, or a list of paths for pipelines that take several);
+# relative paths resolve against the prompt file's folder.
+INPUT_FIELDS = ("image", "mask_image", "last_image")
 # Record fields that are not pipeline-call overrides.
-_RECORD_FIELDS = ("prompt", "seed", "negative_prompt")
+_RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)
 _SUFFIXES = (".txt", ".jsonl", ".csv")
 
 
@@ -57,6 +60,8 @@ class RecordSummary:
         self.without_negative = 0
         self.first_without_negative: list[int] = []
         self.first_negative: Optional[int] = None
+        self.with_inputs: dict[str, int] = {}  # input field -> first record (from 1) that has it
+        self.without_inputs: dict[str, int] = {}  # input field -> first record that lacks it
 
     def add(self, record: dict[str, Any]) -> None:
         self.count += 1
@@ -70,6 +75,9 @@ class RecordSummary:
                 self.first_without_negative.append(self.count)
         elif self.first_negative is None:
             self.first_negative = self.count
+        for name in INPUT_FIELDS:
+            found = self.with_inputs if record.get(name) is not None else self.without_inputs
+            found.setdefault(name, self.count)
 
     def override_sets(self) -> list[tuple[int, dict[str, Any]]]:
         """Each distinct set of pipeline-argument overrides (``{}`` included) with the number of
@@ -198,7 +206,24 @@ def _check_record(item: Any, where: str, lineno: int) -> dict[str, Any]:
     negative = item.get("negative_prompt")
     if negative is not None and not isinstance(negative, str):
         raise PromptFileError(f"{where}:{lineno}: 'negative_prompt' must be a string.")
-    return dict(item)
+    item = dict(item)
+    for name in INPUT_FIELDS:
+        value = item.get(name)
+        if value is None:
+            continue
+        paths = value if isinstance(value, list) else [value]
+        if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
+            raise PromptFileError(f"{where}:{lineno}: {name!r} must be a path (or a list of paths), got {value!r}.")
+        # relative to the prompt file's folder (the working directory for an inline list)
+        base = Path(where).parent if Path(where).suffix.lower() in _SUFFIXES else Path.cwd()
+        resolved = [str((base / Path(p).expanduser())) for p in paths]
+        item[name] = resolved if isinstance(value, list) else resolved[0]
+    return item
+
+
+def record_inputs(record: dict[str, Any]) -> dict[str, Any]:
+    """The record's input files by field (``image``: a path or a list of paths)."""
+    return {name: record[name] for name in INPUT_FIELDS if record.get(name) is not None}
 
 
 def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) -> int:
@@ -209,7 +234,8 @@ def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) 
 
 
 class PromptDataset(Dataset):
-    """Samples ``{"index", "prompt", "seed", "negative_prompt", "overrides"}``, one per output image.
+    """Samples ``{"index", "prompt", "seed", "negative_prompt", "overrides"}``, one per output image,
+    and ``inputs`` (``{"image": path, ...}``) for records with input files.
 
     ``indices`` restricts the dataset to those global image indices (resume skips finished ones).
     """
@@ -240,6 +266,7 @@ class PromptDataset(Dataset):
             "seed": image_seed(record, index, copy, self.seed),
             "negative_prompt": record.get("negative_prompt"),
             "overrides": {k: v for k, v in record.items() if k not in _RECORD_FIELDS},
+            **({"inputs": inputs} if (inputs := record_inputs(record)) else {}),
         }
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_diffusion.cache import CacheStats, StepCache, check_cache, install
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.data import PromptDataModule, summarize_records
+from lightning_diffusion.data import INPUT_FIELDS, PromptDataModule, summarize_records
 from lightning_diffusion import quantization
 from lightning_diffusion.errors import ConfigError, check_int, gather, preflight_passed, raise_problems
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
@@ -38,7 +38,7 @@ def check_model_args(
     gather(problems, resolve_dtype, torch_dtype)
     if attention_backend is not None:
         gather(problems, check_attention_backend_name, attention_backend)
-    info = gather(problems, inspect_pipeline, path)
+    info = gather(problems, inspect_pipeline, path, options["pipeline_class"])
     if info is not None:
         gather(problems, info.check_size, named.get("height"), named.get("width"))
         gather(problems, info.check_frames, named.get("num_frames"), "model")
@@ -68,7 +68,7 @@ def check_model_args(
 COMPILE_MODES = ("regional", "full")
 # The module's options that change pictures (float rounding, seams): recorded in run.json and in
 # each image's metadata, so that a folder is not resumed with other values.
-OPTIONS = ("vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
+OPTIONS = ("pipeline_class", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
 
 
 def check_attention_backend_name(name: Any) -> None:
@@ -218,11 +218,25 @@ def image_settings(
 
 
 def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10) -> list[str]:
-    """Per-record overrides and negative prompts must be arguments this pipeline takes (the first
-    ``most`` problems are reported; each distinct set of overrides is checked once, named by the
-    first record that has it)."""
+    """Per-record overrides, negative prompts and input files must be arguments this pipeline takes
+    (the first ``most`` problems are reported; each distinct set of overrides is checked once,
+    named by the first record that has it); input files must be readable images."""
     problems: list[str] = []
     summary = summarize_records(records)
+    for name, number in summary.with_inputs.items():
+        if name not in info.call_parameters:
+            task = {"image": " (image-to-image on FLUX.1 weights: model.pipeline_class: FluxImg2ImgPipeline)",
+                    "mask_image": " (inpainting on FLUX.1 weights: model.pipeline_class: FluxInpaintPipeline)"}
+            problems.append(f"prompt record {number} has {name}, which {info.class_name} does not take"
+                            f"{task.get(name, '') if info.class_name == 'FluxPipeline' else ''}.")
+    for name in info.spec.inputs:
+        if name in summary.without_inputs:
+            problems.append(f"prompt record {summary.without_inputs[name]} has no {name}, which {info.class_name} "
+                            f"needs (a path in the record: {{\"prompt\": ..., \"{name}\": \"in/0001.png\"}}).")
+    if summary.with_inputs:
+        from lightning_diffusion import inputs
+
+        problems += inputs.file_problems(records, most)
     for n, overrides in summary.override_sets():
         if len(problems) >= most:
             break
@@ -279,6 +293,9 @@ class DiffusionModule(pl.LightningModule):
         quantization: quantize components while they load (diffusers' quantization backends):
             ``{backend: torchao, quant_type: int8wo, components: [transformer]}``; components
             default to the denoisers; other keys are the backend config's arguments.
+        pipeline_class: run the weights with another diffusers pipeline class, such as
+            ``FluxImg2ImgPipeline`` or ``FluxInpaintPipeline`` on FLUX.1 weights (the records then
+            carry ``image`` and ``mask_image`` paths).
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
     array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
@@ -307,6 +324,7 @@ class DiffusionModule(pl.LightningModule):
         vae_slicing: bool = False,
         attention_backend: Optional[str] = None,
         quantization: Optional[dict[str, Any]] = None,
+        pipeline_class: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -319,8 +337,8 @@ class DiffusionModule(pl.LightningModule):
         }
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
-        options = {"vae_tiling": vae_tiling, "compile": compile, "vae_slicing": vae_slicing,
-                   "attention_backend": attention_backend, "quantization": quantization}
+        options = {"pipeline_class": pipeline_class, "vae_tiling": vae_tiling, "compile": compile,
+                   "vae_slicing": vae_slicing, "attention_backend": attention_backend, "quantization": quantization}
         info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
                                           options=options)
         raise_problems(problems)
@@ -435,7 +453,6 @@ class DiffusionModule(pl.LightningModule):
     def load_pipeline(self, **components: Any) -> None:
         """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may
         build the transformer itself, sharded) passed through to ``from_pretrained``."""
-        from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 
@@ -447,7 +464,7 @@ class DiffusionModule(pl.LightningModule):
         quantized = {name: c for name, c in self.quantization_configs().items() if name not in components}
         if quantized:  # a component the strategy built was quantized by its loader
             options["quantization_config"] = quantization.pipeline_config(quantized)
-        pipeline = DiffusionPipeline.from_pretrained(
+        pipeline = self.info.pipeline_class.from_pretrained(  # model.pipeline_class, else the folder's
             self.info.path, dtype=self.dtype_, **options, **self.load_plan.pipeline_kwargs, **components
         )
         if not self.show_inner_progress:
@@ -534,6 +551,10 @@ class DiffusionModule(pl.LightningModule):
         groups: dict[str, list[dict[str, Any]]] = {}
         for sample in batch:
             key = json.dumps(self.call_arguments(sample), sort_keys=True, default=str)
+            if sample.get("inputs"):  # input images of other names or sizes cannot share a call
+                from lightning_diffusion import inputs
+
+                key += json.dumps([sorted(sample["inputs"]), inputs.first_size(sample["inputs"])])
             groups.setdefault(key, []).append(sample)
         self.batch_size = max(self.batch_size or 0, len(batch))
         results = {}
@@ -561,6 +582,12 @@ class DiffusionModule(pl.LightningModule):
         negatives = [self.negative_prompt(sample) for sample in samples]
         if any(n is not None for n in negatives):
             kwargs["negative_prompt"] = [n or "" for n in negatives]
+        given: list[dict[str, Any]] = [{} for _ in samples]
+        if samples[0].get("inputs"):
+            from lightning_diffusion import inputs
+
+            images, given = inputs.load(samples)
+            kwargs.update(images)
         output = self.pipeline(
             prompt=[sample["prompt"] for sample in samples],
             generator=generators,
@@ -568,10 +595,11 @@ class DiffusionModule(pl.LightningModule):
             **kwargs,
         )
         images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
-        recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt")}
+        recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt", *INPUT_FIELDS)}
         options = {k: v for k, v in self.options.items() if v not in (None, False)}
         params = {"model": self.model_path, **self.info.call_defaults, **recorded, **options}
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
         if images.ndim == 5:  # videos: (batch, frames, height, width, 3)
             sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]
-        return list(images)[:real], [{**params, **size} for size in sizes][:real]
+        return list(images)[:real], [{**params, **size, **({"inputs": files} if files else {})}
+                                     for size, files in zip(sizes, given)][:real]

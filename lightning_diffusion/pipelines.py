@@ -204,6 +204,9 @@ class PipelineInfo:
             parameter = parameters.get(name)
             if parameter is not None and matches_annotation(parameter.annotation, value) is False:
                 wrong.append(f"{name}={value!r} is not {describe_annotation(parameter.annotation)}")
+        strength = values.get("strength")
+        if "strength" in parameters and isinstance(strength, (int, float)) and not 0 < strength <= 1:
+            wrong.append(f"strength={strength!r} is not in (0, 1] (the share of the steps run from the input image)")
         if wrong:
             raise PipelineError(f"{where}: {'; '.join(wrong)} ({self.class_name}).")
 
@@ -214,6 +217,10 @@ class PipelineInfo:
                 f"{where} sets {', '.join(sorted(reserved))}, which lightning-diffusion sets per image itself; "
                 "put prompts and seeds in the prompt file instead."
             )
+        inputs = names & {"image", "mask_image", "last_image"}
+        if inputs:
+            raise PipelineError(f"{where} sets {', '.join(sorted(inputs))}: input files belong to each prompt record "
+                                f"(a .jsonl line such as {{\"prompt\": \"...\", \"image\": \"in/0001.png\"}}).")
         unknown = names - self.call_parameters
         if unknown:
             raise PipelineError(
@@ -290,8 +297,10 @@ def _read_json(path: str, filename: str, local: bool) -> Optional[dict[str, Any]
         return None
 
 
-def inspect_pipeline(pretrained_model_name_or_path: str) -> PipelineInfo:
-    """Resolve ``tiny:`` names, check that the path holds a diffusers pipeline and read its configs."""
+def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optional[str] = None) -> PipelineInfo:
+    """Resolve ``tiny:`` names, check that the path holds a diffusers pipeline and read its configs.
+    ``pipeline_class``: run the weights with another diffusers pipeline class (a task pipeline such
+    as ``FluxImg2ImgPipeline`` on FLUX.1 weights), which must need no component the folder lacks."""
     import diffusers
 
     path = pretrained_model_name_or_path
@@ -316,8 +325,8 @@ def inspect_pipeline(pretrained_model_name_or_path: str) -> PipelineInfo:
             "Pass a folder written by DiffusionPipeline.save_pretrained or a hub id of a diffusers pipeline."
         )
     class_name = model_index.get("_class_name")
-    pipeline_class = getattr(diffusers, str(class_name), None)
-    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, diffusers.DiffusionPipeline)):
+    diffusers_pipeline = getattr(diffusers, str(class_name), None)
+    if not (isinstance(diffusers_pipeline, type) and issubclass(diffusers_pipeline, diffusers.DiffusionPipeline)):
         raise PipelineError(
             f"{path!r}: model_index.json names {class_name!r}, which is not a pipeline class of "
             f"diffusers {diffusers.__version__}."
@@ -330,7 +339,29 @@ def inspect_pipeline(pretrained_model_name_or_path: str) -> PipelineInfo:
         if config is not None:
             configs[name] = config
     recommended = (_read_json(path, RECOMMENDED_FILE, local) or {}).get("call_defaults", {}) if local else {}
-    return PipelineInfo(path, class_name, pipeline_class, model_index, configs, dict(recommended))
+    cls = diffusers_pipeline
+    if pipeline_class is not None and pipeline_class != class_name:
+        cls = task_pipeline(pipeline_class, class_name, model_index)
+        class_name = pipeline_class
+    return PipelineInfo(path, class_name, cls, model_index, configs, dict(recommended))
+
+
+def task_pipeline(name: Any, weights_class: str, model_index: dict[str, Any]) -> type:
+    """``model.pipeline_class``: a diffusers pipeline class that the folder's components can build."""
+    import diffusers
+
+    cls = getattr(diffusers, str(name), None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise PipelineError(f"model.pipeline_class {name!r} is not a pipeline class of diffusers {diffusers.__version__}.")
+    optional = set(getattr(cls, "_optional_components", []) or [])
+    needed = [p.name for p in inspect.signature(cls.__init__).parameters.values()
+              if p.name != "self" and p.default is inspect.Parameter.empty and p.name not in optional
+              and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    missing = [n for n in needed if n not in model_index]
+    if missing:
+        raise PipelineError(f"model.pipeline_class {name} needs {', '.join(missing)}, which these {weights_class} "
+                            f"weights do not have.")
+    return cls
 
 
 RECOMMENDED_FILE = "lightning_diffusion.json"

@@ -15,7 +15,7 @@ builders at import time: the inspection path stays light.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 
@@ -66,7 +66,8 @@ class PipelineSpec:
     ``_cp_plan`` and ``_tp_plan`` say which parallelism diffusers has for it). ``cfg``: its CFG
     branches, if CFG parallel knows them. ``stages``: dotted path of its staged encode/decode class.
     ``published``: well-known checkpoints by hub id. ``tiny``: the ``tiny:NAME`` that builds an
-    offline copy, and ``tiny_builder`` the dotted path of the function that writes it.
+    offline copy, and ``tiny_builder`` the dotted path of the function that writes it. ``inputs``:
+    the per-record input files it needs (``image``, ``mask_image``), read from each prompt record.
     """
 
     class_name: str
@@ -85,6 +86,7 @@ class PipelineSpec:
     published: dict[str, PublishedModel] = field(default_factory=dict)
     tiny: Optional[str] = None
     tiny_builder: Optional[str] = None
+    inputs: tuple[str, ...] = ()
 
     @property
     def is_video(self) -> bool:
@@ -188,6 +190,11 @@ register(PipelineSpec(
         heads=24, hidden=3072, layers=57, text_tokens=512)},
     tiny="flux", tiny_builder="lightning_diffusion.tiny:build_flux",
 ))
+# FLUX.1's task pipelines on the same weights (``model.pipeline_class``): the same tokens, plan and
+# CFG branches; no staged run (their VAE also encodes the input, inside the call).
+for _task, _inputs in (("FluxImg2ImgPipeline", ("image",)), ("FluxInpaintPipeline", ("image", "mask_image"))):
+    register(replace(SPECS["FluxPipeline"], class_name=_task, default_size=None, stages=None, published={}, tiny=None,
+                     tiny_builder=None, inputs=_inputs))
 register(PipelineSpec(
     "Flux2Pipeline", patch=2, transformer_class="Flux2Transformer2DModel",
     published={"black-forest-labs/FLUX.2-dev": PublishedModel(

@@ -1,0 +1,97 @@
+"""Per-record input files (``image``, ``mask_image``...): checked before loading, read on the rank
+that needs them, and named with their SHA-256 in each output's metadata."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_diffusion.data import record_inputs
+
+
+def _paths(value: Any) -> list[str]:
+    return value if isinstance(value, list) else [value]
+
+
+def _image_size(path: str) -> tuple[int, int]:
+    """The image's (width, height), after reading the whole file (a truncated PNG fails here)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        size = image.size
+        image.verify()
+    return size
+
+
+def file_problems(records: Sequence[dict[str, Any]], most: int = 10) -> list[str]:
+    """Missing, unreadable and non-image input files, and masks of another size than their image,
+    named with their record (from 1); the first ``most`` problems."""
+    problems: list[str] = []
+    for number, record in enumerate(records, start=1):
+        inputs = record_inputs(record)
+        sizes: dict[str, list[Optional[tuple[int, int]]]] = {}
+        for name, value in inputs.items():
+            sizes[name] = []
+            for path in _paths(value):
+                size = None
+                if not Path(path).is_file():
+                    problems.append(f"prompt record {number}: {name} {path} does not exist.")
+                else:
+                    try:
+                        size = _image_size(path)
+                    except Exception as err:  # PIL raises several kinds for a file it cannot read
+                        problems.append(f"prompt record {number}: {name} {path} is not a readable image "
+                                        f"({type(err).__name__}: {err}).")
+                sizes[name].append(size)
+        image, mask = sizes.get("image", [None])[0], sizes.get("mask_image", [None])[0]
+        if image is not None and mask is not None and image != mask:
+            problems.append(f"prompt record {number}: mask_image is {mask[0]}x{mask[1]} and image {image[0]}x{image[1]}; "
+                            "a mask must have its image's size.")
+        if len(problems) >= most:
+            break
+    return problems[:most]
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def first_size(inputs: dict[str, Any]) -> Optional[tuple[int, int]]:
+    """The first input image's size (samples whose images differ in size are called apart)."""
+    if "image" not in inputs:
+        return None
+    from PIL import Image
+
+    with Image.open(_paths(inputs["image"])[0]) as image:
+        return image.size
+
+
+def load(samples: Sequence[dict[str, Any]]) -> tuple[dict[str, list], list[dict[str, Any]]]:
+    """The call arguments of a batch's input files (``image=[...]``, one entry a sample) and, per
+    sample, what its metadata records of them (file name and SHA-256)."""
+    from PIL import Image
+
+    names = sorted({name for sample in samples for name in sample.get("inputs", {})})
+    kwargs: dict[str, list] = {name: [] for name in names}
+    recorded: list[dict[str, Any]] = []
+    for sample in samples:
+        inputs = sample.get("inputs", {})
+        record: dict[str, Any] = {}
+        for name in names:
+            value = inputs[name]
+            mode = "L" if name == "mask_image" else "RGB"
+            images = []
+            for path in _paths(value):
+                with Image.open(path) as image:
+                    images.append(image.convert(mode))
+            kwargs[name].append(images if isinstance(value, list) else images[0])
+            files = [{"file": p, "sha256": sha256(p)} for p in _paths(value)]
+            record[name] = files if isinstance(value, list) else files[0]
+        recorded.append(record)
+    return kwargs, recorded
