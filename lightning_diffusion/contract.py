@@ -49,7 +49,8 @@ class ModelRequest:
     user's extra loading options. ``records``: the prompt records, when known (per-record overrides
     of the call arguments, negative prompts). ``attention_backend``: the denoisers' diffusers
     attention backend the model config asks for (``None``: diffusers' default). ``quantization``:
-    the model's ``quantization`` setting (``None``: full-precision weights).
+    the model's ``quantization`` setting (``None``: full-precision weights). ``lora``: the adapters
+    to fuse (``lora.Adapter``: file and scale).
     """
 
     info: "PipelineInfo"
@@ -59,6 +60,7 @@ class ModelRequest:
     records: Optional[Sequence[Mapping[str, Any]]] = None
     attention_backend: Optional[str] = None
     quantization: Optional[Mapping[str, Any]] = None
+    lora: Sequence[Any] = ()
 
     def call_arg_sets(self) -> list[dict[str, Any]]:
         """The call arguments of every distinct kind of image: the config's, with each distinct set
@@ -80,10 +82,13 @@ ComponentLoader = Callable[..., "nn.Module"]
 class LoadPlan:
     """How the module loads its pipeline: ``components`` are built by the strategy (called with the
     pipeline info and dtype) and passed to ``from_pretrained`` by name; ``pipeline_kwargs`` are
-    extra ``from_pretrained`` arguments (a pipeline-level ``device_map``)."""
+    extra ``from_pretrained`` arguments (a pipeline-level ``device_map``). ``fuse_adapters``: how to
+    fuse the LoRA adapters into the loaded pipeline, ``(pipeline, adapters)``, where diffusers' own
+    fuse cannot (tensor-parallel shards); ``None``: ``lora.fuse``."""
 
     components: dict[str, ComponentLoader] = field(default_factory=dict)
     pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
+    fuse_adapters: Optional[Callable[[Any, Sequence[Any]], None]] = None
 
 
 @runtime_checkable

@@ -55,6 +55,8 @@ def check_model_args(
             problems += model_cache_problems(info, cache, {**base, **extra}, records)
         problems += vae_tiling_problems(info, options["vae_tiling"])
         problems += compile_problems(info, options["compile"])
+        if options["lora"]:
+            problems += lora_problems(info, options["lora"], options["quantization"])
         if options["quantization"] is not None:
             classes = {name: info.component_class(name) for name in info.model_index}
             gather(problems, quantization.check, options["quantization"], info.model_index, classes,
@@ -68,7 +70,20 @@ def check_model_args(
 COMPILE_MODES = ("regional", "full")
 # The module's options that change pictures (float rounding, seams): recorded in run.json and in
 # each image's metadata, so that a folder is not resumed with other values.
-OPTIONS = ("pipeline_class", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
+OPTIONS = ("pipeline_class", "lora", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
+
+
+def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as run.json and the metadata record them: adapters by file name, SHA-256 and
+    scale (not by path, which may differ between machines that make the same pictures)."""
+    if not options.get("lora"):
+        return options
+    from lightning_diffusion import lora
+
+    try:
+        return {**options, "lora": lora.record(lora.parse(options["lora"]))}
+    except ConfigError:  # reported by check_model_args
+        return options
 
 
 def check_attention_backend_name(name: Any) -> None:
@@ -84,6 +99,51 @@ def check_attention_backend_name(name: Any) -> None:
         _check_attention_backend_requirements(backend)
     except (RuntimeError, ImportError) as err:
         raise ConfigError(f"model.attention_backend {name!r}: {err}") from None
+
+
+def lora_problems(info: PipelineInfo, spec: Any, quantized: Any) -> list[str]:
+    """``model.lora``: files, scales, targets that are modules of this pipeline, and no adapter on
+    a component that loads quantized (an update cannot be fused into quantized weights)."""
+    import importlib.util
+
+    from lightning_diffusion import lora
+
+    if importlib.util.find_spec("peft") is None:
+        return ["model.lora needs the peft package, which is not installed: pip install peft."]
+    try:
+        adapters = lora.parse(spec)
+    except ConfigError as err:
+        return [str(err)]
+    modules = {}
+    for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
+        cls = info.component_class(name)
+        if isinstance(cls, type) and hasattr(cls, "from_config"):
+            with torch.device("meta"):
+                model = cls.from_config(info.configs.get(name, {})) if name in info.configs else None
+            if model is not None:
+                modules[name] = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    problems = []
+    for n, adapter in enumerate(adapters):
+        try:
+            missing = lora.unknown_targets(info.pipeline_class, adapter, modules)
+        except ConfigError as err:
+            problems.append(str(err))
+            continue
+        except Exception as err:  # a file diffusers cannot read as an adapter
+            problems.append(f"model.lora[{n}]: {adapter.file} is not a LoRA adapter diffusers can read "
+                            f"({type(err).__name__}: {err}).")
+            continue
+        if missing:
+            problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no linear layer of "
+                            f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                            "(an adapter for another model?).")
+    if quantized is not None and not problems:
+        both = [c for c in quantization.quantized(quantized, tuple(denoisers(info)))
+                if any(c in lora.updates(info.pipeline_class, a) for a in adapters)]
+        if both:
+            problems.append(f"model.lora: {', '.join(both)} loads quantized (model.quantization), and an adapter "
+                            "cannot be fused into quantized weights: leave it out of model.quantization.components.")
+    return problems
 
 
 def compile_problems(info: PipelineInfo, mode: Any) -> list[str]:
@@ -293,6 +353,8 @@ class DiffusionModule(pl.LightningModule):
         quantization: quantize components while they load (diffusers' quantization backends):
             ``{backend: torchao, quant_type: int8wo, components: [transformer]}``; components
             default to the denoisers; other keys are the backend config's arguments.
+        lora: LoRA adapters fused into the weights before inference (``[{path, weight_name,
+            scale}]``), under every strategy, tensor parallelism's shards included.
         pipeline_class: run the weights with another diffusers pipeline class, such as
             ``FluxImg2ImgPipeline`` or ``FluxInpaintPipeline`` on FLUX.1 weights (the records then
             carry ``image`` and ``mask_image`` paths).
@@ -325,6 +387,7 @@ class DiffusionModule(pl.LightningModule):
         attention_backend: Optional[str] = None,
         quantization: Optional[dict[str, Any]] = None,
         pipeline_class: Optional[str] = None,
+        lora: Optional[list[dict[str, Any]]] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -337,7 +400,7 @@ class DiffusionModule(pl.LightningModule):
         }
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read.
-        options = {"pipeline_class": pipeline_class, "vae_tiling": vae_tiling, "compile": compile,
+        options = {"pipeline_class": pipeline_class, "lora": lora, "vae_tiling": vae_tiling, "compile": compile,
                    "vae_slicing": vae_slicing, "attention_backend": attention_backend, "quantization": quantization}
         info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
                                           options=options)
@@ -358,7 +421,10 @@ class DiffusionModule(pl.LightningModule):
         if from_pretrained_kwargs and quantization is not None and "quantization_config" in from_pretrained_kwargs:
             raise ConfigError("model.quantization and model.from_pretrained_kwargs.quantization_config both "
                               "quantize: keep model.quantization.")
-        self.options = options  # OPTIONS: recorded in run.json and each image's metadata
+        from lightning_diffusion import lora as lora_
+
+        self.adapters = lora_.parse(lora)
+        self.options = recorded_options(options)  # OPTIONS: recorded in run.json and each image's metadata
         self.compiled = False
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
@@ -385,7 +451,7 @@ class DiffusionModule(pl.LightningModule):
     def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
         """What a strategy may know before the weights load (see ``contract``)."""
         return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
-                            self.options["attention_backend"], self.options["quantization"])
+                            self.options["attention_backend"], self.options["quantization"], tuple(self.adapters))
 
     def use_load_plan(self, plan: LoadPlan) -> None:
         """Load with ``plan`` in ``configure_model`` (a strategy's components and options)."""
@@ -469,6 +535,12 @@ class DiffusionModule(pl.LightningModule):
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)
+        if self.adapters:  # fused before any strategy hook, cache or compile sees the weights
+            from lightning_diffusion import lora
+
+            (self.load_plan.fuse_adapters or lora.fuse)(pipeline, self.adapters)
+            if self.global_rank == 0:
+                log.info(f"model.lora: {', '.join(f'{a.name} x {a.scale:g}' for a in self.adapters)} fused")
         tiling = self.options["vae_tiling"]
         if tiling:
             pipeline.vae.enable_tiling(**(tiling if isinstance(tiling, dict) else {}))

@@ -16,7 +16,9 @@ from typing import Any, Optional, Sequence
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.data import check_data_args, load_records
 from lightning_diffusion.errors import ConfigError, gather
-from lightning_diffusion.module import OPTIONS, check_model_args, check_records, effective_call_args, image_settings
+from lightning_diffusion import lora
+from lightning_diffusion.module import (OPTIONS, check_model_args, check_records, effective_call_args, image_settings,
+                                       recorded_options)
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
 from lightning_diffusion.manifest import read_manifest, settings_conflict
 from lightning_diffusion.writer import check_writer_args, run_settings
@@ -121,7 +123,8 @@ def preflight(config: Any) -> tuple[list, bool]:
             call_args = {**base, **extra}
             request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
                                    dict(model.get("from_pretrained_kwargs") or {}), records,
-                                   options["attention_backend"], options["quantization"])
+                                   options["attention_backend"], options["quantization"],
+                                   tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
         base, extra = effective_call_args(info, named, model.get("call_kwargs"))
@@ -130,7 +133,8 @@ def preflight(config: Any) -> tuple[list, bool]:
             # The writer checks again when the run starts; here it costs no process start.
             settings = run_settings(
                 image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
-                               dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"), options),
+                               dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
+                               recorded_options(options)),
                 data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
                 writer.get("fps") or 16)
             conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)

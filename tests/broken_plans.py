@@ -25,3 +25,27 @@ class SwappedFeedForwardTP(TensorParallelStrategy):
         plan["transformer_blocks.*.ff.net.0.proj"], plan["transformer_blocks.*.ff.net.2"] = "rowwise", "colwise"
         broken = type(cls.__name__, (cls,), {"_tp_plan": plan})
         return super()._load_sharded(name, broken, options, info, dtype)
+
+
+class FirstRankLoraSliceTP(TensorParallelStrategy):
+    """Fuses LoRA updates into the shards with every rank adding rank 0's slice of each update
+    (the right shapes, the wrong rows or columns on the other ranks)."""
+
+    def _fuse_sharded(self, pipeline, adapters):
+        from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+        from lightning_diffusion import lora
+
+        class RankZero:  # the tp mesh as _local_shard reads it, always answering rank 0
+            def __init__(self, mesh):
+                self.mesh = mesh
+
+            def get_local_rank(self):
+                return 0
+
+            def size(self):
+                return self.mesh.size()
+
+        specs = {name: resolve_tp_shard_specs(getattr(pipeline, name), type(getattr(pipeline, name))._tp_plan,
+                                              self.tp_degree) for name in self._sharded}
+        lora.fuse_in_place(pipeline, adapters, specs, RankZero(self.device_mesh["tp"]))

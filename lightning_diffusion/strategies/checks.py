@@ -222,6 +222,8 @@ def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
             "Tensor parallelism reads each rank's slice of safetensors files while loading: "
             "drop use_safetensors=False and low_cpu_mem_usage=False."
         )
+    for adapter in request.lora:
+        check_adapter_shardable(request, adapter, planned)
     for name, cls in planned.items():
         folder = Path(info.path) / name
         if folder.is_dir() and not any(folder.glob("*.safetensors")):
@@ -230,6 +232,26 @@ def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
                 "safetensors files. Convert the checkpoint (save_pretrained(safe_serialization=True))."
             )
         check_shardable(cls, info.configs.get(name, {}), dims.tp, name)
+
+
+def check_adapter_shardable(request: ModelRequest, adapter: Any, planned: dict[str, type]) -> None:
+    """An adapter whose update has another shape than its layer's weight (a control LoRA that widens
+    an input) cannot be cut as the weight is cut; DoRA and biased adapters are refused by ``updates``."""
+    from lightning_diffusion import lora
+
+    for component, modules in lora.updates(request.info.pipeline_class, adapter).items():
+        if component not in planned:
+            continue
+        with torch.device("meta"):
+            model = planned[component].from_config(request.info.configs.get(component, {}))
+        for module, (a, b, _) in modules.items():
+            weight = model.get_submodule(module).weight
+            if (b.shape[0], a.shape[1]) != tuple(weight.shape):
+                raise ConfigError(
+                    f"model.lora: {adapter.name} changes the shape of {component}.{module} ({tuple(weight.shape)} to "
+                    f"{(b.shape[0], a.shape[1])}), which tensor parallelism cannot shard: use data_parallel or context "
+                    "parallelism for this adapter."
+                )
 
 
 def resolved_attention_backend(backend: Optional[str], device: torch.device, dims: ParallelDims,

@@ -143,7 +143,15 @@ class DeviceMapStrategy(MeshStrategy):
         problems = super().check_request(request, world_size, device_type)
         gather(problems, self._check_placement, request)
         gather(problems, self._check_quantized_placement, request, self.planned_device_type(device_type))
+        gather(problems, self._check_adapters, request)
         return problems
+
+    def _check_adapters(self, request: ModelRequest) -> None:
+        """Adapter updates are fused into the placed weights, which must not be offloaded."""
+        if request.lora and (self.offload_folder or any(k == "cpu" for k in self.max_memory)):
+            raise ConfigError("model.lora with a device map that may offload weights to the CPU or disk "
+                              "(offload_folder, max_memory for cpu): an update cannot be fused into offloaded "
+                              "weights; drop them, or use data_parallel.")
 
     def _check_quantized_placement(self, request: ModelRequest, device_type: str) -> None:
         """diffusers' torchao quantizer leaves the weights a device map puts on the CPU or disk
@@ -219,6 +227,10 @@ class DeviceMapStrategy(MeshStrategy):
 
     def load_plan(self, request: ModelRequest) -> LoadPlan:
         info, plan = request.info, LoadPlan()
+        if request.lora:  # diffusers' fuse would undo the placement (it re-enables sequential offload)
+            from lightning_diffusion import lora
+
+            plan.fuse_adapters = lora.fuse_in_place
         if self.device_map == "balanced":
             plan.pipeline_kwargs.update(device_map="balanced", max_memory=self.accelerate_max_memory())
             self._placed.update(k for k in info.model_index if not k.startswith("_"))

@@ -167,7 +167,20 @@ class MeshStrategy(DiffusionParallelStrategy):
             options = {k: v for k, v in request.from_pretrained_kwargs.items() if k in PASSED_OPTIONS}
             for name, cls in request.info.models_with("_tp_plan").items():
                 plan.components[name] = partial(self._load_sharded, name, cls, options)
+            if request.lora:
+                plan.fuse_adapters = self._fuse_sharded
         return plan
+
+    def _fuse_sharded(self, pipeline: Any, adapters: Any) -> None:
+        """Each rank adds its slice of every adapter update to its shards (diffusers refuses adapters
+        on a tensor-parallel model), cut as diffusers' ``_tp_plan`` cut the weights."""
+        from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+        from lightning_diffusion import lora
+
+        specs = {name: resolve_tp_shard_specs(getattr(pipeline, name), type(getattr(pipeline, name))._tp_plan,
+                                              self.tp_degree) for name in self._sharded}
+        lora.fuse_in_place(pipeline, adapters, specs, self.device_mesh["tp"])
 
     def _load_sharded(self, name: str, cls: type, options: dict, info: Any, dtype: torch.dtype) -> torch.nn.Module:
         if self.root_device.type == "cuda":

@@ -1,0 +1,203 @@
+"""``model.lora``: adapters fused into the weights before inference, under every strategy.
+
+    lora:
+      - {path: loras/style.safetensors, scale: 0.8}
+      - {path: loras/subject, weight_name: pytorch_lora_weights.safetensors}
+
+Whole weights (data, context and CFG parallel, device map): diffusers' own ``load_lora_weights``,
+``set_adapters`` with the scales, ``fuse_lora`` and ``unload_lora_weights``, so inference runs on
+plain layers at full speed. Weights a device map placed, and tensor-parallel shards: diffusers
+would re-place the first and refuses the second, so ``fuse_in_place`` adds to each rank's shard its own slice of every update, ``scale x alpha/r x
+B @ A`` cut exactly as the ``_tp_plan`` cuts the weight (rows of B for a colwise weight, columns of
+A for a rowwise one, block by block for packed projections): no rank builds a whole weight or a
+whole update. Both read the adapter through the pipeline class's ``lora_state_dict`` (which
+converts the community formats) and peft's rank and alpha rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_diffusion.errors import ConfigError
+
+ADAPTER_KEYS = ("path", "weight_name", "scale", "allow_pickle")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    file: Path
+    scale: float = 1.0
+    allow_pickle: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.file.name
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        with self.file.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+
+def parse(spec: Any) -> list[Adapter]:
+    """``model.lora`` as adapters; every problem is raised together."""
+    if spec is None:
+        return []
+    items = spec if isinstance(spec, list) else [spec]
+    adapters, problems = [], []
+    for n, item in enumerate(items):
+        where = f"model.lora[{n}]"
+        if isinstance(item, str):
+            item = {"path": item}
+        if not isinstance(item, Mapping) or "path" not in item:
+            problems.append(f"{where} is a mapping such as {{path: loras/style.safetensors, scale: 0.8}}, not {item!r}.")
+            continue
+        unknown = sorted(set(item) - set(ADAPTER_KEYS))
+        if unknown:
+            problems.append(f"{where} takes {', '.join(ADAPTER_KEYS)}; unknown: {', '.join(unknown)}.")
+        scale = item.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
+            problems.append(f"{where}.scale must be a number >= 0, not {scale!r}.")
+        path = Path(str(item["path"])).expanduser()
+        file = path / item["weight_name"] if item.get("weight_name") else path
+        if path.is_dir() and not item.get("weight_name"):
+            found = sorted(p.name for p in path.glob("*.safetensors"))
+            if len(found) == 1:
+                file = path / found[0]
+            else:
+                problems.append(f"{where}: {path} is a folder with {len(found)} .safetensors files; name one with "
+                                f"weight_name{': ' + ', '.join(found[:5]) if found else ''}.")
+                continue
+        if not file.is_file():
+            problems.append(f"{where}: {file} does not exist.")
+            continue
+        if file.suffix != ".safetensors" and not item.get("allow_pickle"):
+            problems.append(f"{where}: {file.name} is not a .safetensors file; pickle files run code when they load: "
+                            "convert it, or set allow_pickle: true for an adapter you trust.")
+            continue
+        adapters.append(Adapter(file, float(scale) if isinstance(scale, (int, float)) else 1.0,
+                                bool(item.get("allow_pickle"))))
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n  - "
+                          + "\n  - ".join(problems))
+    return adapters
+
+
+def record(adapters: Sequence[Adapter]) -> list[dict[str, Any]]:
+    """What run.json and each image's metadata record of the adapters."""
+    return [{"file": a.name, "sha256": a.sha256(), "scale": a.scale} for a in adapters]
+
+
+def read(pipeline_class: type, adapter: Adapter) -> tuple[dict[str, torch.Tensor], dict, Optional[dict]]:
+    """(state dict in diffusers' naming, network alphas, peft metadata) of one adapter."""
+    if not hasattr(pipeline_class, "lora_state_dict"):
+        raise ConfigError(f"model.lora: {pipeline_class.__name__} cannot load LoRA adapters (diffusers has no "
+                          "LoRA loader for it).")
+    import inspect
+
+    alphas_too = "return_alphas" in inspect.signature(pipeline_class.lora_state_dict).parameters  # FLUX.1's
+    out = pipeline_class.lora_state_dict(
+        str(adapter.file.parent), weight_name=adapter.file.name, return_lora_metadata=True,
+        allow_pickle=adapter.allow_pickle, **({"return_alphas": True} if alphas_too else {}))
+    state, alphas, metadata = out if alphas_too else (out[0], None, out[1])
+    return state, alphas or {}, metadata
+
+
+def updates(pipeline_class: type, adapter: Adapter) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
+    """``{component: {module: (A, B, scaling)}}``: the low-rank pairs of one adapter and the factor
+    peft would apply (``scale x alpha / r``, or ``/ sqrt(r)`` with rsLoRA)."""
+    from diffusers.utils.peft_utils import get_peft_kwargs
+    from peft.utils.other import get_pattern_key
+
+    state, alphas, metadata = read(pipeline_class, adapter)
+    found: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+    unknown = [k for k in state if ".lora_A." not in k and ".lora_B." not in k]
+    if unknown:
+        raise ConfigError(f"model.lora: {adapter.name} has entries that are not LoRA pairs ({', '.join(unknown[:3])}: "
+                          "DoRA magnitudes, biases or full weights); only plain LoRA can be fused on shards.")
+    for component in sorted({k.split(".", 1)[0] for k in state}):
+        prefix = component + "."
+        pairs = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        component_alphas = {k[len(prefix):]: v for k, v in alphas.items() if k.startswith(prefix)} or None
+        # as diffusers' load_lora_adapter: the file's peft config when it has one, else one inferred
+        # from the ranks and (community formats) the network alphas
+        config = {k[len(prefix):]: v for k, v in (metadata or {}).items() if k.startswith(prefix)} or None
+        if config is None:
+            ranks = {f"^{k}": v.shape[1] for k, v in pairs.items() if "lora_B" in k and v.ndim > 1}
+            config = get_peft_kwargs(ranks, network_alpha_dict=component_alphas, peft_state_dict=pairs)
+        if config.get("use_dora"):
+            raise ConfigError(f"model.lora: {adapter.name} is a DoRA adapter; only plain LoRA can be fused on shards.")
+        modules = {}
+        for key in pairs:
+            if key.endswith(".lora_A.weight"):
+                module = key[: -len(".lora_A.weight")]
+                a, b = pairs[key], pairs[f"{module}.lora_B.weight"]
+                rank = config.get("rank_pattern", {}).get(get_pattern_key(config.get("rank_pattern", {}).keys(), module),
+                                                          config.get("r", a.shape[0]))
+                alpha = config.get("alpha_pattern", {}).get(
+                    get_pattern_key(config.get("alpha_pattern", {}).keys(), module), config.get("lora_alpha", rank))
+                factor = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+                modules[module] = (a, b, adapter.scale * factor)
+        found[component] = modules
+    return found
+
+
+def unknown_targets(pipeline_class: type, adapter: Adapter, modules: Mapping[str, set[str]]) -> list[str]:
+    """The adapter's targets that are no module of this pipeline (``modules``: component -> names)."""
+    missing = []
+    for component, pairs in updates(pipeline_class, adapter).items():
+        names = modules.get(component)
+        missing += [f"{component}.{m}" for m in pairs if names is None or m not in names]
+    return missing
+
+
+def fuse(pipeline: Any, adapters: Sequence[Adapter]) -> None:
+    """diffusers' load, weight, fuse and unload on whole (unsharded) weights."""
+    if not adapters:
+        return
+    names = [f"lora_{n}" for n in range(len(adapters))]
+    for name, adapter in zip(names, adapters):
+        pipeline.load_lora_weights(str(adapter.file.parent), weight_name=adapter.file.name, adapter_name=name,
+                                   allow_pickle=adapter.allow_pickle)
+    pipeline.set_adapters(names, adapter_weights=[a.scale for a in adapters])
+    components = [c for c in getattr(pipeline, "_lora_loadable_modules", ["transformer"]) if getattr(pipeline, c, None)]
+    pipeline.fuse_lora(components=components, lora_scale=1.0, adapter_names=names)
+    pipeline.unload_lora_weights()
+
+
+def fuse_in_place(pipeline: Any, adapters: Sequence[Adapter], shard_specs: Optional[Mapping[str, Mapping[str, Any]]]
+                  = None, tp_mesh: Any = None) -> None:
+    """Add every adapter's update to the weights where they are (on their devices, placed by a
+    device map), and of a sharded weight only this rank's slice (``shard_specs``: component ->
+    diffusers' ``TPShardSpec`` by parameter name, on ``tp_mesh``)."""
+    from diffusers.hooks.tensor_parallel import _local_shard
+    from torch.distributed.tensor import DTensor
+
+    for adapter in adapters:
+        for component, modules in updates(type(pipeline), adapter).items():
+            model = getattr(pipeline, component)
+            specs = (shard_specs or {}).get(component, {})
+            with torch.no_grad():
+                for module, (a, b, factor) in modules.items():
+                    weight = model.get_submodule(module).weight
+                    if weight.device.type == "meta":
+                        raise ConfigError(f"model.lora: {component}.{module} is offloaded (a device map put it on the "
+                                          "CPU or disk behind a hook): an update cannot be fused into it.")
+                    spec = specs.get(f"{module}.weight")
+                    a, b = a.to(torch.float32), b.to(torch.float32)
+                    if spec is not None and spec.dim == 0:
+                        b = _local_shard(b, 0, spec.block_sizes, tp_mesh)  # the rows this rank holds
+                    elif spec is not None and spec.dim == 1:
+                        a = _local_shard(a, 1, spec.block_sizes, tp_mesh)  # the columns this rank holds
+                    local = weight.to_local() if isinstance(weight, DTensor) else weight
+                    delta = (b @ a) * factor
+                    local.add_(delta.to(device=local.device, dtype=local.dtype))
