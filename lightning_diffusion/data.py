@@ -215,7 +215,7 @@ def _check_record(item: Any, where: str, lineno: int) -> dict[str, Any]:
         if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
             raise PromptFileError(f"{where}:{lineno}: {name!r} must be a path (or a list of paths), got {value!r}.")
         # relative to the prompt file's folder (the working directory for an inline list)
-        base = Path(where).parent if Path(where).suffix.lower() in _SUFFIXES else Path.cwd()
+        base = Path(where).resolve().parent if Path(where).suffix.lower() in _SUFFIXES else Path.cwd()
         resolved = [str((base / Path(p).expanduser())) for p in paths]
         item[name] = resolved if isinstance(value, list) else resolved[0]
     return item

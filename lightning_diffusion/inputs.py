@@ -62,22 +62,13 @@ def sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def first_size(inputs: dict[str, Any]) -> Optional[tuple[int, int]]:
-    """The first input image's size (samples whose images differ in size are called apart)."""
-    if "image" not in inputs:
-        return None
-    from PIL import Image
-
-    with Image.open(_paths(inputs["image"])[0]) as image:
-        return image.size
-
-
 def load(samples: Sequence[dict[str, Any]]) -> tuple[dict[str, list], list[dict[str, Any]]]:
     """The call arguments of a batch's input files (``image=[...]``, one entry a sample) and, per
     sample, what its metadata records of them (file name and SHA-256)."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     names = sorted({name for sample in samples for name in sample.get("inputs", {})})
+    digests: dict[str, str] = {}  # a padded batch repeats its last sample
     kwargs: dict[str, list] = {name: [] for name in names}
     recorded: list[dict[str, Any]] = []
     for sample in samples:
@@ -88,10 +79,13 @@ def load(samples: Sequence[dict[str, Any]]) -> tuple[dict[str, list], list[dict[
             mode = "L" if name == "mask_image" else "RGB"
             images = []
             for path in _paths(value):
-                with Image.open(path) as image:
-                    images.append(image.convert(mode))
+                with Image.open(path) as image:  # camera JPEGs: upright, as viewers show them
+                    images.append(ImageOps.exif_transpose(image).convert(mode))
             kwargs[name].append(images if isinstance(value, list) else images[0])
-            files = [{"file": p, "sha256": sha256(p)} for p in _paths(value)]
+            for p in _paths(value):
+                if p not in digests:
+                    digests[p] = sha256(p)
+            files = [{"file": p, "sha256": digests[p]} for p in _paths(value)]
             record[name] = files if isinstance(value, list) else files[0]
         recorded.append(record)
     return kwargs, recorded

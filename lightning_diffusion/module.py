@@ -277,10 +277,25 @@ def image_settings(
     }
 
 
-def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10) -> list[str]:
+def strength_problem(info: PipelineInfo, args: dict[str, Any], where: str) -> Optional[str]:
+    """An image-to-image ``strength`` that runs no denoising step (diffusers raises only after loading)."""
+    if "strength" not in info.call_parameters:
+        return None
+    strength, steps = args.get("strength", info.call_default("strength")), args.get("num_inference_steps")
+    steps = steps if steps is not None else info.call_default("num_inference_steps")
+    if (isinstance(strength, (int, float)) and isinstance(steps, int) and 0 < strength <= 1
+            and int(steps * strength) < 1):
+        return (f"{where}: strength {strength} of num_inference_steps {steps} runs no step (the pipeline runs "
+                f"int(steps x strength) = 0 of them): raise one of the two.")
+    return None
+
+
+def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10,
+                  call_args: Optional[dict[str, Any]] = None) -> list[str]:
     """Per-record overrides, negative prompts and input files must be arguments this pipeline takes
     (the first ``most`` problems are reported; each distinct set of overrides is checked once,
-    named by the first record that has it); input files must be readable images."""
+    named by the first record that has it); input files must be readable images. ``call_args``:
+    the config's, when known (checked with each record's overrides)."""
     problems: list[str] = []
     summary = summarize_records(records)
     for name, number in summary.with_inputs.items():
@@ -305,6 +320,9 @@ def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: i
             gather(problems, info.check_call_values, overrides, f"prompt record {n}")
             gather(problems, info.check_size, overrides.get("height"), overrides.get("width"))
             gather(problems, info.check_frames, overrides.get("num_frames"), f"prompt record {n}")
+        if call_args is not None:
+            where = f"prompt record {n}" if overrides else "model"
+            problems += filter(None, [strength_problem(info, {**call_args, **overrides}, where)])
     if summary.first_negative is not None and "negative_prompt" not in info.call_parameters:
         problems.append(
             f"prompt record {summary.first_negative} has a negative_prompt, which {info.class_name} does not take."
@@ -497,7 +515,7 @@ class DiffusionModule(pl.LightningModule):
     def check_records(self, records: Sequence[dict[str, Any]]) -> None:
         """Per-record overrides and negative prompts must be arguments this pipeline takes (and
         the cache must suit the guidance passes the records' negative prompts turn on)."""
-        problems = check_records(self.info, records)
+        problems = check_records(self.info, records, call_args=self.call_args)
         if self.cache is not None:
             problems += model_cache_problems(self.info, self.cache, self.call_args, records)
         raise_problems(problems)
@@ -535,6 +553,12 @@ class DiffusionModule(pl.LightningModule):
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)
+        if self.options["quantization"] is not None and self.global_rank == 0:
+            spec = self.options["quantization"]
+            for name, (left, total) in quantization.left_unquantized(
+                    pipeline, spec, quantization.quantized(spec, tuple(denoisers(self.info)))).items():
+                log.warning(f"model.quantization: {left} of {name}'s {total} linear layers loaded in full precision "
+                            "(a device map offloaded them: diffusers does not quantize weights on the CPU or disk)")
         if self.adapters:  # fused before any strategy hook, cache or compile sees the weights
             from lightning_diffusion import lora
 
@@ -623,10 +647,8 @@ class DiffusionModule(pl.LightningModule):
         groups: dict[str, list[dict[str, Any]]] = {}
         for sample in batch:
             key = json.dumps(self.call_arguments(sample), sort_keys=True, default=str)
-            if sample.get("inputs"):  # input images of other names or sizes cannot share a call
-                from lightning_diffusion import inputs
-
-                key += json.dumps([sorted(sample["inputs"]), inputs.first_size(sample["inputs"])])
+            if sample.get("inputs"):  # samples with other input fields cannot share a call (the pipeline
+                key += json.dumps(sorted(sample["inputs"]))  # resizes every image to the call's size)
             groups.setdefault(key, []).append(sample)
         self.batch_size = max(self.batch_size or 0, len(batch))
         results = {}

@@ -18,7 +18,7 @@ import contextlib
 import importlib.util
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Iterator, Optional
 
 import torch
@@ -122,10 +122,20 @@ def check(spec: Any, model_index: Mapping[str, Any], classes: Mapping[str, Optio
 
 
 def device_problem(spec: Optional[Mapping[str, Any]], device: torch.device) -> None:
-    """Quantized kernels that cannot run on ``device`` (GPU-only ones in a CPU rehearsal)."""
-    if spec is None or device.type != "cpu":
+    """Quantized kernels that cannot run on ``device``: GPU-only ones in a CPU rehearsal; on CUDA
+    (where this process sees the GPUs) FP8 below compute capability 8.9 and int4 without mslk."""
+    if spec is None:
         return
     backend, quant_type = spec.get("backend"), spec.get("quant_type")
+    if device.type == "cuda" and backend == "torchao":
+        if quant_type == "float8dq" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+            raise ConfigError("model.quantization: torchao float8dq needs CUDA compute capability 8.9 or higher "
+                              f"(this GPU: {'.'.join(map(str, torch.cuda.get_device_capability()))}); use int8wo "
+                              "or int8dq.")
+        if quant_type == "int4wo" and importlib.util.find_spec("mslk") is None:
+            raise ConfigError("model.quantization: torchao int4wo needs the mslk package: pip install mslk.")
+    if device.type != "cpu":
+        return
     gpu_only = backend in GPU_BACKENDS or (backend == "torchao" and quant_type in TORCHAO_TYPES
                                            and not TORCHAO_TYPES[quant_type][1])
     if gpu_only:
@@ -140,6 +150,9 @@ def _backend_class(backend: str, library: str) -> type:
         from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
     else:
         from diffusers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+    if backend not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        raise ConfigError(f"model.quantization: {library} has no {backend} quantizer, so it cannot quantize that "
+                          f"library's components; leave them out of model.quantization.components.")
     return AUTO_QUANTIZATION_CONFIG_MAPPING[backend]
 
 
@@ -156,7 +169,7 @@ def _build(spec: Mapping[str, Any], library: str) -> Any:
         ao_class = _torchao_class(spec["quant_type"])
         try:
             quant_type = ao_class(**extra)
-        except TypeError as err:
+        except (TypeError, ValueError) as err:
             raise ConfigError(f"model.quantization: torchao's {ao_class.__name__} takes "
                               f"{', '.join(_arguments(ao_class)) or 'no arguments'}: {err}") from None
         with _quiet_torchao():
@@ -168,7 +181,10 @@ def _build(spec: Mapping[str, Any], library: str) -> Any:
     if unknown:
         raise ConfigError(f"model.quantization: {library}'s {cls.__name__} takes {', '.join(_arguments(cls))}; "
                           f"unknown: {', '.join(unknown)}.")
-    return cls(**extra)
+    try:
+        return cls(**extra)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model.quantization: {library}'s {cls.__name__}: {err}") from None
 
 
 def component_configs(spec: Mapping[str, Any], model_index: Mapping[str, Any],
@@ -182,6 +198,23 @@ def pipeline_config(configs: Mapping[str, Any]) -> Any:
     from diffusers import PipelineQuantizationConfig
 
     return PipelineQuantizationConfig(quant_mapping=dict(configs))
+
+
+def left_unquantized(pipeline: Any, spec: Mapping[str, Any], names: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """torchao: the quantized components' linear layers that loaded in full precision (a device map
+    offloaded them: diffusers does not quantize weights placed on the CPU or disk), as
+    ``{component: (left, linear layers)}``; other backends are not inspected."""
+    if spec.get("backend") != "torchao":
+        return {}
+    from torchao.utils import TorchAOBaseTensor
+
+    left = {}
+    for name in names:
+        layers = [m for m in getattr(pipeline, name).modules() if isinstance(m, torch.nn.Linear)]
+        plain = sum(not isinstance(m.weight, TorchAOBaseTensor) for m in layers)
+        if plain:
+            left[name] = (plain, len(layers))
+    return left
 
 
 def quantized(spec: Optional[Mapping[str, Any]], default: tuple[str, ...]) -> list[str]:

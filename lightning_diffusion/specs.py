@@ -190,11 +190,12 @@ register(PipelineSpec(
         heads=24, hidden=3072, layers=57, text_tokens=512)},
     tiny="flux", tiny_builder="lightning_diffusion.tiny:build_flux",
 ))
-# FLUX.1's task pipelines on the same weights (``model.pipeline_class``): the same tokens, plan and
-# CFG branches; no staged run (their VAE also encodes the input, inside the call).
+# FLUX.1's task pipelines on the same weights (``model.pipeline_class``): the same tokens, plan, CFG
+# branches and default size (they resize every input image to the call's height x width); no staged
+# run (their VAE also encodes the input, inside the call).
 for _task, _inputs in (("FluxImg2ImgPipeline", ("image",)), ("FluxInpaintPipeline", ("image", "mask_image"))):
-    register(replace(SPECS["FluxPipeline"], class_name=_task, default_size=None, stages=None, published={}, tiny=None,
-                     tiny_builder=None, inputs=_inputs))
+    register(replace(SPECS["FluxPipeline"], class_name=_task, stages=None, published={}, tiny=None, tiny_builder=None,
+                     inputs=_inputs))
 register(PipelineSpec(
     "Flux2Pipeline", patch=2, transformer_class="Flux2Transformer2DModel",
     published={"black-forest-labs/FLUX.2-dev": PublishedModel(

@@ -137,8 +137,9 @@ def test_images_for_a_text_only_pipeline_and_text_only_records_for_an_image_pipe
         DiffusionModule("tiny:flux", pipeline_class="FluxImageMagic")
 
 
-def test_image_pipelines_under_context_parallel_need_a_fixed_size(tmp_path, cli_here):
+def test_a_strength_that_runs_no_step_is_refused(tmp_path, cli_here):
     prompts = write_inputs(tmp_path)
-    proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), *IMG2IMG, "--model.height", "null",
-                               "--model.width", "null", "--trainer.devices", "2", "--trainer.strategy", "ulysses"))
-    assert proc.returncode == 2 and "set model.height and model.width, or ulysses_anything: true" in proc.stderr
+    proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), *IMG2IMG,
+                               "--model.call_kwargs.strength", "0.2"))
+    assert proc.returncode == 2 and ("model: strength 0.2 of num_inference_steps 4 runs no step (the pipeline runs "
+                                     "int(steps x strength) = 0 of them)") in proc.stderr

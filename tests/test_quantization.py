@@ -129,3 +129,13 @@ def test_quantization_twice_is_refused():
     with pytest.raises(ConfigError, match="model.quantization and model.from_pretrained_kwargs.quantization_config"):
         DiffusionModule("tiny:flux", quantization={"backend": "torchao", "quant_type": "int8wo"},
                         from_pretrained_kwargs={"quantization_config": {}})
+
+
+def test_a_device_map_that_offloads_a_quantized_component_is_refused_on_gpus_too():
+    from lightning_diffusion.strategies import DeviceMapStrategy
+
+    module = DiffusionModule("tiny:flux", quantization={"backend": "torchao", "quant_type": "int8wo"})
+    strategy = DeviceMapStrategy(device_map={"transformer": "cpu"})
+    problems = strategy.check_request(module.request(), world_size=1, device_type="cuda")
+    assert any("device_map puts transformer on the CPU or disk, where diffusers does not quantize" in str(p)
+               for p in problems), problems

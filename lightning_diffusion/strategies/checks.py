@@ -157,13 +157,6 @@ def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[st
     info = request.info
     height, width = call_args.get("height"), call_args.get("width")
     degree = dims.cp
-    if "image" in info.spec.inputs and (height is None or width is None):
-        mode = "ulysses_anything" if dims.ring == 1 else "ring_anything"
-        raise ConfigError(
-            f"{info.class_name} takes each record's image size unless model.height and model.width are set, so "
-            f"the image-token count (which the context-parallel degree {degree} must divide) is not known before "
-            f"the images load: set model.height and model.width, or {mode}: true."
-        )
     if dims.ring > 1 and dims.ulysses > 1 or dims.tp > 1:
         fix = "choose sizes"
     else:

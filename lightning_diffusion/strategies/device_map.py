@@ -155,16 +155,26 @@ class DeviceMapStrategy(MeshStrategy):
 
     def _check_quantized_placement(self, request: ModelRequest, device_type: str) -> None:
         """diffusers' torchao quantizer leaves the weights a device map puts on the CPU or disk
-        unquantized (offloaded weights are not quantized): in a CPU rehearsal that is all of them."""
-        if request.quantization is None or device_type != "cpu":
+        unquantized (offloaded weights are not quantized): in a CPU rehearsal that is all of them,
+        on GPUs a component mapped to ``cpu`` or ``disk``."""
+        if request.quantization is None:
             return
         from lightning_diffusion.module import denoisers
 
+        quantized = quantization.quantized(request.quantization, tuple(denoisers(request.info)))
+        if isinstance(self.device_map, dict):
+            offloaded = [n for n in quantized if str(self.device_map.get(n)) in ("cpu", "disk")]
+            if offloaded and device_type != "cpu":
+                raise ConfigError(f"model.quantization: device_map puts {', '.join(offloaded)} on the CPU or disk, "
+                                  "where diffusers does not quantize: map it to a GPU or leave it unquantized.")
+        if device_type != "cpu":
+            return
         if self.device_map == "auto":  # the first denoiser (load_plan)
             placed = {n for n in DENOISERS if n in request.info.model_index}
+            placed = set(sorted(placed, key=DENOISERS.index)[:1])
         else:
             placed = set(request.info.model_index) if self.device_map == "balanced" else set(self.device_map)
-        both = [n for n in quantization.quantized(request.quantization, tuple(denoisers(request.info))) if n in placed]
+        both = [n for n in quantized if n in placed]
         if both:
             raise ConfigError(
                 f"model.quantization: {', '.join(both)} would load unquantized, because diffusers does not quantize "
