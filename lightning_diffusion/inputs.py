@@ -62,6 +62,25 @@ def sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def changed_since(lines: dict[int, dict[str, Any]], most: int = 5) -> list[str]:
+    """Finished outputs (manifest lines by index) whose input files are gone or no longer have the
+    SHA-256 they were made from: resuming would keep pictures of other inputs."""
+    digests: dict[str, Optional[str]] = {}
+    changed = []
+    for index, line in sorted(lines.items()):
+        for name, files in (line.get("inputs") or {}).items():
+            for entry in files if isinstance(files, list) else [files]:
+                path = entry.get("file")
+                if path not in digests:
+                    digests[path] = sha256(path) if path and Path(path).is_file() else None
+                if digests[path] != entry.get("sha256"):
+                    what = "is gone" if digests[path] is None else "changed"
+                    changed.append(f"output {index} ({line.get('file')}): its {name} {path} {what} since it was made")
+        if len(changed) >= most:
+            break
+    return changed[:most]
+
+
 def load(samples: Sequence[dict[str, Any]]) -> tuple[dict[str, list], list[dict[str, Any]]]:
     """The call arguments of a batch's input files (``image=[...]``, one entry a sample) and, per
     sample, what its metadata records of them (file name and SHA-256)."""

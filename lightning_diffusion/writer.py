@@ -215,7 +215,17 @@ class ImageWriter(BasePredictionWriter):
         self._write_run_file(settings)
         if any(self.output_dir.glob(PART_GLOB)):
             merge_manifest(self.output_dir)
-        return None, sorted(read_manifest(self.output_dir))
+        done = read_manifest(self.output_dir)
+        if not self.allow_config_change and any("inputs" in line for line in done.values()):
+            from lightning_diffusion.inputs import changed_since
+
+            changed = changed_since(done)
+            if changed:
+                self._lock.release()
+                return (f"{self.output_dir} holds pictures made from input files that changed: "
+                        + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
+                        "writer.allow_config_change=true to keep those pictures anyway."), []
+        return None, sorted(done)
 
     def _write_run_file(self, settings: dict[str, Any]) -> None:
         """run.json: the settings that decide the pictures, the expected count, the runs' summaries."""

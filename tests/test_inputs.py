@@ -143,3 +143,17 @@ def test_a_strength_that_runs_no_step_is_refused(tmp_path, cli_here):
                                "--model.call_kwargs.strength", "0.2"))
     assert proc.returncode == 2 and ("model: strength 0.2 of num_inference_steps 4 runs no step (the pipeline runs "
                                      "int(steps x strength) = 0 of them)") in proc.stderr
+
+
+def test_a_resume_whose_input_file_changed_is_refused_naming_the_output(tmp_path):
+    prompts = write_inputs(tmp_path)
+    out = tmp_path / "out"
+    args = tiny_args(out, "--data.prompts", str(prompts), *IMG2IMG)
+    run_here(*args)
+    run_here(*args)  # unchanged inputs: a resume with nothing to make
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "in" / "c.png")
+    proc = run_here(*args, check=False)
+    assert proc.returncode != 0
+    assert (f"holds pictures made from input files that changed: output 2 (000002-a-lighthouse.png): its image "
+            f"{tmp_path}/in/c.png changed since it was made") in proc.stderr, proc.stderr[-2000:]
+    run_here(*args, "--writer.allow_config_change", "true")
