@@ -312,6 +312,8 @@ class PromptDataModule(pl.LightningDataModule):
         seed: global seed; image ``i`` of a record without a seed uses ``seed + i``.
         num_images_per_prompt: images made from each record.
         num_workers: DataLoader workers (prompts are tiny; 0 is usually right).
+        inputs_root: records' input files (``image``, ``mask_image``...) must lie under this folder
+            once links and ``..`` are resolved (for prompt files from elsewhere).
     """
 
     def __init__(
@@ -321,6 +323,7 @@ class PromptDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_images_per_prompt: int = 1,
         num_workers: int = 0,
+        inputs_root: Optional[str] = None,
     ) -> None:
         super().__init__()
         raise_problems(check_data_args(batch_size, seed, num_images_per_prompt))
@@ -329,6 +332,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_images_per_prompt = num_images_per_prompt
         self.num_workers = num_workers
+        self.inputs_root = inputs_root
         # Read now so that a bad prompt file fails before any process starts or weights load.
         self.records = load_records(prompts)
         self.skip: set[int] = set()

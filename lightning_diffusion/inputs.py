@@ -25,10 +25,14 @@ def _image_size(path: str) -> tuple[int, int]:
     return size
 
 
-def file_problems(records: Sequence[dict[str, Any]], most: int = 10) -> list[str]:
-    """Missing, unreadable and non-image input files, and masks of another size than their image,
+def file_problems(records: Sequence[dict[str, Any]], most: int = 10, root: Optional[str] = None) -> list[str]:
+    """Missing, unreadable and non-image input files, masks of another size than their image, and
+    (with ``root``, ``data.inputs_root``) files outside ``root`` once links and ``..`` are resolved,
     named with their record (from 1); the first ``most`` problems."""
     problems: list[str] = []
+    base = Path(root).expanduser().resolve() if root else None
+    if base is not None and not base.is_dir():
+        return [f"data.inputs_root {root} is not a folder."]
     for number, record in enumerate(records, start=1):
         inputs = record_inputs(record)
         sizes: dict[str, list[Optional[tuple[int, int]]]] = {}
@@ -36,7 +40,10 @@ def file_problems(records: Sequence[dict[str, Any]], most: int = 10) -> list[str
             sizes[name] = []
             for path in _paths(value):
                 size = None
-                if not Path(path).is_file():
+                if base is not None and not Path(path).resolve().is_relative_to(base):
+                    problems.append(f"prompt record {number}: {name} {path} leaves data.inputs_root {root} "
+                                    f"(it resolves to {Path(path).resolve()}).")
+                elif not Path(path).is_file():
                     problems.append(f"prompt record {number}: {name} {path} does not exist.")
                 else:
                     try:

@@ -291,7 +291,7 @@ def strength_problem(info: PipelineInfo, args: dict[str, Any], where: str) -> Op
 
 
 def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10,
-                  call_args: Optional[dict[str, Any]] = None) -> list[str]:
+                  call_args: Optional[dict[str, Any]] = None, inputs_root: Optional[str] = None) -> list[str]:
     """Per-record overrides, negative prompts and input files must be arguments this pipeline takes
     (the first ``most`` problems are reported; each distinct set of overrides is checked once,
     named by the first record that has it); input files must be readable images. ``call_args``:
@@ -311,7 +311,7 @@ def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: i
     if summary.with_inputs:
         from lightning_diffusion import inputs
 
-        problems += inputs.file_problems(records, most)
+        problems += inputs.file_problems(records, most, inputs_root)
     for n, overrides in summary.override_sets():
         if len(problems) >= most:
             break
@@ -510,12 +510,12 @@ class DiffusionModule(pl.LightningModule):
         if isinstance(datamodule, PromptDataModule):
             self.batch_size = datamodule.batch_size
             if not preflight_passed():
-                self.check_records(datamodule.records)
+                self.check_records(datamodule.records, datamodule.inputs_root)
 
-    def check_records(self, records: Sequence[dict[str, Any]]) -> None:
+    def check_records(self, records: Sequence[dict[str, Any]], inputs_root: Optional[str] = None) -> None:
         """Per-record overrides and negative prompts must be arguments this pipeline takes (and
         the cache must suit the guidance passes the records' negative prompts turn on)."""
-        problems = check_records(self.info, records, call_args=self.call_args)
+        problems = check_records(self.info, records, call_args=self.call_args, inputs_root=inputs_root)
         if self.cache is not None:
             problems += model_cache_problems(self.info, self.cache, self.call_args, records)
         raise_problems(problems)

@@ -110,7 +110,7 @@ def preflight(config: Any) -> tuple[list, bool]:
     problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt)
     if info is not None and records is not None:
         base, extra = effective_call_args(info, named, model.get("call_kwargs"))
-        problems += check_records(info, records, call_args={**base, **extra})
+        problems += check_records(info, records, call_args={**base, **extra}, inputs_root=data.get("inputs_root"))
     problems += check_writer_args(writer.output_dir, writer.video_format, writer.fps)
     # Built first, so that a bad strategy argument is reported with the other problems; its rules
     # against the model run once the model and records are known to be right.

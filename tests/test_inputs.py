@@ -157,3 +157,21 @@ def test_a_resume_whose_input_file_changed_is_refused_naming_the_output(tmp_path
     assert (f"holds pictures made from input files that changed: output 2 (000002-a-lighthouse.png): its image "
             f"{tmp_path}/in/c.png changed since it was made") in proc.stderr, proc.stderr[-2000:]
     run_here(*args, "--writer.allow_config_change", "true")
+
+
+def test_inputs_that_leave_data_inputs_root_are_refused(tmp_path, cli_here):
+    root = tmp_path / "data"
+    prompts = write_inputs(root)
+    outside = tmp_path / "secret.png"
+    Image.new("RGB", (64, 64)).save(outside)
+    (root / "in" / "link.png").symlink_to(outside)
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "x", "image": "in/a.png"}, {"prompt": "x", "image": "../secret.png"},
+        {"prompt": "x", "image": "in/link.png"}]))
+    proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), *IMG2IMG,
+                               "--data.inputs_root", str(root)))
+    assert proc.returncode == 2, proc.stderr
+    assert f"prompt record 2: image {root}/../secret.png leaves data.inputs_root {root}" in proc.stderr
+    assert f"prompt record 3: image {root}/in/link.png leaves data.inputs_root {root} (it resolves to {outside})" \
+        in proc.stderr
+    assert "prompt record 1" not in proc.stderr
