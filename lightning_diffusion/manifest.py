@@ -16,13 +16,16 @@ MANIFEST = "manifest.jsonl"
 PART_GLOB = "manifest.part-*.jsonl"
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write, fsync: bool = True) -> None:
+    """``path`` appears whole or not at all (written under a temporary name, then renamed); with
+    ``fsync`` its bytes are on disk before the rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():

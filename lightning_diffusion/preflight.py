@@ -21,7 +21,7 @@ from lightning_diffusion.module import (OPTIONS, check_model_args, check_records
                                        recorded_options)
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
 from lightning_diffusion.manifest import read_manifest, settings_conflict
-from lightning_diffusion.writer import check_writer_args, run_settings
+from lightning_diffusion.writer import WRITER_DEFAULTS, check_writer_args, run_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5
@@ -111,7 +111,8 @@ def preflight(config: Any) -> tuple[list, bool]:
     if info is not None and records is not None:
         base, extra = effective_call_args(info, named, model.get("call_kwargs"))
         problems += check_records(info, records, call_args={**base, **extra}, inputs_root=data.get("inputs_root"))
-    problems += check_writer_args(writer.output_dir, writer.video_format, writer.fps)
+    problems += check_writer_args(writer.output_dir, writer.video_format, writer.fps, *(
+        writer.get(key, default) for key, default in WRITER_DEFAULTS.items()))
     # Built first, so that a bad strategy argument is reported with the other problems; its rules
     # against the model run once the model and records are known to be right.
     strategy = gather(problems, build_strategy, config.trainer.get("strategy"))
@@ -137,7 +138,7 @@ def preflight(config: Any) -> tuple[list, bool]:
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
                                recorded_options(options)),
                 data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
-                writer.get("fps") or 16)
+                writer.get("fps") or 16, writer.get("image_format", "png"), writer.get("quality", 90))
             conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)
             if conflict:
                 problems.append(conflict)

@@ -1,22 +1,30 @@
-"""``ImageWriter``: PNG files with metadata and a ``manifest.jsonl`` that makes a run resumable.
+"""``ImageWriter``: image files with metadata and a ``manifest.jsonl`` that makes a run resumable.
 
 Layout of the output folder::
 
-    000000-a-red-fox.png      image 0, prompt and parameters in PNG text chunks
+    000000-a-red-fox.png      image 0, prompt and parameters in PNG text chunks (or EXIF: WebP, JPEG)
     manifest.jsonl            one JSON object per finished image, sorted by index
     manifest.part-R.jsonl     lines appended by global rank R while a run is going
 
-Every file appears by an atomic rename, and an image's manifest line is appended only after its PNG
-is complete, so a killed run leaves no truncated PNG and at most one unterminated manifest line,
+Every file appears by an atomic rename, and an image's manifest line is appended only after its file
+is complete, so a killed run leaves no truncated image and at most one unterminated manifest line,
 which is ignored. The manifest is the single source of truth: a rerun skips the indices it lists
 (whose files exist) before the work is split over replicas, and redoes everything else.
+
+Encoding and writing run off the prediction thread: each batch goes to a bounded queue that
+``write_workers`` threads drain (PIL's encoders and zlib release the GIL), so the device does not
+wait for the CPU after every batch; a full queue blocks the prediction step, so at most
+``write_queue + write_workers`` batches of decoded images are held. The run's end drains the queue
+before the manifest parts are merged.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -56,6 +64,15 @@ def image_filename(index: int, prompt: str, suffix: str = ".png") -> str:
 
 
 VIDEO_FORMATS = ("mp4", "webp", "gif")
+IMAGE_FORMATS = {"png": ".png", "webp": ".webp", "jpeg": ".jpg"}
+FSYNC = ("file", "batch", "off")
+# PNG's zlib level: 1 encodes several times faster than Pillow's default 6, for slightly larger
+# files (measured in docs/writing.md).
+PNG_COMPRESS_LEVEL = 1
+EXIF_DESCRIPTION = 0x010E  # ImageDescription: where WebP and JPEG files carry the parameters (JSON)
+# check_writer_args' arguments after fps, with ImageWriter's defaults (preflight reads the config's).
+WRITER_DEFAULTS = {"image_format": "png", "quality": 90, "png_compress_level": PNG_COMPRESS_LEVEL, "fsync": "batch",
+                   "write_workers": 2, "write_queue": 2}
 
 
 def write_mp4(file, frames: np.ndarray, fps: int, metadata: dict[str, str]) -> None:
@@ -91,7 +108,9 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
 
 
-def check_writer_args(output_dir: Any, video_format: Any, fps: Any) -> list[str]:
+def check_writer_args(output_dir: Any, video_format: Any, fps: Any, image_format: Any = "png", quality: Any = 90,
+                      png_compress_level: Any = PNG_COMPRESS_LEVEL, fsync: Any = "batch",
+                      write_workers: Any = 2, write_queue: Any = 2) -> list[str]:
     problems = []
     path = Path(output_dir).expanduser()
     if path.exists() and not path.is_dir():
@@ -106,11 +125,24 @@ def check_writer_args(output_dir: Any, video_format: Any, fps: Any) -> list[str]
     if video_format not in VIDEO_FORMATS:
         problems.append(f"writer.video_format must be one of {', '.join(VIDEO_FORMATS)}, got {video_format!r}.")
     problems += filter(None, [check_int(fps, "writer.fps")])
+    if image_format not in IMAGE_FORMATS:
+        problems.append(f"writer.image_format must be one of {', '.join(IMAGE_FORMATS)}, got {image_format!r}.")
+    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+        problems.append(f"writer.quality (WebP and JPEG) must be an integer from 1 to 100, got {quality!r}.")
+    if isinstance(png_compress_level, bool) or not isinstance(png_compress_level, int) or not 0 <= png_compress_level <= 9:
+        problems.append(f"writer.png_compress_level must be an integer from 0 to 9, got {png_compress_level!r}.")
+    if fsync not in FSYNC:
+        problems.append(f"writer.fsync must be one of {', '.join(FSYNC)}, got {fsync!r}.")
+    problems += filter(None, [check_int(write_queue, "writer.write_queue")])
+    if isinstance(write_workers, bool) or not isinstance(write_workers, int) or write_workers < 0:
+        problems.append(f"writer.write_workers must be an integer >= 0 (0: write on the prediction thread), "
+                        f"got {write_workers!r}.")
     return problems
 
 
 def run_settings(image_settings: dict[str, Any], seed: Any, num_images_per_prompt: Any, prompts: Any,
-                 video_format: str = "mp4", fps: int = 16) -> dict[str, Any]:
+                 video_format: str = "mp4", fps: int = 16, image_format: str = "png",
+                 quality: int = 90) -> dict[str, Any]:
     """run.json's settings: the model's (``module.image_settings``), the seeds, the prompt set (its
     content hash compared, its path recorded) and a non-default video encoding."""
     settings = dict(image_settings)
@@ -124,6 +156,8 @@ def run_settings(image_settings: dict[str, Any], seed: Any, num_images_per_promp
         settings[PROMPTS_HASH] = prompts_hash(prompts)
     if video_format != "mp4" or fps != 16:
         settings.update({"writer.video_format": video_format, "writer.fps": fps})
+    if image_format != "png":  # lossy files differ from the PNGs of the same pictures
+        settings.update({"writer.image_format": image_format, "writer.quality": quality})
     return json.loads(json.dumps(settings, default=str))
 
 
@@ -149,6 +183,14 @@ class ImageWriter(BasePredictionWriter):
         allow_config_change: resume into a folder whose images were made with other settings
             (model, size, steps, guidance, seeds...); refused by default, so that one folder never
             mixes two configs silently.
+        image_format: ``png`` (lossless), ``webp`` or ``jpeg`` (lossy, ``quality`` 1-100); the
+            parameters go in PNG text chunks, or the EXIF ImageDescription (JSON) of WebP and JPEG.
+        png_compress_level: zlib level of PNG files, 0-9 (default 1: fast, slightly larger).
+        fsync: ``batch`` (default: every file synced before its rename, the manifest after each
+            batch), ``file`` (the manifest also after each image) or ``off`` (nothing synced: a
+            power cut may lose the last seconds of files and lines, which a resume redoes).
+        write_workers: threads that encode and write off the prediction thread (0: on it).
+        write_queue: batches that may wait for a writer thread before prediction blocks.
 
     Only one run may write into a folder at a time (``.lock``, taken over when its run is dead).
     """
@@ -160,9 +202,26 @@ class ImageWriter(BasePredictionWriter):
         video_format: str = "mp4",
         fps: int = 16,
         allow_config_change: bool = False,
+        image_format: str = "png",
+        quality: int = 90,
+        png_compress_level: int = PNG_COMPRESS_LEVEL,
+        fsync: str = "batch",
+        write_workers: int = 2,
+        write_queue: int = 2,
     ) -> None:
         super().__init__(write_interval="batch")
-        raise_problems(check_writer_args(output_dir, video_format, fps))
+        raise_problems(check_writer_args(output_dir, video_format, fps, image_format, quality, png_compress_level,
+                                         fsync, write_workers, write_queue))
+        self.image_format = image_format
+        self.quality = quality
+        self.png_compress_level = png_compress_level
+        self.fsync = fsync
+        self.write_workers = write_workers
+        self.write_queue = write_queue
+        self._queue: Optional[queue.Queue] = None
+        self._threads: list[threading.Thread] = []
+        self._part_lock = threading.Lock()
+        self._error: Optional[BaseException] = None
         path = Path(output_dir).expanduser()
         self.output_dir = path
         self.save_arrays = save_arrays
@@ -190,7 +249,7 @@ class ImageWriter(BasePredictionWriter):
         data = trainer.datamodule
         return run_settings(describe() if callable(describe) else {}, getattr(data, "seed", None),
                             getattr(data, "num_images_per_prompt", None), getattr(data, "prompts", None),
-                            self.video_format, self.fps)
+                            self.video_format, self.fps, self.image_format, self.quality)
 
     def _prepare_folder(self, settings: dict[str, Any]) -> tuple[Optional[str], list[int]]:
         """On global rank 0: lock, compare settings, merge parts. Returns (error, done indices)."""
@@ -252,6 +311,56 @@ class ImageWriter(BasePredictionWriter):
         if callable(skip):
             skip(self.done)
         self._part = self.output_dir / f"manifest.part-{trainer.global_rank}.jsonl"
+        if self.write_workers and self.writes_outputs(trainer):
+            self._error = None
+            self._queue = queue.Queue(maxsize=self.write_queue)
+            self._threads = [threading.Thread(target=self._work, name=f"image-writer-{n}", daemon=True)
+                             for n in range(self.write_workers)]
+            for thread in self._threads:
+                thread.start()
+
+    # ----------------------------------------------------------------- writing off the prediction thread
+
+    def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            prediction = self._queue.get()
+            try:
+                if prediction is None:
+                    return
+                if self._error is None:  # after a failure the rest is dropped: the run will raise
+                    self._write_batch(prediction)
+            except BaseException as err:  # handed to the prediction thread, which raises it
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def _drain(self) -> None:
+        """Write everything queued, stop the threads, and raise a writer thread's error."""
+        if self._queue is not None:
+            self._queue.join()
+            for _ in self._threads:
+                self._queue.put(None)
+            for thread in self._threads:
+                thread.join()
+            self._queue, self._threads = None, []
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing images failed: {type(error).__name__}: {error}") from error
+
+    def _write_batch(self, prediction: list[dict[str, Any]]) -> None:
+        """Each file atomically, then the batch's manifest lines (synced as ``fsync`` says)."""
+        assert self._part is not None
+        for item in prediction:
+            line = self.write_output(item)
+            with self._part_lock, self._part.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+                if self.fsync == "file" or (self.fsync == "batch" and item is prediction[-1]):
+                    f.flush()
+                    os.fsync(f.fileno())
 
     def write_on_batch_end(
         self,
@@ -265,12 +374,11 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         if not self.writes_outputs(trainer):
             return
-        lines = [self.write_output(item) for item in prediction]
-        assert self._part is not None
-        with self._part.open("a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
+        self._raise_error()
+        if self._queue is None:
+            self._write_batch(prediction)
+        else:  # blocks while the queue is full: memory stays bounded
+            self._queue.put(prediction)
 
     def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
         """Write one image or video (and its array) atomically; return its manifest line."""
@@ -291,19 +399,28 @@ class ImageWriter(BasePredictionWriter):
                 )
             metadata["fps"] = self.fps
         else:
-            name = image_filename(index, prompt)
-            info = PngInfo()
-            for key, value in metadata.items():
-                info.add_text(key, str(value))
-            info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
+            name = image_filename(index, prompt, IMAGE_FORMATS[self.image_format])
             picture = Image.fromarray(pixels)
-            _atomic_write(self.output_dir / name, lambda f: picture.save(f, format="PNG", pnginfo=info))
+            _atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), self.fsync != "off")
         if self.save_arrays:
-            _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]))
+            _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]), self.fsync != "off")
         size = (self.output_dir / name).stat().st_size
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
         }, "written": round(time.time(), 3)}
+
+    def encode(self, picture: Image.Image, metadata: dict[str, Any], file: Any) -> None:
+        """One picture in ``image_format``, its parameters where that format keeps text."""
+        if self.image_format == "png":
+            info = PngInfo()
+            for key, value in metadata.items():
+                info.add_text(key, str(value))
+            info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
+            picture.save(file, format="PNG", pnginfo=info, compress_level=self.png_compress_level)
+            return
+        exif = Image.Exif()
+        exif[EXIF_DESCRIPTION] = json.dumps(metadata)  # ASCII (escaped), as EXIF text must be
+        picture.save(file, format=self.image_format.upper(), quality=self.quality, exif=exif.tobytes())
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.predicting_at = time.time()
@@ -313,6 +430,7 @@ class ImageWriter(BasePredictionWriter):
         # but every rank reaches teardown (and only after a run that did not raise).
         if stage != "predict":
             return
+        self._drain()  # every queued image written (and its line appended) before the merge
         trainer.strategy.barrier("image_writer_merge")
         if trainer.is_global_zero:
             parts = part_counts(self.output_dir)
@@ -345,5 +463,9 @@ class ImageWriter(BasePredictionWriter):
         }
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:  # the queued images are whole pictures: write them, so that a resume need not redo them
+            self._drain()
+        except RuntimeError:
+            pass  # the run already fails with the exception that brought it here
         if self._lock is not None:
             self._lock.release()

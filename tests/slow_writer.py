@@ -1,0 +1,27 @@
+"""ImageWriters for the background-writing tests (used by tests only): one whose encoding is slow,
+so that the queue fills, and one whose encoding fails."""
+
+import time
+from pathlib import Path
+
+from lightning_diffusion import ImageWriter
+
+
+class SlowWriter(ImageWriter):
+    """Encodes each picture 0.3 s late and counts the batches handed to it in ``submitted.txt``."""
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, *args, **kwargs):
+        with open(Path(self.output_dir) / "submitted.txt", "a") as f:
+            f.write(f"{len(prediction)}\n")
+        super().write_on_batch_end(trainer, pl_module, prediction, *args, **kwargs)
+
+    def encode(self, picture, metadata, file):
+        time.sleep(0.3)
+        super().encode(picture, metadata, file)
+
+
+class FailingWriter(ImageWriter):
+    def encode(self, picture, metadata, file):
+        if metadata["index"] == 2:
+            raise OSError("disk full (on purpose)")
+        super().encode(picture, metadata, file)
