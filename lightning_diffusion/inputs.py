@@ -69,9 +69,16 @@ def sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _stat(path: str) -> dict[str, int]:
+    stat = Path(path).stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
 def changed_since(lines: dict[int, dict[str, Any]], most: int = 5) -> list[str]:
     """Finished outputs (manifest lines by index) whose input files are gone or no longer have the
-    SHA-256 they were made from: resuming would keep pictures of other inputs."""
+    SHA-256 they were made from: resuming would keep pictures of other inputs. A file whose size
+    and modification time are those recorded is not read again (a resume of a large data set
+    stays a stat a file)."""
     digests: dict[str, Optional[str]] = {}
     changed = []
     for index, line in sorted(lines.items()):
@@ -79,7 +86,9 @@ def changed_since(lines: dict[int, dict[str, Any]], most: int = 5) -> list[str]:
             for entry in files if isinstance(files, list) else [files]:
                 path = entry.get("file")
                 if path not in digests:
-                    digests[path] = sha256(path) if path and Path(path).is_file() else None
+                    exists = bool(path) and Path(path).is_file()
+                    same = exists and {k: entry.get(k) for k in ("bytes", "mtime_ns")} == _stat(path)
+                    digests[path] = entry.get("sha256") if same else sha256(path) if exists else None
                 if digests[path] != entry.get("sha256"):
                     what = "is gone" if digests[path] is None else "changed"
                     changed.append(f"output {index} ({line.get('file')}): its {name} {path} {what} since it was made")
@@ -111,7 +120,7 @@ def load(samples: Sequence[dict[str, Any]]) -> tuple[dict[str, list], list[dict[
             for p in _paths(value):
                 if p not in digests:
                     digests[p] = sha256(p)
-            files = [{"file": p, "sha256": digests[p]} for p in _paths(value)]
+            files = [{"file": p, "sha256": digests[p], **_stat(p)} for p in _paths(value)]
             record[name] = files if isinstance(value, list) else files[0]
         recorded.append(record)
     return kwargs, recorded

@@ -65,8 +65,8 @@ def parse(spec: Any) -> list[Adapter]:
         if unknown:
             problems.append(f"{where} takes {', '.join(ADAPTER_KEYS)}; unknown: {', '.join(unknown)}.")
         scale = item.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
-            problems.append(f"{where}.scale must be a number >= 0, not {scale!r}.")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            problems.append(f"{where}.scale must be a number (negative for slider adapters), not {scale!r}.")
         path = Path(str(item["path"])).expanduser()
         file = path / item["weight_name"] if item.get("weight_name") else path
         if path.is_dir() and not item.get("weight_name"):
@@ -112,6 +112,18 @@ def read(pipeline_class: type, adapter: Adapter) -> tuple[dict[str, torch.Tensor
     return state, alphas or {}, metadata
 
 
+def targets(pipeline_class: type, adapter: Adapter) -> dict[str, set[str]]:
+    """``{component: {module}}`` an adapter targets, from its converted keys (``x.lora_A.weight``,
+    ``x.lora_linear_layer.up.weight``, ...): what any strategy can check before loading."""
+    state, _, _ = read(pipeline_class, adapter)
+    found: dict[str, set[str]] = {}
+    for key in state:
+        component, _, rest = key.partition(".")
+        module = rest.split(".lora", 1)[0] if ".lora" in rest else rest.rsplit(".", 1)[0]
+        found.setdefault(component, set()).add(module)
+    return found
+
+
 def updates(pipeline_class: type, adapter: Adapter) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
     """``{component: {module: (A, B, scaling)}}``: the low-rank pairs of one adapter and the factor
     peft would apply (``scale x alpha / r``, or ``/ sqrt(r)`` with rsLoRA)."""
@@ -120,10 +132,12 @@ def updates(pipeline_class: type, adapter: Adapter) -> dict[str, dict[str, tuple
 
     state, alphas, metadata = read(pipeline_class, adapter)
     found: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = {}
-    unknown = [k for k in state if ".lora_A." not in k and ".lora_B." not in k]
+    unknown = [k for k in state if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
     if unknown:
-        raise ConfigError(f"model.lora: {adapter.name} has entries that are not LoRA pairs ({', '.join(unknown[:3])}: "
-                          "DoRA magnitudes, biases or full weights); only plain LoRA can be fused on shards.")
+        raise ConfigError(f"model.lora: {adapter.name} has entries that are not LoRA weight pairs "
+                          f"({', '.join(unknown[:3])}: DoRA magnitudes, biases or full weights), which can be fused "
+                          "only by diffusers on whole weights: use data_parallel or context parallelism, or a device "
+                          "map, for this adapter.")
     for component in sorted({k.split(".", 1)[0] for k in state}):
         prefix = component + "."
         pairs = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -134,8 +148,10 @@ def updates(pipeline_class: type, adapter: Adapter) -> dict[str, dict[str, tuple
         if config is None:
             ranks = {f"^{k}": v.shape[1] for k, v in pairs.items() if "lora_B" in k and v.ndim > 1}
             config = get_peft_kwargs(ranks, network_alpha_dict=component_alphas, peft_state_dict=pairs)
-        if config.get("use_dora"):
-            raise ConfigError(f"model.lora: {adapter.name} is a DoRA adapter; only plain LoRA can be fused on shards.")
+        if config.get("use_dora") or config.get("lora_bias"):
+            raise ConfigError(f"model.lora: {adapter.name} is a {'DoRA' if config.get('use_dora') else 'biased'} "
+                              "adapter, which only diffusers can fuse, on whole weights: use data_parallel or context "
+                              "parallelism for it.")
         modules = {}
         for key in pairs:
             if key.endswith(".lora_A.weight"):
@@ -152,11 +168,12 @@ def updates(pipeline_class: type, adapter: Adapter) -> dict[str, dict[str, tuple
 
 
 def unknown_targets(pipeline_class: type, adapter: Adapter, modules: Mapping[str, set[str]]) -> list[str]:
-    """The adapter's targets that are no module of this pipeline (``modules``: component -> names)."""
+    """The adapter's targets that are no module of this pipeline (``modules``: component -> its
+    module names; components not listed are not checked)."""
     missing = []
-    for component, pairs in updates(pipeline_class, adapter).items():
-        names = modules.get(component)
-        missing += [f"{component}.{m}" for m in pairs if names is None or m not in names]
+    for component, names in targets(pipeline_class, adapter).items():
+        if component in modules:
+            missing += [f"{component}.{m}" for m in sorted(names) if m not in modules[component]]
     return missing
 
 
@@ -199,5 +216,6 @@ def fuse_in_place(pipeline: Any, adapters: Sequence[Adapter], shard_specs: Optio
                     elif spec is not None and spec.dim == 1:
                         a = _local_shard(a, 1, spec.block_sizes, tp_mesh)  # the columns this rank holds
                     local = weight.to_local() if isinstance(weight, DTensor) else weight
+                    a, b = a.to(local.device), b.to(local.device)  # on the rank's own device
                     delta = (b @ a) * factor
                     local.add_(delta.to(device=local.device, dtype=local.dtype))

@@ -114,14 +114,13 @@ def lora_problems(info: PipelineInfo, spec: Any, quantized: Any) -> list[str]:
         adapters = lora.parse(spec)
     except ConfigError as err:
         return [str(err)]
-    modules = {}
+    modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
     for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
         cls = info.component_class(name)
-        if isinstance(cls, type) and hasattr(cls, "from_config"):
+        if isinstance(cls, type) and hasattr(cls, "from_config") and name in info.configs:
             with torch.device("meta"):
-                model = cls.from_config(info.configs.get(name, {})) if name in info.configs else None
-            if model is not None:
-                modules[name] = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+                model = cls.from_config(info.configs[name])
+            modules[name] = {n for n, _ in model.named_modules()}
     problems = []
     for n, adapter in enumerate(adapters):
         try:
@@ -134,12 +133,12 @@ def lora_problems(info: PipelineInfo, spec: Any, quantized: Any) -> list[str]:
                             f"({type(err).__name__}: {err}).")
             continue
         if missing:
-            problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no linear layer of "
+            problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no layer of "
                             f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                             "(an adapter for another model?).")
     if quantized is not None and not problems:
         both = [c for c in quantization.quantized(quantized, tuple(denoisers(info)))
-                if any(c in lora.updates(info.pipeline_class, a) for a in adapters)]
+                if any(c in lora.targets(info.pipeline_class, a) for a in adapters)]
         if both:
             problems.append(f"model.lora: {', '.join(both)} loads quantized (model.quantization), and an adapter "
                             "cannot be fused into quantized weights: leave it out of model.quantization.components.")

@@ -314,41 +314,51 @@ class ImageWriter(BasePredictionWriter):
         if self.write_workers and self.writes_outputs(trainer):
             self._error = None
             self._queue = queue.Queue(maxsize=self.write_queue)
-            self._threads = [threading.Thread(target=self._work, name=f"image-writer-{n}", daemon=True)
-                             for n in range(self.write_workers)]
+            self._threads = [threading.Thread(target=self._work, args=(self._queue,), name=f"image-writer-{n}",
+                                              daemon=True) for n in range(self.write_workers)]
             for thread in self._threads:
                 thread.start()
 
     # ----------------------------------------------------------------- writing off the prediction thread
 
-    def _work(self) -> None:
-        assert self._queue is not None
+    def _work(self, jobs: queue.Queue) -> None:
         while True:
-            prediction = self._queue.get()
+            prediction = jobs.get()
             try:
                 if prediction is None:
                     return
-                if self._error is None:  # after a failure the rest is dropped: the run will raise
-                    self._write_batch(prediction)
-            except BaseException as err:  # handed to the prediction thread, which raises it
-                self._error = err
+                self._write_batch(prediction)
+            except BaseException as err:  # handed to the prediction thread, which raises it (the first)
+                with self._part_lock:
+                    self._error = self._error or err
             finally:
-                self._queue.task_done()
+                jobs.task_done()
 
-    def _drain(self) -> None:
-        """Write everything queued, stop the threads, and raise a writer thread's error."""
-        if self._queue is not None:
-            self._queue.join()
-            for _ in self._threads:
-                self._queue.put(None)
-            for thread in self._threads:
+    def _drain(self, wait: bool = True) -> None:
+        """Write everything queued (``wait``; else only what is being written), stop the threads,
+        and raise a writer thread's error. Safe to call twice, and from an interrupted drain."""
+        jobs, threads = self._queue, self._threads
+        self._queue, self._threads = None, []
+        if jobs is not None:
+            if wait:
+                jobs.join()
+            else:  # Ctrl-C: drop what waits (it has no manifest line: made again on resume)
+                while True:
+                    try:
+                        jobs.get_nowait()
+                        jobs.task_done()
+                    except queue.Empty:
+                        break
+            for _ in threads:
+                jobs.put(None)  # the queue holds at most the sentinels now: never blocks
+            for thread in threads:
                 thread.join()
-            self._queue, self._threads = None, []
         self._raise_error()
 
     def _raise_error(self) -> None:
-        if self._error is not None:
+        with self._part_lock:
             error, self._error = self._error, None
+        if error is not None:
             raise RuntimeError(f"writing images failed: {type(error).__name__}: {error}") from error
 
     def _write_batch(self, prediction: list[dict[str, Any]]) -> None:
@@ -375,6 +385,8 @@ class ImageWriter(BasePredictionWriter):
         if not self.writes_outputs(trainer):
             return
         self._raise_error()
+        if not self.save_arrays:  # queued as uint8, a quarter of the float images' memory
+            prediction = [{**item, "image": to_uint8(item["image"])} for item in prediction]
         if self._queue is None:
             self._write_batch(prediction)
         else:  # blocks while the queue is full: memory stays bounded
@@ -386,16 +398,18 @@ class ImageWriter(BasePredictionWriter):
         metadata = {"index": index, "prompt": prompt, "seed": item["seed"], **params}
         if item.get("negative_prompt") is not None:
             metadata["negative_prompt"] = item["negative_prompt"]
-        pixels = to_uint8(item["image"])
+        pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
         if pixels.ndim == 4:  # a video: frames x height x width x 3
             name = image_filename(index, prompt, f".{self.video_format}")
             text = json.dumps(metadata, ensure_ascii=False)
             if self.video_format == "mp4":
                 tags = {"title": prompt, "comment": text}
-                _atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags))
+                _atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags),
+                              self.fsync != "off")
             else:
                 _atomic_write(
-                    self.output_dir / name, lambda f: write_animation(f, pixels, self.fps, self.video_format, text)
+                    self.output_dir / name, lambda f: write_animation(f, pixels, self.fps, self.video_format, text),
+                    self.fsync != "off"
                 )
             metadata["fps"] = self.fps
         else:
@@ -430,8 +444,17 @@ class ImageWriter(BasePredictionWriter):
         # but every rank reaches teardown (and only after a run that did not raise).
         if stage != "predict":
             return
-        self._drain()  # every queued image written (and its line appended) before the merge
-        trainer.strategy.barrier("image_writer_merge")
+        try:
+            self._drain()  # every queued image written (and its line appended) before the merge
+        except RuntimeError as err:
+            failed: Optional[RuntimeError] = err
+        else:
+            failed = None
+        trainer.strategy.barrier("image_writer_merge")  # reached by every rank, failed or not
+        if failed is not None:
+            if self._lock is not None and trainer.is_global_zero:
+                self._lock.release()
+            raise failed
         if trainer.is_global_zero:
             parts = part_counts(self.output_dir)
             total = merge_manifest(self.output_dir)
@@ -463,8 +486,9 @@ class ImageWriter(BasePredictionWriter):
         }
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        try:  # the queued images are whole pictures: write them, so that a resume need not redo them
-            self._drain()
+        try:  # the queued images are whole pictures: write them, so that a resume need not redo them,
+            # except after Ctrl-C, which promises to stop after the images in flight
+            self._drain(wait=not isinstance(exception, KeyboardInterrupt))
         except RuntimeError:
             pass  # the run already fails with the exception that brought it here
         if self._lock is not None:

@@ -60,8 +60,9 @@ def test_image_records_condition_each_picture_and_are_named_with_their_sha256(im
     by_index = {line["index"]: line for line in lines}
     for index, name in [(0, "a"), (1, "b"), (2, "c")]:
         path = prompts.parent / "in" / f"{name}.png"
-        assert by_index[index]["inputs"] == {"image": {"file": str(path),
-                                                       "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
+        assert by_index[index]["inputs"] == {"image": {
+            "file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "bytes": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns}}
     assert by_index[2]["strength"] == 0.8 and by_index[0]["pipeline_class"] == "FluxImg2ImgPipeline"
     png = Image.open(out / by_index[0]["file"])
     assert json.loads(png.text["parameters"])["inputs"]["image"]["file"].endswith("in/a.png")

@@ -147,11 +147,18 @@ class DeviceMapStrategy(MeshStrategy):
         return problems
 
     def _check_adapters(self, request: ModelRequest) -> None:
-        """Adapter updates are fused into the placed weights, which must not be offloaded."""
-        if request.lora and (self.offload_folder or any(k == "cpu" for k in self.max_memory)):
+        """Adapter updates are fused into the placed weights (plain LoRA pairs only: ``updates``
+        refuses the rest), which must not be offloaded."""
+        if not request.lora:
+            return
+        if self.offload_folder or any(k == "cpu" for k in self.max_memory):
             raise ConfigError("model.lora with a device map that may offload weights to the CPU or disk "
                               "(offload_folder, max_memory for cpu): an update cannot be fused into offloaded "
                               "weights; drop them, or use data_parallel.")
+        from lightning_diffusion import lora
+
+        for adapter in request.lora:
+            lora.updates(request.info.pipeline_class, adapter)
 
     def _check_quantized_placement(self, request: ModelRequest, device_type: str) -> None:
         """diffusers' torchao quantizer leaves the weights a device map puts on the CPU or disk
