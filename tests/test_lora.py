@@ -25,15 +25,16 @@ TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_mlp"
 CONFIGS = {"flux": "configs/tiny-flux.yaml", "qwenimage": "configs/tiny-cfg.yaml"}
 
 
-def make_adapter(name: str, folder, seed: int = 0, rank: int = 4, alpha: int = 8):
-    """A LoRA for tiny:NAME's transformer with random A and B (peft initialises B to zero)."""
+def make_adapter(name: str, folder, seed: int = 0, rank: int = 4, alpha: int = 8, **options):
+    """A LoRA for tiny:NAME's transformer with random A and B (peft initialises B to zero);
+    ``options``: more ``LoraConfig`` arguments."""
     from diffusers import DiffusionPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
     from lightning_diffusion import tiny
 
     pipe = DiffusionPipeline.from_pretrained(tiny.resolve(f"tiny:{name}"))
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS[name], init_lora_weights=False)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS[name], init_lora_weights=False, **options)
     torch.manual_seed(seed)
     pipe.transformer.add_adapter(config)
     with torch.no_grad():
@@ -188,22 +189,11 @@ def test_our_in_place_fuse_gives_diffusers_fused_weights(options, tmp_path):
     """The fuse that tensor parallelism and device maps use (each update added to the weights where
     they are) against diffusers' own fuse, for peft's rank and alpha rules."""
     from diffusers import DiffusionPipeline
-    from peft import LoraConfig, get_peft_model_state_dict
 
     from lightning_diffusion import lora, tiny
 
     path = tiny.resolve("tiny:flux")
-    source = DiffusionPipeline.from_pretrained(path)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS["flux"], init_lora_weights=False, **options)
-    torch.manual_seed(0)
-    source.transformer.add_adapter(config)
-    with torch.no_grad():
-        for key, param in source.transformer.named_parameters():
-            if "lora_" in key:
-                param.normal_(0, 0.3)
-    type(source).save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(source.transformer),
-                                   transformer_lora_adapter_metadata=config.to_dict())
-    adapters = lora.parse([{"path": str(tmp_path), "scale": 0.6}])
+    adapters = lora.parse([{"path": str(make_adapter("flux", tmp_path, **options)), "scale": 0.6}])
     theirs, ours = DiffusionPipeline.from_pretrained(path), DiffusionPipeline.from_pretrained(path)
     lora.fuse(theirs, adapters)
     lora.fuse_in_place(ours, adapters)
