@@ -8,7 +8,7 @@ from lightning_diffusion import ImageWriter
 
 
 class SlowWriter(ImageWriter):
-    """Encodes each picture 0.3 s late and counts the batches handed to it in ``submitted.txt``."""
+    """Encodes each picture a second late and counts the batches handed to it in ``submitted.txt``."""
 
     def write_on_batch_end(self, trainer, pl_module, prediction, *args, **kwargs):
         with open(Path(self.output_dir) / "submitted.txt", "a") as f:
@@ -16,7 +16,7 @@ class SlowWriter(ImageWriter):
         super().write_on_batch_end(trainer, pl_module, prediction, *args, **kwargs)
 
     def encode(self, picture, metadata, file):
-        time.sleep(0.3)
+        time.sleep(1.0)
         super().encode(picture, metadata, file)
 
 

@@ -78,14 +78,16 @@ def test_a_kill_while_the_queue_is_full_leaves_only_whole_recorded_images(tmp_pa
         "trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
         "                datamodule=PromptDataModule([f'prompt {i}' for i in range(40)], batch_size=2))\n"
     )
+    log = tmp_path / "run.log"
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
     submitted = out / "submitted.txt"
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline and (
             len(finished_lines(out)) < 4 or not submitted.is_file()
             or 2 * len(submitted.read_text().split()) < len(finished_lines(out)) + 6):
         time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before the kill (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done = finished_lines(out)
