@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,8 +80,12 @@ def test_a_kill_while_the_queue_is_full_leaves_only_whole_recorded_images(tmp_pa
         "                datamodule=PromptDataModule([f'prompt {i}' for i in range(40)], batch_size=2))\n"
     )
     log = tmp_path / "run.log"
+    with socket.socket() as s:  # a port of its own: another test's process group may hold Lightning's
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     submitted = out / "submitted.txt"
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline and (
