@@ -9,6 +9,7 @@ entry once the pinned diffusers release no longer needs it (checked against diff
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from datetime import timedelta
 from typing import Any, Optional
@@ -132,6 +133,25 @@ def _patch_tensor_parallel_devices() -> None:
 
     if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
         tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
+
+
+@contextlib.contextmanager
+def saving_on_every_rank():
+    """transformers 5.x ``save_pretrained`` writes a model's files only on rank 0 of an initialized
+    process group (``DistributedMixin.should_save_on_this_rank``), so a tiny pipeline built on
+    another rank got empty text-encoder folders (and, renamed first, became the cache's copy). Our
+    builders write into a folder of their own on every rank: let each rank write."""
+    try:
+        from transformers.distributed.mixin import DistributedMixin
+    except ImportError:  # transformers 4.x writes on every rank
+        yield
+        return
+    original = DistributedMixin.should_save_on_this_rank
+    DistributedMixin.should_save_on_this_rank = lambda self, is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        DistributedMixin.should_save_on_this_rank = original
 
 
 def set_collective_timeout(timeout: timedelta) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_diffusion import compat
 from lightning_diffusion.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
@@ -380,7 +381,8 @@ def resolve(name: str) -> str:
         shown = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()  # "Writing model shards" bars for 1 MB models
         try:
-            builder(staging)
+            with compat.saving_on_every_rank():
+                builder(staging)
         finally:
             if shown:
                 transformers_logging.enable_progress_bar()
