@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
 from lightning_diffusion import console
+from lightning_diffusion.accelerators import accelerator_for_job
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError, mark_preflight_passed, preflight_passed, raise_problems
 from lightning_diffusion.module import DiffusionModule
@@ -130,6 +131,10 @@ class DiffusionCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in configured
         ):
             callbacks = [*callbacks, ImageProgressBar()]
+        # A site that shows each SLURM task only its own GPU(s): devices counts the node's tasks.
+        per_task = getattr(config.get("strategy"), "devices_per_process", 1)
+        config = {**config, "accelerator": accelerator_for_job(config.get("accelerator", "auto"), config.get("devices"),
+                                                               per_task)}
         return super()._instantiate_trainer(config, callbacks)
 
     def predict(self, model: DiffusionModule, datamodule: Any = None, return_predictions: Optional[bool] = None, **kwargs: Any):

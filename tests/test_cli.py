@@ -157,7 +157,8 @@ def test_gpu_check_rehearsal_runs_every_one_gpu_check_on_the_cpu(tmp_path):
     rows = {row["check"]: row for row in json.loads(report.read_text())}
     assert {"data-parallel-vs-diffusers", "device-map-auto", "device-map-balanced", "staged", "compile-regional",
             "quantization-fp8", "quantization-int8", "first-block-cache", "ulysses-cuda", "ring-bf16-cuda",
-            "tensor-parallel-cuda", "cfg-parallel-cuda", "mesh-cuda"} <= set(rows)
+            "tensor-parallel-cuda", "cfg-parallel-cuda", "mesh-cuda", "one-gpu-per-task", "cpu-tensor-parallel-on-a-gpu-machine",
+            "device-map-own-gpus", "cuda-pipeline"} <= set(rows)
     ran = {name for name, row in rows.items() if row["result"] == "PASS"}
     assert ran == {"data-parallel-vs-diffusers", "device-map-auto", "staged", "compile-regional", "quantization-int8",
                    "first-block-cache"}, rows

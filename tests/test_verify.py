@@ -37,3 +37,19 @@ def test_verify_fails_a_tp_plan_with_colwise_and_rowwise_swapped():
                    "--trainer.strategy.class_path", "tests.broken_plans.SwappedFeedForwardTP", check=False)
     assert proc.returncode == 2
     assert "the plan run failed" in proc.stderr
+
+
+def test_the_reference_run_takes_the_attention_backend_the_plan_runs_with():
+    """A strategy's attention_backend (and ring's own choice on CUDA) reaches the one-device run as
+    model.attention_backend; a model-level backend is already in the config both runs read."""
+    from lightning_diffusion.commands.verify import plan_attention_backend
+    from lightning_diffusion.config import read_config
+
+    strategy = ["--trainer.strategy.init_args.attention_backend", "native"]
+    assert plan_attention_backend(read_config("configs/tiny-ulysses.yaml", strategy)) == "native"
+    assert plan_attention_backend(read_config("configs/tiny-ulysses.yaml")) is None
+    assert plan_attention_backend(read_config("configs/tiny-tp.yaml")) is None
+    model = ["--model.attention_backend", "native"]
+    assert plan_attention_backend(read_config("configs/tiny-ulysses.yaml", model)) is None
+    ring_on_cuda = ["--trainer.accelerator", "gpu", "--model.torch_dtype", "bfloat16"]
+    assert plan_attention_backend(read_config("configs/tiny-ring.yaml", ring_on_cuda, check=False)) == "_native_cudnn"

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -52,6 +52,29 @@ def compare(ours: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     return {"max_abs": max_abs, "psnr": psnr, "ssim": ssim}
 
 
+def plan_attention_backend(config: Any) -> Optional[str]:
+    """The attention backend the plan's context-parallel denoisers run with when the strategy chose
+    it (its ``attention_backend``, or ring's choice on CUDA); None when the model's own
+    ``model.attention_backend`` is set, which the reference run reads from the same config. The
+    reference run takes it too, so that the two runs differ by the plan and not by the kernel."""
+    from lightning_diffusion.preflight import build_strategy, device_type, world_size
+    from lightning_diffusion.strategies.checks import resolved_attention_backend
+    from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+
+    if config.model.get("attention_backend") is not None:
+        return None
+    strategy = build_strategy(config.trainer.get("strategy"))
+    size = world_size(config.trainer)
+    if not isinstance(strategy, MeshStrategy) or size is None:
+        return None
+    dims = strategy.make_parallel_dims(size)
+    if dims.cp == 1:
+        return None  # the strategy's backend serves context parallelism only
+    device = torch.device(device_type(config.trainer.get("accelerator")))
+    dtype = getattr(torch, dtype_name(config.model.torch_dtype))
+    return resolved_attention_backend(strategy.attention_backend, device, dims, dtype)
+
+
 def _predict(config: str, extra: list[str], out: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "lightning_diffusion", "predict", "--config", config, *extra,
                "--writer.output_dir", str(out), "--writer.save_arrays", "true", "--writer.allow_config_change", "true",
@@ -83,11 +106,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         subset = tmp_path / "prompts.jsonl"
         subset.write_text("".join(json.dumps(r) + "\n" for r in records))
         common = [*extra, "--data.prompts", str(subset), "--data.num_images_per_prompt", "1"]
+        reference = [*common, "--trainer.strategy", "data_parallel", "--trainer.devices", "1", "--trainer.num_nodes",
+                     "1", "--trainer.accelerator", str(accelerator)]
+        backend = plan_attention_backend(config)
+        if backend is not None:
+            reference += ["--model.attention_backend", backend]
+        kernel = f", attention backend {backend} (the plan's)" if backend else ""
+        print(f"verify: reference run on one device{kernel}")
         runs = {
             "plan": _predict(args.config, common, tmp_path / "plan"),
-            "reference": _predict(args.config, [*common, "--trainer.strategy", "data_parallel", "--trainer.devices",
-                                                "1", "--trainer.num_nodes", "1", "--trainer.accelerator", str(accelerator)],
-                                  tmp_path / "reference"),
+            "reference": _predict(args.config, reference, tmp_path / "reference"),
         }
         for name, proc in runs.items():
             if proc.returncode != 0:

@@ -120,7 +120,9 @@ class DeviceMapStrategy(MeshStrategy):
         device = super().root_device
         if device.type == "cpu":
             return device
-        return torch.device(device.type, self.local_rank * self.devices_per_process)
+        # With GPUs bound to tasks, a process's own GPUs are the ones it sees, numbered from 0.
+        first = 0 if self.gpus_bound_to_tasks else self.local_rank * self.devices_per_process
+        return torch.device(device.type, first)
 
     def gpu_indices(self) -> list[int]:
         if self.root_device.type == "cpu":
@@ -199,12 +201,15 @@ class DeviceMapStrategy(MeshStrategy):
         if self.parallel_devices is None:
             return
         if self.root_device.type == "cuda":
-            needed = self.num_processes * self.devices_per_process
+            if self.gpus_bound_to_tasks:
+                needed, what = self.devices_per_process, f"devices_per_process {self.devices_per_process} GPUs"
+                where = "this task sees"
+            else:
+                needed = self.num_processes * self.devices_per_process
+                what = f"{self.num_processes} processes x devices_per_process {self.devices_per_process} = {needed} GPUs"
+                where = "this node has"
             if needed > torch.cuda.device_count():
-                raise ConfigError(
-                    f"{self.num_processes} processes x devices_per_process {self.devices_per_process} = {needed} GPUs, "
-                    f"but this node has {torch.cuda.device_count()}."
-                )
+                raise ConfigError(f"{what}, but {where} {torch.cuda.device_count()}.")
         elif self.device_map == "balanced":
             raise ConfigError("device_map 'balanced' spreads components over GPUs; on a CPU use 'auto' (with offload_folder).")
         for key in self.max_memory:

@@ -122,6 +122,13 @@ class DiffusionParallelStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def gpus_bound_to_tasks(self) -> bool:
+        """Whether each process sees only its own GPUs (``accelerators.TaskBoundCUDAAccelerator``)."""
+        from lightning_diffusion.accelerators import TaskBoundCUDAAccelerator
+
+        return isinstance(self.accelerator, TaskBoundCUDAAccelerator)
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
