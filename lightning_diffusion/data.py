@@ -292,13 +292,28 @@ def collate_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return samples
 
 
-def check_data_args(batch_size: Any, seed: Any, num_images_per_prompt: Any) -> list[str]:
+def check_data_args(batch_size: Any, seed: Any, num_images_per_prompt: Any, num_shards: Any = 1,
+                    shard_index: Any = 0, num_images: Optional[int] = None) -> list[str]:
     problems = []
-    for name, value in (("batch_size", batch_size), ("num_images_per_prompt", num_images_per_prompt)):
+    for name, value in (("batch_size", batch_size), ("num_images_per_prompt", num_images_per_prompt),
+                        ("num_shards", num_shards)):
         problems += filter(None, [check_int(value, f"data.{name}")])
     if not is_int(seed, 0):
         problems.append(f"data.seed must be a non-negative integer, got {seed!r}.")
+    if is_int(num_shards, 1) and not (is_int(shard_index, 0) and shard_index < num_shards):
+        problems.append(f"data.shard_index must be an integer from 0 to data.num_shards - 1 = {num_shards - 1}, "
+                        f"got {shard_index!r}.")
+    if is_int(num_shards, 1) and num_images is not None and num_shards > num_images:
+        problems.append(f"data.num_shards {num_shards} exceeds the {num_images} images of the prompt set: shards "
+                        f"{num_images} to {num_shards - 1} would have nothing to make. Use at most {num_images} shards.")
     return problems
+
+
+def shard_indices(total: int, num_shards: int, shard_index: int) -> np.ndarray:
+    """The images of shard ``shard_index`` of ``num_shards``: every index ``i`` with
+    ``i % num_shards == shard_index``. An image keeps its index, seed and file name whatever the
+    shard count, and the shards of a count share no image."""
+    return np.arange(shard_index, total, num_shards, dtype=np.int64)
 
 
 class PromptDataModule(pl.LightningDataModule):
@@ -314,6 +329,9 @@ class PromptDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers (prompts are tiny; 0 is usually right).
         inputs_root: records' input files (``image``, ``mask_image``...) must lie under this folder
             once links and ``..`` are resolved (for prompt files from elsewhere).
+        num_shards, shard_index: make only shard ``shard_index`` of ``num_shards`` of the prompt
+            set (the images ``i`` with ``i % num_shards == shard_index``): the tasks of a SLURM job
+            array, each its own shard, writing into one output folder.
     """
 
     def __init__(
@@ -324,17 +342,23 @@ class PromptDataModule(pl.LightningDataModule):
         num_images_per_prompt: int = 1,
         num_workers: int = 0,
         inputs_root: Optional[str] = None,
+        num_shards: int = 1,
+        shard_index: int = 0,
     ) -> None:
         super().__init__()
-        raise_problems(check_data_args(batch_size, seed, num_images_per_prompt))
+        raise_problems(check_data_args(batch_size, seed, num_images_per_prompt, num_shards, shard_index))
         self.prompts = prompts
         self.batch_size = batch_size
         self.seed = seed
         self.num_images_per_prompt = num_images_per_prompt
         self.num_workers = num_workers
         self.inputs_root = inputs_root
+        self.num_shards = num_shards
+        self.shard_index = shard_index
         # Read now so that a bad prompt file fails before any process starts or weights load.
         self.records = load_records(prompts)
+        raise_problems(check_data_args(batch_size, seed, num_images_per_prompt, num_shards, shard_index,
+                                       self.num_images))
         self.skip: set[int] = set()
         # More replicas than images is fine: the idle ones wait.
         self.allow_zero_length_dataloader_with_multiple_devices = True
@@ -343,12 +367,22 @@ class PromptDataModule(pl.LightningDataModule):
     def num_images(self) -> int:
         return len(self.records) * self.num_images_per_prompt
 
+    @property
+    def shard(self) -> Optional[tuple[int, int]]:
+        """``(shard_index, num_shards)`` when this run makes one shard of the prompt set, else None."""
+        return (self.shard_index, self.num_shards) if self.num_shards > 1 else None
+
+    def shard_images(self) -> np.ndarray:
+        """The indices this run is for: every image, or its shard's."""
+        return shard_indices(self.num_images, self.num_shards, self.shard_index)
+
     def skip_indices(self, indices: set[int]) -> None:
         """Leave out images that are already done (called by the writer on resume, before the split)."""
         self.skip = set(indices)
 
     def predict_dataloader(self) -> DataLoader:
-        todo = np.ones(self.num_images, dtype=bool)
+        todo = np.zeros(self.num_images, dtype=bool)
+        todo[self.shard_images()] = True
         if self.skip:
             todo[np.fromiter(self.skip, dtype=np.int64, count=len(self.skip))] = False
         pending = np.flatnonzero(todo)

@@ -1,15 +1,20 @@
-"""``OutputLock``: one run at a time per output folder, and no stale lock left by a dead run.
+"""``OutputLock``: one run at a time per output folder (or per shard of it), and no stale lock left
+by a dead run.
 
-The lock is ``.lock`` in the folder, created atomically, holding the host and pid of its run. The
-holder refreshes its modification time every ``HEARTBEAT_S``. Another run takes it over when the
-holder's pid is gone (same host), the heartbeat is older than ``STALE_S`` (any host), or the holder
-was an earlier run of the same SLURM job (a requeued job starts only after its previous run ended).
+The lock is ``.lock`` in the folder (``.lock.shard-T-of-N`` for shard T of N of a job array),
+created atomically, holding the host and pid of its run. The holder refreshes its modification time
+every ``HEARTBEAT_S``. Another run takes it over when the holder's pid is gone (same host), the
+heartbeat is older than ``STALE_S`` (any host), or the holder was an earlier run of the same SLURM
+job (a requeued job starts only after its previous run ended). The shards of one count write beside
+each other; a run of the whole set, or shards of another count, would make the same images and wait
+for them (``conflicting_runs``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -30,9 +35,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
+LOCK = ".lock"
+
+
+def lock_name(shard: Optional[tuple[int, int]]) -> str:
+    return LOCK if shard is None else f"{LOCK}.shard-{shard[0]}-of-{shard[1]}"
+
+
+def _shard_of(name: str) -> Optional[tuple[int, int]]:
+    found = re.fullmatch(r"\.lock\.shard-(\d+)-of-(\d+)", name)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def live_locks(folder: Path) -> dict[Optional[tuple[int, int]], str]:
+    """The folder's live runs by shard (None: a run of the whole prompt set), described."""
+    found: dict[Optional[tuple[int, int]], str] = {}
+    for path in sorted(Path(folder).glob(f"{LOCK}*")):
+        shard = _shard_of(path.name)
+        if path.name != LOCK and shard is None:
+            continue
+        holder = OutputLock(folder, shard).holder()
+        if holder is not None:
+            found[shard] = holder
+    return found
+
+
+def conflicting_runs(folder: Path, shard: Optional[tuple[int, int]]) -> list[str]:
+    """Live runs that share images with a run of ``shard``: a run of the whole set beside any
+    shard, and shards of another count (shard 0 of 4 and shard 0 of 8 both hold image 0)."""
+    conflicts = []
+    for other, holder in live_locks(folder).items():
+        if other == shard:
+            continue
+        if shard is None or other is None or other[1] != shard[1]:
+            what = "a run of the whole prompt set" if other is None else f"shard {other[0]} of {other[1]}"
+            conflicts.append(f"{what} ({holder})")
+    return conflicts
+
+
 class OutputLock:
-    def __init__(self, folder: Path) -> None:
-        self.path = Path(folder) / ".lock"
+    def __init__(self, folder: Path, shard: Optional[tuple[int, int]] = None) -> None:
+        self.path = Path(folder) / lock_name(shard)
         self._stop = threading.Event()
         self._held = False
 

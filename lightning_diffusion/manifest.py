@@ -7,13 +7,32 @@ too: nothing heavy is imported here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 MANIFEST = "manifest.jsonl"
-PART_GLOB = "manifest.part-*.jsonl"
+# Every run's parts: ``manifest.part-R.jsonl`` for a run of the whole prompt set, and
+# ``manifest.shard-T-of-N.part-R.jsonl`` for shard T of N (the tasks of a job array, which write
+# into one folder at once, each merging only its own parts).
+PART_GLOB = "manifest.*part-*.jsonl"
+MERGE_LOCK = ".manifest.merge-lock"
+
+
+def shard_name(shard: Optional[tuple[int, int]]) -> Optional[str]:
+    """``shard-T-of-N`` for shard ``(T, N)``; None for a run of the whole prompt set."""
+    return None if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
+
+
+def parts_glob(shard: Optional[tuple[int, int]]) -> str:
+    """The manifest parts of one run: of the whole set, or of one shard."""
+    return "manifest.part-*.jsonl" if shard is None else f"manifest.{shard_name(shard)}.part-*.jsonl"
+
+
+def part_name(shard: Optional[tuple[int, int]], rank: int) -> str:
+    return parts_glob(shard).replace("*", str(rank))
 
 
 def _atomic_write(path: Path, write, fsync: bool = True) -> None:
@@ -88,15 +107,17 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
             "writer.allow_config_change=true to add to it anyway.")
 
 
-def scan_manifest(output_dir: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], list[str]]:
+def scan_manifest(output_dir: str | os.PathLike,
+                  parts: Optional[list[Path]] = None) -> tuple[dict[int, dict[str, Any]], list[str]]:
     """Finished images by index (the merged manifest plus parts left by a running or killed run),
-    and what was not counted, as ``file:line: why``. A line that does not parse (cut by a kill) and a
+    and what was not counted, as ``file:line: why`` (``parts``: these parts only, not every one). A
+    line that does not parse (cut by a kill) and a
     line whose file is gone or has another size than recorded (truncated, replaced) do not count:
     those images are made again. An unterminated last line is a write in progress, not a problem."""
     folder = Path(output_dir)
     entries: dict[int, dict[str, Any]] = {}
     problems: list[str] = []
-    for file in [folder / MANIFEST, *sorted(folder.glob(PART_GLOB))]:
+    for file in [folder / MANIFEST, *(sorted(folder.glob(PART_GLOB)) if parts is None else parts)]:
         if not file.is_file():
             continue
         with file.open(encoding="utf-8", errors="replace") as f:
@@ -121,25 +142,45 @@ def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
     return scan_manifest(output_dir)[0]
 
 
-def part_counts(output_dir: str | os.PathLike) -> dict[int, int]:
-    """Complete lines in each rank's manifest part (``manifest.part-R.jsonl``), by global rank R."""
+def part_counts(output_dir: str | os.PathLike, glob: str = "manifest.part-*.jsonl") -> dict[int, int]:
+    """Complete lines in each rank's manifest part of one run (``glob``: ``parts_glob(shard)``), by
+    global rank."""
     counts = {}
-    for file in Path(output_dir).glob(PART_GLOB):
+    for file in Path(output_dir).glob(glob):
         try:
-            rank = int(file.name[len("manifest.part-"):-len(".jsonl")])
+            rank = int(file.name.rpartition(".part-")[2][:-len(".jsonl")])
             counts[rank] = file.read_bytes().count(b"\n")
         except (ValueError, OSError):
             continue
     return counts
 
 
-def merge_manifest(output_dir: str | os.PathLike) -> int:
-    """Rewrite ``manifest.jsonl`` from everything finished, sorted by index, and drop the parts."""
+@contextlib.contextmanager
+def merge_lock(folder: Path):
+    """One merge of ``manifest.jsonl`` at a time in a folder (the shards of a job array merge into
+    it from several nodes): a POSIX lock, which NFS serves too."""
+    import fcntl
+
+    with open(folder / MERGE_LOCK, "a") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(f, fcntl.LOCK_UN)
+
+
+def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None,
+                   every_part: bool = True) -> dict[int, dict[str, Any]]:
+    """Fold finished parts into ``manifest.jsonl`` (sorted by index) and drop them; returns the
+    merged manifest's entries. ``every_part``: all parts of the folder (a run of the whole set,
+    which no other run writes beside); else only ``shard``'s, so that the parts other shards are
+    still appending to are left alone."""
     folder = Path(output_dir)
-    parts = sorted(folder.glob(PART_GLOB))
-    entries = read_manifest(folder)
-    text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries))
-    _atomic_write(folder / MANIFEST, lambda f: f.write(text.encode("utf-8")))
-    for part in parts:
-        part.unlink(missing_ok=True)
-    return len(entries)
+    with merge_lock(folder):
+        parts = sorted(folder.glob(PART_GLOB if every_part else parts_glob(shard)))
+        entries, _ = scan_manifest(folder, parts)
+        text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries))
+        _atomic_write(folder / MANIFEST, lambda f: f.write(text.encode("utf-8")))
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return entries

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.data import check_data_args, load_records
-from lightning_diffusion.errors import ConfigError, gather
+from lightning_diffusion.data import check_data_args, load_records, shard_indices
+from lightning_diffusion.errors import ConfigError, gather, is_int
 from lightning_diffusion import lora
 from lightning_diffusion.module import (OPTIONS, check_model_args, check_records, effective_call_args, image_settings,
                                        recorded_options)
@@ -29,11 +29,13 @@ _NAMED = ("height", "width", "num_inference_steps", "guidance_scale", "num_frame
 
 
 def check_disk_space(
-    info: PipelineInfo, named: dict[str, Any], records: Sequence[Any], per_prompt: int, output_dir: str
+    info: PipelineInfo, named: dict[str, Any], records: Sequence[Any], per_prompt: int, output_dir: str,
+    num_shards: int = 1, shard_index: int = 0,
 ) -> None:
     folder = Path(output_dir).expanduser()
-    done = len(read_manifest(folder)) if folder.is_dir() else 0
-    pending = max(0, len(records) * per_prompt - done)
+    done = read_manifest(folder) if folder.is_dir() else {}
+    mine = len(shard_indices(len(records) * per_prompt, num_shards, shard_index))
+    pending = max(0, mine - sum(i % num_shards == shard_index for i in done))
     default = info.spec.default_size or (1024, 1024)
     height, width = named.get("height") or default[0], named.get("width") or default[1]
     frames = named.get("num_frames") or info.spec.default_frames or 1
@@ -107,7 +109,10 @@ def preflight(config: Any) -> tuple[list, bool]:
         model.get("cache"), records, options,
     )
     problems = model_problems + problems
-    problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt)
+    problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt, data.get("num_shards", 1),
+                                data.get("shard_index", 0),
+                                len(records) * data.num_images_per_prompt
+                                if records is not None and is_int(data.num_images_per_prompt, 1) else None)
     if info is not None and records is not None:
         base, extra = effective_call_args(info, named, model.get("call_kwargs"))
         problems += check_records(info, records, call_args={**base, **extra}, inputs_root=data.get("inputs_root"))
@@ -130,7 +135,8 @@ def preflight(config: Any) -> tuple[list, bool]:
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
         base, extra = effective_call_args(info, named, model.get("call_kwargs"))
-        gather(problems, check_disk_space, info, base, records, data.num_images_per_prompt, writer.output_dir)
+        gather(problems, check_disk_space, info, base, records, data.num_images_per_prompt, writer.output_dir,
+               data.get("num_shards", 1), data.get("shard_index", 0))
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
             settings = run_settings(

@@ -37,7 +37,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, check_int, raise_problems
-from lightning_diffusion.lock import OutputLock
+from lightning_diffusion.lock import OutputLock, conflicting_runs
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.manifest import (
     MANIFEST,
@@ -48,9 +48,12 @@ from lightning_diffusion.manifest import (
     _atomic_write,
     merge_manifest,
     part_counts,
+    part_name,
+    parts_glob,
     prompts_hash,
     read_manifest,
     settings_conflict,
+    shard_name,
 )
 
 
@@ -166,6 +169,8 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
     rates = summary["images_per_s_by_rank"]
     pace = ", ".join(f"rank {rank}: {rate:.2f}" for rank, rate in rates.items()) or "none"
     expected = f" of {summary['expected']:,}" if summary.get("expected") is not None else ""
+    if summary.get("shard"):
+        expected += f" (shard {summary['shard'][0]} of {summary['shard'][1]})"
     return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume; {summary['in_manifest']:,}"
             f"{expected} in {manifest}; wall {summary['wall_s']:.1f} s, load {summary['load_s']:.1f} s; "
             f"images/s per writing rank: {pace}")
@@ -235,8 +240,14 @@ class ImageWriter(BasePredictionWriter):
         # Told the final count on global rank 0 once the manifest is merged (``ImageProgressBar``).
         self.progress_listener: Optional[Any] = None
         self._history: list = []
+        self.shard: Optional[tuple[int, int]] = None  # (index, count) when the run makes one shard
         self._part: Optional[Path] = None
         self._lock: Optional[OutputLock] = None
+
+    @property
+    def parts_glob(self) -> str:
+        """This run's manifest parts (of its shard, if it makes one)."""
+        return parts_glob(self.shard)
 
     @staticmethod
     def writes_outputs(trainer: pl.Trainer) -> bool:
@@ -251,53 +262,78 @@ class ImageWriter(BasePredictionWriter):
                             getattr(data, "num_images_per_prompt", None), getattr(data, "prompts", None),
                             self.video_format, self.fps, self.image_format, self.quality)
 
-    def _prepare_folder(self, settings: dict[str, Any]) -> tuple[Optional[str], list[int]]:
+    @property
+    def record_file(self) -> Path:
+        """Where this run's history goes: ``run.json``, or its shard's ``run.shard-T-of-N.json``."""
+        name = shard_name(self.shard)
+        return self.output_dir / (RUN_FILE if name is None else f"run.{name}.json")
+
+    def _refuse(self, message: str) -> tuple[Optional[str], list[int]]:
+        assert self._lock is not None
+        self._lock.release()
+        return message, []
+
+    def _prepare_folder(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], list[int]]:
         """On global rank 0: lock, compare settings, merge parts. Returns (error, done indices)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = OutputLock(self.output_dir)
+        self._lock = OutputLock(self.output_dir, self.shard)
         holder = self._lock.acquire()
+        which = "" if self.shard is None else f"shard {self.shard[0]} of {self.shard[1]} of "
         if holder is not None:
-            return (f"{self.output_dir} is being written by another run ({holder}); wait for it to end "
+            return (f"{which}{self.output_dir} is being written by another run ({holder}); wait for it to end "
                     "or choose another writer.output_dir."), []
+        others = conflicting_runs(self.output_dir, self.shard)
+        if others:
+            return self._refuse(f"{self.output_dir} is being written by {', '.join(others)}, which makes some of the "
+                                f"same images; wait for it to end, or run the same shard count (data.num_shards).")
         run_file = self.output_dir / RUN_FILE
-        history: list = []
         if run_file.is_file():
             conflict = None if self.allow_config_change else settings_conflict(self.output_dir, settings)
             if conflict:
-                self._lock.release()
-                return conflict, []
-            try:
-                history = list(json.loads(run_file.read_text()).get("history") or [])
-            except ValueError:
-                history = []
-        self._history = history
-        self._write_run_file(settings)
+                return self._refuse(conflict)
+        try:
+            self._history = list(json.loads(self.record_file.read_text()).get("history") or [])
+        except (OSError, ValueError):
+            self._history = []
+        if self.shard is None:
+            self._write_run_file(settings)
+        else:  # shards share run.json (the same settings); each keeps its history beside it
+            if not run_file.is_file():
+                self._write_run_file(settings, run_file, total, history=[])
+            self._write_run_file({"shard": list(self.shard)})
         if any(self.output_dir.glob(PART_GLOB)):
-            merge_manifest(self.output_dir)
+            merge_manifest(self.output_dir, self.shard, every_part=self.shard is None)
         done = read_manifest(self.output_dir)
+        if self.shard is not None:
+            done = {i: line for i, line in done.items() if i % self.shard[1] == self.shard[0]}
         if not self.allow_config_change and any("inputs" in line for line in done.values()):
             from lightning_diffusion.inputs import changed_since
 
             changed = changed_since(done)
             if changed:
-                self._lock.release()
-                return (f"{self.output_dir} holds pictures made from input files that changed: "
-                        + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
-                        "writer.allow_config_change=true to keep those pictures anyway."), []
+                return self._refuse(f"{self.output_dir} holds pictures made from input files that changed: "
+                                    + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
+                                    "writer.allow_config_change=true to keep those pictures anyway.")
         return None, sorted(done)
 
-    def _write_run_file(self, settings: dict[str, Any]) -> None:
-        """run.json: the settings that decide the pictures, the expected count, the runs' summaries."""
-        content = {**settings, "expected": self.expected, "history": self._history}
-        _atomic_write(self.output_dir / RUN_FILE, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
+    def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
+                        history: Optional[list] = None) -> None:
+        """run.json (or the shard's record): the settings that decide the pictures, the expected
+        count, the runs' summaries."""
+        content = {**settings, "expected": self.expected if expected is None else expected,
+                   "history": self._history if history is None else history}
+        _atomic_write(path or self.record_file, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.started_at = time.time()
         self.predicting_at: Optional[float] = None
-        self.expected = getattr(trainer.datamodule, "num_images", None)
+        data = trainer.datamodule
+        total = getattr(data, "num_images", None)
+        self.shard = getattr(data, "shard", None)
+        self.expected = total if self.shard is None else len(data.shard_images())
         result: tuple[Optional[str], list[int]] = (None, [])
         if trainer.is_global_zero:
-            result = self._prepare_folder(self.run_settings(trainer, pl_module))
+            result = self._prepare_folder(self.run_settings(trainer, pl_module), total)
         # Every rank learns rank 0's verdict and raises the same error: nobody waits for a peer.
         error, done = trainer.strategy.broadcast(result)
         if error:
@@ -310,7 +346,7 @@ class ImageWriter(BasePredictionWriter):
         skip = getattr(trainer.datamodule, "skip_indices", None)
         if callable(skip):
             skip(self.done)
-        self._part = self.output_dir / f"manifest.part-{trainer.global_rank}.jsonl"
+        self._part = self.output_dir / part_name(self.shard, trainer.global_rank)
         if self.write_workers and self.writes_outputs(trainer):
             self._error = None
             self._queue = queue.Queue(maxsize=self.write_queue)
@@ -456,11 +492,12 @@ class ImageWriter(BasePredictionWriter):
                 self._lock.release()
             raise failed
         if trainer.is_global_zero:
-            parts = part_counts(self.output_dir)
-            total = merge_manifest(self.output_dir)
+            parts = part_counts(self.output_dir, self.parts_glob)
+            entries = merge_manifest(self.output_dir, self.shard, every_part=self.shard is None)
+            total = len(entries) if self.shard is None else sum(i % self.shard[1] == self.shard[0] for i in entries)
             self.summary = self._summary(parts, total)
             self._history.append(self.summary)
-            settings = json.loads((self.output_dir / RUN_FILE).read_text())
+            settings = json.loads(self.record_file.read_text())
             self._write_run_file({k: v for k, v in settings.items() if k not in RUN_META})
             if self.progress_listener is not None:
                 self.progress_listener.finish(self.summary["made"], self.pending)
@@ -483,6 +520,7 @@ class ImageWriter(BasePredictionWriter):
             "load_s": round(start - self.started_at, 3),
             "images_per_s_by_rank": {str(rank): round(count / seconds, 4) for rank, count in sorted(parts.items())},
             "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            **({"shard": list(self.shard)} if self.shard is not None else {}),
         }
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -34,6 +34,27 @@ def one_thread_per_process():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+_DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A Trainer made in this process sets MASTER_PORT and friends and leaves its process group
+    (and the store listening on that port) open; a later test's ranks would inherit the port and
+    fail with EADDRINUSE. Each test leaves neither behind."""
+    saved = {key: os.environ.get(key) for key in _DISTRIBUTED_VARIABLES}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory):
     cache = os.environ.get("LIGHTNING_DIFFUSION_CACHE") or str(tmp_path_factory.mktemp("tiny-cache"))

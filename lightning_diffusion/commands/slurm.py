@@ -62,14 +62,34 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="seconds before the time limit at which SLURM sends SIGUSR1; must cover one batch "
         f"(default {DEFAULT_SIGNAL_SECONDS})",
     )
+    parser.add_argument("--array", type=int, metavar="N",
+                        help="a job array of N tasks, task t making shard t of the prompt set (images i with "
+                        "i %% N == t), all writing into one output folder")
+    parser.add_argument("--max-concurrent", type=int, metavar="K", help="with --array: at most K tasks at once")
+    parser.add_argument("--resubmit", action="store_true",
+                        help="submit an array of the shards of the output folder that are incomplete and not running")
+    parser.add_argument("--shards", help="with --array or --resubmit: only these shards, e.g. 3,7")
     parser.add_argument("--script", help=f"write the script here (default with --submit: <output_dir>/{SCRIPT_NAME})")
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     parser.add_argument("--wait", action="store_true", help="with --submit: wait for the job and report how it ended")
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
+    if args.resubmit:
+        args.submit = True
     if args.wait and not args.submit:
         parser.error("--wait needs --submit")
+    if args.array is not None and args.array < 1:
+        parser.error(f"--array must be at least 1 (tasks, each a shard of the prompt set), got {args.array}")
+    if args.max_concurrent is not None and args.max_concurrent < 1:
+        parser.error(f"--max-concurrent must be at least 1, got {args.max_concurrent}")
+    if (args.max_concurrent is not None or args.shards) and args.array is None and not args.resubmit:
+        parser.error("--max-concurrent and --shards need --array N (or --resubmit)")
+    if args.shards is not None:
+        try:
+            args.shards = sorted({int(part) for part in args.shards.split(",") if part.strip()})
+        except ValueError:
+            parser.error(f"--shards takes shard numbers such as 3,7, got {args.shards!r}")
     return args, extra
 
 
@@ -180,18 +200,27 @@ def render(
         value = getattr(args, flag)
         if value is not None:
             sbatch.append(f"--{flag.replace('_', '-')}={value}")
+    array = res.get("array")
+    if array is not None:
+        tasks = ",".join(str(t) for t in array["shards"])
+        if array["shards"] == list(range(array["num_shards"])) and len(array["shards"]) > 1:
+            tasks = f"0-{array['num_shards'] - 1}"
+        sbatch.append(f"--array={tasks}" + (f"%{array['max_concurrent']}" if array.get("max_concurrent") else ""))
     sbatch += [
         f"--signal=USR1@{args.signal_seconds}",
         "--requeue",
         "--open-mode=append",
         f"--chdir={Path.cwd()}",
-        f"--output={output_dir}/slurm-%j.out",
+        f"--output={output_dir}/slurm-{'%A_%a' if array is not None else '%j'}.out",
         *args.extra_sbatch,
     ]
     predict = [
         *command_prefix(), "predict", "--config", str(config_path), *predict_args,
         "--trainer.num_nodes", str(res["nodes"]), "--trainer.devices", str(res["tasks_per_node"]),
     ]
+    # Task t of the array makes shard t (SLURM sets SLURM_ARRAY_TASK_ID in each task's environment).
+    shard_flags = (f' --data.num_shards {array["num_shards"]} --data.shard_index "$SLURM_ARRAY_TASK_ID"'
+                   if array is not None else "")
     lines = [
         "#!/bin/bash",
         f"# Rendered by `lightning-diffusion slurm` from {config_path} on {datetime.date.today()}.",
@@ -200,7 +229,9 @@ def render(
         "",
         "set -u",
         f"OUT={q(str(output_dir))}",
-        'echo "lightning-diffusion: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, start $((${SLURM_RESTART_COUNT:-0} + 1))"',
+        'echo "lightning-diffusion: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, start $((${SLURM_RESTART_COUNT:-0} + 1))'
+        + (' (array task $SLURM_ARRAY_TASK_ID: shard $SLURM_ARRAY_TASK_ID of ' + str(array["num_shards"]) + ')"'
+           if array is not None else '"'),
         "",
         "# Every node must write into the same folder: the manifest is merged from all of them.",
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
@@ -225,7 +256,7 @@ def render(
         # Every task sees all the node's GPUs and Lightning gives each its own (by local rank);
         # where a site binds one GPU per task by default, Lightning would find 1 of trainer.devices.
         f"srun --kill-on-bad-exit=1 {'--gpu-bind=none ' if res['gpus_per_node'] else ''}"
-        f"{' '.join(q(word) for word in predict)} &",
+        f"{' '.join(q(word) for word in predict)}{shard_flags} &",
         "step=$!",
         "# A signal sent to this shell only (scancel --signal=USR1 --batch) goes on to the tasks. On the",
         "# signal they finish the images in flight, merge the manifest and rank 0 requeues this job.",
@@ -305,6 +336,96 @@ def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: flo
     return 0 if last_state == "COMPLETED" or (last_state is None and complete) else 1
 
 
+# ----------------------------------------------------------------------------- job arrays
+
+# Job states in which an array task holds or will hold its shard.
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD"}
+
+
+def plan_array(args: argparse.Namespace, config: Any, output_dir: Path) -> dict[str, Any]:
+    """The shards to submit: ``--shards`` or all of ``--array N``; with ``--resubmit`` only the
+    incomplete ones. A shard whose run still writes (its lock) or whose task is still queued or
+    running is left out, and said so; shards of another count still running refuse the lot."""
+    from lightning_diffusion.commands import status
+    from lightning_diffusion.lock import live_locks
+    from lightning_diffusion.manifest import read_manifest
+
+    if int(config.data.get("num_shards") or 1) != 1:
+        raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
+    count = args.array or status.shard_count(output_dir)
+    if count is None:
+        raise ConfigError(f"--resubmit: {output_dir} holds no shards of a job array; submit one with --array N.")
+    wanted = args.shards if args.shards is not None else list(range(count))
+    beyond = [t for t in wanted if t >= count]
+    if beyond:
+        raise ConfigError(f"--shards {','.join(map(str, beyond))}: an array of {count} has shards 0 to {count - 1}.")
+    live = live_locks(output_dir) if output_dir.is_dir() else {}
+    others = sorted({shard[1] for shard in live if shard is not None and shard[1] != count})
+    if None in live or others:
+        what = "a run of the whole prompt set" if None in live else f"shards of an array of {others[0]}"
+        raise ConfigError(f"{output_dir} is being written by {what}; shards of {count} would make some of the same "
+                          "images. Wait for it to end, or submit the same shard count.")
+    submitted = status.submitted_array(output_dir) if output_dir.is_dir() else None
+    states = status.array_states(submitted["job"]) if submitted and submitted.get("num_shards") == count else {}
+    done = read_manifest(output_dir) if output_dir.is_dir() else {}
+    from lightning_diffusion.data import load_records
+
+    total = len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
+    shards = []
+    for shard in wanted:
+        task = states.get(shard, {})
+        if (shard, count) in live or task.get("state") in ACTIVE_STATES:
+            job = f" (job {task['job']}, {task.get('state')})" if task else f" ({live.get((shard, count))})"
+            print(f"shard {shard}: still running{job}; not submitted again.", flush=True)
+            continue
+        expected = len(range(shard, total, count))
+        made = sum(1 for i in done if i % count == shard)
+        if args.resubmit and made >= expected:
+            continue
+        shards.append(shard)
+    return {"num_shards": count, "shards": shards, "max_concurrent": args.max_concurrent}
+
+
+def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
+    """``array.json``: every array submitted into the folder (``status`` and ``--resubmit`` read it)."""
+    import json
+
+    from lightning_diffusion.commands.status import ARRAY_FILE
+    from lightning_diffusion.manifest import _atomic_write
+
+    path = output_dir / ARRAY_FILE
+    try:
+        submissions = json.loads(path.read_text()).get("submissions", [])
+    except (OSError, ValueError):
+        submissions = []
+    submissions.append({"job": job_id, "num_shards": array["num_shards"], "shards": array["shards"],
+                        "submitted": round(time.time(), 3)})
+    _atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
+
+
+def wait_for_array(job_id: str, output_dir: Path, expected: int, array: dict[str, Any], poll_s: float = 2.0) -> int:
+    """Follow the array's tasks until none is queued or running; report each shard."""
+    from lightning_diffusion.commands.status import array_states, shard_status
+    from lightning_diffusion.manifest import read_manifest
+
+    last: dict[int, str] = {}
+    while True:
+        states = array_states(job_id)
+        for task, state in sorted(states.items()):
+            if last.get(task) != state["state"]:
+                print(f"job {state['job']} (shard {task}): {state['state']}", flush=True)
+                last[task] = state["state"]
+        if not any(state["state"] in ACTIVE_STATES for state in states.values()):
+            break
+        time.sleep(poll_s)
+    shards = shard_status(output_dir, read_manifest(output_dir), expected, array["num_shards"])
+    for shard in shards:
+        print(f"shard {shard['shard']}: {shard['done']} of {shard['expected']} outputs", flush=True)
+    done = sum(shard["done"] for shard in shards)
+    print(f"job {job_id}: {done} of {expected} outputs in {output_dir / 'manifest.jsonl'}", flush=True)
+    return 0 if all(shard["done"] >= shard["expected"] for shard in shards) else 1
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -323,8 +444,14 @@ def main(argv: list[str]) -> int:
         if args.signal_seconds < 1:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
         config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
-        check_config(config)  # predict's own weight-free checks, on the config as the job runs it
         output_dir = Path(config.writer.output_dir).expanduser().resolve()
+        if args.array is not None or args.resubmit:
+            res["array"] = plan_array(args, config, output_dir)
+            if not res["array"]["shards"]:
+                print("nothing to submit: every shard asked for is complete or still running.")
+                return 0
+            config.data.num_shards, config.data.shard_index = res["array"]["num_shards"], res["array"]["shards"][0]
+        check_config(config)  # predict's own weight-free checks, on the config as the job runs it
         if args.submit or args.script:
             check_output_folder(output_dir)
         text = render(args, config_path, predict_args, output_dir, res)
@@ -339,12 +466,18 @@ def main(argv: list[str]) -> int:
         if not args.submit:
             return 0
         job_id = submit(script)
-        print(f"submitted job {job_id}; log: {output_dir}/slurm-{job_id}.out", flush=True)
-        if not args.wait:
-            return 0
         from lightning_diffusion.data import load_records
 
         expected = len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
+        if "array" in res:
+            record_array(output_dir, job_id, res["array"])
+            shards = ",".join(str(t) for t in res["array"]["shards"])
+            print(f"submitted job {job_id}: array of shards {shards} of {res['array']['num_shards']}; logs: "
+                  f"{output_dir}/slurm-{job_id}_<shard>.out", flush=True)
+            return wait_for_array(job_id, output_dir, expected, res["array"]) if args.wait else 0
+        print(f"submitted job {job_id}; log: {output_dir}/slurm-{job_id}.out", flush=True)
+        if not args.wait:
+            return 0
         return wait_for(job_id, output_dir, expected)
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion slurm")

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.lock import OutputLock
+from lightning_diffusion.lock import OutputLock, live_locks
 from lightning_diffusion.manifest import MANIFEST, RUN_FILE, part_counts, scan_manifest
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
@@ -49,6 +50,10 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     complete = expected is not None and done >= expected
     eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
     history = run.get("history") or []
+    shards = shard_status(folder, entries, expected)
+    if shards:
+        running = running or any(shard["running"] for shard in shards)
+        eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
     return {
         "folder": str(folder),
         "done": done,
@@ -62,7 +67,93 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         "slurm_job": (lock or {}).get("slurm_job") or (history[-1].get("slurm_job") if history else None),
         "not_counted": problems,
         "last_run": history[-1] if history else None,
+        "shards": shards,
     }
+
+
+ARRAY_FILE = "array.json"
+
+
+def shard_count(folder: Path) -> Optional[int]:
+    """The shard count of the folder's job array: the last submission's (``array.json``), else the
+    newest shard record's; None for a folder written without shards."""
+    try:
+        return int(json.loads((folder / ARRAY_FILE).read_text())["submissions"][-1]["num_shards"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        pass
+    records = sorted(folder.glob("run.shard-*-of-*.json"), key=lambda p: p.stat().st_mtime)
+    found = re.fullmatch(r"run\.shard-\d+-of-(\d+)\.json", records[-1].name) if records else None
+    return int(found.group(1)) if found else None
+
+
+def task_ids(text: str) -> list[int]:
+    """SLURM's array task list ("0-3%2", "1,4,6-7") as numbers."""
+    ids: list[int] = []
+    for part in text.split("%")[0].split(","):
+        first, _, last = part.partition("-")
+        if first.strip().isdigit():
+            ids += range(int(first), int(last or first) + 1)
+    return ids
+
+
+def array_states(job_id: str) -> dict[int, dict[str, str]]:
+    """``scontrol show job`` of an array job: each task's ``JobId`` and ``JobState``; empty where
+    scontrol is missing or has forgotten the job."""
+    import shutil
+    import subprocess
+
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return {}
+    proc = subprocess.run([scontrol, "show", "job", "-o", str(job_id)], capture_output=True, text=True)
+    states: dict[int, dict[str, str]] = {}
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        fields = dict(word.partition("=")[::2] for word in line.split() if "=" in word)
+        for task in task_ids(fields.get("ArrayTaskId", "")):
+            states[task] = {"job": f"{fields.get('ArrayJobId', job_id)}_{task}", "state": fields.get("JobState", "?")}
+    return states
+
+
+def submitted_array(folder: Path) -> Optional[dict[str, Any]]:
+    """The last ``slurm --array`` submission into this folder (``array.json``)."""
+    try:
+        return json.loads((folder / ARRAY_FILE).read_text())["submissions"][-1]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
+                 count: Optional[int] = None) -> list[dict[str, Any]]:
+    """Per shard of the folder's job array: done and expected, whether a run of it writes now,
+    and its last SLURM job; empty for a folder written without shards."""
+    count = count or shard_count(folder)
+    if not count or total is None:
+        return []
+    live = live_locks(folder)
+    submitted = submitted_array(folder)
+    states: dict[int, dict[str, str]] = {}
+    for submission in (json.loads((folder / ARRAY_FILE).read_text()).get("submissions", [])
+                       if submitted and submitted.get("num_shards") == count else []):
+        for task, state in array_states(submission["job"]).items():
+            states[task] = state  # a later submission of a shard replaces the earlier one's
+    shards = []
+    for index in range(count):
+        try:
+            record = json.loads((folder / f"run.shard-{index}-of-{count}.json").read_text())
+        except (OSError, ValueError):
+            record = {}
+        history = record.get("history") or []
+        lock = OutputLock(folder, (index, count)).describe() or {}
+        shards.append({
+            "shard": index,
+            "done": sum(1 for i in entries if i % count == index),
+            "expected": len(range(index, total, count)),
+            "running": (index, count) in live,
+            "slurm_job": lock.get("slurm_job") or (history[-1].get("slurm_job") if history else None),
+            "runs": len(history),
+            **({"slurm_state": states[index]["state"], "slurm_job": states[index]["job"]} if index in states else {}),
+        })
+    return shards
 
 
 def exit_code(status: dict[str, Any]) -> int:
@@ -89,6 +180,13 @@ def text(status: dict[str, Any]) -> str:
                      f"({live})")
     if status["slurm_job"]:
         lines.append(f"  SLURM job {status['slurm_job']}")
+    for shard in status.get("shards") or []:
+        state = "complete" if shard["done"] >= shard["expected"] else ("running" if shard["running"] else
+                                                                        "incomplete")
+        if shard.get("slurm_state"):
+            state += f", SLURM {shard['slurm_state']}"
+        job = f", job {shard['slurm_job']}" if shard["slurm_job"] else ""
+        lines.append(f"  shard {shard['shard']}: {shard['done']:,} of {shard['expected']:,}, {state}{job}")
     for problem in status["not_counted"][:10]:
         lines.append(f"  not counted: {problem}")
     return "\n".join(lines)

@@ -1,0 +1,221 @@
+"""Shards of one prompt set written into one folder (issue 27): ``data.num_shards`` /
+``data.shard_index`` and ``slurm --array N``.
+
+What is shown: the shards of a count partition the images; two shard runs write into one folder at
+the same time and leave every index exactly once, each image bit-identical to one process (batch
+size 1, so the calls are the same); runs that would make the same images are refused (a run of
+the whole set beside shards, shards of another count); ``status`` counts per shard; ``--resubmit``
+plans only incomplete shards that are not running. On the local SLURM cluster: an array of 4 over
+12 prompts, and one task cancelled then resubmitted alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_diffusion.commands import slurm as slurm_module
+from lightning_diffusion.commands import status as status_module
+from lightning_diffusion.data import shard_indices
+from lightning_diffusion.lock import OutputLock, conflicting_runs, live_locks
+from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
+from tests.test_slurm import cluster, job_log, slurm  # noqa: F401  (the cluster fixture)
+
+TINY = str(REPO / "configs" / "tiny-flux.yaml")
+TWELVE = "[" + ", ".join(f"array prompt {i}" for i in range(12)) + "]"
+
+
+def test_the_shards_of_a_count_partition_the_images():
+    for total, count in [(12, 4), (10, 3), (5, 5), (7, 1)]:
+        shards = [shard_indices(total, count, t) for t in range(count)]
+        assert sorted(np.concatenate(shards).tolist()) == list(range(total))
+        assert all(all(i % count == t for i in shard) for t, shard in enumerate(shards))
+
+
+def _own_lock(folder: Path, shard) -> None:
+    """A lock as a live run on this host writes it (this test process is its live pid)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    OutputLock(folder, shard).path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+
+def test_runs_that_would_make_the_same_images_are_refused_and_shards_of_one_count_are_not(tmp_path):
+    _own_lock(tmp_path, (1, 4))
+    assert set(live_locks(tmp_path)) == {(1, 4)}
+    assert conflicting_runs(tmp_path, (0, 4)) == []  # another shard of the same count: side by side
+    assert conflicting_runs(tmp_path, (0, 8))[0].startswith("shard 1 of 4")  # 0 of 8 shares images with 1 of 4
+    assert conflicting_runs(tmp_path, None)[0].startswith("shard 1 of 4")  # the whole set shares all
+    _own_lock(tmp_path, None)
+    assert conflicting_runs(tmp_path, (0, 4))[0].startswith("a run of the whole prompt set")
+
+
+def test_a_shard_is_refused_beside_a_run_of_the_whole_set(tmp_path):
+    out = tmp_path / "out"
+    _own_lock(out, None)
+    proc = run_here(*tiny_args(out, "--data.prompts", FIVE_PROMPTS, "--data.num_shards", "2"), check=False)
+    assert proc.returncode == 2
+    assert "is being written by a run of the whole prompt set" in proc.stderr
+    assert not list(out.glob("*.png"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--data.num_shards", "6"), "data.num_shards 6 exceeds the 5 images of the prompt set"),
+    (("--data.num_shards", "2", "--data.shard_index", "2"), "data.shard_index must be an integer from 0 to"),
+    (("--data.num_shards", "0"), "data.num_shards"),
+])
+def test_bad_shards_are_refused_before_loading(tmp_path, flags, message):
+    proc = run_here(*tiny_args(tmp_path / "out", "--data.prompts", FIVE_PROMPTS, *flags), check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_shards_write_into_one_folder_at_once_each_image_once_and_as_one_process(tmp_path):
+    """Shards 0 and 1 of 2 as two processes at the same time (a writer that takes a second an
+    image keeps both runs open together), against one process over the whole set."""
+    out = tmp_path / "out"
+    prompts = [f"shard prompt {i}" for i in range(8)]
+    script = (
+        "import sys\n"
+        "from lightning.pytorch import Trainer\n"
+        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
+        "from tests.slow_writer import SlowWriter\n"
+        f"writer = SlowWriter({str(out)!r}, save_arrays=True)\n"
+        "trainer = Trainer(accelerator='cpu', devices=1, strategy='data_parallel', callbacks=[writer], logger=False,\n"
+        "                  enable_progress_bar=False)\n"
+        "trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=4, guidance_scale=3.5,\n"
+        "                                call_kwargs={'max_sequence_length': 64}),\n"
+        f"                datamodule=PromptDataModule({prompts!r}, batch_size=1, num_shards=2,\n"
+        "                                            shard_index=int(sys.argv[1])))\n"
+        "print(writer.summary)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(t)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(_free_port())})
+             for t in range(2)]
+    together = 0
+    while any(p.poll() is None for p in procs):
+        if out.is_dir():
+            together = max(together, len(live_locks(out)))
+        time.sleep(0.1)
+    logs = [p.communicate()[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert together == 2, "the two shards never wrote at the same time"
+    assert all("'made': 4" in log and "'shard': [%d, 2]" % t in log for t, log in enumerate(logs)), logs
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(8))
+    assert not list(out.glob("manifest.*part-*.jsonl"))  # each shard merged its own parts
+
+    single = tmp_path / "single"
+    run_here(*tiny_args(single, "--data.prompts", "[" + ", ".join(prompts) + "]", "--data.batch_size", "1"))
+    ours, ref = load_arrays(out), load_arrays(single)
+    assert sorted(ours) == list(range(8)) and all(np.array_equal(ours[i], ref[i]) for i in range(8))
+
+    status = status_module.folder_status(out)
+    assert status["complete"] and [(s["shard"], s["done"], s["expected"]) for s in status["shards"]] == [
+        (0, 4, 4), (1, 4, 4)]
+
+
+def _folder_with_shards(tmp_path: Path, done: list[int]) -> Path:
+    """An output folder of a 4-shard array over FIVE_PROMPTS whose manifest lists ``done``."""
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = []
+    for index in done:
+        (out / f"{index:06d}.png").write_bytes(b"png")
+        lines.append(json.dumps({"index": index, "file": f"{index:06d}.png", "bytes": 3}) + "\n")
+    (out / "manifest.jsonl").write_text("".join(lines))
+    (out / "run.json").write_text(json.dumps({"expected": 5}))
+    (out / "run.shard-0-of-4.json").write_text(json.dumps({"shard": [0, 4], "history": []}))
+    return out
+
+
+def test_resubmit_plans_the_incomplete_shards_that_are_not_running(tmp_path, capsys):
+    """Shards of 4 over 5 images: 0 holds 0 and 4, 1 holds 1, 2 holds 2, 3 holds 3. With 0 and 3
+    done, 2 incomplete and 1 incomplete but still writing, only shard 2 is planned."""
+    out = _folder_with_shards(tmp_path, [0, 4, 3])
+    _own_lock(out, (1, 4))
+    args, _ = slurm_module.parse_args(["--config", TINY, "--resubmit"])
+    from lightning_diffusion.config import read_config
+
+    config = read_config(TINY, ["--data.prompts", FIVE_PROMPTS, "--writer.output_dir", str(out)], check=False)
+    plan = slurm_module.plan_array(args, config, out)
+    assert plan["num_shards"] == 4 and plan["shards"] == [2]
+    assert "shard 1: still running" in capsys.readouterr().out
+    text = status_module.text(status_module.folder_status(out))
+    assert "shard 0: 2 of 2, complete" in text and "shard 1: 0 of 1, running" in text
+    assert "shard 2: 0 of 1, incomplete" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--array", "0"], "--array must be at least 1"),
+    (["--array", "4", "--shards", "5"], "an array of 4 has shards 0 to 3"),
+    (["--array", "8"], "data.num_shards 8 exceeds the 5 images"),
+    (["--max-concurrent", "2"], "need --array N"),
+    (["--resubmit"], "holds no shards of a job array"),
+])
+def test_bad_arrays_are_refused_before_anything_is_queued(tmp_path, argv, message, capsys):
+    out = tmp_path / "empty"
+    try:
+        code = slurm_module.main(["--config", TINY, *argv, "--", "--data.prompts", FIVE_PROMPTS,
+                                  "--writer.output_dir", str(out)])
+    except SystemExit as exit_info:  # argparse's own errors
+        code = exit_info.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_array_script_gives_each_task_its_shard(tmp_path, capsys):
+    code = slurm_module.main(["--config", TINY, "--array", "4", "--max-concurrent", "2", "--",
+                              "--data.prompts", TWELVE, "--writer.output_dir", str(tmp_path / "out")])
+    script = capsys.readouterr().out
+    assert code == 0
+    assert "#SBATCH --array=0-3%2" in script and "#SBATCH --output=" in script and "slurm-%A_%a.out" in script
+    assert '--data.num_shards 4 --data.shard_index "$SLURM_ARRAY_TASK_ID" &' in script
+
+
+# ----------------------------------------------------------------------------- on the cluster
+
+
+@pytest.mark.slow
+def test_an_array_of_four_over_twelve_prompts_then_one_cancelled_task_resubmitted(cluster, tmp_path):
+    """Shards 0-3 of 4, at most 2 at once; shard 3 is cancelled while it waits its turn. The other
+    three complete; ``--resubmit`` submits shard 3 alone, and the folder then holds every index
+    once, each image the same bits as one process."""
+    out = tmp_path / "out"
+    predict = tiny_args(out, "--data.prompts", TWELVE, "--data.batch_size", "1")[3:]
+    proc = slurm("--config", TINY, "--array", "4", "--max-concurrent", "1", "--submit", "--", *predict, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    job = proc.stdout.split("submitted job ")[1].split(":")[0]
+    subprocess.run(["scancel", f"{job}_3"], check=True)
+    deadline = time.time() + 400
+    while any(s["state"] in slurm_module.ACTIVE_STATES for s in status_module.array_states(job).values()):
+        assert time.time() < deadline, status_module.array_states(job)
+        time.sleep(1)
+    status = status_module.folder_status(out)
+    shards = {s["shard"]: s for s in status["shards"]}
+    assert [shards[t]["done"] for t in range(4)] == [3, 3, 3, 0], [job_log(out, f"{job}_{t}")[-2000:] for t in range(3)]
+    assert shards[3].get("slurm_state") in (None, "CANCELLED") and not status["complete"]  # SLURM may forget it
+
+    again = slurm("--config", TINY, "--resubmit", "--wait", "--", *predict, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    assert "array of shards 3 of 4" in again.stdout
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(12))
+    single = tmp_path / "single"
+    run_here(*tiny_args(single, "--data.prompts", TWELVE, "--data.batch_size", "1"))
+    ours, ref = load_arrays(out), load_arrays(single)
+    assert sorted(ours) == list(range(12)) and all(np.array_equal(ours[i], ref[i]) for i in range(12))
+    nothing = slurm("--config", TINY, "--resubmit", "--", *predict, cwd=tmp_path)
+    assert nothing.returncode == 0 and "nothing to submit" in nothing.stdout
