@@ -154,6 +154,50 @@ def saving_on_every_rank():
         DistributedMixin.should_save_on_this_rank = original
 
 
+def _has_torchvision() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # missing, or a build that does not match torch ("operator torchvision::nms does not exist")
+        return False
+    return True
+
+
+@_once("qwen_vl_processor_without_torchvision")
+def _patch_qwen_vl_processor_without_torchvision() -> None:
+    """transformers 5.24's ``Qwen2VLProcessor`` (the processor of Qwen-Image's edit pipelines) has a
+    video processor besides its image processor and tokenizer, and that one needs torchvision:
+    without it the processor can be neither built ("VIDEO_PROCESSOR_MAPPING has no attribute
+    _extra_content") nor loaded ("Qwen2VLVideoProcessor requires the Torchvision library"), and
+    PyPI's torchvision does not import beside the CPU build of torch 2.13 used here. The edit
+    pipelines pass images only: where torchvision is missing, the processor has the other two."""
+    if _has_torchvision():
+        return
+    from transformers import Qwen2VLProcessor
+
+    Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+
+
+@_once("wan_i2v_without_ftfy")
+def _patch_wan_i2v_prompt_clean_without_ftfy() -> None:
+    """diffusers 0.42.1's ``pipeline_wan_i2v`` calls ``ftfy.fix_text`` on every prompt without
+    checking that ftfy is installed (``pipeline_wan`` checks): a NameError on the first prompt.
+    Where ftfy is missing, clean prompts as ``WanPipeline`` does then (no ftfy step)."""
+    import types
+
+    from diffusers.pipelines.wan import pipeline_wan_i2v
+    from diffusers.utils import is_ftfy_available
+
+    if not is_ftfy_available() and not hasattr(pipeline_wan_i2v, "ftfy"):
+        pipeline_wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+
+
+def apply_pipeline_patches() -> None:
+    """Before any pipeline is built or loaded: let the edit and image-to-video pipelines load and run
+    without optional packages they need only for inputs this project never passes."""
+    _patch_qwen_vl_processor_without_torchvision()
+    _patch_wan_i2v_prompt_clean_without_ftfy()
+
+
 def set_collective_timeout(timeout: timedelta) -> None:
     """torch 2.13 gives ``init_process_group`` one timeout for the rendezvous (connecting to the
     store) and the collectives; the strategies start it with a generous one and set the collectives'

@@ -61,6 +61,21 @@ def file_problems(records: Sequence[dict[str, Any]], most: int = 10, root: Optio
     return problems[:most]
 
 
+def upright_size(path: str) -> tuple[int, int]:
+    """The (width, height) the pipeline gets (``load`` turns camera JPEGs upright), from the header."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+        turned = image.getexif().get(0x0112) in (5, 6, 7, 8)  # EXIF orientations a quarter turn away
+    return (height, width) if turned else (width, height)
+
+
+def input_sizes(inputs: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+    """Each input file's upright (width, height)."""
+    return {name: [upright_size(path) for path in _paths(value)] for name, value in sorted(inputs.items())}
+
+
 def sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

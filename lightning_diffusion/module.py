@@ -15,7 +15,7 @@ from lightning_diffusion.cache import CacheStats, StepCache, check_cache, instal
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import INPUT_FIELDS, PromptDataModule, summarize_records
-from lightning_diffusion import quantization
+from lightning_diffusion import compat, quantization
 from lightning_diffusion.errors import ConfigError, check_int, gather, preflight_passed, raise_problems
 from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
 
@@ -23,7 +23,7 @@ from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolv
 def check_model_args(
     path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]],
     cache: Optional[dict[str, Any]] = None, records: Optional[Sequence[dict[str, Any]]] = None,
-    options: Optional[dict[str, Any]] = None,
+    options: Optional[dict[str, Any]] = None, from_pretrained_kwargs: Optional[dict[str, Any]] = None,
 ) -> tuple[Optional[PipelineInfo], list[str]]:
     """Every check of the model settings that needs no weights; returns the pipeline's info (or
     None when the path itself is wrong) and the problems found. ``records``: the prompt records,
@@ -38,7 +38,7 @@ def check_model_args(
     gather(problems, resolve_dtype, torch_dtype)
     if attention_backend is not None:
         gather(problems, check_attention_backend_name, attention_backend)
-    info = gather(problems, inspect_pipeline, path, options["pipeline_class"])
+    info = gather(problems, inspect_pipeline, path, options["pipeline_class"], from_pretrained_kwargs)
     if info is not None:
         gather(problems, info.check_size, named.get("height"), named.get("width"))
         gather(problems, info.check_frames, named.get("num_frames"), "model")
@@ -303,6 +303,15 @@ def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: i
                     "mask_image": " (inpainting on FLUX.1 weights: model.pipeline_class: FluxInpaintPipeline)"}
             problems.append(f"prompt record {number} has {name}, which {info.class_name} does not take"
                             f"{task.get(name, '') if info.class_name == 'FluxPipeline' else ''}.")
+    if info.spec.input_if_config is not None:  # an input these weights either need or cannot take
+        name, key = info.spec.input_if_config
+        needed = info.configs.get("transformer", {}).get(key) is not None
+        if name in summary.with_inputs and not needed:
+            problems.append(f"prompt record {summary.with_inputs[name]} has {name}, which these {info.class_name} weights "
+                            f"cannot take (their transformer config sets no {key}).")
+        if name in summary.without_inputs and needed:
+            problems.append(f"prompt record {summary.without_inputs[name]} has no {name}, which these {info.class_name} "
+                            f"weights need (their transformer config sets {key}).")
     for name in info.spec.inputs:
         if name in summary.without_inputs:
             problems.append(f"prompt record {summary.without_inputs[name]} has no {name}, which {info.class_name} "
@@ -420,7 +429,7 @@ class DiffusionModule(pl.LightningModule):
         options = {"pipeline_class": pipeline_class, "lora": lora, "vae_tiling": vae_tiling, "compile": compile,
                    "vae_slicing": vae_slicing, "attention_backend": attention_backend, "quantization": quantization}
         info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
-                                          options=options)
+                                          options=options, from_pretrained_kwargs=from_pretrained_kwargs)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
@@ -522,11 +531,28 @@ class DiffusionModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.pipeline is not None:
             return
+        self.fetch_weights()
         quantized = self.quantization_configs()
         self.load_pipeline(**{
             name: load(self.info, self.dtype_, **({"quantization_config": quantized[name]} if name in quantized else {}))
             for name, load in self.load_plan.components.items()
         })
+
+    def fetch_weights(self) -> None:
+        """A hub id with network: the first process of each node fetches what ``from_pretrained``
+        reads while the node's other processes wait, instead of every rank downloading (and
+        locking) the same tens of gigabytes at once; offline, the cache was checked before loading."""
+        from lightning_diffusion import hub
+
+        if not hub.is_hub_id(self.info.path) or hub.offline():
+            return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy is None or strategy.local_rank == 0:
+            folder = hub.fetch(self.info.path, self.from_pretrained_kwargs, progress=self.global_rank == 0)
+            if self.global_rank == 0:
+                log.info(f"{self.info.path}: weights in the cache at {folder}")
+        if strategy is not None and strategy.world_size > 1:
+            strategy.barrier("weights_fetched")
 
     def quantization_configs(self) -> dict[str, Any]:
         """``model.quantization`` as each quantized component's backend config (none without it)."""
@@ -547,6 +573,7 @@ class DiffusionModule(pl.LightningModule):
         quantized = {name: c for name, c in self.quantization_configs().items() if name not in components}
         if quantized:  # a component the strategy built was quantized by its loader
             options["quantization_config"] = quantization.pipeline_config(quantized)
+        compat.apply_pipeline_patches()
         pipeline = self.info.pipeline_class.from_pretrained(  # model.pipeline_class, else the folder's
             self.info.path, dtype=self.dtype_, **options, **self.load_plan.pipeline_kwargs, **components
         )
@@ -644,14 +671,21 @@ class DiffusionModule(pl.LightningModule):
     def predict_step(self, batch: list[dict[str, Any]], batch_idx: int = 0, dataloader_idx: int = 0) -> list[dict]:
         # Samples with different per-record overrides cannot share one pipeline call.
         groups: dict[str, list[dict[str, Any]]] = {}
+        spec = self.info.spec
         for sample in batch:
             key = json.dumps(self.call_arguments(sample), sort_keys=True, default=str)
-            if sample.get("inputs"):  # samples with other input fields cannot share a call (the pipeline
-                key += json.dumps(sorted(sample["inputs"]))  # resizes every image to the call's size)
+            if sample.get("inputs"):  # samples with other input fields cannot share a call
+                key += json.dumps(sorted(sample["inputs"]))
+                if spec.shares_input_size:  # a call resizes every input to its first one's size
+                    from lightning_diffusion.inputs import input_sizes
+
+                    key += json.dumps(input_sizes(sample["inputs"]))
             groups.setdefault(key, []).append(sample)
         self.batch_size = max(self.batch_size or 0, len(batch))
+        calls = [samples[i:i + (spec.call_batch or len(samples))] for samples in groups.values()
+                 for i in range(0, len(samples), spec.call_batch or len(samples))]
         results = {}
-        for samples in groups.values():
+        for samples in calls:
             for sample, image, params in zip(samples, *self.generate(samples)):
                 results[sample["index"]] = {
                     "index": sample["index"],
@@ -667,8 +701,9 @@ class DiffusionModule(pl.LightningModule):
         """One pipeline call for samples that share their arguments; noise from one CPU generator each.
         With ``pad_batches`` the call is padded to the batch size and the padding's outputs dropped."""
         real = len(samples)
-        if self.pad_batches and self.batch_size and real < self.batch_size:
-            samples = samples + [samples[-1]] * (self.batch_size - real)
+        size = min(self.batch_size or 0, self.info.spec.call_batch or self.batch_size or 0)
+        if self.pad_batches and real < size:
+            samples = samples + [samples[-1]] * (size - real)
         kwargs = self.call_arguments(samples[0])
         kwargs.pop("negative_prompt", None)
         generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
@@ -680,6 +715,8 @@ class DiffusionModule(pl.LightningModule):
             from lightning_diffusion import inputs
 
             images, given = inputs.load(samples)
+            if self.info.spec.call_batch == 1:  # one prompt a call: its input itself, not a list of one
+                images = {name: values[0] for name, values in images.items()}
             kwargs.update(images)
         output = self.pipeline(
             prompt=[sample["prompt"] for sample in samples],

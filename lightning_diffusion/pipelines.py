@@ -284,24 +284,34 @@ def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or path.count("/") != 1
 
 
-def _read_json(path: str, filename: str, local: bool) -> Optional[dict[str, Any]]:
+def _read_json(path: str, filename: str, local: bool, hub_options: Optional[dict[str, Any]] = None,
+               ) -> Optional[dict[str, Any]]:
     if local:
         file = Path(path) / filename
         return json.loads(file.read_text()) if file.is_file() else None
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
     try:
-        return json.loads(Path(hf_hub_download(path, filename)).read_text())
-    except EntryNotFoundError:
+        return json.loads(Path(hf_hub_download(path, filename, **(hub_options or {}))).read_text())
+    except RemoteEntryNotFoundError:  # the repository has no such file (not: it is not cached)
         return None
+    except LocalEntryNotFoundError:
+        if filename == "model_index.json":
+            raise
+        return None  # a component's config the cache lacks: missing_from_cache names it
 
 
-def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optional[str] = None) -> PipelineInfo:
+def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optional[str] = None,
+                     from_pretrained_kwargs: Optional[dict[str, Any]] = None) -> PipelineInfo:
     """Resolve ``tiny:`` names, check that the path holds a diffusers pipeline and read its configs.
     ``pipeline_class``: run the weights with another diffusers pipeline class (a task pipeline such
-    as ``FluxImg2ImgPipeline`` on FLUX.1 weights), which must need no component the folder lacks."""
+    as ``FluxImg2ImgPipeline`` on FLUX.1 weights), which must need no component the folder lacks.
+    A hub id is read at the revision ``from_pretrained_kwargs`` asks for; offline, every file its
+    ``from_pretrained`` would read must be in the cache."""
     import diffusers
+
+    from lightning_diffusion import hub
 
     path = pretrained_model_name_or_path
     if isinstance(path, str) and path.startswith("tiny:"):
@@ -315,10 +325,12 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
             raise PipelineError(f"Model path {path!r} is a file; pass the folder that holds model_index.json.")
     elif _looks_local(path):
         raise PipelineError(f"Model path {path!r} does not exist.")
+    options = {} if local else hub.hub_options(from_pretrained_kwargs)
     try:
-        model_index = _read_json(path, "model_index.json", local)
+        model_index = _read_json(path, "model_index.json", local, options)
     except Exception as err:  # network, authentication or repository errors from the hub
-        raise PipelineError(f"Could not read model_index.json of {path!r}: {err}") from err
+        known = hub.message(err, path, options)
+        raise PipelineError(known or f"Could not read model_index.json of {path!r}: {err}") from err
     if model_index is None:
         raise PipelineError(
             f"{path!r} is not a diffusers pipeline: it has no model_index.json. "
@@ -335,9 +347,16 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
     for name, spec in model_index.items():
         if name.startswith("_") or not isinstance(spec, list):
             continue
-        config = _read_json(path, f"{name}/config.json", local)
+        config = _read_json(path, f"{name}/config.json", local, options)
         if config is not None:
             configs[name] = config
+    if not local and hub.offline():
+        missing = hub.missing_from_cache(path, options)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise PipelineError(f"{path}: {len(missing)} file(s) its from_pretrained reads are missing from the Hugging "
+                                f"Face cache ({hub.cache_folder(options)}) and HF_HUB_OFFLINE=1 is set: {shown}. Fetch "
+                                f"them on a machine with network: {hub.download_command(None)}.")
     recommended = (_read_json(path, RECOMMENDED_FILE, local) or {}).get("call_defaults", {}) if local else {}
     cls = diffusers_pipeline
     if pipeline_class is not None and pipeline_class != class_name:

@@ -106,7 +106,7 @@ def preflight(config: Any) -> tuple[list, bool]:
     records = gather(problems, load_records, data.prompts)
     info, model_problems = check_model_args(
         model.pretrained_model_name_or_path, model.torch_dtype, named, model.get("call_kwargs"),
-        model.get("cache"), records, options,
+        model.get("cache"), records, options, dict(model.get("from_pretrained_kwargs") or {}),
     )
     problems = model_problems + problems
     problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt, data.get("num_shards", 1),

@@ -68,6 +68,14 @@ class PipelineSpec:
     ``published``: well-known checkpoints by hub id. ``tiny``: the ``tiny:NAME`` that builds an
     offline copy, and ``tiny_builder`` the dotted path of the function that writes it. ``inputs``:
     the per-record input files it needs (``image``, ``mask_image``), read from each prompt record.
+    ``call_batch``: the most prompts one call may take (Qwen-Image-Edit-Plus refuses two; Wan's
+    image-to-video repeats one image over its batch), so longer batches are called in pieces.
+    ``shares_input_size``: a call resizes every input to its first input's size (FLUX.1 Kontext), so
+    samples share a call only with inputs of their own size. ``reference_tokens``: dotted path of a
+    function ``(image_size, call_args) -> (output_tokens, reference_tokens)`` for pipelines whose
+    transformer sees the input image's tokens beside the output's (context-parallel checks per record).
+    ``input_if_config``: ``(input, key)``: records have ``input`` exactly when the transformer's
+    config sets ``key`` (Wan 2.1's first-last-frame weights and ``last_image``).
     """
 
     class_name: str
@@ -87,6 +95,10 @@ class PipelineSpec:
     tiny: Optional[str] = None
     tiny_builder: Optional[str] = None
     inputs: tuple[str, ...] = ()
+    call_batch: Optional[int] = None
+    shares_input_size: bool = False
+    reference_tokens: Optional[str] = None
+    input_if_config: Optional[tuple[str, str]] = None
 
     @property
     def is_video(self) -> bool:
@@ -196,6 +208,35 @@ register(PipelineSpec(
 for _task, _inputs in (("FluxImg2ImgPipeline", ("image",)), ("FluxInpaintPipeline", ("image", "mask_image"))):
     register(replace(SPECS["FluxPipeline"], class_name=_task, stages=None, published={}, tiny=None, tiny_builder=None,
                      inputs=_inputs))
+register(replace(SPECS["FluxPipeline"], class_name="FluxFillPipeline", cfg=None, stages=None, published={},
+                 inputs=("image", "mask_image"), tiny="flux-fill", tiny_builder="lightning_diffusion.tiny:build_flux_fill"))
+# Kontext edits an optional reference image (its tokens join the sequence; every input of a call is
+# resized to the first one's size); true CFG as FLUX.1's.
+register(replace(SPECS["FluxPipeline"], class_name="FluxKontextPipeline", stages=None,
+                 published={"black-forest-labs/FLUX.1-Kontext-dev": SPECS["FluxPipeline"].published[
+                     "black-forest-labs/FLUX.1-dev"]},  # the same 12B architecture
+                 shares_input_size=True, reference_tokens="lightning_diffusion.specs:kontext_tokens",
+                 tiny="flux-kontext", tiny_builder="lightning_diffusion.tiny:build_flux_kontext"))
+
+
+def kontext_tokens(image_size: Optional[tuple[int, int]], call_args: dict[str, Any]) -> tuple[int, int]:
+    """FluxKontextPipeline's token counts for one record (diffusers 0.42.1, ``__call__`` steps 0
+    and 3): the output keeps ``height`` x ``width``'s aspect at ``max_area`` pixels; the reference
+    image (``image_size`` = width, height) is resized to the closest of Kontext's preferred
+    resolutions (``_auto_resize``) or kept; both are floored to multiples of 16, a token each."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    height, width = call_args.get("height") or 1024, call_args.get("width") or 1024
+    area = call_args.get("max_area") or 1024 ** 2
+    out_w, out_h = round((area * width / height) ** 0.5) // 16 * 16, round((area * height / width) ** 0.5) // 16 * 16
+    if image_size is None:
+        return out_w * out_h // 256, 0
+    ref_w, ref_h = image_size
+    if call_args.get("_auto_resize", True):
+        _, ref_w, ref_h = min((abs(ref_w / ref_h - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+    return out_w * out_h // 256, (ref_w // 16) * (ref_h // 16)
+
+
 register(PipelineSpec(
     "Flux2Pipeline", patch=2, transformer_class="Flux2Transformer2DModel",
     published={"black-forest-labs/FLUX.2-dev": PublishedModel(
@@ -209,6 +250,14 @@ register(PipelineSpec(
         {"transformer": 40.9, "text_encoder": 16.6, "vae": 0.25}, heads=24, hidden=3072, layers=60, text_tokens=256)},
     tiny="qwenimage", tiny_builder="lightning_diffusion.tiny:build_qwenimage",
 ))
+# Qwen-Image's edit pipelines: the input image reaches the text encoder (vision tokens in the prompt,
+# whose length therefore varies) and its latents join the sequence; true CFG as Qwen-Image's.
+# Edit-Plus takes one prompt a call (a list of images is several references for it).
+register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPlusPipeline", inputs=("image",),
+                 published={"Qwen/Qwen-Image-Edit-2509": SPECS["QwenImagePipeline"].published["Qwen/Qwen-Image"]},
+                 call_batch=1, tiny="qwenimage-edit", tiny_builder="lightning_diffusion.tiny:build_qwenimage_edit"))
+register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPipeline", published={}, inputs=("image",),
+                 tiny=None, tiny_builder=None))
 register(PipelineSpec(
     "WanPipeline", patch=2, default_size=(480, 832), output="frames", frames_arg="num_frames", temporal_scale=4,
     default_frames=81, transformer_class="WanTransformer3DModel",
@@ -218,3 +267,8 @@ register(PipelineSpec(
         {"transformer": 28.6, "text_encoder": 11.4, "vae": 0.51}, heads=40, hidden=5120, layers=40, text_tokens=512)},
     tiny="wan", tiny_builder="lightning_diffusion.tiny:build_wan",
 ))
+# Wan 2.1 image-to-video: the still (and, with a first-last-frame transformer, last_image) becomes
+# the video's first frame; one image a call (diffusers repeats it over the batch).
+register(replace(SPECS["WanPipeline"], class_name="WanImageToVideoPipeline", published={}, inputs=("image",),
+                 call_batch=1, input_if_config=("last_image", "pos_embed_seq_len"),
+                 tiny="wan-i2v", tiny_builder="lightning_diffusion.tiny:build_wan_i2v"))

@@ -7,6 +7,7 @@ the normal ``from_pretrained`` path, so the tiny model exercises exactly the cod
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -70,12 +71,22 @@ def _qwen_tokenizer(model_max_length: int):
     )
 
 
+def _save(pipe, directory: str | os.PathLike) -> Path:
+    pipe.save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
+
+
 def build_flux(directory: str | os.PathLike) -> Path:
     """Write a tiny FLUX.1-dev-architecture pipeline (about 1.5 MB, safetensors) to ``directory``.
 
     The transformer has 4 attention heads of 16 (divisible by 2 and 4, so that every parallel test
     can shard it), one double and one single block, and guidance embedding as in FLUX.1-dev.
     """
+    return _save(flux_pipeline(), directory)
+
+
+def flux_pipeline():
+    """tiny:flux's pipeline, in memory (see ``build_flux``)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -135,7 +146,7 @@ def build_flux(directory: str | os.PathLike) -> Path:
         shift=3.0,
         use_dynamic_shifting=True,
     )
-    pipe = FluxPipeline(
+    return FluxPipeline(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
@@ -144,8 +155,6 @@ def build_flux(directory: str | os.PathLike) -> Path:
         tokenizer_2=_char_tokenizer(512),
         transformer=transformer,
     )
-    pipe.save_pretrained(directory, safe_serialization=True)
-    return Path(directory)
 
 
 # tiny:shapes reads captions of at most this many words (plus the end token); configs pass it as
@@ -232,6 +241,11 @@ def build_qwenimage(directory: str | os.PathLike) -> Path:
     """Write a tiny Qwen-Image-architecture pipeline (Qwen2.5-VL text encoder, 4-head transformer
     whose ``_tp_plan`` is fully unfused, Qwen-Image VAE with 4 latent channels) to ``directory``.
     It uses true classifier-free guidance: give a negative prompt and ``true_cfg_scale > 1``."""
+    return _save(qwenimage_pipeline(), directory)
+
+
+def qwenimage_pipeline():
+    """tiny:qwenimage's pipeline, in memory (see ``build_qwenimage``)."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -283,21 +297,24 @@ def build_qwenimage(directory: str | os.PathLike) -> Path:
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
-    pipe = QwenImagePipeline(
+    return QwenImagePipeline(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=_qwen_tokenizer(1024),
         transformer=transformer,
     )
-    pipe.save_pretrained(directory, safe_serialization=True)
-    return Path(directory)
 
 
 def build_wan(directory: str | os.PathLike) -> Path:
     """Write a tiny Wan 2.1 text-to-video-architecture pipeline (UMT5 encoder, a transformer with 4
     heads of 8, Wan VAE with 4 latent channels) to ``directory``. Frames come in groups of 4 plus
     one (``num_frames`` 5, 9, 13, ...); height and width are multiples of 16."""
+    return _save(wan_pipeline(), directory)
+
+
+def wan_pipeline():
+    """tiny:wan's pipeline, in memory (see ``build_wan``)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -323,15 +340,144 @@ def build_wan(directory: str | os.PathLike) -> Path:
         UMT5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    pipe = WanPipeline(
+    return WanPipeline(
         tokenizer=_char_tokenizer(512),
         text_encoder=text_encoder,
         vae=vae,
         scheduler=scheduler,
         transformer=transformer,
     )
-    pipe.save_pretrained(directory, safe_serialization=True)
-    return Path(directory)
+
+
+# ----------------------------------------------------------------------------- image-conditioned
+
+
+def build_flux_kontext(directory: str | os.PathLike) -> Path:
+    """FLUX.1 Kontext (editing): exactly tiny:flux's components; the reference image's tokens join
+    the output's along the sequence."""
+    from diffusers import FluxKontextPipeline
+
+    return _save(FluxKontextPipeline(**flux_pipeline().components), directory)
+
+
+def build_flux_fill(directory: str | os.PathLike) -> Path:
+    """FLUX.1 Fill (inpainting): tiny:flux with a transformer whose input per packed token is the
+    noise latents (4 channels x 4), the masked image's latents (16) and the mask at the 2x2 latent
+    patch's pixels (8 x 8 x 4 = 256): 288 channels (FLUX.1 Fill's 384 = 64 + 64 + 256)."""
+    from diffusers import FluxFillPipeline, FluxTransformer2DModel
+
+    components = flux_pipeline().components
+    vae = components["vae"]
+    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    packed = vae.config.latent_channels * 4
+    torch.manual_seed(0)
+    components["transformer"] = FluxTransformer2DModel.from_config(
+        components["transformer"].config, in_channels=2 * packed + scale * scale * 4, out_channels=packed)
+    for optional in ("image_encoder", "feature_extractor"):  # FluxPipeline's, which Fill does not take
+        components.pop(optional, None)
+    return _save(FluxFillPipeline(**components), directory)
+
+
+# Qwen-Image-Edit's template up to the user's text: Qwen2.5's tokenizer cuts it into 64 tokens
+# (the pipeline's prompt_template_encode_start_idx), " (", ")," and "'s" among them.
+_QWEN_EDIT_TEMPLATE_START = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n"
+)
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _qwen_vl_tokenizer(model_max_length: int):
+    """``_qwen_tokenizer``'s idea for both templates (Qwen-Image's 34 tokens, the edit's 64) plus the
+    vision tokens the processor expands (an ``<|image_pad|>`` per merged patch)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words_of = r"<\|im_start\|>|<\|im_end\|>|'s|\),| \(| ?\w+|[^\w ]|\s"
+    multi = set(_VISION_TOKENS)
+    for text, count in ((_QWEN_TEMPLATE_START, 34), (_QWEN_EDIT_TEMPLATE_START, 64)):
+        words = re.findall(words_of, text)
+        assert len(words) == count, (len(words), count)
+        multi |= {w for w in words if len(w) > 1}
+    ordered = sorted(multi, key=len, reverse=True)
+    specials = ["<pad>", "<unk>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(specials + list(string.printable) + ordered))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    pattern = "|".join(re.escape(w) for w in ordered) + r"|[\s\S]"
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>",
+                                   model_max_length=model_max_length)
+
+
+def build_qwenimage_edit(directory: str | os.PathLike) -> Path:
+    """Qwen-Image-Edit-Plus: tiny:qwenimage's VAE, transformer and scheduler; a Qwen2.5-VL text
+    encoder of tiny's sizes whose vocabulary and vision-token ids match a tokenizer with the vision
+    tokens; a ``Qwen2VLProcessor`` whose image processor caps the vision tower's input at 56 x 56
+    (4 image tokens in the prompt per input image). Edit pipelines use true CFG (negative prompt,
+    ``true_cfg_scale`` > 1)."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
+
+    compat.apply_pipeline_patches()
+    components = qwenimage_pipeline().components
+    tokenizer = _qwen_vl_tokenizer(1024)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _VISION_TOKENS}
+    old = components["text_encoder"].config
+    vision = old.vision_config
+    torch.manual_seed(2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={**old.text_config.to_dict(), "vocab_size": 256, "bos_token_id": None,
+                     "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
+        vision_config=vision.to_dict(), image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"]))
+    pixels = 56 * 56
+    image_processor = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels, patch_size=vision.patch_size,
+                                            merge_size=vision.spatial_merge_size,
+                                            temporal_patch_size=vision.temporal_patch_size)
+    extra = {}
+    if compat._has_torchvision():
+        from transformers import Qwen2VLVideoProcessor
+
+        extra["video_processor"] = Qwen2VLVideoProcessor(
+            patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size, size={"shortest_edge": pixels, "longest_edge": pixels})
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, **extra)
+    folder = _save(QwenImageEditPlusPipeline(
+        scheduler=components["scheduler"], vae=components["vae"], text_encoder=text_encoder, tokenizer=tokenizer,
+        processor=processor, transformer=components["transformer"]), directory)
+    video = folder / "processor" / "video_preprocessor_config.json"
+    if not video.exists():  # so that the folder loads unpatched where torchvision is installed
+        video.write_text(json.dumps({
+            "video_processor_type": "Qwen2VLVideoProcessor", "patch_size": vision.patch_size,
+            "merge_size": vision.spatial_merge_size, "temporal_patch_size": vision.temporal_patch_size,
+            "size": {"shortest_edge": pixels, "longest_edge": pixels}}, indent=2) + "\n")
+    return folder
+
+
+def build_wan_i2v(directory: str | os.PathLike) -> Path:
+    """Wan 2.1 image-to-video: tiny:wan's tokenizer, UMT5, VAE and scheduler; a transformer of
+    tiny:wan's sizes taking 4 noise + 4 mask + 4 image latent channels (Wan 2.1 I2V: 16 + 4 + 16)
+    with an image cross-attention fed by a tiny CLIP vision tower (32 x 32, patch 8: 17 tokens)."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    components = wan_pipeline().components
+    clip = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            image_size=32, patch_size=8, projection_dim=16)
+    torch.manual_seed(4)
+    image_encoder = CLIPVisionModel(clip)
+    old, vae = components["transformer"].config, components["vae"].config
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel.from_config(
+        old, in_channels=vae.z_dim + vae.scale_factor_temporal + vae.z_dim, out_channels=vae.z_dim,
+        image_dim=clip.hidden_size, added_kv_proj_dim=old.num_attention_heads * old.attention_head_dim)
+    return _save(WanImageToVideoPipeline(
+        tokenizer=components["tokenizer"], text_encoder=components["text_encoder"], vae=components["vae"],
+        scheduler=components["scheduler"], transformer=transformer, image_encoder=image_encoder,
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})),
+        directory)
 
 
 def cache_root() -> Path:

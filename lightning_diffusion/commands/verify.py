@@ -93,7 +93,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--num-prompts must be at least 1")
 
     try:
-        config = read_config(args.config, extra)
+        # Both runs write into folders of their own: the config's output folder is not resumed.
+        config = read_config(args.config, [*extra, "--writer.allow_config_change", "true"])
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion verify")
     records = list(load_records(config.data.prompts))[: args.num_prompts]

@@ -151,6 +151,40 @@ def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_an
         return
     for call_args in request.call_arg_sets():
         check_sequence(request, dims, call_args)
+    if info.spec.reference_tokens:
+        check_reference_sequences(request, dims)
+
+
+def check_reference_sequences(request: ModelRequest, dims: ParallelDims, most: int = 3) -> None:
+    """Pipelines whose transformer sees the input image's tokens beside the output's (FLUX.1
+    Kontext): each record's total, from its own image's size, must divide the degree."""
+    from lightning_diffusion.data import record_inputs
+    from lightning_diffusion.inputs import upright_size
+    from lightning_diffusion.specs import _load
+
+    tokens_of = _load(request.info.spec.reference_tokens)
+    mode = "ulysses_anything" if dims.ring == 1 else "ring_anything"
+    bad = []
+    for number, record in enumerate(request.records or [{}], start=1):
+        image = record_inputs(record).get("image")
+        path = image[0] if isinstance(image, list) else image
+        try:
+            size = upright_size(path) if path else None
+        except OSError:
+            continue  # an unreadable image is reported by the record checks
+        args = {**request.call_args, **{k: v for k, v in record.items() if k in request.info.call_parameters}}
+        output, reference = tokens_of(size, args)
+        if (output + reference) % dims.cp:
+            bad.append(f"prompt record {number}: {output} output + {reference} reference image tokens = "
+                       f"{output + reference}")
+            if len(bad) == most:
+                break
+    if bad:
+        raise ConfigError(
+            f"{request.info.class_name} joins the input image's tokens to the output's, and their sum must divide the "
+            f"context-parallel degree {dims.cp}: {'; '.join(bad)}. Set {mode}: true (strategy name: {mode}), which "
+            "splits any count, or give images whose token counts divide it."
+        )
 
 
 def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[str, Any]) -> None:
@@ -163,8 +197,8 @@ def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[st
         mode = "ulysses_anything" if dims.ring == 1 else "ring_anything"
         fix = f"set {mode}: true (strategy name: {mode}), or choose sizes"
     for kind, length in info.sequence_lengths(height, width, call_args).items():
-        if length % degree == 0:
-            continue
+        if length % degree == 0 or (kind == "image" and info.spec.reference_tokens):
+            continue  # (image tokens that depend on the input image are checked per record)
         if kind == "image":
             m = info.size_multiple
             raise ConfigError(
