@@ -190,11 +190,14 @@ def test_a_killed_edit_run_resumes_with_each_record_once_and_the_same_pictures(e
     prompts, reference = edits
     out = tmp_path / "out"
     script = (
-        "import sys\n"
+        "import sys, time\n"
         "from lightning_diffusion.cli import main\n"
         "from lightning_diffusion.writer import ImageWriter\n"
-        "from tests.slow_writer import SlowWriter\n"
-        "ImageWriter.encode = SlowWriter.encode  # a second a picture: the kill lands mid-run\n"
+        "encode = ImageWriter.encode\n"
+        "def slow(self, *args):  # a second a picture: the kill lands mid-run\n"
+        "    time.sleep(1.0)\n"
+        "    encode(self, *args)\n"
+        "ImageWriter.encode = slow\n"
         "main(sys.argv[1:])\n"
     )
     with socket.socket() as s:
