@@ -29,9 +29,17 @@ def fetch_for(config: Any, config_path: Optional[str], dry_run: bool = False, ou
     if not hub.is_hub_id(repo):
         print(f"{repo} is not a hub id (a local folder or a tiny pipeline): nothing to fetch.", file=out)
         return None
-    if hub.offline():
-        raise ConfigError(f"HF_HUB_OFFLINE=1 is set: {repo} cannot be fetched from here. Unset it on a machine with "
-                          "network.")
+    if hub.offline():  # nothing can be fetched: enough if the cache holds it all
+        missing = hub.missing_from_cache(repo, options)
+        if missing is None or missing:
+            what = "is not in the cache" if missing is None else f"lacks {', '.join(missing[:5])} in the cache"
+            raise ConfigError(f"{repo} {what} ({hub.cache_folder(options)}) and HF_HUB_OFFLINE=1 is set, so nothing can "
+                              "be fetched from here: unset it on a machine with network, or set HF_HOME to a cache "
+                              "that holds the weights.")
+        folder = hub.snapshot_of(repo, options)
+        print(f"{repo}: every file from_pretrained reads is in the cache at {folder} (HF_HUB_OFFLINE=1: nothing "
+              "fetched)", file=out)
+        return str(folder)
     try:
         planned = hub.plan(repo, options)
         if dry_run:

@@ -71,6 +71,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--shards", help="with --array or --resubmit: only these shards, e.g. 3,7")
     parser.add_argument("--script", help=f"write the script here (default with --submit: <output_dir>/{SCRIPT_NAME})")
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+    parser.add_argument("--no-download", action="store_true",
+                        help="with --submit: do not fetch the config's hub weights here first (the nodes then fetch "
+                        "them, or find them in their cache)")
     parser.add_argument("--wait", action="store_true", help="with --submit: wait for the job and report how it ended")
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
@@ -251,6 +254,7 @@ def render(
         "    exit 2",
         "fi",
         "",
+        *(weights_lines(res["weights"]) if res.get("weights") else []),
         *(["# srun of Slurm 22.05-23.02 does not take --cpus-per-task from the allocation without this.",
            'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"'] if cpus is not None else []),
         # Every task sees all the node's GPUs and Lightning gives each its own (by local rank);
@@ -270,6 +274,23 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def weights_lines(weights: dict[str, str]) -> list[str]:
+    """The job reads the hub weights fetched on the login node from their cache, offline, after
+    checking that every node sees that cache."""
+    q = shlex.quote
+    return [
+        "# The weights were fetched on the login node: the nodes read them from that cache and never touch the network.",
+        f"export HF_HUB_CACHE={q(weights['cache'])}",
+        "export HF_HUB_OFFLINE=1",
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'test -f \"$1/model_index.json\" || {",
+        f'    echo "lightning-diffusion: error: node $SLURMD_NODENAME does not see the weights of {weights["repo"]} in $1:'
+        ' the Hugging Face cache must be on a file system the nodes share (set HF_HOME to one, then submit again)." >&2',
+        "    exit 2",
+        f"}}' _ {q(weights['snapshot'])} || exit 2",
+        "",
+    ]
 
 
 # ----------------------------------------------------------------------------- sbatch and scontrol
@@ -334,6 +355,24 @@ def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: flo
           f"{done}{total} outputs in {output_dir / 'manifest.jsonl'}; log: {output_dir}/slurm-{job_id}.out")
     complete = expected is not None and done >= expected
     return 0 if last_state == "COMPLETED" or (last_state is None and complete) else 1
+
+
+def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:
+    """A hub id: fetch its weights here (the login node has network; compute nodes often do not),
+    or refuse to submit with the reason; None for a local model."""
+    from lightning_diffusion import hub
+    from lightning_diffusion.commands.download import fetch_for, model_of
+
+    repo, options = model_of(config)
+    if not hub.is_hub_id(repo):
+        return None
+    try:
+        snapshot = fetch_for(config, config_path)
+    except ValueError as err:
+        raise ConfigError(f"not submitted: the weights could not be fetched here: {err} (--no-download submits "
+                          "without fetching)") from err
+    assert snapshot is not None
+    return {"repo": repo, "snapshot": snapshot, "cache": str(hub.cache_folder(options))}
 
 
 # ----------------------------------------------------------------------------- job arrays
@@ -452,6 +491,8 @@ def main(argv: list[str]) -> int:
                 return 0
             config.data.num_shards, config.data.shard_index = res["array"]["num_shards"], res["array"]["shards"][0]
         check_config(config)  # predict's own weight-free checks, on the config as the job runs it
+        if args.submit and not args.no_download:  # after the checks: a job that cannot run fetches nothing
+            res["weights"] = fetch_weights(config, str(config_path))
         if args.submit or args.script:
             check_output_folder(output_dir)
         text = render(args, config_path, predict_args, output_dir, res)
