@@ -31,12 +31,24 @@ def slurm_tasks_per_node(environ: Mapping[str, str]) -> Optional[int]:
     return None
 
 
-def gpus_bound_to_tasks(visible_gpus: int, tasks_per_node: Optional[int], gpus_per_task: int = 1) -> bool:
-    """Whether each task of the node sees only its own GPUs: several tasks on the node, and this one
-    sees exactly the ``gpus_per_task`` it uses (with all GPUs visible it would see them all)."""
-    if tasks_per_node is None or tasks_per_node < 2 or visible_gpus < 1:
+def allocated_gpus(environ: Mapping[str, str]) -> Optional[int]:
+    """GPUs SLURM allocated to this job on this node (``SLURM_GPUS_ON_NODE``, else the count of
+    ``SLURM_JOB_GPUS``); None where it does not say."""
+    found = re.match(r"\s*(\d+)", environ.get("SLURM_GPUS_ON_NODE", ""))
+    if found:
+        return int(found.group(1))
+    listed = [part for part in environ.get("SLURM_JOB_GPUS", "").split(",") if part.strip()]
+    return len(listed) or None
+
+
+def gpus_bound_to_tasks(visible_gpus: int, tasks_per_node: Optional[int], gpus_per_task: int = 1,
+                        allocated: Optional[int] = None) -> bool:
+    """Whether each task of the node sees only its own GPUs: several tasks on the node, SLURM gave
+    the node enough GPUs for all of them, and this task sees exactly the ``gpus_per_task`` it uses.
+    (A node that simply has too few GPUs is not bound: Lightning refuses it, as it should.)"""
+    if tasks_per_node is None or tasks_per_node < 2 or visible_gpus < 1 or allocated is None:
         return False
-    return visible_gpus == gpus_per_task
+    return visible_gpus == gpus_per_task and allocated >= tasks_per_node * gpus_per_task
 
 
 def requested_count(devices: Any) -> Optional[int]:
@@ -86,7 +98,7 @@ def accelerator_for_job(accelerator: Any, devices: Any, gpus_per_task: int = 1,
     tasks = slurm_tasks_per_node(environ)
     if visible_gpus is None:
         visible_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not gpus_bound_to_tasks(visible_gpus, tasks, gpus_per_task):
+    if not gpus_bound_to_tasks(visible_gpus, tasks, gpus_per_task, allocated_gpus(environ)):
         return accelerator
     if requested_count(devices) not in (None, tasks):
         return accelerator  # Lightning reports the mismatch with SLURM's task count itself

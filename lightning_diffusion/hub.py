@@ -20,8 +20,14 @@ from typing import Any, Iterator, Optional
 
 from lightning_diffusion.errors import ConfigError
 
-# from_pretrained options that choose which files of a repository are read.
-HUB_OPTIONS = ("revision", "variant", "token", "cache_dir")
+# from_pretrained options that choose which files of a repository are read; the first three are
+# also those of a single file's download (hf_hub_download has no variant).
+FILE_OPTIONS = ("revision", "token", "cache_dir")
+HUB_OPTIONS = (*FILE_OPTIONS, "variant", "use_safetensors")
+
+
+def file_options(options: Optional[dict[str, Any]]) -> dict[str, Any]:
+    return {k: v for k, v in (options or {}).items() if k in FILE_OPTIONS and v is not None}
 
 
 def is_hub_id(path: Any) -> bool:
@@ -85,7 +91,21 @@ def message(err: BaseException, repo: str, options: Optional[dict[str, Any]] = N
         if isinstance(e, EntryNotFoundError):
             return (f"{repo!r} is not a diffusers pipeline: it has no model_index.json. Pass a hub id of a diffusers "
                     "pipeline or a folder written by DiffusionPipeline.save_pretrained.")
+    for e in chain:
+        if isinstance(e, ValueError) and "variant=" in str(e) and "no such modeling files" in str(e):
+            variant = (options or {}).get("variant")
+            return (f"{repo} has no weights of variant {variant!r}: drop model.from_pretrained_kwargs.variant, or "
+                    "choose a variant its files have.")
+        if _network_error(e):
+            return (f"the hub cannot be reached for {repo} ({type(e).__name__}: {e}); run this where there is network, "
+                    f"or fetch the weights elsewhere into a cache these nodes share: {download_command(config)}.")
     return None
+
+
+def _network_error(err: BaseException) -> bool:
+    """A connection that failed (refused, timed out, no route), as httpx and requests raise it."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return bool(names & {"ConnectError", "ConnectTimeout", "NetworkError", "ConnectionError", "TimeoutException"})
 
 
 # ----------------------------------------------------------------------------- diffusers' plan
@@ -144,7 +164,7 @@ def _snapshot_dry_run() -> Iterator[None]:
 
 
 def _download_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    return {"use_safetensors": True, **options}
+    return {"use_safetensors": True, **options}  # as the module loads (safetensors unless asked otherwise)
 
 
 def plan(repo: str, options: Optional[dict[str, Any]] = None) -> Plan:
@@ -154,22 +174,26 @@ def plan(repo: str, options: Optional[dict[str, Any]] = None) -> Plan:
     from huggingface_hub import hf_hub_download, model_info
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
+    from huggingface_hub.utils import are_progress_bars_disabled
+
     options = hub_options(options)
     # diffusers reads a failed repository lookup as "offline"; ask first, so that each failure says what it is.
     model_info(repo, revision=options.get("revision"), token=options.get("token"))
-    hf_hub_download(repo, "model_index.json", revision=options.get("revision"), token=options.get("token"),
-                    cache_dir=options.get("cache_dir"))
+    hf_hub_download(repo, "model_index.json", **file_options(options))
+    shown = not are_progress_bars_disabled()
     disable_progress_bars()
     with _snapshot_dry_run():
         try:
             DiffusionPipeline.download(repo, force_download=True, **_download_kwargs(options))
         except _Planned as done:
-            enable_progress_bars()
+            if done.result is None:  # diffusers' own lookup failed between ours and its own
+                raise ConfigError(f"the hub stopped answering for {repo} while its files were listed; try again.")
             files = [HubFile(i.filename, i.file_size, bool(i.is_cached)) for i in done.result]
             commit = done.result[0].commit_hash if done.result else ""
             return Plan(repo, commit, sorted(files, key=lambda f: f.filename))
         finally:
-            enable_progress_bars()
+            if shown:
+                enable_progress_bars()
     raise RuntimeError(f"diffusers planned no download for {repo}")  # download() changed: see the docstring
 
 

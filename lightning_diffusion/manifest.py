@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +27,16 @@ def shard_name(shard: Optional[tuple[int, int]]) -> Optional[str]:
     return None if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
 
 
+def in_shard(index: int, shard: Optional[tuple[int, int]]) -> bool:
+    """Whether image ``index`` belongs to shard ``(T, N)`` (every image belongs to no shard: None)."""
+    return shard is None or index % shard[1] == shard[0]
+
+
+def shard_size(total: int, shard: Optional[tuple[int, int]]) -> int:
+    """How many of ``total`` images a shard holds."""
+    return total if shard is None else len(range(shard[0], total, shard[1]))
+
+
 def parts_glob(shard: Optional[tuple[int, int]]) -> str:
     """The manifest parts of one run: of the whole set, or of one shard."""
     return "manifest.part-*.jsonl" if shard is None else f"manifest.{shard_name(shard)}.part-*.jsonl"
@@ -37,8 +48,11 @@ def part_name(shard: Optional[tuple[int, int]], rank: int) -> str:
 
 def _atomic_write(path: Path, write, fsync: bool = True) -> None:
     """``path`` appears whole or not at all (written under a temporary name, then renamed); with
-    ``fsync`` its bytes are on disk before the rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    ``fsync`` its bytes are on disk before the rename. The temporary name is unique across the
+    nodes and threads writing into one folder (equal pids are common in containers)."""
+    import uuid
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -107,11 +121,12 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
             "writer.allow_config_change=true to add to it anyway.")
 
 
-def scan_manifest(output_dir: str | os.PathLike,
-                  parts: Optional[list[Path]] = None) -> tuple[dict[int, dict[str, Any]], list[str]]:
+def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None,
+                  trust_manifest: bool = False) -> tuple[dict[int, dict[str, Any]], list[str]]:
     """Finished images by index (the merged manifest plus parts left by a running or killed run),
-    and what was not counted, as ``file:line: why`` (``parts``: these parts only, not every one). A
-    line that does not parse (cut by a kill) and a
+    and what was not counted, as ``file:line: why`` (``parts``: these parts only, not every one;
+    ``trust_manifest``: the merged manifest's lines count without a look at their files). A line
+    that does not parse (cut by a kill) and a
     line whose file is gone or has another size than recorded (truncated, replaced) do not count:
     those images are made again. An unterminated last line is a write in progress, not a problem."""
     folder = Path(output_dir)
@@ -130,7 +145,8 @@ def scan_manifest(output_dir: str | os.PathLike,
                 except (ValueError, KeyError, TypeError):
                     problems.append(f"{file.name}:{number}: not a manifest line")
                     continue
-                if _finished(folder / str(entry.get("file", "")), entry.get("bytes")):
+                if (trust_manifest and file.name == MANIFEST) or _finished(folder / str(entry.get("file", "")),
+                                                                            entry.get("bytes")):
                     entries[index] = entry
                 else:
                     problems.append(f"{file.name}:{number}: {entry.get('file')!r} is missing or not the size recorded")
@@ -169,16 +185,26 @@ def merge_lock(folder: Path):
             fcntl.lockf(f, fcntl.LOCK_UN)
 
 
-def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None,
-                   every_part: bool = True) -> dict[int, dict[str, Any]]:
+def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]]) -> list[Path]:
+    """Every part of the folder, except those other shards of ``shard``'s count may still be
+    appending to: parts of the whole set and of other counts are left by runs that are over (a
+    live one would have refused this run, see ``lock.conflicting_runs``)."""
+    parts = sorted(folder.glob(PART_GLOB))
+    if shard is None:
+        return parts
+    siblings = re.compile(rf"manifest\.shard-(\d+)-of-{shard[1]}\.part-\d+\.jsonl")
+    return [p for p in parts if not ((m := siblings.fullmatch(p.name)) and int(m.group(1)) != shard[0])]
+
+
+def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None) -> dict[int, dict[str, Any]]:
     """Fold finished parts into ``manifest.jsonl`` (sorted by index) and drop them; returns the
-    merged manifest's entries. ``every_part``: all parts of the folder (a run of the whole set,
-    which no other run writes beside); else only ``shard``'s, so that the parts other shards are
-    still appending to are left alone."""
+    merged manifest's entries. A shard's run leaves alone the parts its sibling shards still
+    append to. The manifest's own lines are not checked against their files here (a merge holds
+    the folder's lock, and the shards of an array queue for it): a resume checks them."""
     folder = Path(output_dir)
     with merge_lock(folder):
-        parts = sorted(folder.glob(PART_GLOB if every_part else parts_glob(shard)))
-        entries, _ = scan_manifest(folder, parts)
+        parts = _parts_to_merge(folder, shard)
+        entries, _ = scan_manifest(folder, parts, trust_manifest=True)
         text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries))
         _atomic_write(folder / MANIFEST, lambda f: f.write(text.encode("utf-8")))
         for part in parts:

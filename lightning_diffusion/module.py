@@ -544,11 +544,17 @@ class DiffusionModule(pl.LightningModule):
         locking) the same tens of gigabytes at once; offline, the cache was checked before loading."""
         from lightning_diffusion import hub
 
-        if not hub.is_hub_id(self.info.path) or hub.offline():
+        if not hub.is_hub_id(self.info.path) or hub.offline() or self.from_pretrained_kwargs.get("local_files_only"):
             return
         strategy = self._trainer.strategy if self._trainer is not None else None
         if strategy is None or strategy.local_rank == 0:
-            folder = hub.fetch(self.info.path, self.from_pretrained_kwargs, progress=self.global_rank == 0)
+            try:
+                folder = hub.fetch(self.info.path, self.from_pretrained_kwargs, progress=self.global_rank == 0)
+            except Exception as err:
+                known = hub.message(err, self.info.path, self.from_pretrained_kwargs)
+                if known is None:
+                    raise
+                raise ConfigError(known) from err
             if self.global_rank == 0:
                 log.info(f"{self.info.path}: weights in the cache at {folder}")
         if strategy is not None and strategy.world_size > 1:

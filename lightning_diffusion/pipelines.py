@@ -293,7 +293,9 @@ def _read_json(path: str, filename: str, local: bool, hub_options: Optional[dict
     from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
     try:
-        return json.loads(Path(hf_hub_download(path, filename, **(hub_options or {}))).read_text())
+        from lightning_diffusion.hub import file_options
+
+        return json.loads(Path(hf_hub_download(path, filename, **file_options(hub_options))).read_text())
     except RemoteEntryNotFoundError:  # the repository has no such file (not: it is not cached)
         return None
     except LocalEntryNotFoundError:

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.data import check_data_args, load_records, shard_indices
+from lightning_diffusion.data import check_data_args, load_records
 from lightning_diffusion.errors import ConfigError, gather, is_int
 from lightning_diffusion import lora
 from lightning_diffusion.module import (OPTIONS, check_model_args, check_records, effective_call_args, image_settings,
                                        recorded_options)
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
-from lightning_diffusion.manifest import read_manifest, settings_conflict
+from lightning_diffusion.manifest import in_shard, read_manifest, settings_conflict, shard_size
 from lightning_diffusion.writer import WRITER_DEFAULTS, check_writer_args, run_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
@@ -34,8 +34,8 @@ def check_disk_space(
 ) -> None:
     folder = Path(output_dir).expanduser()
     done = read_manifest(folder) if folder.is_dir() else {}
-    mine = len(shard_indices(len(records) * per_prompt, num_shards, shard_index))
-    pending = max(0, mine - sum(i % num_shards == shard_index for i in done))
+    shard = (shard_index, num_shards) if num_shards > 1 else None
+    pending = max(0, shard_size(len(records) * per_prompt, shard) - sum(in_shard(i, shard) for i in done))
     default = info.spec.default_size or (1024, 1024)
     height, width = named.get("height") or default[0], named.get("width") or default[1]
     frames = named.get("num_frames") or info.spec.default_frames or 1

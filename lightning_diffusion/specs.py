@@ -231,7 +231,7 @@ def kontext_tokens(image_size: Optional[tuple[int, int]], call_args: dict[str, A
     out_w, out_h = round((area * width / height) ** 0.5) // 16 * 16, round((area * height / width) ** 0.5) // 16 * 16
     if image_size is None:
         return out_w * out_h // 256, 0
-    ref_w, ref_h = image_size
+    ref_w, ref_h = image_size[0] // 16 * 16, image_size[1] // 16 * 16  # as get_default_height_width floors them
     if call_args.get("_auto_resize", True):
         _, ref_w, ref_h = min((abs(ref_w / ref_h - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
     return out_w * out_h // 256, (ref_w // 16) * (ref_h // 16)
@@ -257,7 +257,7 @@ register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPlusPipeli
                  published={"Qwen/Qwen-Image-Edit-2509": SPECS["QwenImagePipeline"].published["Qwen/Qwen-Image"]},
                  call_batch=1, tiny="qwenimage-edit", tiny_builder="lightning_diffusion.tiny:build_qwenimage_edit"))
 register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPipeline", published={}, inputs=("image",),
-                 tiny=None, tiny_builder=None))
+                 shares_input_size=True, tiny=None, tiny_builder=None))  # sized by a call's first image
 register(PipelineSpec(
     "WanPipeline", patch=2, default_size=(480, 832), output="frames", frames_arg="num_frames", temporal_scale=4,
     default_frames=81, transformer_class="WanTransformer3DModel",

@@ -5,6 +5,9 @@ Layout of the output folder::
     000000-a-red-fox.png      image 0, prompt and parameters in PNG text chunks (or EXIF: WebP, JPEG)
     manifest.jsonl            one JSON object per finished image, sorted by index
     manifest.part-R.jsonl     lines appended by global rank R while a run is going
+                              (manifest.shard-T-of-N.part-R.jsonl for shard T of N of a job array)
+    run.json                  the settings that decide the pictures, the runs' summaries
+                              (a shard's summaries: run.shard-T-of-N.json)
 
 Every file appears by an atomic rename, and an image's manifest line is appended only after its file
 is complete, so a killed run leaves no truncated image and at most one unterminated manifest line,
@@ -46,6 +49,8 @@ from lightning_diffusion.manifest import (
     RUN_FILE,
     RUN_META,
     _atomic_write,
+    in_shard,
+    merge_lock,
     merge_manifest,
     part_counts,
     part_name,
@@ -54,6 +59,7 @@ from lightning_diffusion.manifest import (
     read_manifest,
     settings_conflict,
     shard_name,
+    shard_size,
 )
 
 
@@ -197,7 +203,8 @@ class ImageWriter(BasePredictionWriter):
         write_workers: threads that encode and write off the prediction thread (0: on it).
         write_queue: batches that may wait for a writer thread before prediction blocks.
 
-    Only one run may write into a folder at a time (``.lock``, taken over when its run is dead).
+    Only one run may write into a folder at a time (``.lock``, taken over when its run is dead),
+    or one run a shard for the shards of one count (``PromptDataModule(num_shards=...)``).
     """
 
     def __init__(
@@ -297,15 +304,17 @@ class ImageWriter(BasePredictionWriter):
             self._history = []
         if self.shard is None:
             self._write_run_file(settings)
-        else:  # shards share run.json (the same settings); each keeps its history beside it
-            if not run_file.is_file():
-                self._write_run_file(settings, run_file, total, history=[])
+        else:  # shards share run.json (the same settings), made by the first; each keeps its history beside it
+            with merge_lock(self.output_dir):
+                conflict = None if self.allow_config_change else settings_conflict(self.output_dir, settings)
+                if conflict:  # another shard made it meanwhile, with other settings
+                    return self._refuse(conflict)
+                if not run_file.is_file():
+                    self._write_run_file(settings, run_file, total, history=[])
             self._write_run_file({"shard": list(self.shard)})
         if any(self.output_dir.glob(PART_GLOB)):
-            merge_manifest(self.output_dir, self.shard, every_part=self.shard is None)
-        done = read_manifest(self.output_dir)
-        if self.shard is not None:
-            done = {i: line for i, line in done.items() if i % self.shard[1] == self.shard[0]}
+            merge_manifest(self.output_dir, self.shard)
+        done = {i: line for i, line in read_manifest(self.output_dir).items() if in_shard(i, self.shard)}
         if not self.allow_config_change and any("inputs" in line for line in done.values()):
             from lightning_diffusion.inputs import changed_since
 
@@ -330,7 +339,7 @@ class ImageWriter(BasePredictionWriter):
         data = trainer.datamodule
         total = getattr(data, "num_images", None)
         self.shard = getattr(data, "shard", None)
-        self.expected = total if self.shard is None else len(data.shard_images())
+        self.expected = None if total is None else shard_size(total, self.shard)
         result: tuple[Optional[str], list[int]] = (None, [])
         if trainer.is_global_zero:
             result = self._prepare_folder(self.run_settings(trainer, pl_module), total)
@@ -493,8 +502,8 @@ class ImageWriter(BasePredictionWriter):
             raise failed
         if trainer.is_global_zero:
             parts = part_counts(self.output_dir, self.parts_glob)
-            entries = merge_manifest(self.output_dir, self.shard, every_part=self.shard is None)
-            total = len(entries) if self.shard is None else sum(i % self.shard[1] == self.shard[0] for i in entries)
+            entries = merge_manifest(self.output_dir, self.shard)
+            total = sum(in_shard(i, self.shard) for i in entries)
             self.summary = self._summary(parts, total)
             self._history.append(self.summary)
             settings = json.loads(self.record_file.read_text())

@@ -18,7 +18,7 @@ from lightning_diffusion.accelerators import (
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import DeviceMapStrategy
 
-TASK = {"SLURM_LOCALID": "3", "SLURM_PROCID": "3", "SLURM_NTASKS_PER_NODE": "8"}
+TASK = {"SLURM_LOCALID": "3", "SLURM_PROCID": "3", "SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "8"}
 
 
 def test_tasks_per_node_come_from_slurm_only_inside_a_task():
@@ -27,16 +27,18 @@ def test_tasks_per_node_come_from_slurm_only_inside_a_task():
     assert slurm_tasks_per_node({"SLURM_NTASKS_PER_NODE": "8"}) is None  # the batch script, not a task
 
 
-@pytest.mark.parametrize("visible, tasks, per_task, bound", [
-    (1, 8, 1, True),    # --gpus-per-task=1 / --gpu-bind=single:1
-    (2, 4, 2, True),    # device maps of 2 GPUs a process, bound per task
-    (8, 8, 1, False),   # every GPU of the node visible (our own scripts: --gpu-bind=none)
-    (1, 1, 1, False),   # one task, one GPU: nothing to reinterpret
-    (0, 8, 1, False),   # no GPU: a CPU rehearsal
-    (4, 8, 1, False),   # a partial view is not a binding we understand: Lightning reports it
+@pytest.mark.parametrize("visible, tasks, per_task, allocated, bound", [
+    (1, 8, 1, 8, True),     # --gpus-per-task=1 / --gpu-bind=single:1
+    (2, 4, 2, 8, True),     # device maps of 2 GPUs a process, bound per task
+    (8, 8, 1, 8, False),    # every GPU of the node visible (our own scripts: --gpu-bind=none)
+    (1, 1, 1, 1, False),    # one task, one GPU: nothing to reinterpret
+    (0, 8, 1, 8, False),    # no GPU: a CPU rehearsal
+    (4, 8, 1, 8, False),    # a partial view is not a binding we understand: Lightning reports it
+    (1, 2, 1, 1, False),    # a node with one GPU for two tasks: too few, not bound (Lightning refuses it)
+    (1, 8, 1, None, False),  # SLURM says nothing of the allocation: not assumed
 ])
-def test_gpus_are_bound_when_a_task_sees_exactly_its_own(visible, tasks, per_task, bound):
-    assert gpus_bound_to_tasks(visible, tasks, per_task) is bound
+def test_gpus_are_bound_when_a_task_sees_exactly_its_own(visible, tasks, per_task, allocated, bound):
+    assert gpus_bound_to_tasks(visible, tasks, per_task, allocated) is bound
 
 
 def test_the_job_gets_the_task_bound_accelerator_only_when_bound():
@@ -46,6 +48,9 @@ def test_the_job_gets_the_task_bound_accelerator_only_when_bound():
     assert accelerator_for_job("cpu", 8, 1, TASK, visible_gpus=1) == "cpu"
     assert accelerator_for_job("gpu", 8, 1, {}, visible_gpus=1) == "gpu"  # not a SLURM task
     assert accelerator_for_job("gpu", 4, 1, TASK, visible_gpus=1) == "gpu"  # disagrees with SLURM: Lightning says so
+    job_gpus = {**{k: v for k, v in TASK.items() if k != "SLURM_GPUS_ON_NODE"}, "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}
+    assert isinstance(accelerator_for_job("gpu", 8, 1, job_gpus, visible_gpus=1), TaskBoundCUDAAccelerator)
+    assert accelerator_for_job("gpu", 8, 1, {**TASK, "SLURM_GPUS_ON_NODE": "1"}, visible_gpus=1) == "gpu"
 
 
 def test_devices_count_the_tasks_and_every_rank_takes_its_first_visible_gpu(monkeypatch):

@@ -125,6 +125,7 @@ def test_offline_messages_name_what_is_missing_and_how_to_fetch_it(hub, tmp_path
     (REPO_ID, ["--model.from_pretrained_kwargs.revision", "v9"], "test/tiny-flux has no revision 'v9'"),
     ("test/nope", [], "test/nope is not a repository on the hub"),
     ("test/plain", [], "'test/plain' is not a diffusers pipeline: it has no model_index.json"),
+    (REPO_ID, ["--model.from_pretrained_kwargs.variant", "fp16"], "test/tiny-flux has no weights of variant 'fp16'"),
 ])
 def test_each_hub_failure_has_its_own_message(hub, tmp_path, model, extra, message):
     """predict's checks before loading, and download (the same messages: asked once)."""

@@ -151,7 +151,7 @@ def test_resubmit_plans_the_incomplete_shards_that_are_not_running(tmp_path, cap
     from lightning_diffusion.config import read_config
 
     config = read_config(TINY, ["--data.prompts", FIVE_PROMPTS, "--writer.output_dir", str(out)], check=False)
-    plan = slurm_module.plan_array(args, config, out)
+    plan = slurm_module.plan_array(args, config, out, 5)
     assert plan["num_shards"] == 4 and plan["shards"] == [2]
     assert "shard 1: still running" in capsys.readouterr().out
     text = status_module.text(status_module.folder_status(out))
@@ -201,7 +201,7 @@ def test_an_array_of_four_over_twelve_prompts_then_one_cancelled_task_resubmitte
     job = proc.stdout.split("submitted job ")[1].split(":")[0]
     subprocess.run(["scancel", f"{job}_3"], check=True)
     deadline = time.time() + 400
-    while any(s["state"] in slurm_module.ACTIVE_STATES for s in status_module.array_states(job).values()):
+    while any(s["state"] in status_module.ACTIVE_STATES for s in status_module.array_states(job).values()):
         assert time.time() < deadline, status_module.array_states(job)
         time.sleep(1)
     status = status_module.folder_status(out)
@@ -219,3 +219,17 @@ def test_an_array_of_four_over_twelve_prompts_then_one_cancelled_task_resubmitte
     assert sorted(ours) == list(range(12)) and all(np.array_equal(ours[i], ref[i]) for i in range(12))
     nothing = slurm("--config", TINY, "--resubmit", "--", *predict, cwd=tmp_path)
     assert nothing.returncode == 0 and "nothing to submit" in nothing.stdout
+
+
+def test_a_shard_merges_parts_runs_left_behind_but_not_its_siblings(tmp_path):
+    """A killed run's part (of the whole set) is folded into the manifest by the next shard that
+    ends; a part of a sibling shard (of the same count, which may be writing) is left alone."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for index, part in ((3, "manifest.part-0.jsonl"), (1, "manifest.shard-1-of-2.part-0.jsonl")):
+        (out / f"{index:06d}-left.png").write_bytes(b"png")
+        (out / part).write_text(json.dumps({"index": index, "file": f"{index:06d}-left.png", "bytes": 3}) + "\n")
+    run_here(*tiny_args(out, "--data.prompts", FIVE_PROMPTS, "--data.num_shards", "2", "--data.shard_index", "0",
+                        "--writer.allow_config_change", "true"))
+    assert [line["index"] for line in read_manifest_lines(out)] == [0, 2, 3, 4]
+    assert not (out / "manifest.part-0.jsonl").exists() and (out / "manifest.shard-1-of-2.part-0.jsonl").exists()

@@ -53,7 +53,7 @@ def fetch_for(config: Any, config_path: Optional[str], dry_run: bool = False, ou
         folder = hub.fetch(repo, options)
     except ConfigError:
         raise
-    except Exception as err:
+    except Exception as err:  # the hub's and diffusers' own errors, said in one line each
         known = hub.message(err, repo, options, config_path)
         if known is None:
             raise

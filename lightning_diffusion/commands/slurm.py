@@ -357,6 +357,12 @@ def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: flo
     return 0 if last_state == "COMPLETED" or (last_state is None and complete) else 1
 
 
+def expected_images(config: Any) -> int:
+    from lightning_diffusion.data import load_records
+
+    return len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
+
+
 def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:
     """A hub id: fetch its weights here (the login node has network; compute nodes often do not),
     or refuse to submit with the reason; None for a local model."""
@@ -377,17 +383,13 @@ def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:
 
 # ----------------------------------------------------------------------------- job arrays
 
-# Job states in which an array task holds or will hold its shard.
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD"}
-
-
-def plan_array(args: argparse.Namespace, config: Any, output_dir: Path) -> dict[str, Any]:
+def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: int) -> dict[str, Any]:
     """The shards to submit: ``--shards`` or all of ``--array N``; with ``--resubmit`` only the
     incomplete ones. A shard whose run still writes (its lock) or whose task is still queued or
     running is left out, and said so; shards of another count still running refuse the lot."""
     from lightning_diffusion.commands import status
     from lightning_diffusion.lock import live_locks
-    from lightning_diffusion.manifest import read_manifest
+    from lightning_diffusion.manifest import in_shard, read_manifest, shard_size
 
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
@@ -399,30 +401,26 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path) -> dict[
     if beyond:
         raise ConfigError(f"--shards {','.join(map(str, beyond))}: an array of {count} has shards 0 to {count - 1}.")
     live = live_locks(output_dir) if output_dir.is_dir() else {}
-    others = sorted({shard[1] for shard in live if shard is not None and shard[1] != count})
+    states = status.task_states(output_dir) if output_dir.is_dir() else {}
+    queued = {n for n, tasks in states.items() if any(t["state"] in status.ACTIVE_STATES for t in tasks.values())}
+    others = sorted({shard[1] for shard in live if shard is not None and shard[1] != count} | (queued - {count}))
     if None in live or others:
         what = "a run of the whole prompt set" if None in live else f"shards of an array of {others[0]}"
-        raise ConfigError(f"{output_dir} is being written by {what}; shards of {count} would make some of the same "
-                          "images. Wait for it to end, or submit the same shard count.")
-    submitted = status.submitted_array(output_dir) if output_dir.is_dir() else None
-    states = status.array_states(submitted["job"]) if submitted and submitted.get("num_shards") == count else {}
+        raise ConfigError(f"{output_dir} is being written by {what} (running or queued); shards of {count} would make "
+                          "some of the same images. Wait for it to end, or submit the same shard count.")
     done = read_manifest(output_dir) if output_dir.is_dir() else {}
-    from lightning_diffusion.data import load_records
-
-    total = len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
     shards = []
     for shard in wanted:
-        task = states.get(shard, {})
-        if (shard, count) in live or task.get("state") in ACTIVE_STATES:
+        task = states.get(count, {}).get(shard, {})
+        if (shard, count) in live or task.get("state") in status.ACTIVE_STATES:
             job = f" (job {task['job']}, {task.get('state')})" if task else f" ({live.get((shard, count))})"
             print(f"shard {shard}: still running{job}; not submitted again.", flush=True)
             continue
-        expected = len(range(shard, total, count))
-        made = sum(1 for i in done if i % count == shard)
-        if args.resubmit and made >= expected:
+        made = sum(1 for i in done if in_shard(i, (shard, count)))
+        if args.resubmit and made >= shard_size(total, (shard, count)):
             continue
         shards.append(shard)
-    return {"num_shards": count, "shards": shards, "max_concurrent": args.max_concurrent}
+    return {"num_shards": count, "shards": shards, "max_concurrent": args.max_concurrent, "expected": total}
 
 
 def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
@@ -438,13 +436,13 @@ def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     except (OSError, ValueError):
         submissions = []
     submissions.append({"job": job_id, "num_shards": array["num_shards"], "shards": array["shards"],
-                        "submitted": round(time.time(), 3)})
+                        "expected": array["expected"], "submitted": round(time.time(), 3)})
     _atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
 
 
 def wait_for_array(job_id: str, output_dir: Path, expected: int, array: dict[str, Any], poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
-    from lightning_diffusion.commands.status import array_states, shard_status
+    from lightning_diffusion.commands.status import ACTIVE_STATES, array_states, shard_status
     from lightning_diffusion.manifest import read_manifest
 
     last: dict[int, str] = {}
@@ -484,8 +482,9 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
         config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
         output_dir = Path(config.writer.output_dir).expanduser().resolve()
+        expected = expected_images(config)
         if args.array is not None or args.resubmit:
-            res["array"] = plan_array(args, config, output_dir)
+            res["array"] = plan_array(args, config, output_dir, expected)
             if not res["array"]["shards"]:
                 print("nothing to submit: every shard asked for is complete or still running.")
                 return 0
@@ -507,9 +506,6 @@ def main(argv: list[str]) -> int:
         if not args.submit:
             return 0
         job_id = submit(script)
-        from lightning_diffusion.data import load_records
-
-        expected = len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
         if "array" in res:
             record_array(output_dir, job_id, res["array"])
             shards = ",".join(str(t) for t in res["array"]["shards"])

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.lock import OutputLock, live_locks
-from lightning_diffusion.manifest import MANIFEST, RUN_FILE, part_counts, scan_manifest
+from lightning_diffusion.manifest import MANIFEST, RUN_FILE, in_shard, part_counts, scan_manifest, shard_size
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -32,7 +32,8 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         raise ConfigError(f"{folder} is not a folder.")
     run_file = folder / RUN_FILE
     parts = part_counts(folder)
-    if not run_file.is_file() and not (folder / MANIFEST).is_file() and not parts:
+    submitted = submitted_array(folder)
+    if not run_file.is_file() and not (folder / MANIFEST).is_file() and not parts and submitted is None:
         raise ConfigError(f"{folder} is not an output folder of lightning-diffusion: it has no {RUN_FILE} and no "
                           f"{MANIFEST}.")
     try:
@@ -40,7 +41,7 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     except ValueError:
         raise ConfigError(f"{run_file} is not valid JSON.") from None
     entries, problems = scan_manifest(folder)
-    expected = run.get("expected")
+    expected = run.get("expected", (submitted or {}).get("expected"))
     recent = sorted(e["written"] for e in entries.values()
                     if isinstance(e.get("written"), (int, float)) and e["written"] >= now - RATE_WINDOW_S)
     rate = (len(recent) - 1) / (recent[-1] - recent[0]) if len(recent) > 1 and recent[-1] > recent[0] else None
@@ -51,8 +52,8 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
     history = run.get("history") or []
     shards = shard_status(folder, entries, expected)
-    if shards:
-        running = running or any(shard["running"] for shard in shards)
+    if shards:  # a task still queued counts: the array is not over
+        running = running or any(shard["running"] or shard.get("slurm_state") in ACTIVE_STATES for shard in shards)
         eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
     return {
         "folder": str(folder),
@@ -86,13 +87,18 @@ def shard_count(folder: Path) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
+# Job states in which an array task holds or will hold its shard.
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD"}
+
+
 def task_ids(text: str) -> list[int]:
-    """SLURM's array task list ("0-3%2", "1,4,6-7") as numbers."""
+    """SLURM's array task list ("0-3%2", "1,4,6-7", "1-7:2") as numbers; what it cannot read, none."""
     ids: list[int] = []
     for part in text.split("%")[0].split(","):
-        first, _, last = part.partition("-")
-        if first.strip().isdigit():
-            ids += range(int(first), int(last or first) + 1)
+        found = re.fullmatch(r"\s*(\d+)(?:-(\d+)(?::(\d+))?)?\s*", part)
+        if found:
+            first, last, step = int(found.group(1)), int(found.group(2) or found.group(1)), int(found.group(3) or 1)
+            ids += range(first, last + 1, max(step, 1))
     return ids
 
 
@@ -114,12 +120,29 @@ def array_states(job_id: str) -> dict[int, dict[str, str]]:
     return states
 
 
-def submitted_array(folder: Path) -> Optional[dict[str, Any]]:
-    """The last ``slurm --array`` submission into this folder (``array.json``)."""
+def submissions(folder: Path) -> list[dict[str, Any]]:
+    """Every ``slurm --array`` submission into this folder (``array.json``), oldest first."""
     try:
-        return json.loads((folder / ARRAY_FILE).read_text())["submissions"][-1]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
+        found = json.loads((folder / ARRAY_FILE).read_text())["submissions"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return found if isinstance(found, list) else []
+
+
+def submitted_array(folder: Path) -> Optional[dict[str, Any]]:
+    """The last ``slurm --array`` submission into this folder."""
+    found = submissions(folder)
+    return found[-1] if found else None
+
+
+def task_states(folder: Path) -> dict[int, dict[int, dict[str, str]]]:
+    """SLURM's state of every task submitted into this folder, by shard count and shard; a later
+    submission of a shard replaces an earlier one's (where SLURM still knows both)."""
+    states: dict[int, dict[int, dict[str, str]]] = {}
+    for submission in submissions(folder):
+        for task, state in array_states(submission["job"]).items():
+            states.setdefault(int(submission["num_shards"]), {})[task] = state
+    return states
 
 
 def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
@@ -130,12 +153,7 @@ def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
     if not count or total is None:
         return []
     live = live_locks(folder)
-    submitted = submitted_array(folder)
-    states: dict[int, dict[str, str]] = {}
-    for submission in (json.loads((folder / ARRAY_FILE).read_text()).get("submissions", [])
-                       if submitted and submitted.get("num_shards") == count else []):
-        for task, state in array_states(submission["job"]).items():
-            states[task] = state  # a later submission of a shard replaces the earlier one's
+    states = task_states(folder).get(count, {})
     shards = []
     for index in range(count):
         try:
@@ -146,8 +164,8 @@ def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
         lock = OutputLock(folder, (index, count)).describe() or {}
         shards.append({
             "shard": index,
-            "done": sum(1 for i in entries if i % count == index),
-            "expected": len(range(index, total, count)),
+            "done": sum(1 for i in entries if in_shard(i, (index, count))),
+            "expected": shard_size(total, (index, count)),
             "running": (index, count) in live,
             "slurm_job": lock.get("slurm_job") or (history[-1].get("slurm_job") if history else None),
             "runs": len(history),
