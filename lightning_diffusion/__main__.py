@@ -1,3 +1,3 @@
-from lightning_diffusion.cli import main
+from lightning_diffusion.cli import run
 
-main()
+run()

@@ -45,5 +45,31 @@ def main(argv: Optional[list[str]] = None) -> None:
     sys.exit(command.main(words[1:]))
 
 
+def run() -> None:
+    """The console script and ``python -m lightning_diffusion``: ``main``, then the process ends
+    without the interpreter's teardown. When ``main`` returns, every output is written, synced and
+    recorded and the process groups are destroyed; what is left is torch's C++ threads, whose
+    destruction at interpreter exit now and then aborts a finished run ("terminate called without
+    an active exception", exit -6 after every image was written: seen in CI and in session 6's
+    benchmark runs), which SLURM and shells read as a failed job. In-process callers use ``main``."""
+    import logging
+    import os
+
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        if isinstance(done.code, str):
+            print(done.code, file=sys.stderr)
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()
