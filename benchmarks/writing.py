@@ -4,11 +4,12 @@ and the encoding cost of each format and size, side by side in one run.
     python benchmarks/writing.py [--sizes 64 256] [--steps 20] [--few 4] [--many 36] [--repeats 3]
 
 Marginal time per image: (time of ``many`` prompts - time of ``few``) / (many - few), so the fixed
-costs (load, start, merge) drop out. One process, ``torch.set_num_threads(1)`` (one core computes,
-as one GPU would; the second core is free for writer threads). Paths, alternating within each
+costs (load, start, merge) drop out. One process, one compute thread (``OMP_NUM_THREADS=1``: one
+core computes, as one GPU would; the second core is free for the writers). Paths, alternating within each
 repeat: a bare diffusers loop that saves PNGs synchronously at our compression level (1), the
 same loop saving nothing (the limit), and ours (``Trainer.predict`` with ``ImageWriter``: PNG with
-metadata, atomic writes, manifest) with ``write_workers`` 2 and 0 (on the prediction thread).
+metadata, atomic writes, manifest) writing in its writer process (the default), in threads of the
+rank (``write_in: thread``), and on the prediction thread (``write_workers: 0``).
 Encoding: a tiny:shapes picture resized to each size, each format, median of 5 encodes.
 """
 
@@ -16,12 +17,18 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+# One compute thread, set before torch starts its OpenMP pool: with only torch.set_num_threads(1),
+# an OpenMP worker made at start-up spins on the second core (measured: 1.7 s of CPU in a 1.9 s run),
+# the core this benchmark means to leave to the writers.
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer
 from PIL import Image
 
@@ -58,11 +65,11 @@ class _Clock(Callback):
         self.elapsed = time.perf_counter() - self.start
 
 
-def ours(prompts: list[str], size: int, steps: int, out: Path, workers: int) -> float:
+def ours(prompts: list[str], size: int, steps: int, out: Path, workers: int, write_in: str = "process") -> float:
     clock = _Clock()
     trainer = Trainer(strategy="data_parallel", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[ImageWriter(str(out), write_workers=workers), clock])
+                      callbacks=[ImageWriter(str(out), write_workers=workers, write_in=write_in), clock])
     module = DiffusionModule("tiny:flux", height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
                              call_kwargs={"max_sequence_length": 64})
     trainer.predict(module, datamodule=PromptDataModule(prompts, batch_size=4), return_predictions=False)
@@ -108,8 +115,9 @@ def main() -> None:
     paths = {
         "diffusers, PNG saved (level 1)": lambda p, s, o: bare(path, p, s, args.steps, o, True),
         "diffusers, nothing saved": lambda p, s, o: bare(path, p, s, args.steps, o, False),
-        "ours, write_workers 2": lambda p, s, o: ours(p, s, args.steps, o, 2),
-        "ours, write_workers 0": lambda p, s, o: ours(p, s, args.steps, o, 0),
+        "ours, writer process (default)": lambda p, s, o: ours(p, s, args.steps, o, 2, "process"),
+        "ours, writer threads (write_in: thread)": lambda p, s, o: ours(p, s, args.steps, o, 2, "thread"),
+        "ours, on the prediction thread (write_workers: 0)": lambda p, s, o: ours(p, s, args.steps, o, 0),
     }
     for size in args.sizes:
         marginal: dict[str, list[float]] = {name: [] for name in paths}
@@ -124,11 +132,12 @@ def main() -> None:
         base = statistics.median(marginal["diffusers, PNG saved (level 1)"])
         print(f"\ntiny:flux {size}x{size}, {args.steps} steps, batch 4, one compute thread, marginal time per image "
               f"({args.few} vs {args.many} prompts), medians of {args.repeats}:")
-        print("| path | time per image | against diffusers saving PNGs |")
-        print("| --- | --- | --- |")
+        print("| path | time per image | against diffusers saving PNGs | each repeat |")
+        print("| --- | --- | --- | --- |")
         for name, values in marginal.items():
             value = statistics.median(values)
-            print(f"| {name} | {value * 1000:.1f} ms | {value / base:.2f} |", flush=True)
+            each = " ".join(f"{v / base:.2f}" for v in values)
+            print(f"| {name} | {value * 1000:.1f} ms | {value / base:.2f} | {each} |", flush=True)
     encoding_table(args.encode_sizes)
 
 

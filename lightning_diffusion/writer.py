@@ -14,32 +14,40 @@ is complete, so a killed run leaves no truncated image and at most one untermina
 which is ignored. The manifest is the single source of truth: a rerun skips the indices it lists
 (whose files exist) before the work is split over replicas, and redoes everything else.
 
-Encoding and writing run off the prediction thread: each batch goes to a bounded queue that
-``write_workers`` threads drain (PIL's encoders and zlib release the GIL), so the device does not
-wait for the CPU after every batch; a full queue blocks the prediction step, so at most
-``write_queue + write_workers`` batches of decoded images are held. The run's end drains the queue
-before the manifest parts are merged.
+Encoding and writing run off the prediction thread (``background``): each batch goes to a bounded
+queue drained by a writer process of the rank (or by threads), so the device does not wait for the
+CPU after every batch; a full queue blocks the prediction step, so at most
+``write_queue + write_workers + 1`` batches of decoded images are held. The run's end drains the
+queue before the manifest parts are merged. The files themselves are ``files.OutputFiles``' work.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
-import re
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
-import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
-from PIL import Image
-from PIL.PngImagePlugin import PngInfo
 
+from lightning_diffusion.background import WRITE_IN, WriteFailed, WriterProcess, WriterThreads
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, check_int, raise_problems
+from lightning_diffusion.files import (  # noqa: F401 (names of the writer's files, kept importable from here)
+    EXIF_DESCRIPTION,
+    FSYNC,
+    IMAGE_FORMATS,
+    PNG_COMPRESS_LEVEL,
+    VIDEO_FORMATS,
+    OutputFiles,
+    image_filename,
+    slugify,
+    to_uint8,
+    write_animation,
+    write_mp4,
+)
 from lightning_diffusion.lock import OutputLock, conflicting_runs
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.manifest import (
@@ -63,63 +71,14 @@ from lightning_diffusion.manifest import (
 )
 
 
-def slugify(prompt: str, max_length: int = 40) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")
-    return slug[:max_length].rstrip("-") or "image"
-
-
-def image_filename(index: int, prompt: str, suffix: str = ".png") -> str:
-    return f"{index:06d}-{slugify(prompt)}{suffix}"
-
-
-VIDEO_FORMATS = ("mp4", "webp", "gif")
-IMAGE_FORMATS = {"png": ".png", "webp": ".webp", "jpeg": ".jpg"}
-FSYNC = ("file", "batch", "off")
-# PNG's zlib level: 1 encodes several times faster than Pillow's default 6, for slightly larger
-# files (measured in docs/writing.md).
-PNG_COMPRESS_LEVEL = 1
-EXIF_DESCRIPTION = 0x010E  # ImageDescription: where WebP and JPEG files carry the parameters (JSON)
 # check_writer_args' arguments after fps, with ImageWriter's defaults (preflight reads the config's).
 WRITER_DEFAULTS = {"image_format": "png", "quality": 90, "png_compress_level": PNG_COMPRESS_LEVEL, "fsync": "batch",
-                   "write_workers": 2, "write_queue": 2}
-
-
-def write_mp4(file, frames: np.ndarray, fps: int, metadata: dict[str, str]) -> None:
-    """H.264 MP4 (yuv420p) with PyAV; ``metadata`` goes into the container's tags."""
-    try:
-        import av
-    except ImportError:
-        raise ConfigError("Writing MP4 needs PyAV: pip install 'lightning-diffusion[video]'.") from None
-    height, width = frames.shape[1:3]
-    with av.open(file, mode="w", format="mp4") as container:
-        container.metadata.update(metadata)
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
-def write_animation(file, frames: np.ndarray, fps: int, fmt: str, comment: str) -> None:
-    """Animated WebP or GIF with Pillow."""
-    pictures = [Image.fromarray(frame) for frame in frames]
-    extra = {"comment": comment.encode("utf-8")} if fmt == "gif" else {}
-    pictures[0].save(
-        file, format=fmt.upper(), save_all=True, append_images=pictures[1:], duration=round(1000 / fps), loop=0,
-        **extra,
-    )
-
-
-def to_uint8(image: np.ndarray) -> np.ndarray:
-    """Float [0, 1] -> uint8, rounding as diffusers' ``numpy_to_pil`` does."""
-    return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
+                   "write_workers": 2, "write_queue": 2, "write_in": "process"}
 
 
 def check_writer_args(output_dir: Any, video_format: Any, fps: Any, image_format: Any = "png", quality: Any = 90,
                       png_compress_level: Any = PNG_COMPRESS_LEVEL, fsync: Any = "batch",
-                      write_workers: Any = 2, write_queue: Any = 2) -> list[str]:
+                      write_workers: Any = 2, write_queue: Any = 2, write_in: Any = "process") -> list[str]:
     problems = []
     path = Path(output_dir).expanduser()
     if path.exists() and not path.is_dir():
@@ -146,6 +105,8 @@ def check_writer_args(output_dir: Any, video_format: Any, fps: Any, image_format
     if isinstance(write_workers, bool) or not isinstance(write_workers, int) or write_workers < 0:
         problems.append(f"writer.write_workers must be an integer >= 0 (0: write on the prediction thread), "
                         f"got {write_workers!r}.")
+    if write_in not in WRITE_IN:
+        problems.append(f"writer.write_in must be one of {', '.join(WRITE_IN)}, got {write_in!r}.")
     return problems
 
 
@@ -185,6 +146,9 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
 class ImageWriter(BasePredictionWriter):
     """Writes each predicted image once, as PNG with metadata, and records it in the manifest.
 
+    The files are written by ``files_class`` (``OutputFiles``; a subclass may encode otherwise:
+    it is sent to the writer process, so it must live in an importable module).
+
     Args:
         output_dir: folder for images and ``manifest.jsonl``; created if missing. A rerun into the
             same folder resumes: images already in the manifest are skipped.
@@ -201,11 +165,15 @@ class ImageWriter(BasePredictionWriter):
             batch), ``file`` (the manifest also after each image) or ``off`` (nothing synced: a
             power cut may lose the last seconds of files and lines, which a resume redoes).
         write_workers: threads that encode and write off the prediction thread (0: on it).
-        write_queue: batches that may wait for a writer thread before prediction blocks.
+        write_queue: batches that may wait for a writer before prediction blocks.
+        write_in: where the ``write_workers`` threads run: ``process`` (default: a writer process
+            of this rank, so that writing never holds the rank's GIL) or ``thread`` (in the rank).
 
     Only one run may write into a folder at a time (``.lock``, taken over when its run is dead),
     or one run a shard for the shards of one count (``PromptDataModule(num_shards=...)``).
     """
+
+    files_class: type[OutputFiles] = OutputFiles
 
     def __init__(
         self,
@@ -220,20 +188,23 @@ class ImageWriter(BasePredictionWriter):
         fsync: str = "batch",
         write_workers: int = 2,
         write_queue: int = 2,
+        write_in: str = "process",
     ) -> None:
         super().__init__(write_interval="batch")
         raise_problems(check_writer_args(output_dir, video_format, fps, image_format, quality, png_compress_level,
-                                         fsync, write_workers, write_queue))
+                                         fsync, write_workers, write_queue, write_in))
+        if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
+            raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
+                              "script being run, so the writer process cannot import it: move it into a module, "
+                              "or set writer.write_in: thread.")
         self.image_format = image_format
         self.quality = quality
         self.png_compress_level = png_compress_level
         self.fsync = fsync
         self.write_workers = write_workers
         self.write_queue = write_queue
-        self._queue: Optional[queue.Queue] = None
-        self._threads: list[threading.Thread] = []
-        self._part_lock = threading.Lock()
-        self._error: Optional[BaseException] = None
+        self.write_in = write_in
+        self._writers: Optional[WriterProcess | WriterThreads] = None
         path = Path(output_dir).expanduser()
         self.output_dir = path
         self.save_arrays = save_arrays
@@ -357,65 +328,32 @@ class ImageWriter(BasePredictionWriter):
             skip(self.done)
         self._part = self.output_dir / part_name(self.shard, trainer.global_rank)
         if self.write_workers and self.writes_outputs(trainer):
-            self._error = None
-            self._queue = queue.Queue(maxsize=self.write_queue)
-            self._threads = [threading.Thread(target=self._work, args=(self._queue,), name=f"image-writer-{n}",
-                                              daemon=True) for n in range(self.write_workers)]
-            for thread in self._threads:
-                thread.start()
+            kind = WriterProcess if self.write_in == "process" else WriterThreads
+            self._writers = kind(self.files, self.write_workers, self.write_queue)
+
+    @property
+    def files(self) -> OutputFiles:
+        """What writes this run's files and appends their lines to this rank's manifest part."""
+        return self.files_class(self.output_dir, self.image_format, self.quality, self.png_compress_level, self.fsync,
+                                self.save_arrays, self.video_format, self.fps, self._part)
 
     # ----------------------------------------------------------------- writing off the prediction thread
 
-    def _work(self, jobs: queue.Queue) -> None:
-        while True:
-            prediction = jobs.get()
-            try:
-                if prediction is None:
-                    return
-                self._write_batch(prediction)
-            except BaseException as err:  # handed to the prediction thread, which raises it (the first)
-                with self._part_lock:
-                    self._error = self._error or err
-            finally:
-                jobs.task_done()
-
     def _drain(self, wait: bool = True) -> None:
-        """Write everything queued (``wait``; else only what is being written), stop the threads,
-        and raise a writer thread's error. Safe to call twice, and from an interrupted drain."""
-        jobs, threads = self._queue, self._threads
-        self._queue, self._threads = None, []
-        if jobs is not None:
-            if wait:
-                jobs.join()
-            else:  # Ctrl-C: drop what waits (it has no manifest line: made again on resume)
-                while True:
-                    try:
-                        jobs.get_nowait()
-                        jobs.task_done()
-                    except queue.Empty:
-                        break
-            for _ in threads:
-                jobs.put(None)  # the queue holds at most the sentinels now: never blocks
-            for thread in threads:
-                thread.join()
-        self._raise_error()
+        """Write everything queued (``wait``; else only what is being written), stop the writers,
+        and raise a writer's error. Safe to call twice, and from an interrupted drain."""
+        writers, self._writers = self._writers, None
+        if writers is not None:
+            try:
+                writers.close(wait)
+            finally:
+                self._raise_error(writers)
 
-    def _raise_error(self) -> None:
-        with self._part_lock:
-            error, self._error = self._error, None
+    @staticmethod
+    def _raise_error(writers: Optional[WriterProcess | WriterThreads]) -> None:
+        error = writers.take_error() if writers is not None else None
         if error is not None:
-            raise RuntimeError(f"writing images failed: {type(error).__name__}: {error}") from error
-
-    def _write_batch(self, prediction: list[dict[str, Any]]) -> None:
-        """Each file atomically, then the batch's manifest lines (synced as ``fsync`` says)."""
-        assert self._part is not None
-        for item in prediction:
-            line = self.write_output(item)
-            with self._part_lock, self._part.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(line, ensure_ascii=False) + "\n")
-                if self.fsync == "file" or (self.fsync == "batch" and item is prediction[-1]):
-                    f.flush()
-                    os.fsync(f.fileno())
+            raise RuntimeError(f"writing images failed: {error}") from error
 
     def write_on_batch_end(
         self,
@@ -429,57 +367,19 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         if not self.writes_outputs(trainer):
             return
-        self._raise_error()
-        if not self.save_arrays:  # queued as uint8, a quarter of the float images' memory
-            prediction = [{**item, "image": to_uint8(item["image"])} for item in prediction]
-        if self._queue is None:
-            self._write_batch(prediction)
-        else:  # blocks while the queue is full: memory stays bounded
-            self._queue.put(prediction)
+        if self._writers is None:
+            self.files.write_batch(prediction)
+            return
+        self._raise_error(self._writers)
+        if not self.save_arrays:  # videos are queued as 8-bit frames, a quarter of their float memory; images
+            # as the pipeline's floats (converted by the writer: no time of the prediction thread)
+            prediction = [{**item, "image": to_uint8(item["image"])} if item["image"].ndim == 4 else item
+                          for item in prediction]
+        self._writers.put(prediction)  # blocks while the queue is full: memory stays bounded
 
     def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
         """Write one image or video (and its array) atomically; return its manifest line."""
-        index, prompt, params = item["index"], item["prompt"], item["params"]
-        metadata = {"index": index, "prompt": prompt, "seed": item["seed"], **params}
-        if item.get("negative_prompt") is not None:
-            metadata["negative_prompt"] = item["negative_prompt"]
-        pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
-        if pixels.ndim == 4:  # a video: frames x height x width x 3
-            name = image_filename(index, prompt, f".{self.video_format}")
-            text = json.dumps(metadata, ensure_ascii=False)
-            if self.video_format == "mp4":
-                tags = {"title": prompt, "comment": text}
-                _atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags),
-                              self.fsync != "off")
-            else:
-                _atomic_write(
-                    self.output_dir / name, lambda f: write_animation(f, pixels, self.fps, self.video_format, text),
-                    self.fsync != "off"
-                )
-            metadata["fps"] = self.fps
-        else:
-            name = image_filename(index, prompt, IMAGE_FORMATS[self.image_format])
-            picture = Image.fromarray(pixels)
-            _atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), self.fsync != "off")
-        if self.save_arrays:
-            _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]), self.fsync != "off")
-        size = (self.output_dir / name).stat().st_size
-        return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
-            k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
-        }, "written": round(time.time(), 3)}
-
-    def encode(self, picture: Image.Image, metadata: dict[str, Any], file: Any) -> None:
-        """One picture in ``image_format``, its parameters where that format keeps text."""
-        if self.image_format == "png":
-            info = PngInfo()
-            for key, value in metadata.items():
-                info.add_text(key, str(value))
-            info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
-            picture.save(file, format="PNG", pnginfo=info, compress_level=self.png_compress_level)
-            return
-        exif = Image.Exif()
-        exif[EXIF_DESCRIPTION] = json.dumps(metadata)  # ASCII (escaped), as EXIF text must be
-        picture.save(file, format=self.image_format.upper(), quality=self.quality, exif=exif.tobytes())
+        return self.files.write_output(item)
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.predicting_at = time.time()

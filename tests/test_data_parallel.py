@@ -138,3 +138,34 @@ def test_without_padding_a_short_batch_rounds_differently(batch4, tmp_path):
     assert all(np.array_equal(ours[i], ref[i]) for i in range(8))  # same calls of 4
     if max(np.abs(ours[i] - ref[i]).max() for i in (8, 9)) == 0:  # a call of 2
         pytest.skip("this CPU's kernels round calls of 2 and 4 alike: the padding tests cannot fail here")
+
+
+def test_a_replica_of_one_rank_calls_the_pipeline_in_inference_mode_on_gloo(tmp_path):
+    """Lightning predicts under no_grad on gloo; the strategy takes inference mode back around the
+    pipeline call of a replica of one rank (what a diffusers loop uses), with the same pictures."""
+    import torch
+    from lightning.pytorch import Trainer
+
+    from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+
+    class Recording(DiffusionModule):
+        modes: list = []
+
+        def generate(self, samples):
+            self.modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+            return super().generate(samples)
+
+    images = {}
+    for inference in (True, False):
+        out = tmp_path / str(inference)
+        trainer = Trainer(accelerator="cpu", devices=1, strategy="data_parallel", logger=False,
+                          enable_progress_bar=False, inference_mode=inference,
+                          callbacks=[ImageWriter(str(out), save_arrays=True, write_workers=0)])
+        Recording.modes = []
+        trainer.predict(Recording("tiny:flux", height=64, width=64, num_inference_steps=2),
+                        datamodule=PromptDataModule(["a fox", "a cat", "a dog"], batch_size=2))
+        assert torch.distributed.get_backend() == "gloo"
+        assert Recording.modes == [(inference, False)] * 2
+        images[inference] = load_arrays(out)
+    assert sorted(images[True]) == sorted(images[False]) == [0, 1, 2]
+    assert all(np.array_equal(images[True][i], images[False][i]) for i in range(3))

@@ -192,13 +192,13 @@ def test_a_killed_edit_run_resumes_with_each_record_once_and_the_same_pictures(e
     script = (
         "import sys, time\n"
         "from lightning_diffusion.cli import main\n"
-        "from lightning_diffusion.writer import ImageWriter\n"
-        "encode = ImageWriter.encode\n"
+        "from lightning_diffusion.files import OutputFiles\n"
+        "encode = OutputFiles.encode\n"
         "def slow(self, *args):  # a second a picture: the kill lands mid-run\n"
         "    time.sleep(1.0)\n"
         "    encode(self, *args)\n"
-        "ImageWriter.encode = slow\n"
-        "main(sys.argv[1:])\n"
+        "OutputFiles.encode = slow  # in this process: the writer's threads run here\n"
+        "main([*sys.argv[1:], '--writer.write_in', 'thread'])\n"
     )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

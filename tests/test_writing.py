@@ -1,6 +1,7 @@
-"""Writing off the prediction thread (bounded queue, writer threads), image formats and fsync
-policies: the same files and manifest as writing on the prediction thread, exactly once after a
-kill that lands while the queue is full, and errors of a writer thread fail the run."""
+"""Writing off the prediction thread (bounded queue, a writer process or threads), image formats and
+fsync policies: the same files and manifest as writing on the prediction thread, exactly once after
+a kill that lands while the queue is full, errors of a writer fail the run, and a writer process
+never outlives its rank."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -23,14 +25,140 @@ SHAPES = ["--data.prompts", "configs/prompts/shapes.txt", "--model.num_inference
 
 
 def test_background_writing_gives_the_files_and_manifest_of_writing_on_the_prediction_thread(tmp_path):
-    for workers in ("0", "2"):
-        run_here(*tiny_args(tmp_path / workers, *SHAPES, "--data.batch_size", "3", "--writer.write_workers", workers,
-                            config="configs/tiny.yaml"))
-    sync, background = (read_manifest_lines(tmp_path / w) for w in ("0", "2"))
+    ways = {"0": ("--writer.write_workers", "0"), "process": ("--writer.write_in", "process"),
+            "thread": ("--writer.write_in", "thread")}
+    for name, setting in ways.items():
+        run_here(*tiny_args(tmp_path / name, *SHAPES, "--data.batch_size", "3", *setting, config="configs/tiny.yaml"))
     drop = lambda lines: [{k: v for k, v in line.items() if k != "written"} for line in lines]  # noqa: E731
-    assert drop(sync) == drop(background) and len(sync) == 10
-    for line in sync:
-        assert (tmp_path / "0" / line["file"]).read_bytes() == (tmp_path / "2" / line["file"]).read_bytes()
+    sync = read_manifest_lines(tmp_path / "0")
+    assert len(sync) == 10
+    for name in ("process", "thread"):
+        assert drop(read_manifest_lines(tmp_path / name)) == drop(sync), name
+        for line in sync:
+            assert (tmp_path / "0" / line["file"]).read_bytes() == (tmp_path / name / line["file"]).read_bytes()
+
+
+@pytest.mark.parametrize("value", [
+    {"index": 1, "image": np.arange(24, dtype=np.float32).reshape(2, 4, 3)},
+    {"batch": [np.ones((3, 3), np.uint8)[:, ::2], np.zeros(0), "text", None]},  # not contiguous, empty
+])
+def test_the_pipe_frames_carry_arrays_exactly_and_a_cut_frame_reads_as_the_end(value):
+    import io
+
+    from lightning_diffusion.background import receive, send
+
+    stream = io.BytesIO()
+    send(stream, value)
+    send(stream, ("done",))
+    whole = stream.getvalue()
+    stream.seek(0)
+    got = receive(stream)
+    assert receive(stream) == ("done",)
+    assert repr(got) == repr(value)
+    for cut in (0, 5, 12, len(whole) // 2, len(whole) - len(whole) // 3):
+        with pytest.raises(EOFError):
+            receive(io.BytesIO(whole[:cut]))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return found
+
+
+def _writer_processes(pid: int) -> list[int]:
+    found = []
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline") as f:
+                if "lightning_diffusion.background" in f.read():
+                    found.append(child)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_writer_process_that_dies_fails_the_run_and_a_killed_rank_leaves_no_writer_behind(tmp_path):
+    """The writer process killed mid-run: the run fails naming it, every recorded image whole.
+    The rank killed alone (not its process group): its writer process dies with it."""
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+
+    class KillWriter(Callback):
+        def on_predict_batch_end(self, trainer, *args):
+            if trainer.predict_loop.batch_progress.current.completed == 2:
+                os.kill(writer._writers.proc.pid, signal.SIGKILL)
+
+    writer = ImageWriter(str(tmp_path / "died"))
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="data_parallel", callbacks=[writer, KillWriter()],
+                      logger=False, enable_progress_bar=False)
+    with pytest.raises(RuntimeError, match="writing images failed: WriterProcessDied: the writer process ended "
+                                           "with exit code -9"):
+        trainer.predict(DiffusionModule("tiny:flux", height=64, width=64, num_inference_steps=2),
+                        datamodule=PromptDataModule([f"p{i}" for i in range(12)], batch_size=1))
+    for line in finished_lines(tmp_path / "died"):
+        assert (tmp_path / "died" / line["file"]).stat().st_size == line["bytes"]
+    assert writer._writers is None and not any(_alive(pid) for pid in _writer_processes(os.getpid()))
+
+    out = tmp_path / "killed"
+    script = (
+        "from lightning.pytorch import Trainer\n"
+        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
+        "from tests.slow_writer import SlowWriter\n"
+        f"writer = SlowWriter({str(out)!r}, write_workers=1, write_queue=2)\n"
+        "trainer = Trainer(accelerator='cpu', devices=1, strategy='data_parallel', callbacks=[writer], logger=False,\n"
+        "                  enable_progress_bar=False)\n"
+        "trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
+        "                datamodule=PromptDataModule([f'prompt {i}' for i in range(40)], batch_size=2))\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and len(finished_lines(out)) < 2:
+        time.sleep(0.02)
+    writers = _writer_processes(proc.pid)
+    assert proc.poll() is None and len(writers) == 1, "the run must be writing in its writer process"
+    os.kill(proc.pid, signal.SIGKILL)  # the rank only
+    proc.wait()
+    recorded = len(finished_lines(out))
+    deadline = time.monotonic() + 10
+    while _alive(writers[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(writers[0])
+    if alive:
+        os.kill(writers[0], signal.SIGKILL)
+    time.sleep(1.5)  # a writer left behind records the images it holds (a second each in SlowFiles)
+    assert len(finished_lines(out)) == recorded, "the writer process recorded images after its rank died"
+    assert not alive, "the writer process outlived its rank"
+
+
+def test_a_files_class_the_writer_process_cannot_import_is_refused(tmp_path):
+    from lightning_diffusion import ImageWriter
+    from lightning_diffusion.errors import ConfigError
+    from lightning_diffusion.files import OutputFiles
+
+    local = type("LocalFiles", (OutputFiles,), {"__module__": "__main__"})
+    mine = type("MyWriter", (ImageWriter,), {"files_class": local})
+    with pytest.raises(ConfigError, match="defined in the script being run.*writer.write_in: thread"):
+        mine(str(tmp_path))
+    assert mine(str(tmp_path), write_in="thread").write_in == "thread"
+    assert mine(str(tmp_path), write_workers=0).write_workers == 0
 
 
 @pytest.mark.parametrize("image_format, suffix", [("webp", ".webp"), ("jpeg", ".jpg")])
@@ -49,13 +177,14 @@ def test_lossy_formats_carry_the_parameters_in_exif_and_are_recorded(image_forma
     assert proc.returncode == 2 and "writer.image_format" in proc.stderr
 
 
-def test_a_failing_writer_thread_fails_the_run_and_records_no_unwritten_image(tmp_path):
+@pytest.mark.parametrize("write_in", ["process", "thread"])
+def test_a_failing_writer_fails_the_run_and_records_no_unwritten_image(tmp_path, write_in):
     from lightning.pytorch import Trainer
 
     from lightning_diffusion import DiffusionModule, PromptDataModule
     from tests.slow_writer import FailingWriter
 
-    writer = FailingWriter(str(tmp_path), write_workers=2)
+    writer = FailingWriter(str(tmp_path), write_workers=2, write_in=write_in)
     trainer = Trainer(accelerator="cpu", devices=1, strategy="data_parallel", callbacks=[writer], logger=False,
                       enable_progress_bar=False)
     with pytest.raises(RuntimeError, match=r"writing images failed: OSError: disk full \(on purpose\)"):
@@ -112,12 +241,13 @@ def test_a_kill_while_the_queue_is_full_leaves_only_whole_recorded_images(tmp_pa
 def test_bad_writer_settings_are_refused_before_loading(tmp_path, cli_here):
     proc = cli_here(*tiny_args(tmp_path / "out", "--writer.image_format", "gif", "--writer.quality", "0",
                                "--writer.png_compress_level", "10", "--writer.fsync", "never",
-                               "--writer.write_workers", "-1"))
+                               "--writer.write_workers", "-1", "--writer.write_in", "gpu"))
     assert proc.returncode == 2
     for message in ["writer.image_format must be one of png, webp, jpeg, got 'gif'",
                     "writer.quality (WebP and JPEG) must be an integer from 1 to 100, got 0",
                     "writer.png_compress_level must be an integer from 0 to 9, got 10",
                     "writer.fsync must be one of file, batch, off, got 'never'",
-                    "writer.write_workers must be an integer >= 0"]:
+                    "writer.write_workers must be an integer >= 0",
+                    "writer.write_in must be one of process, thread, got 'gpu'"]:
         assert message in proc.stderr, message
     assert not (tmp_path / "out").exists()

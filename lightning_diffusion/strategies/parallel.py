@@ -285,10 +285,27 @@ class DiffusionParallelStrategy(ParallelStrategy):
                 log.info(f"[rank {self.global_rank}] stopped on the signal; the remaining images are left to the next "
                          "run.", extra={"all_ranks": True})
             return []
-        outputs = super().predict_step(*args, **kwargs)
+        with self._call_context():
+            outputs = super().predict_step(*args, **kwargs)
         if self.writes_outputs and isinstance(outputs, list):
             STOP.count(len(outputs))
         return outputs
+
+    def _call_context(self) -> Any:
+        """``torch.inference_mode`` for the pipeline call of a replica of one rank on gloo.
+
+        Lightning predicts under ``no_grad`` whenever the process group is gloo (its loops: gloo's
+        threads and inference tensors do not mix), which costs a CPU run per-op autograd
+        bookkeeping a diffusers loop under ``inference_mode`` does not pay (measured on tiny:flux
+        64x64: the pipeline call 5-12% slower). A replica of one rank makes no collective inside
+        the call (the stop agreement is outside it), so it takes inference mode back, unless the
+        loop was told not to use it (tensor parallelism: DTensors refuse inference tensors).
+        """
+        loop = getattr(self.lightning_module.trainer, "predict_loop", None) if self.lightning_module else None
+        alone = all(value == 1 for name, value in self.parallel_dims.degrees.items() if name != "dp")
+        if loop is not None and loop.inference_mode and alone and not torch.is_inference_mode_enabled():
+            return torch.inference_mode()
+        return nullcontext()
 
     @override
     def on_predict_start(self) -> None:

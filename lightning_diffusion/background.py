@@ -1,0 +1,297 @@
+"""Writing off the prediction thread: batches go to a bounded queue that writers drain.
+
+Two kinds of writers take batches from the queue and call ``OutputFiles.write_batch`` (every file
+written, synced and renamed, then its manifest line):
+
+* ``WriterProcess`` (``writer.write_in: process``, the default): a child process of the rank with
+  ``workers`` threads. The prediction thread shares nothing with it but a pipe, so the writer's
+  Python (metadata, PNG chunks, file calls) never holds the rank's GIL; its batches are sent
+  as pickles whose arrays go through the pipe without a copy (protocol 5, out of band). The child
+  ignores SIGINT, SIGTERM and SIGUSR1 (the rank decides when writing stops and drains it first)
+  and dies with the rank (Linux: ``PR_SET_PDEATHSIG``), so a killed rank leaves no writer behind
+  that records images after a resume has begun.
+* ``WriterThreads`` (``writer.write_in: thread``): ``workers`` threads in the rank itself (Pillow's
+  encoders and zlib release the GIL; the rest competes with the prediction thread for it).
+
+Both hold at most ``queue_size`` batches waiting plus one per worker being written; ``put`` blocks
+when the queue is full. ``close(wait=True)`` writes everything queued, ``close(wait=False)`` (Ctrl-C)
+drops what still waits (it has no manifest line, so a resume makes it) and finishes what is being
+written. The first error of any batch is kept and handed out by ``take_error``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Any, BinaryIO, Optional
+
+from lightning_diffusion.files import OutputFiles
+
+WRITE_IN = ("process", "thread")
+
+
+class WriteFailed(Exception):
+    """A batch could not be written: ``kind`` and ``message`` of the error where it happened."""
+
+    def __init__(self, kind: str, message: str, details: str = "") -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind, self.message, self.details = kind, message, details
+
+
+def _failure(err: BaseException) -> WriteFailed:
+    return err if isinstance(err, WriteFailed) else WriteFailed(type(err).__name__, str(err), traceback.format_exc())
+
+
+class _Writers:
+    def __init__(self, queue_size: int) -> None:
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: Optional[WriteFailed] = None
+        self._error_lock = threading.Lock()
+        self._closed = False
+
+    def fail(self, err: BaseException) -> None:
+        with self._error_lock:
+            self._error = self._error or _failure(err)
+
+    def take_error(self) -> Optional[WriteFailed]:
+        with self._error_lock:
+            error, self._error = self._error, None
+        return error
+
+    def put(self, prediction: list[dict[str, Any]]) -> None:
+        self.jobs.put(prediction)  # blocks while the queue is full: memory stays bounded
+
+    def _drop_waiting(self) -> None:
+        while True:
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            self.jobs.task_done()
+
+    def close(self, wait: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not wait:
+            self._drop_waiting()
+        self._stop()
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+
+class WriterThreads(_Writers):
+    def __init__(self, files: OutputFiles, workers: int, queue_size: int) -> None:
+        super().__init__(queue_size)
+        self.files = files
+        self.threads = [threading.Thread(target=self._work, name=f"image-writer-{n}", daemon=True)
+                        for n in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            prediction = self.jobs.get()
+            try:
+                if prediction is None:
+                    return
+                self.files.write_batch(prediction)
+            except BaseException as err:
+                self.fail(err)
+            finally:
+                self.jobs.task_done()
+
+    def _stop(self) -> None:
+        self.jobs.join()
+        for _ in self.threads:
+            self.jobs.put(None)  # the queue holds at most the sentinels now: never blocks
+        for thread in self.threads:
+            thread.join()
+
+
+# ----------------------------------------------------------------------------------- the pipe's frames
+# A frame: <Q pickle length><I buffer count>, <Q length> per buffer, the pickle, the buffers.
+
+def send(stream: BinaryIO, value: Any) -> None:
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    views = [buffer.raw() for buffer in buffers]
+    stream.write(struct.pack(f"<QI{len(views)}Q", len(data), len(views), *(view.nbytes for view in views)))
+    stream.write(data)
+    for view in views:  # written straight from the arrays' memory, without the GIL
+        stream.write(view)
+    stream.flush()
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> Optional[bytearray]:
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = stream.readinto(view[got:])
+        if not n:
+            return None
+        got += n
+    return data
+
+
+def receive(stream: BinaryIO) -> Any:
+    """The next value, or ``EOFError`` when the other end closed (between frames or inside one)."""
+    head = _read_exactly(stream, 12)
+    if head is None:
+        raise EOFError
+    length, count = struct.unpack("<QI", head)
+    table = _read_exactly(stream, 8 * count)
+    if table is None:
+        raise EOFError
+    sizes = struct.unpack(f"<{count}Q", table)
+    data = _read_exactly(stream, length)
+    buffers = [_read_exactly(stream, size) for size in sizes]
+    if data is None or any(buffer is None for buffer in buffers):
+        raise EOFError
+    return pickle.loads(data, buffers=buffers)
+
+
+# ----------------------------------------------------------------------------------- the process
+
+_CHILD = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+          "from lightning_diffusion.background import child_main; child_main(sys.argv[2:])")
+
+
+class WriterProcess(_Writers):
+    def __init__(self, files: OutputFiles, workers: int, queue_size: int) -> None:
+        super().__init__(queue_size)
+        self.slots = threading.Semaphore(workers)  # batches the child holds at most
+        self.workers = workers
+        self._ended = threading.Event()  # the child is gone (or its pipe broke): nothing more is sent
+        acks, child_end = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, json.dumps(sys.path), str(child_end), str(os.getpid()), str(workers)],
+                stdin=subprocess.PIPE, pass_fds=(child_end,))
+        finally:
+            os.close(child_end)
+        self.acks = os.fdopen(acks, "rb")
+        assert self.proc.stdin is not None
+        self.stdin = self.proc.stdin
+        self.feeder = threading.Thread(target=self._feed, args=(files,), name="image-writer-feed", daemon=True)
+        self.reader = threading.Thread(target=self._read, name="image-writer-acks", daemon=True)
+        self.feeder.start()
+        self.reader.start()
+
+    def _feed(self, files: OutputFiles) -> None:
+        try:
+            send(self.stdin, files)
+        except OSError as err:
+            self._end(err)
+        while True:
+            if not self._ended.is_set():  # a free worker in the child first, so that this thread holds
+                self.slots.acquire()  # no batch while it waits (_end releases it)
+            prediction = self.jobs.get()
+            try:
+                if prediction is None:
+                    break
+                if not self._ended.is_set():
+                    send(self.stdin, prediction)
+            except OSError as err:  # the child is gone: the reader says why; what waits is dropped
+                self._end(err)
+            finally:
+                self.jobs.task_done()
+        try:
+            self.stdin.close()  # the child writes what it holds, then exits
+        except OSError:
+            pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = receive(self.acks)
+            except EOFError:
+                break
+            if message[0] == "error":
+                self.fail(WriteFailed(*message[1:]))
+            self.slots.release()
+        code = self.proc.wait()
+        if code != 0:
+            self.fail(WriteFailed("WriterProcessDied", f"the writer process ended with exit code {code}"))
+        self._end(None)
+
+    def _end(self, err: Optional[BaseException]) -> None:
+        if not self._ended.is_set():
+            self._ended.set()
+            for _ in range(self.workers + 1):  # a feeder waiting for a slot goes on (and drops)
+                self.slots.release()
+
+    def _stop(self) -> None:
+        self.jobs.put(None)  # after everything queued (or alone, after a drop)
+        self.feeder.join()
+        self.reader.join()
+        self.acks.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+def child_main(argv: list[str]) -> None:
+    """The writer process: batches from stdin, one ``("done",)`` or ``("error", ...)`` per batch."""
+    acks_fd, parent, workers = (int(value) for value in argv)
+    _die_with_parent(parent)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)  # the rank stops the writing; a kill of the rank ends this
+    acks = os.fdopen(acks_fd, "wb")
+    ack_lock = threading.Lock()
+    stdin = sys.stdin.buffer
+    try:
+        files = receive(stdin)
+    except BaseException as err:  # e.g. an OutputFiles subclass that cannot be imported here
+        with ack_lock:
+            send(acks, ("error", type(err).__name__, f"the writer process could not start: {err}",
+                        traceback.format_exc()))
+        os._exit(3)
+    jobs: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        while True:
+            prediction = jobs.get()
+            if prediction is None:
+                return
+            try:
+                files.write_batch(prediction)
+                reply: tuple = ("done",)
+            except BaseException as err:
+                reply = ("error", type(err).__name__, str(err), traceback.format_exc())
+            del prediction
+            with ack_lock:
+                send(acks, reply)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    while True:
+        try:
+            jobs.put(receive(stdin))
+        except EOFError:
+            break
+    for _ in threads:
+        jobs.put(None)
+    for thread in threads:
+        thread.join()
+    acks.close()
+    os._exit(0)
