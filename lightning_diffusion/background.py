@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import Any, BinaryIO, Optional
 
@@ -55,7 +56,7 @@ class _Writers:
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: Optional[WriteFailed] = None
         self._error_lock = threading.Lock()
-        self._closed = False
+        self._ends_queued = False
 
     def fail(self, err: BaseException) -> None:
         with self._error_lock:
@@ -70,17 +71,21 @@ class _Writers:
         self.jobs.put(prediction)  # blocks while the queue is full: memory stays bounded
 
     def _drop_waiting(self) -> None:
+        """Drop the batches that wait (an end already queued stays queued)."""
+        ends = 0
         while True:
             try:
-                self.jobs.get_nowait()
+                item = self.jobs.get_nowait()
             except queue.Empty:
-                return
+                break
+            ends += item is None
             self.jobs.task_done()
+        for _ in range(ends):
+            self.jobs.put(None)
 
     def close(self, wait: bool = True) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stop the writers: after everything queued (``wait``) or after the batches being written.
+        Safe to call again after an interrupted close (a second Ctrl-C), with ``wait=False``."""
         if not wait:
             self._drop_waiting()
         self._stop()
@@ -112,8 +117,10 @@ class WriterThreads(_Writers):
 
     def _stop(self) -> None:
         self.jobs.join()
-        for _ in self.threads:
-            self.jobs.put(None)  # the queue holds at most the sentinels now: never blocks
+        if not self._ends_queued:
+            self._ends_queued = True
+            for _ in self.threads:
+                self.jobs.put(None)  # taken by the threads as they end
         for thread in self.threads:
             thread.join()
 
@@ -121,15 +128,23 @@ class WriterThreads(_Writers):
 # ----------------------------------------------------------------------------------- the pipe's frames
 # A frame: <Q pickle length><I buffer count>, <Q length> per buffer, the pickle, the buffers.
 
-def send(stream: BinaryIO, value: Any) -> None:
+def frame(value: Any) -> tuple[bytes, list[memoryview]]:
+    """``value`` as a frame's pickle and its out-of-band buffers (raises if it cannot be pickled)."""
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    views = [buffer.raw() for buffer in buffers]
+    return data, [buffer.raw() for buffer in buffers]
+
+
+def write_frame(stream: BinaryIO, data: bytes, views: list[memoryview]) -> None:
     stream.write(struct.pack(f"<QI{len(views)}Q", len(data), len(views), *(view.nbytes for view in views)))
     stream.write(data)
     for view in views:  # written straight from the arrays' memory, without the GIL
         stream.write(view)
     stream.flush()
+
+
+def send(stream: BinaryIO, value: Any) -> None:
+    write_frame(stream, *frame(value))
 
 
 def _read_exactly(stream: BinaryIO, size: int) -> Optional[bytearray]:
@@ -162,7 +177,10 @@ def receive(stream: BinaryIO) -> Any:
 
 # ----------------------------------------------------------------------------------- the process
 
-_CHILD = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+# The stop signals are ignored first of all (a SIGTERM to the job's processes while this imports).
+_CHILD = ("import signal; [signal.signal(getattr(signal, name), signal.SIG_IGN) for name in "
+          "('SIGINT', 'SIGTERM', 'SIGUSR1') if hasattr(signal, name)]; "
+          "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
           "from lightning_diffusion.background import child_main; child_main(sys.argv[2:])")
 
 
@@ -173,10 +191,14 @@ class WriterProcess(_Writers):
         self.workers = workers
         self._ended = threading.Event()  # the child is gone (or its pipe broke): nothing more is sent
         acks, child_end = os.pipe()
+        path = [os.fspath(entry) for entry in sys.path if isinstance(entry, (str, os.PathLike))]
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, json.dumps(sys.path), str(child_end), str(os.getpid()), str(workers)],
+                [sys.executable, "-c", _CHILD, json.dumps(path), str(child_end), str(os.getpid()), str(workers)],
                 stdin=subprocess.PIPE, pass_fds=(child_end,))
+        except BaseException:
+            os.close(acks)
+            raise
         finally:
             os.close(child_end)
         self.acks = os.fdopen(acks, "rb")
@@ -189,26 +211,48 @@ class WriterProcess(_Writers):
 
     def _feed(self, files: OutputFiles) -> None:
         try:
-            send(self.stdin, files)
+            self._send(files, batch=False)
+            while True:
+                if not self._ended.is_set():  # a free worker in the child first, so that this thread
+                    self.slots.acquire()  # holds no batch while it waits (_end releases it)
+                prediction = self.jobs.get()
+                try:
+                    if prediction is None:
+                        return
+                    self._send(prediction)
+                finally:
+                    prediction = None
+                    self.jobs.task_done()
+        except BaseException as err:  # whatever broke here, the queue is still drained: put never hangs
+            self.fail(err)
+            self._end(err)
+            while True:
+                item = self.jobs.get()
+                self.jobs.task_done()
+                if item is None:
+                    return
+        finally:
+            try:  # an end frame, not only EOF: forked DataLoader workers hold this pipe's write end too
+                send(self.stdin, None)
+                self.stdin.close()  # the child writes what it holds, then exits
+            except OSError:
+                pass
+
+    def _send(self, value: Any, batch: bool = True) -> None:
+        if self._ended.is_set():
+            return  # the child is gone: the reader says why; what waits is dropped
+        try:
+            data, views = frame(value)
+        except Exception as err:  # this batch cannot be pickled: it fails, the others go on
+            if not batch:
+                raise
+            self.fail(err)
+            self.slots.release()
+            return
+        try:
+            write_frame(self.stdin, data, views)
         except OSError as err:
             self._end(err)
-        while True:
-            if not self._ended.is_set():  # a free worker in the child first, so that this thread holds
-                self.slots.acquire()  # no batch while it waits (_end releases it)
-            prediction = self.jobs.get()
-            try:
-                if prediction is None:
-                    break
-                if not self._ended.is_set():
-                    send(self.stdin, prediction)
-            except OSError as err:  # the child is gone: the reader says why; what waits is dropped
-                self._end(err)
-            finally:
-                self.jobs.task_done()
-        try:
-            self.stdin.close()  # the child writes what it holds, then exits
-        except OSError:
-            pass
 
     def _read(self) -> None:
         while True:
@@ -231,7 +275,9 @@ class WriterProcess(_Writers):
                 self.slots.release()
 
     def _stop(self) -> None:
-        self.jobs.put(None)  # after everything queued (or alone, after a drop)
+        if not self._ends_queued:
+            self._ends_queued = True
+            self.jobs.put(None)  # after everything queued (or alone, after a drop)
         self.feeder.join()
         self.reader.join()
         self.acks.close()
@@ -248,13 +294,19 @@ def _die_with_parent(parent: int) -> None:
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(1)
 
+    def watch() -> None:  # elsewhere (and as a second guard): noticed within a second
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
 
 def child_main(argv: list[str]) -> None:
     """The writer process: batches from stdin, one ``("done",)`` or ``("error", ...)`` per batch."""
     acks_fd, parent, workers = (int(value) for value in argv)
-    _die_with_parent(parent)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)  # the rank stops the writing; a kill of the rank ends this
+    _die_with_parent(parent)  # the stop signals were ignored by _CHILD: the rank stops the writing
     acks = os.fdopen(acks_fd, "wb")
     ack_lock = threading.Lock()
     stdin = sys.stdin.buffer
@@ -286,9 +338,17 @@ def child_main(argv: list[str]) -> None:
         thread.start()
     while True:
         try:
-            jobs.put(receive(stdin))
+            value = receive(stdin)
         except EOFError:
             break
+        except Exception as err:  # a batch that cannot be unpickled here (its frame was read whole)
+            with ack_lock:
+                send(acks, ("error", type(err).__name__, f"the writer process could not read a batch: {err}",
+                            traceback.format_exc()))
+            continue
+        if value is None:  # the rank's end frame
+            break
+        jobs.put(value)
     for _ in threads:
         jobs.put(None)
     for thread in threads:

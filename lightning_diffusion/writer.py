@@ -342,12 +342,11 @@ class ImageWriter(BasePredictionWriter):
     def _drain(self, wait: bool = True) -> None:
         """Write everything queued (``wait``; else only what is being written), stop the writers,
         and raise a writer's error. Safe to call twice, and from an interrupted drain."""
-        writers, self._writers = self._writers, None
+        writers = self._writers
         if writers is not None:
-            try:
-                writers.close(wait)
-            finally:
-                self._raise_error(writers)
+            writers.close(wait)  # interrupted (a second Ctrl-C): kept, on_exception closes it again
+            self._writers = None
+            self._raise_error(writers)
 
     @staticmethod
     def _raise_error(writers: Optional[WriterProcess | WriterThreads]) -> None:

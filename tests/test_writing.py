@@ -251,3 +251,35 @@ def test_bad_writer_settings_are_refused_before_loading(tmp_path, cli_here):
                     "writer.write_in must be one of process, thread, got 'gpu'"]:
         assert message in proc.stderr, message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failing_run_with_dataloader_workers_ends_instead_of_waiting_for_its_writer(tmp_path):
+    """DataLoader workers forked after the writer process started hold its pipe's write end, so the
+    writer must be told the end in a frame: a failing run (its exception hooks run while the
+    workers live) raises instead of waiting forever for the writer to see an EOF."""
+    script = (
+        "from lightning.pytorch import Trainer\n"
+        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
+        "from tests.slow_writer import FailingWriter\n"
+        f"writer = FailingWriter({str(tmp_path / 'out')!r})\n"
+        "trainer = Trainer(accelerator='cpu', devices=1, strategy='data_parallel', callbacks=[writer], logger=False,\n"
+        "                  enable_progress_bar=False)\n"
+        "try:\n"
+        "    trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
+        "                    datamodule=PromptDataModule([f'p{i}' for i in range(12)], batch_size=1, num_workers=1))\n"
+        "except RuntimeError as err:\n"
+        "    print('raised:', err)\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the failing run hung:\n{output[-3000:]}")
+    assert "raised: writing images failed: OSError: disk full (on purpose)" in output, output[-3000:]
