@@ -24,6 +24,28 @@ from tests.test_resume import finished_lines
 SHAPES = ["--data.prompts", "configs/prompts/shapes.txt", "--model.num_inference_steps", "2"]
 
 
+def _start_run(writer: str, prompts: str, batch_size: int, tail: str = "", **popen) -> subprocess.Popen:
+    """A tiny:flux predict in its own process (session) with ``writer`` (an expression), on a port of
+    its own (another test's process group may hold Lightning's)."""
+    script = (
+        "from lightning.pytorch import Trainer\n"
+        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
+        "from tests.slow_writer import FailingWriter, SlowWriter\n"
+        f"writer = {writer}\n"
+        "trainer = Trainer(accelerator='cpu', devices=1, strategy='data_parallel', callbacks=[writer], logger=False,\n"
+        "                  enable_progress_bar=False)\n"
+        "def run():\n"
+        "    trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
+        f"                    datamodule=PromptDataModule({prompts}, batch_size={batch_size}))\n"
+        + (tail or "run()\n")
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True,
+                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, **popen)
+
+
 def test_background_writing_gives_the_files_and_manifest_of_writing_on_the_prediction_thread(tmp_path):
     ways = {"0": ("--writer.write_workers", "0"), "process": ("--writer.write_in", "process"),
             "thread": ("--writer.write_in", "thread")}
@@ -113,22 +135,8 @@ def test_a_writer_process_that_dies_fails_the_run_and_a_killed_rank_leaves_no_wr
     assert writer._writers is None and not any(_alive(pid) for pid in _writer_processes(os.getpid()))
 
     out = tmp_path / "killed"
-    script = (
-        "from lightning.pytorch import Trainer\n"
-        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
-        "from tests.slow_writer import SlowWriter\n"
-        f"writer = SlowWriter({str(out)!r}, write_workers=1, write_queue=2)\n"
-        "trainer = Trainer(accelerator='cpu', devices=1, strategy='data_parallel', callbacks=[writer], logger=False,\n"
-        "                  enable_progress_bar=False)\n"
-        "trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
-        "                datamodule=PromptDataModule([f'prompt {i}' for i in range(40)], batch_size=2))\n"
-    )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    proc = _start_run(f"SlowWriter({str(out)!r}, write_workers=1, write_queue=2)", "[f'prompt {i}' for i in range(40)]",
+                      2, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline and len(finished_lines(out)) < 2:
         time.sleep(0.02)
@@ -198,23 +206,9 @@ def test_a_failing_writer_fails_the_run_and_records_no_unwritten_image(tmp_path,
 @pytest.mark.slow
 def test_a_kill_while_the_queue_is_full_leaves_only_whole_recorded_images(tmp_path):
     out = tmp_path / "out"
-    script = (
-        "from lightning.pytorch import Trainer\n"
-        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
-        "from tests.slow_writer import SlowWriter\n"
-        f"writer = SlowWriter({str(out)!r}, write_workers=1, write_queue=2)\n"
-        "trainer = Trainer(accelerator='cpu', devices=1, strategy='data_parallel', callbacks=[writer], logger=False,\n"
-        "                  enable_progress_bar=False)\n"
-        "trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
-        "                datamodule=PromptDataModule([f'prompt {i}' for i in range(40)], batch_size=2))\n"
-    )
     log = tmp_path / "run.log"
-    with socket.socket() as s:  # a port of its own: another test's process group may hold Lightning's
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"),
-                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    proc = _start_run(f"SlowWriter({str(out)!r}, write_workers=1, write_queue=2)", "[f'prompt {i}' for i in range(40)]",
+                      2, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     submitted = out / "submitted.txt"
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline and (
@@ -257,25 +251,9 @@ def test_a_failing_run_with_dataloader_workers_ends_instead_of_waiting_for_its_w
     """DataLoader workers forked after the writer process started hold its pipe's write end, so the
     writer must be told the end in a frame: a failing run (its exception hooks run while the
     workers live) raises instead of waiting forever for the writer to see an EOF."""
-    script = (
-        "from lightning.pytorch import Trainer\n"
-        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
-        "from tests.slow_writer import FailingWriter\n"
-        f"writer = FailingWriter({str(tmp_path / 'out')!r})\n"
-        "trainer = Trainer(accelerator='cpu', devices=1, strategy='data_parallel', callbacks=[writer], logger=False,\n"
-        "                  enable_progress_bar=False)\n"
-        "try:\n"
-        "    trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
-        "                    datamodule=PromptDataModule([f'p{i}' for i in range(12)], batch_size=1, num_workers=1))\n"
-        "except RuntimeError as err:\n"
-        "    print('raised:', err)\n"
-    )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True,
-                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    proc = _start_run(f"FailingWriter({str(tmp_path / 'out')!r})", "[f'p{i}' for i in range(12)], num_workers=1", 1,
+                      "try:\n    run()\nexcept RuntimeError as err:\n    print('raised:', err)\n",
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
