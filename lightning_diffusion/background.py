@@ -225,7 +225,7 @@ class WriterProcess(_Writers):
                     self.jobs.task_done()
         except BaseException as err:  # whatever broke here, the queue is still drained: put never hangs
             self.fail(err)
-            self._end(err)
+            self._end()
             while True:
                 item = self.jobs.get()
                 self.jobs.task_done()
@@ -252,7 +252,7 @@ class WriterProcess(_Writers):
         try:
             write_frame(self.stdin, data, views)
         except OSError as err:
-            self._end(err)
+            self._end()
 
     def _read(self) -> None:
         while True:
@@ -266,9 +266,9 @@ class WriterProcess(_Writers):
         code = self.proc.wait()
         if code != 0:
             self.fail(WriteFailed("WriterProcessDied", f"the writer process ended with exit code {code}"))
-        self._end(None)
+        self._end()
 
-    def _end(self, err: Optional[BaseException]) -> None:
+    def _end(self) -> None:
         if not self._ended.is_set():
             self._ended.set()
             for _ in range(self.workers + 1):  # a feeder waiting for a slot goes on (and drops)

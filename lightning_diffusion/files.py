@@ -1,6 +1,6 @@
 """The files of a run: names, formats and the atomic write of each image or video with its metadata.
 
-Kept free of torch and Lightning, so that the writer process (``write_process``) starts in a
+Kept free of torch and Lightning, so that the writer process (``background``) starts in a
 fraction of a second: it imports this module, numpy and Pillow only (PyAV for MP4).
 """
 
@@ -39,7 +39,6 @@ FSYNC = ("file", "batch", "off")
 # files (measured in docs/writing.md).
 PNG_COMPRESS_LEVEL = 1
 EXIF_DESCRIPTION = 0x010E  # ImageDescription: where WebP and JPEG files carry the parameters (JSON)
-
 
 
 def write_mp4(file, frames: np.ndarray, fps: int, metadata: dict[str, str]) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_diffusion.background import WRITE_IN, WriteFailed, WriterProcess, WriterThreads
+from lightning_diffusion.background import WRITE_IN, WriterProcess, WriterThreads
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, check_int, raise_problems
 from lightning_diffusion.files import (  # noqa: F401 (names of the writer's files, kept importable from here)
