@@ -1,27 +1,43 @@
 """Writing images off the prediction thread: marginal time per image against a bare diffusers loop,
 and the encoding cost of each format and size, side by side in one run.
 
-    python benchmarks/writing.py [--sizes 64 256] [--steps 20] [--few 4] [--many 36] [--repeats 3]
+    python benchmarks/writing.py [--sizes 64 256] [--steps 20] [--pairs 200 60] [--paths nothing process ...]
 
-Marginal time per image: (time of ``many`` prompts - time of ``few``) / (many - few), so the fixed
-costs (load, start, merge) drop out. One process, one compute thread (``OMP_NUM_THREADS=1``: one
-core computes, as one GPU would; the second core is free for the writers). Paths, alternating within each
-repeat: a bare diffusers loop that saves PNGs synchronously at our compression level (1), the
-same loop saving nothing (the limit), and ours (``Trainer.predict`` with ``ImageWriter``: PNG with
-metadata, atomic writes, manifest) writing in its writer process (the default), in threads of the
-rank (``write_in: thread``), and on the prediction thread (``write_workers: 0``).
+One process, one compute thread (``OMP_NUM_THREADS=1``: one core computes, as one GPU would; the
+second core is left to the writers, and a line before and after each size says how free it was). Ours is ``Trainer.predict`` with ``ImageWriter`` (PNG with
+metadata, atomic writes, fsync, manifest) writing in its writer process (the default), in threads
+of the rank (``write_in: thread``), or on the prediction thread (``write_workers: 0``); the
+reference is a bare diffusers loop that saves PNGs synchronously at our compression level (1).
+
+This VM's compute speed moves by 10% from one batch to the next (thread CPU time as much as wall
+time: not stolen time, the host), more than the differences looked for, so the two paths take
+turns batch by batch in one process: at the end of each of ours' batches a callback runs one batch
+of the bare loop with the same prompts and seeds, and only then does the writer's hook queue ours'
+images, so that the writing overlaps ours' next batch, as in a run of ours alone. A pair is ours'
+whole cycle (from the end of the previous bare batch: queueing, Lightning's loop, our step, the
+pipeline call while the writer writes) and the bare batch (the pipeline call, PIL images,
+saving). The ratio is their summed times (marginal time per image: start-up and the final drain
+left out), with a 95% interval from the pairs' differences; the first pair is left out (warm-up).
+The same for the bare loop saving nothing against saving (the limit). Where the time goes, per
+image: inside the pipeline call (ours asks for arrays, the bare loop for PIL images) and on the
+prediction thread outside it; "the calls counted alike" is the ratio with the call's noise left
+out (both calls of a pair taken as the reference's), which leaves out any slowing of ours' call
+by its own writers.
 Encoding: a tiny:shapes picture resized to each size, each format, median of 5 encodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
+import math
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 # One compute thread, set before torch starts its OpenMP pool: with only torch.set_num_threads(1),
 # an OpenMP worker made at start-up spins on the second core (measured: 1.7 s of CPU in a 1.9 s run),
@@ -37,43 +53,168 @@ from lightning_diffusion.pipelines import inspect_pipeline
 
 FORMATS = {"png level 1": ("PNG", {"compress_level": 1}), "png level 6 (Pillow's default)": ("PNG", {"compress_level": 6}),
            "webp q90": ("WEBP", {"quality": 90}), "jpeg q90": ("JPEG", {"quality": 90})}
+REFERENCE = "diffusers, PNG saved (level 1)"
+PATHS = {"nothing": "diffusers, nothing saved (the limit)", "process": "ours, writer process (default)",
+         "thread": "ours, writer threads (write_in: thread)",
+         "sync": "ours, on the prediction thread (write_workers: 0)"}
+CALLS: dict[int, list[float]] = {}  # id of a pipeline object: seconds of each of its calls
 
 
-def bare(path: str, prompts: list[str], size: int, steps: int, out: Path, save: bool) -> float:
-    from diffusers import DiffusionPipeline
+def time_pipeline_calls() -> None:
+    """Record the seconds of every ``FluxPipeline.__call__`` (both paths call it), by pipeline object."""
+    from diffusers import FluxPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for first in range(0, len(prompts), 4):
-            chunk = prompts[first: first + 4]
-            images = pipe(chunk, height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
-                          generator=[torch.Generator("cpu").manual_seed(first + i) for i in range(len(chunk))],
-                          max_sequence_length=64).images
-            if save:
-                for i, image in enumerate(images):
-                    image.save(out / f"{first + i:06d}.png", compress_level=1)
-    return time.perf_counter() - start
+    call = FluxPipeline.__call__
 
+    @functools.wraps(call)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            CALLS.setdefault(id(self), []).append(time.perf_counter() - start)
 
-class _Clock(Callback):
-    def on_predict_start(self, trainer, pl_module):
-        self.start = time.perf_counter()
-
-    def teardown(self, trainer, pl_module, stage):  # after the writer drained its queue
-        self.elapsed = time.perf_counter() - self.start
+    FluxPipeline.__call__ = timed
 
 
-def ours(prompts: list[str], size: int, steps: int, out: Path, workers: int, write_in: str = "process") -> float:
-    clock = _Clock()
-    trainer = Trainer(strategy="data_parallel", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[ImageWriter(str(out), write_workers=workers, write_in=write_in), clock])
-    module = DiffusionModule("tiny:flux", height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
-                             call_kwargs={"max_sequence_length": 64})
-    trainer.predict(module, datamodule=PromptDataModule(prompts, batch_size=4), return_predictions=False)
-    return clock.elapsed
+def prompts(batch: int) -> list[str]:
+    return [f"benchmark prompt number {4 * batch + i}" for i in range(4)]
+
+
+class Bare:
+    """The bare diffusers loop, one batch at a time: ``batch(k)`` returns (seconds, seconds in the call)."""
+
+    def __init__(self, path: str, size: int, steps: int, out: Path, save: bool) -> None:
+        from diffusers import DiffusionPipeline
+
+        self.pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.size, self.steps, self.out, self.save = size, steps, out, save
+
+    def batch(self, k: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            images = self.pipe(prompts(k), height=self.size, width=self.size, num_inference_steps=self.steps,
+                               guidance_scale=3.5, max_sequence_length=64,
+                               generator=[torch.Generator("cpu").manual_seed(4 * k + i) for i in range(4)]).images
+        if self.save:
+            for i, image in enumerate(images):
+                image.save(self.out / f"{4 * k + i:06d}.png", compress_level=1)
+        return time.perf_counter() - start, CALLS[id(self.pipe)][-1]
+
+
+class Pairs:
+    """Times of paired batches: (ours or the second loop, its call) and (the reference, its call)."""
+
+    def __init__(self) -> None:
+        self.first: list[tuple[float, float]] = []
+        self.second: list[tuple[float, float]] = []
+
+    def ratio(self, part: Callable[[tuple[float, float]], float] = lambda t: t[0]) -> tuple[float, float, float]:
+        """The first path's time over the reference's, 1 + mean(part(first) - part(reference)) / mean(reference),
+        with a 95% interval from the pairs' differences. ``part``, the whole time (default): the measured
+        ratio. The time outside the pipeline call: the ratio if both calls (the same work; the
+        reference's call also makes its PIL images) had taken the same time, the call's noise left out."""
+        base = statistics.fmean(t for t, _ in self.second[1:])
+        diffs = [part(a) - part(b) for a, b in zip(self.first[1:], self.second[1:])]
+        mid = 1 + statistics.fmean(diffs) / base
+        half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) / base
+        return mid, mid - half, mid + half
+
+    @staticmethod
+    def per_image(times: list[tuple[float, float]]) -> tuple[float, float, float]:
+        """ms per image: in all, inside the pipeline call, outside it."""
+        total, called = (statistics.fmean(x[i] for x in times[1:]) / 4 * 1000 for i in (0, 1))
+        return total, called, total - called
+
+
+class _Interleave(Callback):
+    """After each of ours' batches, one bare batch; then the writer's hook queues ours' images."""
+
+    def __init__(self, bare: Bare, pairs: Pairs) -> None:
+        self.bare, self.pairs, self.mark = bare, pairs, None
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.mark is not None:  # ours' cycle: from the end of the previous bare batch (then the previous
+            # batch queued, the loop, our step, the call while the writer writes) to here
+            self.pairs.first.append((time.perf_counter() - self.mark, CALLS[id(pl_module.pipeline)][-1]))
+            self.pairs.second.append(self.bare.batch(batch_idx))
+        else:
+            self.bare.batch(batch_idx)  # warm-up of the bare loop
+        self.mark = time.perf_counter()
+
+
+def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int, write_in: str) -> Pairs:
+    pairs = Pairs()
+    with tempfile.TemporaryDirectory() as ours_out, tempfile.TemporaryDirectory() as bare_out:
+        bare = Bare(path, size, steps, Path(bare_out), save=True)
+        trainer = Trainer(strategy="data_parallel", accelerator="cpu", devices=1, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          # the bare batch first: ours' images are queued after it, so that the writer's
+                          # work overlaps ours' next batch (as in a run of ours alone), not the bare batch
+                          callbacks=[_Interleave(bare, pairs),
+                                     ImageWriter(ours_out, write_workers=workers, write_in=write_in)])
+        module = DiffusionModule("tiny:flux", height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
+                                 call_kwargs={"max_sequence_length": 64})
+        every = [p for k in range(count + 1) for p in prompts(k)]
+        trainer.predict(module, datamodule=PromptDataModule(every, batch_size=4), return_predictions=False)
+    return pairs
+
+
+def nothing_against_saving(path: str, size: int, steps: int, count: int) -> Pairs:
+    pairs = Pairs()
+    with tempfile.TemporaryDirectory() as out:
+        nothing, saving = Bare(path, size, steps, Path(out), save=False), Bare(path, size, steps, Path(out), save=True)
+        for k in range(count + 1):
+            pairs.first.append(nothing.batch(k))
+            pairs.second.append(saving.batch(k))
+    return pairs
+
+
+def _spin(busy, ready, cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    ready.set()
+    while True:
+        if busy.value:
+            sum(i * i for i in range(10_000))
+        else:
+            time.sleep(0.001)
+
+
+def second_core_cost(path: str, count: int = 12) -> Optional[float]:
+    """How much slower the compute core runs while the second core is busy (a Python loop in another
+    process): the premise that the writers' core is free. None where affinity cannot be set."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return None
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # a pure Python loop: nothing of torch runs in it
+    busy, ready = context.Value("i", 0), context.Event()
+    mask = os.sched_getaffinity(0)
+    compute, other = sorted(mask)[:2]
+    spinner = context.Process(target=_spin, args=(busy, ready, other), daemon=True)
+    spinner.start()
+    ready.wait()
+    os.sched_setaffinity(0, {compute})
+    try:
+        bare, times = Bare(path, 64, 20, Path("."), save=False), {0: [], 1: []}
+        for k in range(count):
+            for value in (0, 1) if k % 2 else (1, 0):
+                busy.value = value
+                time.sleep(0.05)
+                times[value].append(bare.batch(k)[0])
+        return statistics.fmean(times[1]) / statistics.fmean(times[0])
+    finally:
+        spinner.kill()
+        os.sched_setaffinity(0, mask)
+
+
+RUNS = {
+    "nothing": nothing_against_saving,
+    "process": lambda path, size, steps, count: ours_against_bare(path, size, steps, count, 2, "process"),
+    "thread": lambda path, size, steps, count: ours_against_bare(path, size, steps, count, 2, "thread"),
+    "sync": lambda path, size, steps, count: ours_against_bare(path, size, steps, count, 0, "thread"),
+}
 
 
 def encoding_table(sizes: list[int]) -> None:
@@ -105,39 +246,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--few", type=int, default=4)
-    parser.add_argument("--many", type=int, default=36)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, nargs="+", default=[200, 60], help="pairs of batches of 4, a size each")
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS),
+                        help="each compared with the bare loop saving PNGs")
     parser.add_argument("--encode-sizes", type=int, nargs="+", default=[64, 512, 1024, 2048])
     args = parser.parse_args()
+    if min(args.pairs) < 3:
+        parser.error("--pairs: at least 3 (the first pair is left out, an interval needs two)")
     torch.set_num_threads(1)
+    time_pipeline_calls()
     path = inspect_pipeline("tiny:flux").path
-    paths = {
-        "diffusers, PNG saved (level 1)": lambda p, s, o: bare(path, p, s, args.steps, o, True),
-        "diffusers, nothing saved": lambda p, s, o: bare(path, p, s, args.steps, o, False),
-        "ours, writer process (default)": lambda p, s, o: ours(p, s, args.steps, o, 2, "process"),
-        "ours, writer threads (write_in: thread)": lambda p, s, o: ours(p, s, args.steps, o, 2, "thread"),
-        "ours, on the prediction thread (write_workers: 0)": lambda p, s, o: ours(p, s, args.steps, o, 0),
-    }
-    for size in args.sizes:
-        marginal: dict[str, list[float]] = {name: [] for name in paths}
-        for _ in range(args.repeats):
-            for name, run in paths.items():
-                spent = {}
-                for count in (args.few, args.many):
-                    prompts = [f"benchmark prompt number {i}" for i in range(count)]
-                    with tempfile.TemporaryDirectory() as out:
-                        spent[count] = run(prompts, size, Path(out))
-                marginal[name].append((spent[args.many] - spent[args.few]) / (args.many - args.few))
-        base = statistics.median(marginal["diffusers, PNG saved (level 1)"])
-        print(f"\ntiny:flux {size}x{size}, {args.steps} steps, batch 4, one compute thread, marginal time per image "
-              f"({args.few} vs {args.many} prompts), medians of {args.repeats}:")
-        print("| path | time per image | against diffusers saving PNGs | each repeat |")
-        print("| --- | --- | --- | --- |")
-        for name, values in marginal.items():
-            value = statistics.median(values)
-            each = " ".join(f"{v / base:.2f}" for v in values)
-            print(f"| {name} | {value * 1000:.1f} ms | {value / base:.2f} | {each} |", flush=True)
+
+    def core_line(when: str) -> None:  # this machine's second core may be free at one time and not at another
+        cost = second_core_cost(path)
+        if cost is not None:
+            print(f"{when}, the compute core took {cost:.2f}x its time while the second core was busy "
+                  "(against idle; 1.00: a core free for the writers)", flush=True)
+
+    for size, count in zip(args.sizes, args.pairs + args.pairs[-1:] * len(args.sizes)):
+        core_line(f"before {size}x{size}")
+        runs = {PATHS[name]: run(path, size, args.steps, count) for name, run in RUNS.items() if name in args.paths}
+        print(f"\ntiny:flux {size}x{size}, {args.steps} steps, batch 4, one compute thread; {count} pairs of "
+              "batches each, taking turns with the bare loop saving PNGs:")
+        print("| path | time per image | against diffusers saving PNGs (95% interval) | the same, the calls "
+              "counted alike | in the pipeline call | outside it |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        reference = [t for pairs in runs.values() for t in pairs.second[1:]]
+        total, called, outside = Pairs.per_image([(0.0, 0.0)] + reference)
+        print(f"| {REFERENCE} | {total:.1f} ms | 1.000 | 1.000 | {called:.1f} ms | {outside:.2f} ms |")
+        for name, pairs in runs.items():
+            total, called, outside = Pairs.per_image(pairs.first)
+            cells = [f"{mid:.3f} ({low:.3f}-{high:.3f})" for mid, low, high in
+                     (pairs.ratio(), pairs.ratio(lambda t: t[0] - t[1]))]
+            print(f"| {name} | {total:.1f} ms | {cells[0]} | {cells[1]} | {called:.1f} ms | {outside:.2f} ms |",
+                  flush=True)
+    core_line("after them")
     encoding_table(args.encode_sizes)
 
 
