@@ -1,13 +1,15 @@
 """Writing images off the prediction thread: marginal time per image against a bare diffusers loop,
 and the encoding cost of each format and size, side by side in one run.
 
-    python benchmarks/writing.py [--sizes 64 256] [--steps 20] [--pairs 200 60] [--paths nothing process ...]
+    python benchmarks/writing.py [--sizes 64 256] [--steps 20] [--pairs 200 60]
+        [--paths nothing position process thread sync] [--fsync batch]
 
 One process, one compute thread (``OMP_NUM_THREADS=1``: one core computes, as one GPU would; the
-second core is left to the writers, and a line before and after each size says how free it was). Ours is ``Trainer.predict`` with ``ImageWriter`` (PNG with
-metadata, atomic writes, fsync, manifest) writing in its writer process (the default), in threads
-of the rank (``write_in: thread``), or on the prediction thread (``write_workers: 0``); the
-reference is a bare diffusers loop that saves PNGs synchronously at our compression level (1).
+second core is left to the writers, and a line before each path says how free it was). Ours is
+``Trainer.predict`` with ``ImageWriter`` (PNG with metadata, atomic writes, fsync, manifest)
+writing in its writer process (``process``, the default), in threads of the rank (``thread``), or
+on the prediction thread (``sync``: ``write_workers: 0``); the reference is a bare diffusers loop
+that saves PNGs synchronously at our compression level (1).
 
 This VM's compute speed moves by 10% from one batch to the next (thread CPU time as much as wall
 time: not stolen time, the host), more than the differences looked for, so the two paths take
@@ -17,12 +19,13 @@ images, so that the writing overlaps ours' next batch, as in a run of ours alone
 whole cycle (from the end of the previous bare batch: queueing, Lightning's loop, our step, the
 pipeline call while the writer writes) and the bare batch (the pipeline call, PIL images,
 saving). The ratio is their summed times (marginal time per image: start-up and the final drain
-left out), with a 95% interval from the pairs' differences; the first pair is left out (warm-up).
-The same for the bare loop saving nothing against saving (the limit). Where the time goes, per
-image: inside the pipeline call (ours asks for arrays, the bare loop for PIL images) and on the
-prediction thread outside it; "the calls counted alike" is the ratio with the call's noise left
-out (both calls of a pair taken as the reference's), which leaves out any slowing of ours' call
-by its own writers.
+left out), with a 95% interval from the pairs' differences (within the run); the first pair is
+left out (warm-up). The same for the bare loop saving nothing against saving (``nothing``, the
+limit) and saving against itself (``position``: what the place in a pair alone does). Where the
+time goes, per image: inside the pipeline call (ours asks for arrays, the bare loop for PIL
+images) and on the prediction thread outside it; "the calls counted alike" is the ratio with the
+call's noise left out (both calls of a pair taken as the reference's), which leaves out any
+slowing of ours' call as well. The writer process's CPU time is printed.
 Encoding: a tiny:shapes picture resized to each size, each format, median of 5 encodes.
 """
 
@@ -33,6 +36,7 @@ import functools
 import io
 import math
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -54,7 +58,8 @@ from lightning_diffusion.pipelines import inspect_pipeline
 FORMATS = {"png level 1": ("PNG", {"compress_level": 1}), "png level 6 (Pillow's default)": ("PNG", {"compress_level": 6}),
            "webp q90": ("WEBP", {"quality": 90}), "jpeg q90": ("JPEG", {"quality": 90})}
 REFERENCE = "diffusers, PNG saved (level 1)"
-PATHS = {"nothing": "diffusers, nothing saved (the limit)", "process": "ours, writer process (default)",
+PATHS = {"nothing": "diffusers, nothing saved (the limit)",
+         "position": "diffusers, PNG saved, against itself (the position in a pair alone)", "process": "ours, writer process (default)",
          "thread": "ours, writer threads (write_in: thread)",
          "sync": "ours, on the prediction thread (write_workers: 0)"}
 CALLS: dict[int, list[float]] = {}  # id of a pipeline object: seconds of each of its calls
@@ -109,6 +114,7 @@ class Pairs:
     def __init__(self) -> None:
         self.first: list[tuple[float, float]] = []
         self.second: list[tuple[float, float]] = []
+        self.writer_cpu: Optional[float] = None  # seconds of CPU of ours' writer process an image
 
     def ratio(self, part: Callable[[tuple[float, float]], float] = lambda t: t[0]) -> tuple[float, float, float]:
         """The first path's time over the reference's, 1 + mean(part(first) - part(reference)) / mean(reference),
@@ -132,20 +138,25 @@ class _Interleave(Callback):
     """After each of ours' batches, one bare batch; then the writer's hook queues ours' images."""
 
     def __init__(self, bare: Bare, pairs: Pairs) -> None:
-        self.bare, self.pairs, self.mark = bare, pairs, None
+        self.bare, self.pairs, self.mark, self.calls = bare, pairs, None, 0
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        calls = CALLS.setdefault(id(pl_module.pipeline), [])
         if self.mark is not None:  # ours' cycle: from the end of the previous bare batch (then the previous
             # batch queued, the loop, our step, the call while the writer writes) to here
-            self.pairs.first.append((time.perf_counter() - self.mark, CALLS[id(pl_module.pipeline)][-1]))
+            assert len(calls) == self.calls + 1, "one pipeline call a batch"
+            self.pairs.first.append((time.perf_counter() - self.mark, calls[-1]))
             self.pairs.second.append(self.bare.batch(batch_idx))
         else:
             self.bare.batch(batch_idx)  # warm-up of the bare loop
+        self.calls = len(calls)
         self.mark = time.perf_counter()
 
 
-def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int, write_in: str) -> Pairs:
+def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int, write_in: str,
+                      fsync: str = "batch") -> Pairs:
     pairs = Pairs()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as ours_out, tempfile.TemporaryDirectory() as bare_out:
         bare = Bare(path, size, steps, Path(bare_out), save=True)
         trainer = Trainer(strategy="data_parallel", accelerator="cpu", devices=1, logger=False,
@@ -153,28 +164,36 @@ def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int
                           # the bare batch first: ours' images are queued after it, so that the writer's
                           # work overlaps ours' next batch (as in a run of ours alone), not the bare batch
                           callbacks=[_Interleave(bare, pairs),
-                                     ImageWriter(ours_out, write_workers=workers, write_in=write_in)])
+                                     ImageWriter(ours_out, write_workers=workers, write_in=write_in, fsync=fsync)])
         module = DiffusionModule("tiny:flux", height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
                                  call_kwargs={"max_sequence_length": 64})
         every = [p for k in range(count + 1) for p in prompts(k)]
         trainer.predict(module, datamodule=PromptDataModule(every, batch_size=4), return_predictions=False)
+    if write_in == "process" and workers:  # the writer process has ended and been waited for
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        spent = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+        pairs.writer_cpu = spent / len(every)
     return pairs
 
 
-def nothing_against_saving(path: str, size: int, steps: int, count: int) -> Pairs:
+def bare_against_saving(path: str, size: int, steps: int, count: int, save: bool) -> Pairs:
+    """The bare loop saving nothing (``save`` false: the limit) or saving too (the position in a pair
+    alone) against the bare loop saving, taking turns as ours does: batch 0 a warm-up, then ``count``."""
     pairs = Pairs()
     with tempfile.TemporaryDirectory() as out:
-        nothing, saving = Bare(path, size, steps, Path(out), save=False), Bare(path, size, steps, Path(out), save=True)
+        first, saving = Bare(path, size, steps, Path(out), save=save), Bare(path, size, steps, Path(out), save=True)
         for k in range(count + 1):
-            pairs.first.append(nothing.batch(k))
-            pairs.second.append(saving.batch(k))
+            times = first.batch(k), saving.batch(k)
+            if k:  # batch 0: a warm-up, as ours' first batch is
+                pairs.first.append(times[0])
+                pairs.second.append(times[1])
     return pairs
 
 
-def _spin(busy, ready, cpu: int) -> None:
+def _spin(busy, ready, cpu: int, parent: int) -> None:
     os.sched_setaffinity(0, {cpu})
     ready.set()
-    while True:
+    while os.getppid() == parent:  # ends with the benchmark, however it ends
         if busy.value:
             sum(i * i for i in range(10_000))
         else:
@@ -183,21 +202,25 @@ def _spin(busy, ready, cpu: int) -> None:
 
 def second_core_cost(path: str, count: int = 12) -> Optional[float]:
     """How much slower the compute core runs while the second core is busy (a Python loop in another
-    process): the premise that the writers' core is free. None where affinity cannot be set."""
+    process) than while it is idle: whether the writers' core is free (1.00). A rough probe: a
+    Python loop, not the writer's zlib and file calls, and ``count`` batches a state (about +-5% on
+    this VM). None where affinity cannot be set."""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         return None
     import multiprocessing
 
     context = multiprocessing.get_context("fork")  # a pure Python loop: nothing of torch runs in it
-    busy, ready = context.Value("i", 0), context.Event()
+    busy, ready = context.Value("i", 0, lock=False), context.Event()
     mask = os.sched_getaffinity(0)
     compute, other = sorted(mask)[:2]
-    spinner = context.Process(target=_spin, args=(busy, ready, other), daemon=True)
-    spinner.start()
-    ready.wait()
-    os.sched_setaffinity(0, {compute})
+    spinner = context.Process(target=_spin, args=(busy, ready, other, os.getpid()), daemon=True)
     try:
+        spinner.start()
+        if not ready.wait(timeout=60):
+            raise RuntimeError("the probe of the second core did not start")
+        os.sched_setaffinity(0, {compute})
         bare, times = Bare(path, 64, 20, Path("."), save=False), {0: [], 1: []}
+        bare.batch(0)  # warm-up
         for k in range(count):
             for value in (0, 1) if k % 2 else (1, 0):
                 busy.value = value
@@ -205,15 +228,18 @@ def second_core_cost(path: str, count: int = 12) -> Optional[float]:
                 times[value].append(bare.batch(k)[0])
         return statistics.fmean(times[1]) / statistics.fmean(times[0])
     finally:
-        spinner.kill()
+        if spinner.is_alive():
+            spinner.kill()
+        spinner.join()
         os.sched_setaffinity(0, mask)
 
 
 RUNS = {
-    "nothing": nothing_against_saving,
-    "process": lambda path, size, steps, count: ours_against_bare(path, size, steps, count, 2, "process"),
-    "thread": lambda path, size, steps, count: ours_against_bare(path, size, steps, count, 2, "thread"),
-    "sync": lambda path, size, steps, count: ours_against_bare(path, size, steps, count, 0, "thread"),
+    "nothing": lambda path, size, steps, count, fsync: bare_against_saving(path, size, steps, count, save=False),
+    "position": lambda path, size, steps, count, fsync: bare_against_saving(path, size, steps, count, save=True),
+    "process": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 2, "process", fsync),
+    "thread": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 2, "thread", fsync),
+    "sync": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 0, "thread", fsync),
 }
 
 
@@ -249,6 +275,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, nargs="+", default=[200, 60], help="pairs of batches of 4, a size each")
     parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS),
                         help="each compared with the bare loop saving PNGs")
+    parser.add_argument("--fsync", choices=["batch", "file", "off"], default="batch", help="ours' writer.fsync")
     parser.add_argument("--encode-sizes", type=int, nargs="+", default=[64, 512, 1024, 2048])
     args = parser.parse_args()
     if min(args.pairs) < 3:
@@ -264,8 +291,11 @@ def main() -> None:
                   "(against idle; 1.00: a core free for the writers)", flush=True)
 
     for size, count in zip(args.sizes, args.pairs + args.pairs[-1:] * len(args.sizes)):
-        core_line(f"before {size}x{size}")
-        runs = {PATHS[name]: run(path, size, args.steps, count) for name, run in RUNS.items() if name in args.paths}
+        runs = {}
+        for name, run in RUNS.items():
+            if name in args.paths:
+                core_line(f"{size}x{size}, before '{PATHS[name]}'")
+                runs[PATHS[name]] = run(path, size, args.steps, count, args.fsync)
         print(f"\ntiny:flux {size}x{size}, {args.steps} steps, batch 4, one compute thread; {count} pairs of "
               "batches each, taking turns with the bare loop saving PNGs:")
         print("| path | time per image | against diffusers saving PNGs (95% interval) | the same, the calls "
@@ -280,7 +310,11 @@ def main() -> None:
                      (pairs.ratio(), pairs.ratio(lambda t: t[0] - t[1]))]
             print(f"| {name} | {total:.1f} ms | {cells[0]} | {cells[1]} | {called:.1f} ms | {outside:.2f} ms |",
                   flush=True)
-    core_line("after them")
+        for name, pairs in runs.items():
+            if pairs.writer_cpu is not None:
+                print(f"{name}: the writer process used {pairs.writer_cpu * 1000:.2f} ms of CPU an image (its start-up "
+                      "included)")
+        core_line("after them")
     encoding_table(args.encode_sizes)
 
 
