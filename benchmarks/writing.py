@@ -17,8 +17,9 @@ turns batch by batch in one process: at the end of each of ours' batches a callb
 of the bare loop with the same prompts and seeds, and only then does the writer's hook queue ours'
 images, so that the writing overlaps ours' next batch, as in a run of ours alone. A pair is ours'
 whole cycle (from the end of the previous bare batch: queueing, Lightning's loop, our step, the
-pipeline call while the writer writes) and the bare batch (the pipeline call, PIL images,
-saving). The ratio is their summed times (marginal time per image: start-up and the final drain
+pipeline call while the writer writes) and the bare batch (saving the previous bare batch's
+images, then the pipeline call and its PIL images: each path's file calls come before its own
+next call, as in a run of it alone). The ratio is their summed times (marginal time per image: start-up and the final drain
 left out), with a 95% interval from the pairs' differences (within the run); the first pair is
 left out (warm-up). The same for the bare loop saving nothing against saving (``nothing``, the
 limit) and saving against itself (``position``: what the place in a pair alone does). Where the
@@ -87,7 +88,9 @@ def prompts(batch: int) -> list[str]:
 
 
 class Bare:
-    """The bare diffusers loop, one batch at a time: ``batch(k)`` returns (seconds, seconds in the call)."""
+    """The bare diffusers loop, one batch at a time: ``batch(k)`` saves batch k-1's images, then makes
+    batch k's, and returns (seconds, seconds in the call). Saving first keeps the aftermath of its
+    file calls on its own next call, whatever runs between two bare batches."""
 
     def __init__(self, path: str, size: int, steps: int, out: Path, save: bool) -> None:
         from diffusers import DiffusionPipeline
@@ -95,16 +98,18 @@ class Bare:
         self.pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
         self.pipe.set_progress_bar_config(disable=True)
         self.size, self.steps, self.out, self.save = size, steps, out, save
+        self.pending: list = []  # (index, PIL image) of the previous batch
 
     def batch(self, k: int) -> tuple[float, float]:
         start = time.perf_counter()
+        if self.save:
+            for index, image in self.pending:
+                image.save(self.out / f"{index:06d}.png", compress_level=1)
         with torch.inference_mode():
             images = self.pipe(prompts(k), height=self.size, width=self.size, num_inference_steps=self.steps,
                                guidance_scale=3.5, max_sequence_length=64,
                                generator=[torch.Generator("cpu").manual_seed(4 * k + i) for i in range(4)]).images
-        if self.save:
-            for i, image in enumerate(images):
-                image.save(self.out / f"{4 * k + i:06d}.png", compress_level=1)
+        self.pending = [(4 * k + i, image) for i, image in enumerate(images)]
         return time.perf_counter() - start, CALLS[id(self.pipe)][-1]
 
 
