@@ -121,13 +121,19 @@ class Pairs:
         self.second: list[tuple[float, float]] = []
         self.writer_cpu: Optional[float] = None  # seconds of CPU of ours' writer process an image
 
+    @property
+    def used(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """The pairs measured: the first one is left out (warm-up)."""
+        return self.first[1:], self.second[1:]
+
     def ratio(self, part: Callable[[tuple[float, float]], float] = lambda t: t[0]) -> tuple[float, float, float]:
         """The first path's time over the reference's, 1 + mean(part(first) - part(reference)) / mean(reference),
         with a 95% interval from the pairs' differences. ``part``, the whole time (default): the measured
         ratio. The time outside the pipeline call: the ratio if both calls (the same work; the
         reference's call also makes its PIL images) had taken the same time, the call's noise left out."""
-        base = statistics.fmean(t for t, _ in self.second[1:])
-        diffs = [part(a) - part(b) for a, b in zip(self.first[1:], self.second[1:])]
+        first, second = self.used
+        base = statistics.fmean(t for t, _ in second)
+        diffs = [part(a) - part(b) for a, b in zip(first, second)]
         mid = 1 + statistics.fmean(diffs) / base
         half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) / base
         return mid, mid - half, mid + half
@@ -135,7 +141,7 @@ class Pairs:
     @staticmethod
     def per_image(times: list[tuple[float, float]]) -> tuple[float, float, float]:
         """ms per image: in all, inside the pipeline call, outside it."""
-        total, called = (statistics.fmean(x[i] for x in times[1:]) / 4 * 1000 for i in (0, 1))
+        total, called = (statistics.fmean(x[i] for x in times) / 4 * 1000 for i in (0, 1))
         return total, called, total - called
 
 
@@ -306,11 +312,10 @@ def main() -> None:
         print("| path | time per image | against diffusers saving PNGs (95% interval) | the same, the calls "
               "counted alike | in the pipeline call | outside it |")
         print("| --- | --- | --- | --- | --- | --- |")
-        reference = [t for pairs in runs.values() for t in pairs.second[1:]]
-        total, called, outside = Pairs.per_image([(0.0, 0.0)] + reference)
+        total, called, outside = Pairs.per_image([t for pairs in runs.values() for t in pairs.used[1]])
         print(f"| {REFERENCE} | {total:.1f} ms | 1.000 | 1.000 | {called:.1f} ms | {outside:.2f} ms |")
         for name, pairs in runs.items():
-            total, called, outside = Pairs.per_image(pairs.first)
+            total, called, outside = Pairs.per_image(pairs.used[0])
             cells = [f"{mid:.3f} ({low:.3f}-{high:.3f})" for mid, low, high in
                      (pairs.ratio(), pairs.ratio(lambda t: t[0] - t[1]))]
             print(f"| {name} | {total:.1f} ms | {cells[0]} | {cells[1]} | {called:.1f} ms | {outside:.2f} ms |",
