@@ -28,7 +28,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,7 +40,7 @@ from lightning_diffusion.errors import ConfigError, gather, preflight_passed, ra
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
-from lightning_diffusion.strategies.watchdog import Watchdog
+from lightning_diffusion.strategies.watchdog import Launcher, Watchdog
 
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
@@ -162,7 +161,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.cluster_environment.auto_requeue = False
             self._stop_on_signal = True
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     # ----------------------------------------------------------------- the contract (see ``contract``)
 
@@ -216,6 +215,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        # Before the rendezvous: a rank that dies while the others wait there is named at once.
+        self._watchdog = Watchdog(
+            getattr(self._launcher, "procs", None), self.global_rank, self.node_rank, self.num_processes
+        )
+        self._watchdog.start()
         # Ranks start seconds or minutes apart (imports, a busy node): the rendezvous gets at least
         # RENDEZVOUS_TIMEOUT, the collectives the strategy's own timeout.
         _init_dist_connection(
@@ -226,10 +230,6 @@ class DiffusionParallelStrategy(ParallelStrategy):
         )
         if self._timeout < RENDEZVOUS_TIMEOUT:
             compat.set_collective_timeout(self._timeout)
-        self._watchdog = Watchdog(
-            getattr(self._launcher, "procs", None), self.global_rank, self.node_rank, self.num_processes
-        )
-        self._watchdog.start()
         # Every rank creates it, in the same order as every other group.
         self._idle_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._parallel_dims = self.make_parallel_dims(self.world_size)

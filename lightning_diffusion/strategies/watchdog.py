@@ -1,10 +1,12 @@
 """``Watchdog``: a dead rank never leaves the others hanging on one node.
 
 Lightning's script launcher starts ranks 1..N-1 of a node as children of rank 0. Its own observer
-(lightning 2.6) polls them every 5 s and, when one fails, SIGKILLs everything with a message at
-INFO level that a user rarely sees; nothing watches the other way, so a killed rank 0 leaves its
-children running until their next collective times out. The watchdog runs a daemon thread in
-every process of a node:
+(lightning 2.6) polls them every 5 s and, when one fails, SIGKILLs everything, the launching
+process included, with a message at INFO level that a user rarely sees; nothing watches the
+other way, so a killed rank 0 leaves its children running until their next collective times out.
+``Launcher`` is Lightning's launcher without that observer (left running, it raced the watchdog
+and now and then killed the job before the watchdog could name the rank: seen in CI). The
+watchdog runs a daemon thread in every process of a node, from just before the rendezvous:
 
 * in the launching process (local rank 0), it polls the children; when one exits non-zero it
   names that rank and the reason, kills the other children and ends the job with exit code 1;
@@ -23,7 +25,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
 
 from lightning_diffusion.console import log
 
@@ -39,6 +45,18 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+class Launcher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, less its child-process observer: the ``Watchdog`` watches."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
 
 class Watchdog:
