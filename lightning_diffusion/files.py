@@ -103,15 +103,29 @@ class OutputFiles:
         self._part_lock = threading.Lock()
 
     def write_batch(self, prediction: list[dict[str, Any]]) -> None:
-        """Each file atomically, then its manifest line (synced as ``fsync`` says)."""
+        """Each file atomically, then the manifest lines of the files written: each line after its
+        file (``fsync: file``) or the batch's in one append (also when a file fails: the ones
+        before it are recorded), synced unless ``fsync`` is off."""
         assert self.part is not None
-        for item in prediction:
-            line = self.write_output(item)
-            with self._part_lock, self.part.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(line, ensure_ascii=False) + "\n")
-                if self.fsync == "file" or (self.fsync == "batch" and item is prediction[-1]):
-                    f.flush()
-                    os.fsync(f.fileno())
+        lines: list[dict[str, Any]] = []
+        try:
+            for item in prediction:
+                lines.append(self.write_output(item))
+                if self.fsync == "file":
+                    self._append(lines)
+                    lines = []
+        finally:
+            if lines:
+                self._append(lines)
+
+    def _append(self, lines: list[dict[str, Any]]) -> None:
+        assert self.part is not None
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        with self._part_lock, self.part.open("a", encoding="utf-8") as f:
+            f.write(text)
+            if self.fsync != "off":
+                f.flush()
+                os.fsync(f.fileno())
 
     def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
         """Write one image or video (and its array) atomically; return its manifest line."""
@@ -126,18 +140,17 @@ class OutputFiles:
             text = json.dumps(metadata, ensure_ascii=False)
             if self.video_format == "mp4":
                 tags = {"title": prompt, "comment": text}
-                _atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags), sync)
+                size = _atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags), sync)
             else:
-                _atomic_write(self.output_dir / name,
-                              lambda f: write_animation(f, pixels, self.fps, self.video_format, text), sync)
+                size = _atomic_write(self.output_dir / name,
+                                     lambda f: write_animation(f, pixels, self.fps, self.video_format, text), sync)
             metadata["fps"] = self.fps
         else:
             name = image_filename(index, prompt, IMAGE_FORMATS[self.image_format])
             picture = Image.fromarray(pixels)
-            _atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), sync)
+            size = _atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), sync)
         if self.save_arrays:
             _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]), sync)
-        size = (self.output_dir / name).stat().st_size
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
         }, "written": round(time.time(), 3)}

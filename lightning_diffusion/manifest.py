@@ -46,23 +46,24 @@ def part_name(shard: Optional[tuple[int, int]], rank: int) -> str:
     return parts_glob(shard).replace("*", str(rank))
 
 
-def _atomic_write(path: Path, write, fsync: bool = True) -> None:
+def _atomic_write(path: Path, write, fsync: bool = True) -> int:
     """``path`` appears whole or not at all (written under a temporary name, then renamed); with
     ``fsync`` its bytes are on disk before the rename. The temporary name is unique across the
-    nodes and threads writing into one folder (equal pids are common in containers)."""
-    import uuid
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    nodes and threads writing into one folder (equal pids are common in containers). Returns the
+    file's size."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(6).hex()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
+            f.flush()
             if fsync:
-                f.flush()
                 os.fsync(f.fileno())
+            size = os.fstat(f.fileno()).st_size
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
 
 
 def _finished(file: Path, size: Optional[int]) -> bool:

@@ -261,3 +261,20 @@ def test_a_failing_run_with_dataloader_workers_ends_instead_of_waiting_for_its_w
         output, _ = proc.communicate()
         pytest.fail(f"the failing run hung:\n{output[-3000:]}")
     assert "raised: writing images failed: OSError: disk full (on purpose)" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("fsync", ["batch", "file", "off"])
+def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_temporary(tmp_path, fsync):
+    """The batch's lines are appended together (one open and one sync a batch), but a failure on its
+    third file still records the two written before it, each with its size, and nothing else."""
+    from tests.slow_writer import FailingFiles
+
+    files = FailingFiles(tmp_path, fsync=fsync, part=tmp_path / "part.jsonl")
+    batch = [{"index": i, "prompt": f"prompt {i}", "seed": i, "params": {"height": 8},
+              "image": np.full((8, 8, 3), i / 4, np.float32)} for i in range(4)]
+    with pytest.raises(OSError, match="disk full"):
+        files.write_batch(batch)
+    lines = [json.loads(line) for line in (tmp_path / "part.jsonl").read_text().splitlines()]
+    assert [line["index"] for line in lines] == [0, 1]
+    assert [(tmp_path / line["file"]).stat().st_size for line in lines] == [line["bytes"] for line in lines]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([line["file"] for line in lines] + ["part.jsonl"])
