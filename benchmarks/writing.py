@@ -160,6 +160,9 @@ class _Interleave(Callback):
             self.pairs.second.append(self.bare.batch(batch_idx))
         else:
             self.bare.batch(batch_idx)  # warm-up of the bare loop
+            if PIN:  # the writer process started with the compute core's mask: it moves to the other
+                for child in _children():
+                    os.sched_setaffinity(child, {PIN[1]})
         self.calls = len(calls)
         self.mark = time.perf_counter()
 
@@ -199,6 +202,14 @@ def bare_against_saving(path: str, size: int, steps: int, count: int, save: bool
                 pairs.first.append(times[0])
                 pairs.second.append(times[1])
     return pairs
+
+
+PIN: list[int] = []  # --pin: the compute core and the writers' core
+
+
+def _children() -> list[int]:
+    return [int(pid) for task in Path("/proc/self/task").iterdir()
+            for pid in (task / "children").read_text().split()]
 
 
 def _spin(busy, ready, cpu: int, parent: int) -> None:
@@ -288,10 +299,15 @@ def main() -> None:
                         help="each compared with the bare loop saving PNGs")
     parser.add_argument("--fsync", choices=["batch", "file", "off"], default="batch", help="ours' writer.fsync")
     parser.add_argument("--encode-sizes", type=int, nargs="+", default=[64, 512, 1024, 2048])
+    parser.add_argument("--pin", action="store_true",
+                        help="compute on the first CPU, ours' writer process on the second (Linux)")
     args = parser.parse_args()
     if min(args.pairs) < 3:
         parser.error("--pairs: at least 3 (the first pair is left out, an interval needs two)")
     torch.set_num_threads(1)
+    if args.pin:
+        PIN[:] = sorted(os.sched_getaffinity(0))[:2]
+        os.sched_setaffinity(0, {PIN[0]})
     time_pipeline_calls()
     path = inspect_pipeline("tiny:flux").path
 
