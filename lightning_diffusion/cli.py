@@ -51,7 +51,8 @@ def run() -> None:
     recorded and the process groups are destroyed; what is left is torch's C++ threads, whose
     destruction at interpreter exit now and then aborts a finished run ("terminate called without
     an active exception", exit -6 after every image was written: seen in CI and in session 6's
-    benchmark runs), which SLURM and shells read as a failed job. In-process callers use ``main``."""
+    benchmark runs), which SLURM and shells read as a failed job; a failed run ends the same way,
+    with its traceback and exit code 1. In-process callers use ``main``."""
     import logging
     import os
 
@@ -62,6 +63,11 @@ def run() -> None:
         if isinstance(done.code, str):
             print(done.code, file=sys.stderr)
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException as err:  # a failure ends the same way: its traceback, then exit 1 (130: Ctrl-C)
+        import traceback
+
+        traceback.print_exc()
+        code = 130 if isinstance(err, KeyboardInterrupt) else 1
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -177,3 +177,17 @@ def test_call_kwargs_negative_prompt_is_the_default_of_records_without_one(tmp_p
     assert Image.open(out / second["file"]).text["negative_prompt"] == "ugly"
     proc = cli_here(*tiny_args(tmp_path / "list", "--model.call_kwargs.negative_prompt", '["a", "b"]'))
     assert proc.returncode == 2 and "model.call_kwargs.negative_prompt is the default negative prompt" in proc.stderr
+
+
+def test_a_failed_run_ends_with_its_traceback_and_exit_1_without_the_interpreter_teardown():
+    """The console script ends every run, failed ones too, with os._exit: at interpreter teardown
+    torch's C++ threads now and then abort the process (exit -6 in place of 1)."""
+    code = ("import atexit\nfrom lightning_diffusion import cli\n"
+            "atexit.register(print, 'interpreter teardown')\n"
+            "def fail():\n    raise RuntimeError('a failure')\n"
+            "cli.main = fail\ncli.run()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 1
+    assert "RuntimeError: a failure" in proc.stderr and "Traceback" in proc.stderr
+    assert "interpreter teardown" not in proc.stdout
