@@ -112,8 +112,8 @@ class OutputFiles:
             for item in prediction:
                 lines.append(self.write_output(item))
                 if self.fsync == "file":
-                    self._append(lines)
-                    lines = []
+                    done, lines = lines, []  # appended once, even if the append fails
+                    self._append(done)
         finally:
             if lines:
                 self._append(lines)

@@ -384,6 +384,9 @@ class DiffusionParallelStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         if getattr(self, "_watchdog", None) is not None:
+            # This process ends by itself now, with its own message and exit code (2 for a refused
+            # config every rank raises): the watchdog no longer ends it when a child goes first.
+            self._watchdog.stop()
             self._watchdog.report_failure()
 
     @override

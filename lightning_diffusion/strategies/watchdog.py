@@ -108,7 +108,7 @@ class Watchdog:
     def _watch_children(self) -> None:
         while not self._stop.wait(_POLL_S):
             dead = self.dead_child()
-            if dead:
+            if dead and not self._stop.is_set():  # stopped: this process is failing by itself
                 log.error(f"lightning-diffusion: {dead}; stopping the other ranks of this node.", extra=_ALL)
                 for other in self.children:
                     if other.poll() is None:
