@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Optional
+from typing import NoReturn, Optional
 
 from lightning_diffusion import console
 from lightning_diffusion.commands import COMMANDS
@@ -53,9 +53,6 @@ def run() -> None:
     an active exception", exit -6 after every image was written: seen in CI and in session 6's
     benchmark runs), which SLURM and shells read as a failed job; a failed run ends the same way,
     with its traceback and exit code 1. In-process callers use ``main``."""
-    import logging
-    import os
-
     try:
         main()
         code = 0
@@ -68,6 +65,15 @@ def run() -> None:
 
         traceback.print_exc()
         code = 130 if isinstance(err, KeyboardInterrupt) else 1
+    end_process(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """End this process with ``code`` once its logs and streams are flushed, without the
+    interpreter's teardown (see ``run``)."""
+    import logging
+    import os
+
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

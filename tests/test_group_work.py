@@ -14,7 +14,6 @@ import json
 import os
 import re
 import socket
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_diffusion import DiffusionModule
+from lightning_diffusion.cli import end_process
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.group_work import GroupWork
 from tests.conftest import (FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args,
@@ -110,12 +110,10 @@ def _split_worker(rank: int, name: str, port: int, out: str) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
-    # As the CLI does (cli.run), end without the interpreter's teardown: there a gloo worker thread
-    # that still holds a finished all_gather's tensors can abort the process ("terminate called
+    # As the CLI does, end without the interpreter's teardown: there a gloo worker thread that
+    # still holds a finished all_gather's tensors can abort the process ("terminate called
     # without an active exception", SIGABRT: about one run in fifteen here).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process(0)
 
 
 @pytest.fixture(scope="module")
