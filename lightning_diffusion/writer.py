@@ -143,6 +143,23 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
             f"images/s per writing rank: {pace}")
 
 
+def _cause(failed: Optional[BaseException]) -> Optional[str]:
+    """What a writer's failure says, without the ``writing images failed:`` that ``_raise_error`` adds."""
+    if failed is None:
+        return None
+    return str(failed.__cause__ or failed)
+
+
+def _gather_idle(strategy: Any, obj: Any) -> list[Any]:
+    """``obj`` of every rank by global rank: with our strategies on their idle group; with another
+    strategy after its barrier, this rank's alone."""
+    gather = getattr(strategy, "gather_idle", None)
+    if gather is not None:
+        return gather(obj)
+    strategy.barrier("image_writer_merge")
+    return [None] * strategy.global_rank + [obj]
+
+
 class ImageWriter(BasePredictionWriter):
     """Writes each predicted image once, as PNG with metadata, and records it in the manifest.
 
@@ -394,7 +411,14 @@ class ImageWriter(BasePredictionWriter):
             failed: Optional[RuntimeError] = err
         else:
             failed = None
-        trainer.strategy.barrier("image_writer_merge")  # reached by every rank, failed or not
+        # Reached by every rank, failed or not; each learns how the others' writing ended, so that
+        # a rank whose writer failed at its drain does not leave the job ending with exit 0.
+        others = [(rank, text) for rank, text in enumerate(_gather_idle(trainer.strategy, _cause(failed)))
+                  if text is not None and rank != trainer.global_rank]
+        if failed is None and others:
+            rank, text = others[0]
+            failed = RuntimeError(f"writing images failed on rank {rank}: {text} (the images recorded are kept: a "
+                                  "rerun makes the rest)")
         if failed is not None:
             if self._lock is not None and trainer.is_global_zero:
                 self._lock.release()

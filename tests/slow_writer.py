@@ -35,3 +35,14 @@ class FailingFiles(OutputFiles):
 
 class FailingWriter(ImageWriter):
     files_class = FailingFiles
+
+
+class LastFailsFiles(OutputFiles):
+    def encode(self, picture, metadata, file):
+        if metadata["prompt"] == "the last one fails":
+            raise OSError("disk full (on purpose)")
+        super().encode(picture, metadata, file)
+
+
+class LastFailsWriter(ImageWriter):
+    files_class = LastFailsFiles

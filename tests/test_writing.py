@@ -263,6 +263,51 @@ def test_a_failing_run_with_dataloader_workers_ends_instead_of_waiting_for_its_w
     assert "raised: writing images failed: OSError: disk full (on purpose)" in output, output[-3000:]
 
 
+@pytest.mark.slow
+def test_a_writer_that_fails_at_its_drain_on_rank_1_fails_rank_0_too(tmp_path):
+    """Rank 1's last image fails in its writer, found only when rank 1 drains its queue at the end,
+    after rank 0 has finished: rank 0 must not merge and end the job with exit 0 (each rank learns
+    how the others' writing ended at the end-of-run barrier)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from lightning.pytorch import Trainer\n"
+        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
+        "from lightning_diffusion.cli import end_process\n"
+        "from lightning_diffusion.strategies import DataParallelStrategy\n"
+        "from tests.slow_writer import LastFailsWriter\n"
+        "trainer = Trainer(accelerator='cpu', devices=2, strategy=DataParallelStrategy(),\n"
+        "                  callbacks=[LastFailsWriter(sys.argv[1])], logger=False, enable_progress_bar=False)\n"
+        "try:  # rank 1 gets indices 1 and 3: its last image fails\n"
+        "    trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=2),\n"
+        "                    datamodule=PromptDataModule(['a', 'b', 'c', 'the last one fails'], batch_size=1))\n"
+        "except RuntimeError as err:\n"
+        "    print(f'rank {trainer.global_rank} raised: {err}', flush=True)\n"
+        "    end_process(1)\n"
+        "print(f'rank {trainer.global_rank} ended without an error', flush=True)\n"
+        "end_process(0)\n")
+    out = tmp_path / "out"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the run hung:\n{output[-3000:]}")
+    assert "rank 1 raised: writing images failed: OSError: disk full (on purpose)" in output, output[-3000:]
+    assert "rank 0 raised: writing images failed on rank 1: OSError: disk full (on purpose)" in output, output[-3000:]
+    assert "ended without an error" not in output
+    assert proc.returncode == 1
+    assert not (out / "manifest.jsonl").exists()  # rank 0 did not merge
+    assert sorted(line["index"] for line in finished_lines(out)) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("fsync", ["batch", "file", "off"])
 def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_temporary(tmp_path, fsync):
     """The batch's lines are appended together (one open and one sync a batch), but a failure on its

@@ -360,6 +360,15 @@ class DiffusionParallelStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    def gather_idle(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, by global rank, on the idle group (as ``barrier``: no collective
+        timeout): how ranks that end at different times tell each other how they ended."""
+        if not _distributed_is_initialized():
+            return [obj]
+        objects: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(objects, obj, group=self._idle_group)
+        return objects
+
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
