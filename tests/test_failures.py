@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from PIL import Image
 
 from lightning_diffusion.strategies import DataParallelStrategy
-from lightning_diffusion.strategies.watchdog import Launcher
+from lightning_diffusion.strategies.watchdog import LAUNCHER_PID, Launcher
 from tests.conftest import REPO, read_manifest_lines, run_cli, run_here, tiny_args
 
 COUNT = 24
@@ -110,6 +110,41 @@ def test_a_replica_that_finishes_early_waits_longer_than_the_collective_timeout(
                               "--trainer.strategy.init_args.timeout", "3"), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line["index"] for line in read_manifest_lines(tmp_path / "out")] == [0, 1, 2]
+
+
+def test_the_launcher_tells_only_its_children_its_pid():
+    """The children's environment carries the launcher's pid (a child compares its parent with it),
+    the launching process's own environment does not keep it (its writer process, say)."""
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DataParallelStrategy(), logger=False)
+    launcher = trainer.strategy.launcher
+    seen = []
+    launcher._call_children_scripts = lambda: seen.append(os.environ.get(LAUNCHER_PID))  # starts no processes
+    launcher.launch(lambda: None)
+    assert seen == [str(os.getpid())]
+    assert LAUNCHER_PID not in os.environ
+
+
+@pytest.mark.slow
+def test_a_rank_whose_launcher_died_before_its_watchdog_started_exits_at_once(tmp_path):
+    """The launching process is killed as soon as its child exists, while the child still imports:
+    the child's parent is then init, alive, so only the launcher's pid (from the environment) shows
+    the child it is orphaned; without it the child waited at the rendezvous for 5 minutes."""
+    proc, _ = start(tmp_path / "out", ["--trainer.strategy.class_path", "lightning_diffusion.strategies.DataParallelStrategy"])
+    deadline = time.monotonic() + 120
+    while not children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert children(proc.pid), "the launcher started no child"
+    os.kill(proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    proc.wait()  # reaped: the group's leader is not left as a zombie
+    while group_alive(proc.pid) and time.monotonic() < killed_at + 90:
+        time.sleep(0.1)
+    alive = group_alive(proc.pid)
+    if alive:
+        os.killpg(proc.pid, signal.SIGKILL)
+    output, _ = proc.communicate()
+    assert not alive, f"the orphaned rank was still running 90 s after its launcher died:\n{output[-3000:]}"
+    assert "rank 1: the launching process is gone; exiting." in output, output[-3000:]
 
 
 def test_the_launcher_leaves_the_watching_to_the_watchdog():

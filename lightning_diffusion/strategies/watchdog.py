@@ -11,7 +11,12 @@ watchdog runs a daemon thread in every process of a node, from just before the r
 * in the launching process (local rank 0), it polls the children; when one exits non-zero it
   names that rank and the reason, kills the other children and ends the job with exit code 1;
 * in a child, it ends the process when the launching process is gone (and asks the kernel to do
-  the same at once, with ``PR_SET_PDEATHSIG``).
+  the same at once, with ``PR_SET_PDEATHSIG``); the launcher's pid comes in the child's
+  environment (``LAUNCHER_PID``), so a launcher that died before the child's watchdog started is
+  noticed too.
+
+It stands down when Lightning tears the strategy down: the end of the run (the writer's drain and
+merge) is covered by the writer's end-of-run gather instead.
 
 Ranks on other nodes find out through the process-group timeout (the strategy's ``timeout``).
 """
@@ -36,6 +41,10 @@ from lightning_diffusion.console import log
 _ALL = {"all_ranks": True}  # a rank's own news: printed on every rank
 
 _POLL_S = 0.5
+# The launching process's pid, for its children: one whose launcher died before the child's watchdog
+# started (while it imported torch, say) would otherwise find only a live parent (init or a
+# subreaper) and wait at the rendezvous until RENDEZVOUS_TIMEOUT.
+LAUNCHER_PID = "LIGHTNING_DIFFUSION_LAUNCHER_PID"
 
 
 def _describe(code: int) -> str:
@@ -54,7 +63,11 @@ class Launcher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
-            self._call_children_scripts()
+            os.environ[LAUNCHER_PID] = str(os.getpid())  # in the children's environment only
+            try:
+                self._call_children_scripts()
+            finally:
+                del os.environ[LAUNCHER_PID]
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -75,6 +88,10 @@ class Watchdog:
         elif self.rank % self.processes_per_node != 0 and os.environ.get("LOCAL_RANK", "0") != "0":
             target = self._watch_parent
             self._die_with_parent()
+            # Taken from the environment (and dropped from it, for this rank's own children): the
+            # parent now may already be init, where the launcher died before the line above.
+            launcher = os.environ.pop(LAUNCHER_PID, "")
+            self._parent = int(launcher) if launcher.isdigit() else os.getppid()
         else:
             return
         threading.Thread(target=target, name="lightning-diffusion-watchdog", daemon=True).start()
@@ -121,11 +138,13 @@ class Watchdog:
                 os._exit(1)
 
     def _watch_parent(self) -> None:
-        parent = os.getppid()
-        while not self._stop.wait(_POLL_S):
+        parent = self._parent
+        while True:
             if os.getppid() != parent:
                 log.error(f"lightning-diffusion: rank {self.rank}: the launching process is gone; exiting.", extra=_ALL)
                 os._exit(1)
+            if self._stop.wait(_POLL_S):
+                return
 
     @staticmethod
     def _die_with_parent() -> None:
