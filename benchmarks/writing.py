@@ -2,14 +2,17 @@
 and the encoding cost of each format and size, side by side in one run.
 
     python benchmarks/writing.py [--sizes 64 256] [--steps 20] [--pairs 200 60]
-        [--paths nothing position process thread sync] [--fsync batch]
+        [--paths nothing position process thread sync ipc encode] [--fsync batch]
 
 One process, one compute thread (``OMP_NUM_THREADS=1``: one core computes, as one GPU would; the
 second core is left to the writers, and a line before each path says how free it was). Ours is
 ``Trainer.predict`` with ``ImageWriter`` (PNG with metadata, atomic writes, fsync, manifest)
 writing in its writer process (``process``, the default), in threads of the rank (``thread``), or
 on the prediction thread (``sync``: ``write_workers: 0``); the reference is a bare diffusers loop
-that saves PNGs synchronously at our compression level (1).
+that saves PNGs synchronously at our compression level (1). Where the writer process's cost goes
+(by name only, not run by default): ``ipc``, a writer process that receives each batch and writes
+nothing (the hand-over alone), and ``encode``, one that encodes each picture with its metadata
+into memory (no file calls), both from ``writing_parts.py``.
 
 This VM's compute speed moves by 10% from one batch to the next (thread CPU time as much as wall
 time: not stolen time, the host), more than the differences looked for, so the two paths take
@@ -55,6 +58,7 @@ from PIL import Image
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
 from lightning_diffusion.pipelines import inspect_pipeline
+from writing_parts import EncodeFiles, HandOverFiles  # benchmarks/: importable by the writer process too
 
 FORMATS = {"png level 1": ("PNG", {"compress_level": 1}), "png level 6 (Pillow's default)": ("PNG", {"compress_level": 6}),
            "webp q90": ("WEBP", {"quality": 90}), "jpeg q90": ("JPEG", {"quality": 90})}
@@ -62,7 +66,10 @@ REFERENCE = "diffusers, PNG saved (level 1)"
 PATHS = {"nothing": "diffusers, nothing saved (the limit)",
          "position": "diffusers, PNG saved, against itself (the position in a pair alone)", "process": "ours, writer process (default)",
          "thread": "ours, writer threads (write_in: thread)",
-         "sync": "ours, on the prediction thread (write_workers: 0)"}
+         "sync": "ours, on the prediction thread (write_workers: 0)",
+         "ipc": "ours, writer process that writes nothing (the hand-over alone)",
+         "encode": "ours, writer process encoding in memory only (no file calls)"}
+PARTS = ("ipc", "encode")  # where the writer process's cost goes: asked for by name only
 CALLS: dict[int, list[float]] = {}  # id of a pipeline object: seconds of each of its calls
 
 
@@ -168,7 +175,7 @@ class _Interleave(Callback):
 
 
 def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int, write_in: str,
-                      fsync: str = "batch") -> Pairs:
+                      fsync: str = "batch", writer: type = ImageWriter) -> Pairs:
     pairs = Pairs()
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as ours_out, tempfile.TemporaryDirectory() as bare_out:
@@ -178,7 +185,7 @@ def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int
                           # the bare batch first: ours' images are queued after it, so that the writer's
                           # work overlaps ours' next batch (as in a run of ours alone), not the bare batch
                           callbacks=[_Interleave(bare, pairs),
-                                     ImageWriter(ours_out, write_workers=workers, write_in=write_in, fsync=fsync)])
+                                     writer(ours_out, write_workers=workers, write_in=write_in, fsync=fsync)])
         module = DiffusionModule("tiny:flux", height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
                                  call_kwargs={"max_sequence_length": 64})
         every = [p for k in range(count + 1) for p in prompts(k)]
@@ -202,6 +209,14 @@ def bare_against_saving(path: str, size: int, steps: int, count: int, save: bool
                 pairs.first.append(times[0])
                 pairs.second.append(times[1])
     return pairs
+
+
+class HandOverWriter(ImageWriter):
+    files_class = HandOverFiles
+
+
+class EncodeWriter(ImageWriter):
+    files_class = EncodeFiles
 
 
 PIN: list[int] = []  # --pin: the compute core and the writers' core
@@ -262,6 +277,10 @@ RUNS = {
     "process": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 2, "process", fsync),
     "thread": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 2, "thread", fsync),
     "sync": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 0, "thread", fsync),
+    "ipc": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 2, "process", fsync,
+                                                                     HandOverWriter),
+    "encode": lambda path, size, steps, count, fsync: ours_against_bare(path, size, steps, count, 2, "process", fsync,
+                                                                        EncodeWriter),
 }
 
 
@@ -295,7 +314,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pairs", type=int, nargs="+", default=[200, 60], help="pairs of batches of 4, a size each")
-    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS),
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=[p for p in PATHS if p not in PARTS],
                         help="each compared with the bare loop saving PNGs")
     parser.add_argument("--fsync", choices=["batch", "file", "off"], default="batch", help="ours' writer.fsync")
     parser.add_argument("--encode-sizes", type=int, nargs="+", default=[64, 512, 1024, 2048])
