@@ -124,6 +124,24 @@ def test_the_launcher_tells_only_its_children_its_pid():
     assert LAUNCHER_PID not in os.environ
 
 
+def test_a_child_rank_watches_its_launcher_only_where_that_is_its_parent_or_gone(monkeypatch):
+    """The pid from the environment is taken (and dropped, for the rank's own children) where it is
+    the parent or a process that is gone; a launcher alive but not the parent (a wrapper that forks,
+    a value inherited from elsewhere) leaves the parent watched."""
+    from lightning_diffusion.strategies.watchdog import launching_process
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for value, watched in [(None, os.getppid()), (str(os.getppid()), os.getppid()), (str(gone.pid), gone.pid),
+                           (str(os.getpid()), os.getppid()), ("not a pid", os.getppid())]:
+        if value is None:
+            monkeypatch.delenv(LAUNCHER_PID, raising=False)
+        else:
+            monkeypatch.setenv(LAUNCHER_PID, value)
+        assert launching_process() == watched, value
+        assert LAUNCHER_PID not in os.environ
+
+
 @pytest.mark.slow
 def test_a_rank_whose_launcher_died_before_its_watchdog_started_exits_at_once(tmp_path):
     """The launching process is killed as soon as its child exists, while the child still imports:

@@ -12,11 +12,13 @@ watchdog runs a daemon thread in every process of a node, from just before the r
   names that rank and the reason, kills the other children and ends the job with exit code 1;
 * in a child, it ends the process when the launching process is gone (and asks the kernel to do
   the same at once, with ``PR_SET_PDEATHSIG``); the launcher's pid comes in the child's
-  environment (``LAUNCHER_PID``), so a launcher that died before the child's watchdog started is
-  noticed too.
+  environment (``LIGHTNING_DIFFUSION_LAUNCHER_PID``), so a launcher that died before the child's
+  watchdog started is noticed too.
 
-It stands down when Lightning tears the strategy down: the end of the run (the writer's drain and
-merge) is covered by the writer's end-of-run gather instead.
+It stands down when Lightning tears the strategy down: at the end of the run (the writer's drain
+and merge) the ranks wait in the writer's end-of-run gather instead, where each says how its
+writing ended; a peer that dies there is noticed by gloo (its connections close), a lost node at
+the idle group's timeout.
 
 Ranks on other nodes find out through the process-group timeout (the strategy's ``timeout``).
 """
@@ -63,13 +65,36 @@ class Launcher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
+            inherited = os.environ.get(LAUNCHER_PID)
             os.environ[LAUNCHER_PID] = str(os.getpid())  # in the children's environment only
             try:
                 self._call_children_scripts()
             finally:
-                del os.environ[LAUNCHER_PID]
+                if inherited is None:
+                    os.environ.pop(LAUNCHER_PID, None)
+                else:
+                    os.environ[LAUNCHER_PID] = inherited
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+
+def launching_process() -> int:
+    """The pid a child rank watches: its launcher's, taken from the environment (and dropped from
+    it, for the rank's own children), where that process is gone or is the parent; else the
+    parent's (a rank started otherwise, or through a wrapper that forks: the launcher alive but
+    not the parent). The parent alone may already be init, where the launcher died while the
+    child imported torch."""
+    launcher = os.environ.pop(LAUNCHER_PID, "")
+    parent = os.getppid()
+    if not launcher.isdigit() or int(launcher) == parent:
+        return parent
+    try:
+        os.kill(int(launcher), 0)
+    except ProcessLookupError:
+        return int(launcher)  # gone: the watch ends this rank at once
+    except PermissionError:
+        pass  # alive, another user's: not our launcher
+    return parent
 
 
 class Watchdog:
@@ -88,10 +113,7 @@ class Watchdog:
         elif self.rank % self.processes_per_node != 0 and os.environ.get("LOCAL_RANK", "0") != "0":
             target = self._watch_parent
             self._die_with_parent()
-            # Taken from the environment (and dropped from it, for this rank's own children): the
-            # parent now may already be init, where the launcher died before the line above.
-            launcher = os.environ.pop(LAUNCHER_PID, "")
-            self._parent = int(launcher) if launcher.isdigit() else os.getppid()
+            self._parent = launching_process()
         else:
             return
         threading.Thread(target=target, name="lightning-diffusion-watchdog", daemon=True).start()
@@ -118,6 +140,8 @@ class Watchdog:
     def report_failure(self) -> None:
         """Called when this process fails: say whether a child rank died first (often the cause:
         a collective with a dead peer fails on the survivors)."""
+        if not self.children:  # a child rank: nothing to wait for, its own message comes next
+            return
         dead = self.dead_child(wait_s=1.0)
         if dead:
             log.error(f"lightning-diffusion: {dead} first; stopping the other ranks of this node.", extra=_ALL)
