@@ -24,6 +24,23 @@ from tests.test_resume import finished_lines
 SHAPES = ["--data.prompts", "configs/prompts/shapes.txt", "--model.num_inference_steps", "2"]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _output_of(proc: subprocess.Popen, timeout: float, what: str) -> str:
+    """The run's output once it has ended; its whole session killed and the test failed if it hangs."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{what} hung:\n{output[-3000:]}")
+    return output
+
+
 def _start_run(writer: str, prompts: str, batch_size: int, tail: str = "", **popen) -> subprocess.Popen:
     """A tiny:flux predict in its own process (session) with ``writer`` (an expression), on a port of
     its own (another test's process group may hold Lightning's)."""
@@ -39,11 +56,8 @@ def _start_run(writer: str, prompts: str, batch_size: int, tail: str = "", **pop
         f"                    datamodule=PromptDataModule({prompts}, batch_size={batch_size}))\n"
         + (tail or "run()\n")
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     return subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True,
-                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, **popen)
+                            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}, **popen)
 
 
 def test_background_writing_gives_the_files_and_manifest_of_writing_on_the_prediction_thread(tmp_path):
@@ -254,12 +268,7 @@ def test_a_failing_run_with_dataloader_workers_ends_instead_of_waiting_for_its_w
     proc = _start_run(f"FailingWriter({str(tmp_path / 'out')!r})", "[f'p{i}' for i in range(12)], num_workers=1", 1,
                       "try:\n    run()\nexcept RuntimeError as err:\n    print('raised:', err)\n",
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the failing run hung:\n{output[-3000:]}")
+    output = _output_of(proc, 120, "the failing run")
     assert "raised: writing images failed: OSError: disk full (on purpose)" in output, output[-3000:]
 
 
@@ -287,19 +296,11 @@ def test_a_writer_that_fails_at_its_drain_on_rank_1_fails_rank_0_too(tmp_path):
         "print(f'rank {trainer.global_rank} ended without an error', flush=True)\n"
         "end_process(0)\n")
     out = tmp_path / "out"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(script), str(out)], cwd=REPO, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the run hung:\n{output[-3000:]}")
+    output = _output_of(proc, 240, "the run")
     assert "rank 1 raised: writing images failed: OSError: disk full (on purpose)" in output, output[-3000:]
     assert "rank 0 raised: writing images failed on rank 1: OSError: disk full (on purpose)" in output, output[-3000:]
     assert "ended without an error" not in output
