@@ -26,6 +26,5 @@ class EncodeFiles(OutputFiles):
 
     def write_batch(self, prediction: list[dict[str, Any]]) -> None:
         for item in prediction:
-            metadata = {"index": item["index"], "prompt": item["prompt"], "seed": item["seed"], **item["params"]}
-            self.encode(Image.fromarray(to_uint8(item["image"])), metadata, io.BytesIO())
+            self.encode(Image.fromarray(to_uint8(item["image"])), self.metadata(item), io.BytesIO())
 

@@ -129,10 +129,8 @@ class OutputFiles:
 
     def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
         """Write one image or video (and its array) atomically; return its manifest line."""
-        index, prompt, params = item["index"], item["prompt"], item["params"]
-        metadata = {"index": index, "prompt": prompt, "seed": item["seed"], **params}
-        if item.get("negative_prompt") is not None:
-            metadata["negative_prompt"] = item["negative_prompt"]
+        index, prompt = item["index"], item["prompt"]
+        metadata = self.metadata(item)
         pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
         sync = self.fsync != "off"
         if pixels.ndim == 4:  # a video: frames x height x width x 3
@@ -154,6 +152,14 @@ class OutputFiles:
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
         }, "written": round(time.time(), 3)}
+
+    @staticmethod
+    def metadata(item: dict[str, Any]) -> dict[str, Any]:
+        """The parameters a file carries: index, prompt, seed, the call's parameters (and the negative prompt)."""
+        metadata = {"index": item["index"], "prompt": item["prompt"], "seed": item["seed"], **item["params"]}
+        if item.get("negative_prompt") is not None:
+            metadata["negative_prompt"] = item["negative_prompt"]
+        return metadata
 
     def encode(self, picture: Image.Image, metadata: dict[str, Any], file: Any) -> None:
         """One picture in ``image_format``, its parameters where that format keeps text."""

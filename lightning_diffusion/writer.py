@@ -153,15 +153,12 @@ def _cause(failed: Optional[BaseException]) -> Optional[str]:
 def _gather_idle(strategy: Any, obj: Any) -> list[Any]:
     """``obj`` of every rank by global rank: with our strategies on their idle group (no collective
     timeout); with another strategy on the default group (its timeout applies)."""
-    gather = getattr(strategy, "gather_idle", None)
-    if gather is not None:
-        return gather(obj)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     objects: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(objects, obj)
+    dist.all_gather_object(objects, obj, group=getattr(strategy, "idle_group", None))
     return objects
 
 

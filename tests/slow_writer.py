@@ -27,8 +27,12 @@ class SlowWriter(ImageWriter):
 
 
 class FailingFiles(OutputFiles):
+    @staticmethod
+    def fails(metadata):
+        return metadata["index"] == 2
+
     def encode(self, picture, metadata, file):
-        if metadata["index"] == 2:
+        if self.fails(metadata):
             raise OSError("disk full (on purpose)")
         super().encode(picture, metadata, file)
 
@@ -37,11 +41,10 @@ class FailingWriter(ImageWriter):
     files_class = FailingFiles
 
 
-class LastFailsFiles(OutputFiles):
-    def encode(self, picture, metadata, file):
-        if metadata["prompt"] == "the last one fails":
-            raise OSError("disk full (on purpose)")
-        super().encode(picture, metadata, file)
+class LastFailsFiles(FailingFiles):
+    @staticmethod
+    def fails(metadata):
+        return metadata["prompt"] == "the last one fails"
 
 
 class LastFailsWriter(ImageWriter):

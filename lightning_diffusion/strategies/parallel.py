@@ -360,14 +360,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
-    def gather_idle(self, obj: Any) -> list[Any]:
-        """``obj`` of every rank, by global rank, on the idle group (as ``barrier``: no collective
-        timeout): how ranks that end at different times tell each other how they ended."""
-        if not _distributed_is_initialized():
-            return [obj]
-        objects: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(objects, obj, group=self._idle_group)
-        return objects
+    @property
+    def idle_group(self) -> Optional[Any]:
+        """The gloo group of every rank with ``IDLE_TIMEOUT``, for waits as long as another rank's
+        last images (``barrier``, the writer's end-of-run gather); None before the process group."""
+        return self._idle_group
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
