@@ -99,8 +99,11 @@ def test_the_pipe_frames_carry_arrays_exactly_and_a_cut_frame_reads_as_the_end(v
 def _children(pid: int) -> list[int]:
     found = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(child) for child in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(child) for child in f.read().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            pass
     return found
 
 
