@@ -176,20 +176,20 @@ def check_config(config: Any) -> bool:
 def report_config_error(err: ValueError, prog: str) -> int:
     """For a command's ``except ValueError``: print the ConfigError behind ``err`` as
     ``PROG: error: MESSAGE`` (no traceback) and return exit code 2; anything else is re-raised."""
-    message = config_error_message(err)
-    if message is None:
+    error = config_error(err)
+    if error is None:
         raise err
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    print(f"{prog}: error: {error}", file=sys.stderr)
     return 2
 
 
-def config_error_message(err: BaseException) -> Optional[str]:
-    """The message of the ConfigError behind ``err`` (itself or in its chain), if there is one."""
+def config_error(err: BaseException) -> Optional[ConfigError]:
+    """The ConfigError behind ``err`` (itself or in its chain), if there is one."""
     seen = set()
     current: Optional[BaseException] = err
     while current is not None and id(current) not in seen:
         if isinstance(current, ConfigError):
-            return str(current)
+            return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None

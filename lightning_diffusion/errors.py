@@ -11,13 +11,20 @@ class ConfigError(ValueError):
     """A config value, path or file that cannot work; raised before weights load."""
 
 
+class NodeConfigError(ConfigError):
+    """A problem of this machine's hardware (how many GPUs it has, their compute capability), which
+    the job's other nodes may not share: each node's first process reports it, naming its host."""
+
+
 def raise_problems(problems: list) -> None:
     """Raise one ConfigError naming every problem found (messages or ConfigErrors; nothing if none).
-    A single ConfigError is raised as it is, keeping its type."""
+    A single ConfigError is raised as it is, keeping its type; several are a NodeConfigError where
+    one of them is."""
     if len(problems) == 1:
         raise problems[0] if isinstance(problems[0], ConfigError) else ConfigError(problems[0])
     if problems:
-        raise ConfigError(f"{len(problems)} problems:\n  - " + "\n  - ".join(map(str, problems)))
+        kind = NodeConfigError if any(isinstance(p, NodeConfigError) for p in problems) else ConfigError
+        raise kind(f"{len(problems)} problems:\n  - " + "\n  - ".join(map(str, problems)))
 
 
 def gather(problems: list, check, *args, **kwargs):

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, NodeConfigError
 
 # Backends that quantize full-precision weights while they load, and the package each needs.
 BACKEND_PACKAGES = {
@@ -129,7 +129,7 @@ def device_problem(spec: Optional[Mapping[str, Any]], device: torch.device) -> N
     backend, quant_type = spec.get("backend"), spec.get("quant_type")
     if device.type == "cuda" and backend == "torchao":
         if quant_type == "float8dq" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-            raise ConfigError("model.quantization: torchao float8dq needs CUDA compute capability 8.9 or higher "
+            raise NodeConfigError("model.quantization: torchao float8dq needs CUDA compute capability 8.9 or higher "
                               f"(this GPU: {'.'.join(map(str, torch.cuda.get_device_capability()))}); use int8wo "
                               "or int8dq.")
         if quant_type == "int4wo" and importlib.util.find_spec("mslk") is None:

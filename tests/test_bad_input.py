@@ -165,6 +165,43 @@ def test_under_srun_only_the_first_task_of_the_job_prints_the_error(files, capsy
     assert ("data.batch_size must be" in capsys.readouterr().err) == says
 
 
+SRUN_TASK = {"SLURM_PROCID": "9", "SLURM_LOCALID": "0", "SLURM_NODEID": "1"}  # the first task of node 1
+
+
+@pytest.mark.parametrize("environ, config_says, node_says", [
+    ({}, True, True),  # one process
+    ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, True, True),
+    (SRUN_TASK, False, True),
+    ({**SRUN_TASK, "SLURM_PROCID": "10", "SLURM_LOCALID": "1"}, False, False),
+    ({"NODE_RANK": "1"}, True, True),  # the launching process of node 1 (it starts that node's ranks)
+    ({"NODE_RANK": "1", "LOCAL_RANK": "2"}, False, False),  # a rank it started
+    ({**SRUN_TASK, "LOCAL_RANK": "1"}, False, False),  # a rank started by node 1's task
+])
+def test_a_problem_of_one_node_is_said_by_that_nodes_first_process_naming_its_host(environ, config_says, node_says):
+    """A config problem is said once, by the job's first process; a node's too few GPUs by the first
+    process of each node that has too few (else a job whose node 1 lacks GPUs ends with exit code 2
+    and no message: node 0's processes find nothing, and srun stops them when node 1's exit)."""
+    import socket
+
+    from lightning_diffusion.commands.predict import error_line
+    from lightning_diffusion.errors import ConfigError, NodeConfigError
+
+    assert error_line(ConfigError("data.batch_size must be ..."), environ) == (
+        "lightning-diffusion: error: data.batch_size must be ..." if config_says else None)
+    assert error_line(NodeConfigError("8 GPUs, but this node has 4."), environ) == (
+        f"lightning-diffusion: error: on {socket.gethostname()}: 8 GPUs, but this node has 4." if node_says else None)
+
+
+def test_problems_found_together_are_one_nodes_own_where_one_of_them_is():
+    from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems
+
+    with pytest.raises(NodeConfigError, match="2 problems:\n  - too few GPUs\n  - bad size"):
+        raise_problems([NodeConfigError("too few GPUs"), "bad size"])
+    with pytest.raises(ConfigError) as raised:
+        raise_problems(["bad size", ConfigError("bad steps")])
+    assert type(raised.value) is ConfigError
+
+
 @pytest.mark.parametrize("command", ["verify", "benchmark"])
 def test_every_subcommand_reports_bad_input_like_predict(command, files, cli_here):
     proc = cli_here(command, "--config", "configs/tiny-flux.yaml", "--data.prompts", f"{files}/nope.txt")

@@ -3,19 +3,44 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
+from collections.abc import Mapping
+from typing import Optional
 
 from lightning_diffusion import preemption
-from lightning_diffusion.config import DiffusionCLI, config_error_message
+from lightning_diffusion.config import DiffusionCLI, config_error
+from lightning_diffusion.errors import ConfigError, NodeConfigError
 
 
-def first_process() -> bool:
+def first_process(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this is the job's first process: global rank 0 (``RANK``, or ``SLURM_PROCID`` for the
     tasks ``srun`` starts on every node), else the first process of its node."""
     for variable in ("RANK", "SLURM_PROCID"):
-        if variable in os.environ:
-            return os.environ[variable] == "0"
-    return os.environ.get("LOCAL_RANK", "0") == "0"
+        if variable in environ:
+            return environ[variable] == "0"
+    return first_process_of_node(environ)
+
+
+def first_process_of_node(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this is its node's first process: local rank 0 (``LOCAL_RANK``, set by the launcher
+    for the ranks it starts, or ``SLURM_LOCALID`` for srun's tasks); a process with neither is one."""
+    for variable in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if variable in environ:
+            return environ[variable] == "0"
+    return True
+
+
+def error_line(error: ConfigError, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """What this process prints for a refusal, or None where another process says it. Every
+    process finds a problem of the config: the job's first one says it. A problem of one machine
+    (``NodeConfigError``: too few GPUs, say) may be found on some nodes only, whose processes are
+    not the job's first: the first process of each node that finds it says it, naming the host."""
+    if isinstance(error, NodeConfigError):
+        if not first_process_of_node(environ):
+            return None
+        return f"lightning-diffusion: error: on {socket.gethostname()}: {error}"
+    return f"lightning-diffusion: error: {error}" if first_process(environ) else None
 
 
 def main(argv: list[str]) -> int:
@@ -32,13 +57,13 @@ def main(argv: list[str]) -> int:
             return preemption.INTERRUPT_EXIT_CODE
         raise
     except ValueError as err:
-        message = config_error_message(err)
-        if message is None:
+        error = config_error(err)
+        if error is None:
             raise
         # Input that cannot work: the message says what to change; a traceback adds nothing.
-        # Every process finds the same problem; the job's first one says it.
-        if first_process():
-            print(f"lightning-diffusion: error: {message}", file=sys.stderr)
+        line = error_line(error)
+        if line is not None:
+            print(line, file=sys.stderr)
         return 2
     finally:
         import torch.distributed as dist

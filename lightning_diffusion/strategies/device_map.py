@@ -14,7 +14,7 @@ import torch
 from lightning_diffusion import quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, check_int, gather
+from lightning_diffusion.errors import ConfigError, NodeConfigError, check_int, gather
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
@@ -209,7 +209,7 @@ class DeviceMapStrategy(MeshStrategy):
                 what = f"{self.num_processes} processes x devices_per_process {self.devices_per_process} = {needed} GPUs"
                 where = "this node has"
             if needed > torch.cuda.device_count():
-                raise ConfigError(f"{what}, but {where} {torch.cuda.device_count()}.")
+                raise NodeConfigError(f"{what}, but {where} {torch.cuda.device_count()}.")
         elif self.device_map == "balanced":
             raise ConfigError("device_map 'balanced' spreads components over GPUs; on a CPU use 'auto' (with offload_folder).")
         for key in self.max_memory:
