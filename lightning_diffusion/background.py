@@ -16,7 +16,9 @@ written, synced and renamed, then its manifest line):
 Both hold at most ``queue_size`` batches waiting plus one per worker being written; ``put`` blocks
 when the queue is full. ``close(wait=True)`` writes everything queued, ``close(wait=False)`` (Ctrl-C)
 drops what still waits (it has no manifest line, so a resume makes it) and finishes what is being
-written. The first error of any batch is kept and handed out by ``take_error``.
+written. The first error of any batch is kept and handed out by ``take_error``. A ``put`` or a
+``close`` that waits for the writers longer than ``STALL_WARNING`` seconds says so, again each
+time as long (a stalled network file system hangs the writers' file calls, and with them the rank).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ import time
 import traceback
 from typing import Any, BinaryIO, Optional
 
+from lightning_diffusion.console import log
 from lightning_diffusion.files import OutputFiles
 
 WRITE_IN = ("process", "thread")
+STALL_WARNING = 300.0  # seconds a put or a close waits for the writers before it says so
 
 
 class WriteFailed(Exception):
@@ -52,11 +56,12 @@ def _failure(err: BaseException) -> WriteFailed:
 
 
 class _Writers:
-    def __init__(self, queue_size: int) -> None:
+    def __init__(self, queue_size: int, name: str) -> None:
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.name = name  # who waits, in the stall warnings ("rank 3's image writers")
         self._error: Optional[WriteFailed] = None
         self._error_lock = threading.Lock()
-        self._ends_queued = False
+        self._ends_queued = 0  # ends put in the queue by close
 
     def fail(self, err: BaseException) -> None:
         with self._error_lock:
@@ -67,8 +72,28 @@ class _Writers:
             error, self._error = self._error, None
         return error
 
-    def put(self, prediction: list[dict[str, Any]]) -> None:
-        self.jobs.put(prediction)  # blocks while the queue is full: memory stays bounded
+    def put(self, prediction: Optional[list[dict[str, Any]]]) -> None:
+        """Queue a batch (None: a writer's end); blocks while the queue is full: memory stays bounded."""
+        waited = 0.0
+        while True:
+            try:
+                return self.jobs.put(prediction, timeout=STALL_WARNING)
+            except queue.Full:
+                waited += STALL_WARNING
+                self._stalled(f"have taken no batch for {waited:g} s (their queue of {self.jobs.maxsize} is full): "
+                              "prediction waits for them")
+
+    def _join(self, thread: threading.Thread) -> None:
+        waited = 0.0
+        thread.join(STALL_WARNING)
+        while thread.is_alive():
+            waited += STALL_WARNING
+            self._stalled(f"are still writing the batches they hold after {waited:g} s of waiting for them")
+            thread.join(STALL_WARNING)
+
+    def _stalled(self, what: str) -> None:
+        log.warning(f"{self.name} {what}. A stalled file system (the output folder's network mount, say) "
+                    "hangs their file calls.", extra={"all_ranks": True})
 
     def _drop_waiting(self) -> None:
         """Drop the batches that wait (an end already queued stays queued)."""
@@ -95,8 +120,8 @@ class _Writers:
 
 
 class WriterThreads(_Writers):
-    def __init__(self, files: OutputFiles, workers: int, queue_size: int) -> None:
-        super().__init__(queue_size)
+    def __init__(self, files: OutputFiles, workers: int, queue_size: int, name: str = "the image writers") -> None:
+        super().__init__(queue_size, name)
         self.files = files
         self.threads = [threading.Thread(target=self._work, name=f"image-writer-{n}", daemon=True)
                         for n in range(workers)]
@@ -116,13 +141,11 @@ class WriterThreads(_Writers):
                 self.jobs.task_done()
 
     def _stop(self) -> None:
-        self.jobs.join()
-        if not self._ends_queued:
-            self._ends_queued = True
-            for _ in self.threads:
-                self.jobs.put(None)  # taken by the threads as they end
+        while self._ends_queued < len(self.threads):  # counted once queued: an interrupted close goes on
+            self.put(None)  # after the batches queued (taken in order): each thread ends at one
+            self._ends_queued += 1
         for thread in self.threads:
-            thread.join()
+            self._join(thread)
 
 
 # ----------------------------------------------------------------------------------- the pipe's frames
@@ -185,8 +208,8 @@ _CHILD = ("import signal; [signal.signal(getattr(signal, name), signal.SIG_IGN) 
 
 
 class WriterProcess(_Writers):
-    def __init__(self, files: OutputFiles, workers: int, queue_size: int) -> None:
-        super().__init__(queue_size)
+    def __init__(self, files: OutputFiles, workers: int, queue_size: int, name: str = "the image writers") -> None:
+        super().__init__(queue_size, name)
         self.slots = threading.Semaphore(workers)  # batches the child holds at most
         self.workers = workers
         self._ended = threading.Event()  # the child is gone (or its pipe broke): nothing more is sent
@@ -276,10 +299,10 @@ class WriterProcess(_Writers):
 
     def _stop(self) -> None:
         if not self._ends_queued:
-            self._ends_queued = True
-            self.jobs.put(None)  # after everything queued (or alone, after a drop)
-        self.feeder.join()
-        self.reader.join()
+            self.put(None)  # after everything queued (or alone, after a drop)
+            self._ends_queued = 1
+        self._join(self.feeder)
+        self._join(self.reader)
         self.acks.close()
 
 

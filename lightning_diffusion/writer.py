@@ -348,7 +348,8 @@ class ImageWriter(BasePredictionWriter):
         self._part = self.output_dir / part_name(self.shard, trainer.global_rank)
         if self.write_workers and self.writes_outputs(trainer):
             kind = WriterProcess if self.write_in == "process" else WriterThreads
-            self._writers = kind(self.files, self.write_workers, self.write_queue)
+            self._writers = kind(self.files, self.write_workers, self.write_queue,
+                                 f"rank {trainer.global_rank}'s image writers")
 
     @property
     def files(self) -> OutputFiles:

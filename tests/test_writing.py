@@ -327,3 +327,35 @@ def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_
     assert [line["index"] for line in lines] == [0, 1]
     assert [(tmp_path / line["file"]).stat().st_size for line in lines] == [line["bytes"] for line in lines]
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([line["file"] for line in lines] + ["part.jsonl"])
+
+
+@pytest.mark.parametrize("write_in", ["process", "thread"])
+def test_writers_that_take_no_batch_for_long_say_so_and_still_write_every_batch(tmp_path, monkeypatch, write_in):
+    """Writers held up (a second an image here, a stalled network mount on a cluster): a put that
+    waits for them longer than STALL_WARNING says so, and so does the close, naming the rank."""
+    import logging
+
+    from lightning_diffusion import background
+    from tests.slow_writer import SlowFiles
+
+    monkeypatch.setattr(background, "STALL_WARNING", 0.4)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("lightning_diffusion").addHandler(handler)
+    try:
+        kind = background.WriterProcess if write_in == "process" else background.WriterThreads
+        writers = kind(SlowFiles(tmp_path, part=tmp_path / "part.jsonl"), 1, 1, "rank 3's image writers")
+        for index in range(3):  # one being written, one waiting: the third put waits about a second
+            writers.put([{"index": index, "prompt": "p", "seed": index, "params": {},
+                          "image": np.zeros((8, 8, 3), np.float32)}])
+        writers.close()
+    finally:
+        logging.getLogger("lightning_diffusion").removeHandler(handler)
+    assert writers.take_error() is None
+    lines = (tmp_path / "part.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == [0, 1, 2]
+    assert ("rank 3's image writers have taken no batch for 0.4 s (their queue of 1 is full): prediction waits for "
+            "them. A stalled file system (the output folder's network mount, say) hangs their file calls.") in said
+    assert "rank 3's image writers are still writing the batches they hold after 0.4 s of waiting for them. " \
+        "A stalled file system (the output folder's network mount, say) hangs their file calls." in said
