@@ -3,6 +3,8 @@ and the encoding cost of each format and size, side by side in one run.
 
     python benchmarks/writing.py [--sizes 64 256] [--steps 20] [--pairs 200 60]
         [--paths nothing position process thread sync ipc encode] [--fsync batch]
+    python benchmarks/writing.py --second-core python png files [--pairs 60]
+    python benchmarks/writing.py --sizes 64 --pin-thread  (the compute thread and the writer on their own cores)
 
 One process, one compute thread (``OMP_NUM_THREADS=1``: one core computes, as one GPU would; the
 second core is left to the writers, and a line before each path says how free it was). Ours is
@@ -31,6 +33,9 @@ images) and on the prediction thread outside it; "the calls counted alike" is th
 call's noise left out (both calls of a pair taken as the reference's), which leaves out any
 slowing of ours' call as well. The writer process's CPU time is printed.
 Encoding: a tiny:shapes picture resized to each size, each format, median of 5 encodes.
+``--second-core`` measures only whether the second core is free for the writer's work: the bare
+loop's batches (64x64, saving nothing) taking turns with the second core idle and busy with a
+Python loop, the writer's PNG encoding, or its encoding and file calls.
 """
 
 from __future__ import annotations
@@ -170,6 +175,8 @@ class _Interleave(Callback):
             if PIN:  # the writer process started with the compute core's mask: it moves to the other
                 for child in _children():
                     os.sched_setaffinity(child, {PIN[1]})
+                if PIN_THREAD and PIN_THREAD[0]:  # this thread alone (Linux sets a thread's mask): the feeder and acks keep both
+                    os.sched_setaffinity(0, {PIN[0]})
         self.calls = len(calls)
         self.mark = time.perf_counter()
 
@@ -189,7 +196,12 @@ def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int
         module = DiffusionModule("tiny:flux", height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
                                  call_kwargs={"max_sequence_length": 64})
         every = [p for k in range(count + 1) for p in prompts(k)]
-        trainer.predict(module, datamodule=PromptDataModule(every, batch_size=4), return_predictions=False)
+        mask = os.sched_getaffinity(0) if PIN_THREAD and PIN_THREAD[0] else None
+        try:
+            trainer.predict(module, datamodule=PromptDataModule(every, batch_size=4), return_predictions=False)
+        finally:
+            if mask is not None:
+                os.sched_setaffinity(0, mask)  # --pin-thread: the next path starts as this one did
     if write_in == "process" and workers:  # the writer process has ended and been waited for
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         spent = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
@@ -219,7 +231,8 @@ class EncodeWriter(ImageWriter):
     files_class = EncodeFiles
 
 
-PIN: list[int] = []  # --pin: the compute core and the writers' core
+PIN: list[int] = []  # --pin, --pin-thread: the compute core and the writers' core
+PIN_THREAD: list[bool] = []  # --pin-thread: the prediction thread alone on the compute core
 
 
 def _children() -> list[int]:
@@ -227,43 +240,74 @@ def _children() -> list[int]:
             for pid in (task / "children").read_text().split()]
 
 
-def _spin(busy, ready, cpu: int, parent: int) -> None:
+def _python_load() -> None:
+    sum(i * i for i in range(10_000))
+
+
+def _writer_load(picture: Image.Image, folder: Optional[Path]) -> None:
+    """The writer's work on one 64x64 image: its PNG at level 1, and with ``folder`` its file calls
+    (a temporary file written and synced, renamed, then removed)."""
+    data = io.BytesIO()
+    picture.save(data, format="PNG", compress_level=1)
+    if folder is not None:
+        tmp, name = folder / ".image.png.tmp", folder / "image.png"
+        with open(tmp, "wb") as f:
+            f.write(data.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name)
+        name.unlink()
+
+
+def _spin(busy, ready, cpu: int, parent: int, load: str) -> None:
     os.sched_setaffinity(0, {cpu})
-    ready.set()
-    while os.getppid() == parent:  # ends with the benchmark, however it ends
-        if busy.value:
-            sum(i * i for i in range(10_000))
-        else:
-            time.sleep(0.001)
+    import numpy as np
+
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)  # a model's output: no runs to pack
+    picture = Image.fromarray(noise)
+    with tempfile.TemporaryDirectory(dir=".") as folder:
+        work = {"python": _python_load, "png": lambda: _writer_load(picture, None),
+                "files": lambda: _writer_load(picture, Path(folder))}[load]
+        ready.set()
+        while os.getppid() == parent:  # ends with the benchmark, however it ends
+            if busy.value:
+                work()
+            else:
+                time.sleep(0.001)
 
 
-def second_core_cost(path: str, count: int = 12) -> Optional[float]:
-    """How much slower the compute core runs while the second core is busy (a Python loop in another
-    process) than while it is idle: whether the writers' core is free (1.00). A rough probe: a
-    Python loop, not the writer's zlib and file calls, and ``count`` batches a state (about +-5% on
-    this VM). None where affinity cannot be set."""
+SECOND_CORE_LOADS = {"python": "a Python loop", "png": "64x64 PNGs encoded (level 1)",
+                     "files": "64x64 PNGs encoded, written, synced and renamed"}
+
+
+def second_core_cost(path: str, count: int = 12, load: str = "python") -> Optional[Pairs]:
+    """How much slower the compute core runs while the second core is busy with ``load`` (in another
+    process) than while it is idle: whether the writers' core is free (ratio 1.00). Batches taking
+    turns, busy and idle; ``count`` pairs. The default, a Python loop for 12 pairs, is a rough probe
+    (about +-5% on this VM); ``--second-core`` measures the writer's own work for longer. None where
+    affinity cannot be set."""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         return None
     import multiprocessing
 
-    context = multiprocessing.get_context("fork")  # a pure Python loop: nothing of torch runs in it
+    context = multiprocessing.get_context("fork")  # nothing of torch runs in it
     busy, ready = context.Value("i", 0, lock=False), context.Event()
     mask = os.sched_getaffinity(0)
     compute, other = sorted(mask)[:2]
-    spinner = context.Process(target=_spin, args=(busy, ready, other, os.getpid()), daemon=True)
+    spinner = context.Process(target=_spin, args=(busy, ready, other, os.getpid(), load), daemon=True)
     try:
         spinner.start()
         if not ready.wait(timeout=60):
             raise RuntimeError("the probe of the second core did not start")
         os.sched_setaffinity(0, {compute})
-        bare, times = Bare(path, 64, 20, Path("."), save=False), {0: [], 1: []}
+        bare, pairs = Bare(path, 64, 20, Path("."), save=False), Pairs()
         bare.batch(0)  # warm-up
         for k in range(count):
             for value in (0, 1) if k % 2 else (1, 0):
                 busy.value = value
                 time.sleep(0.05)
-                times[value].append(bare.batch(k)[0])
-        return statistics.fmean(times[1]) / statistics.fmean(times[0])
+                (pairs.first if value else pairs.second).append(bare.batch(k))
+        return pairs
     finally:
         if spinner.is_alive():
             spinner.kill()
@@ -320,21 +364,42 @@ def main() -> None:
     parser.add_argument("--encode-sizes", type=int, nargs="+", default=[64, 512, 1024, 2048])
     parser.add_argument("--pin", action="store_true",
                         help="compute on the first CPU, ours' writer process on the second (Linux)")
+    parser.add_argument("--second-core", nargs="+", choices=list(SECOND_CORE_LOADS),
+                        help="measure only how the compute core slows while the second core does each of these "
+                             "(--pairs: pairs of batches a load), then stop")
+    parser.add_argument("--pin-thread", action="store_true",
+                        help="from ours' first batch on, the prediction thread alone on the first CPU and ours' "
+                             "writer process on the second (Linux); the bare loop runs on that thread too")
     args = parser.parse_args()
     if min(args.pairs) < 3:
         parser.error("--pairs: at least 3 (the first pair is left out, an interval needs two)")
     torch.set_num_threads(1)
-    if args.pin:
+    if args.pin or args.pin_thread:
         PIN[:] = sorted(os.sched_getaffinity(0))[:2]
+        PIN_THREAD[:] = [args.pin_thread]
+    if args.pin:
         os.sched_setaffinity(0, {PIN[0]})
     time_pipeline_calls()
     path = inspect_pipeline("tiny:flux").path
 
     def core_line(when: str) -> None:  # this machine's second core may be free at one time and not at another
-        cost = second_core_cost(path)
-        if cost is not None:
-            print(f"{when}, the compute core took {cost:.2f}x its time while the second core was busy "
+        pairs = second_core_cost(path)
+        if pairs is not None:
+            print(f"{when}, the compute core took {pairs.ratio()[0]:.2f}x its time while the second core was busy "
                   "(against idle; 1.00: a core free for the writers)", flush=True)
+
+    if args.second_core:
+        print(f"tiny:flux 64x64, {args.steps} steps, batch 4, one compute thread; batches taking turns, the second "
+              f"core busy or idle, {args.pairs[0]} pairs a load:")
+        print("| the second core busy with | the compute core's time against idle (95% interval) |")
+        print("| --- | --- |")
+        for load in args.second_core:
+            pairs = second_core_cost(path, args.pairs[0], load)
+            if pairs is None:
+                parser.error("--second-core needs two CPUs and sched_setaffinity (Linux)")
+            mid, low, high = pairs.ratio()
+            print(f"| {SECOND_CORE_LOADS[load]} | {mid:.3f} ({low:.3f}-{high:.3f}) |", flush=True)
+        return
 
     for size, count in zip(args.sizes, args.pairs + args.pairs[-1:] * len(args.sizes)):
         runs = {}
