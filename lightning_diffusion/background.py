@@ -72,7 +72,7 @@ class _Writers:
             error, self._error = self._error, None
         return error
 
-    def put(self, prediction: Optional[list[dict[str, Any]]]) -> None:
+    def put(self, prediction: Optional[list[dict[str, Any]]], waiting: str = "prediction waits") -> None:
         """Queue a batch (None: a writer's end); blocks while the queue is full: memory stays bounded."""
         waited = 0.0
         while True:
@@ -81,7 +81,7 @@ class _Writers:
             except queue.Full:
                 waited += STALL_WARNING
                 self._stalled(f"have taken no batch for {waited:g} s (their queue of {self.jobs.maxsize} is full): "
-                              "prediction waits for them")
+                              f"{waiting} for them")
 
     def _join(self, thread: threading.Thread) -> None:
         waited = 0.0
@@ -142,7 +142,7 @@ class WriterThreads(_Writers):
 
     def _stop(self) -> None:
         while self._ends_queued < len(self.threads):  # counted once queued: an interrupted close goes on
-            self.put(None)  # after the batches queued (taken in order): each thread ends at one
+            self.put(None, "the run's end waits")  # after the batches queued (taken in order): a thread ends at one
             self._ends_queued += 1
         for thread in self.threads:
             self._join(thread)
@@ -299,7 +299,7 @@ class WriterProcess(_Writers):
 
     def _stop(self) -> None:
         if not self._ends_queued:
-            self.put(None)  # after everything queued (or alone, after a drop)
+            self.put(None, "the run's end waits")  # after everything queued (or alone, after a drop)
             self._ends_queued = 1
         self._join(self.feeder)
         self._join(self.reader)

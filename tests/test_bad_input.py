@@ -176,6 +176,9 @@ SRUN_TASK = {"SLURM_PROCID": "9", "SLURM_LOCALID": "0", "SLURM_NODEID": "1"}  # 
     ({"NODE_RANK": "1"}, True, True),  # the launching process of node 1 (it starts that node's ranks)
     ({"NODE_RANK": "1", "LOCAL_RANK": "2"}, False, False),  # a rank it started
     ({**SRUN_TASK, "LOCAL_RANK": "1"}, False, False),  # a rank started by node 1's task
+    ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "LOCAL_RANK": "1"}, False, False),  # one started by task 0
+    ({"RANK": "0", "LOCAL_RANK": "0"}, True, True),  # torchrun
+    ({"RANK": "1", "LOCAL_RANK": "1"}, False, False),
 ])
 def test_a_problem_of_one_node_is_said_by_that_nodes_first_process_naming_its_host(environ, config_says, node_says):
     """A config problem is said once, by the job's first process; a node's too few GPUs by the first

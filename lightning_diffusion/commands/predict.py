@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
 from typing import Optional
 
@@ -13,12 +14,18 @@ from lightning_diffusion.config import DiffusionCLI, config_error
 from lightning_diffusion.errors import ConfigError, NodeConfigError
 
 
+SILENT_EXIT_DELAY = 2.0  # seconds a process that does not print a refusal waits before it exits
+
+
 def first_process(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this is the job's first process: global rank 0 (``RANK``, or ``SLURM_PROCID`` for the
-    tasks ``srun`` starts on every node), else the first process of its node."""
+    tasks ``srun`` starts on every node) and its node's first (a rank the launcher started inside
+    srun's task 0 inherits its SLURM_PROCID); without either, the first process of its node."""
     for variable in ("RANK", "SLURM_PROCID"):
         if variable in environ:
-            return environ[variable] == "0"
+            if environ[variable] != "0":
+                return False
+            break
     return first_process_of_node(environ)
 
 
@@ -64,6 +71,10 @@ def main(argv: list[str]) -> int:
         line = error_line(error)
         if line is not None:
             print(line, file=sys.stderr)
+        elif preemption.in_slurm_job() or "LOCAL_RANK" in os.environ:
+            # The process that says it finds it at about the same time: exit after it, or srun's
+            # --kill-on-bad-exit (or a launcher) could stop it before it has said it.
+            time.sleep(SILENT_EXIT_DELAY)
         return 2
     finally:
         import torch.distributed as dist
