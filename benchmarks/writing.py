@@ -62,6 +62,7 @@ from lightning.pytorch import Callback, Trainer
 from PIL import Image
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+from lightning_diffusion.manifest import _atomic_write
 from lightning_diffusion.pipelines import inspect_pipeline
 from writing_parts import EncodeFiles, HandOverFiles  # benchmarks/: importable by the writer process too
 
@@ -175,7 +176,7 @@ class _Interleave(Callback):
             if PIN:  # the writer process started with the compute core's mask: it moves to the other
                 for child in _children():
                     os.sched_setaffinity(child, {PIN[1]})
-                if PIN_THREAD and PIN_THREAD[0]:  # this thread alone (Linux sets a thread's mask): the feeder and acks keep both
+                if PIN_THREAD:  # this thread alone (Linux sets a thread's mask): the feeder and acks keep both
                     os.sched_setaffinity(0, {PIN[0]})
         self.calls = len(calls)
         self.mark = time.perf_counter()
@@ -196,7 +197,7 @@ def ours_against_bare(path: str, size: int, steps: int, count: int, workers: int
         module = DiffusionModule("tiny:flux", height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
                                  call_kwargs={"max_sequence_length": 64})
         every = [p for k in range(count + 1) for p in prompts(k)]
-        mask = os.sched_getaffinity(0) if PIN_THREAD and PIN_THREAD[0] else None
+        mask = os.sched_getaffinity(0) if PIN_THREAD else None
         try:
             trainer.predict(module, datamodule=PromptDataModule(every, batch_size=4), return_predictions=False)
         finally:
@@ -232,12 +233,17 @@ class EncodeWriter(ImageWriter):
 
 
 PIN: list[int] = []  # --pin, --pin-thread: the compute core and the writers' core
-PIN_THREAD: list[bool] = []  # --pin-thread: the prediction thread alone on the compute core
+PIN_THREAD: list[bool] = []  # [True] with --pin-thread: the prediction thread alone on the compute core
 
 
 def _children() -> list[int]:
-    return [int(pid) for task in Path("/proc/self/task").iterdir()
-            for pid in (task / "children").read_text().split()]
+    found = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            found += [int(pid) for pid in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            pass
+    return found
 
 
 def _python_load() -> None:
@@ -247,16 +253,11 @@ def _python_load() -> None:
 def _writer_load(picture: Image.Image, folder: Optional[Path]) -> None:
     """The writer's work on one 64x64 image: its PNG at level 1, and with ``folder`` its file calls
     (a temporary file written and synced, renamed, then removed)."""
-    data = io.BytesIO()
-    picture.save(data, format="PNG", compress_level=1)
-    if folder is not None:
-        tmp, name = folder / ".image.png.tmp", folder / "image.png"
-        with open(tmp, "wb") as f:
-            f.write(data.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, name)
-        name.unlink()
+    if folder is None:
+        picture.save(io.BytesIO(), format="PNG", compress_level=1)
+    else:
+        _atomic_write(folder / "image.png", lambda f: picture.save(f, format="PNG", compress_level=1))
+        (folder / "image.png").unlink()
 
 
 def _spin(busy, ready, cpu: int, parent: int, load: str) -> None:
@@ -376,7 +377,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.pin or args.pin_thread:
         PIN[:] = sorted(os.sched_getaffinity(0))[:2]
-        PIN_THREAD[:] = [args.pin_thread]
+        PIN_THREAD[:] = [True] if args.pin_thread else []
     if args.pin:
         os.sched_setaffinity(0, {PIN[0]})
     time_pipeline_calls()

@@ -130,8 +130,8 @@ def device_problem(spec: Optional[Mapping[str, Any]], device: torch.device) -> N
     if device.type == "cuda" and backend == "torchao":
         if quant_type == "float8dq" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
             raise NodeConfigError("model.quantization: torchao float8dq needs CUDA compute capability 8.9 or higher "
-                              f"(this GPU: {'.'.join(map(str, torch.cuda.get_device_capability()))}); use int8wo "
-                              "or int8dq.")
+                                  f"(this GPU: {'.'.join(map(str, torch.cuda.get_device_capability()))}); use int8wo "
+                                  "or int8dq.")
         if quant_type == "int4wo" and importlib.util.find_spec("mslk") is None:
             raise ConfigError("model.quantization: torchao int4wo needs the mslk package: pip install mslk.")
     if device.type != "cpu":
