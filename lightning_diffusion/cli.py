@@ -61,9 +61,14 @@ def run() -> None:
             print(done.code, file=sys.stderr)
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException as err:  # a failure ends the same way: its traceback, then exit 1 (130: Ctrl-C)
-        import traceback
+        from lightning_diffusion.errors import RecordFailure
 
-        traceback.print_exc()
+        if isinstance(err, RecordFailure):  # the message names the record: a traceback adds nothing
+            print(f"lightning-diffusion: error: {err}", file=sys.stderr)
+        else:
+            import traceback
+
+            traceback.print_exc()
         code = 130 if isinstance(err, KeyboardInterrupt) else 1
     end_process(code)
 

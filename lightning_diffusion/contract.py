@@ -67,7 +67,7 @@ class ModelRequest:
         of per-record overrides applied (one set when there are no records)."""
         if not self.records:
             return [dict(self.call_args)]
-        from lightning_diffusion.data import summarize_records
+        from lightning_diffusion.records import summarize_records
 
         return [{**self.call_args, **overrides} for _, overrides in summarize_records(self.records).override_sets()]
 

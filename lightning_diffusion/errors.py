@@ -16,6 +16,11 @@ class NodeConfigError(ConfigError):
     the job's other nodes may not share: each node's first process reports it, naming its host."""
 
 
+class RecordFailure(RuntimeError):
+    """A pipeline call that failed for its records (``data.on_error: fail``); the message names them.
+    The CLI prints it as one line and exits with 1."""
+
+
 def raise_problems(problems: list) -> None:
     """Raise one ConfigError naming every problem found (messages or ConfigErrors; nothing if none).
     A single ConfigError is raised as it is, keeping its type; several are a NodeConfigError where

@@ -20,7 +20,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.manifest import _atomic_write
+from lightning_diffusion.manifest import _atomic_write, failures_part
 
 
 def slugify(prompt: str, max_length: int = 40) -> str:
@@ -69,6 +69,13 @@ def write_animation(file, frames: np.ndarray, fps: int, fmt: str, comment: str) 
     )
 
 
+def failure_line(item: dict[str, Any]) -> dict[str, Any]:
+    """``failed.jsonl``'s line for an image whose pipeline call failed: its index, record (file:line),
+    prompt, seed and the error's last line."""
+    return {"index": item["index"], "record": item.get("record"), "prompt": item["prompt"], "seed": item["seed"],
+            "error": item["error"], "failed": round(time.time(), 3)}
+
+
 def to_uint8(image: np.ndarray) -> np.ndarray:
     """Float [0, 1] -> uint8, rounding as diffusers' ``numpy_to_pil`` does."""
     return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
@@ -107,9 +114,14 @@ class OutputFiles:
         file (``fsync: file``) or the batch's in one append (also when a file fails: the ones
         before it are recorded), synced unless ``fsync`` is off."""
         assert self.part is not None
+        failed = [failure_line(item) for item in prediction if "error" in item]
+        if failed:
+            self._append(failed, failures_part(self.part))
         lines: list[dict[str, Any]] = []
         try:
             for item in prediction:
+                if "error" in item:
+                    continue
                 lines.append(self.write_output(item))
                 if self.fsync == "file":
                     done, lines = lines, []  # appended once, even if the append fails
@@ -118,10 +130,11 @@ class OutputFiles:
             if lines:
                 self._append(lines)
 
-    def _append(self, lines: list[dict[str, Any]]) -> None:
-        assert self.part is not None
+    def _append(self, lines: list[dict[str, Any]], part: Optional[Path] = None) -> None:
+        part = part or self.part
+        assert part is not None
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
-        with self._part_lock, self.part.open("a", encoding="utf-8") as f:
+        with self._part_lock, part.open("a", encoding="utf-8") as f:
             f.write(text)
             if self.fsync != "off":
                 f.flush()

@@ -4,61 +4,83 @@ that needs them, and named with their SHA-256 in each output's metadata."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_diffusion.data import record_inputs
+# Input files a record may carry (a path, or a list of paths for pipelines that take several);
+# relative paths resolve against the prompt file's folder.
+INPUT_FIELDS = ("image", "mask_image", "last_image")
+
+
+def record_inputs(record: dict[str, Any]) -> dict[str, Any]:
+    """The record's input files by field (``image``: a path or a list of paths)."""
+    return {name: record[name] for name in INPUT_FIELDS if record.get(name) is not None}
 
 
 def _paths(value: Any) -> list[str]:
     return value if isinstance(value, list) else [value]
 
 
-def _image_size(path: str) -> tuple[int, int]:
-    """The image's (width, height), after reading the whole file (a truncated PNG fails here)."""
+class TooLarge(Exception):
+    """An input image over ``data.max_pixels``, found from its header."""
+
+
+def _image_size(path: str, max_pixels: Optional[int] = None) -> tuple[int, int]:
+    """The image's (width, height), after reading the whole file (a truncated PNG fails here);
+    an image over ``max_pixels`` is refused from its header, before its pixels are read."""
     from PIL import Image
 
-    with Image.open(path) as image:
-        size = image.size
-        image.verify()
+    try:
+        with Image.open(path) as image:
+            size = image.size
+            if max_pixels is not None and size[0] * size[1] > max_pixels:
+                raise TooLarge(f"it is {size[0]}x{size[1]}, {size[0] * size[1]:,} pixels, over data.max_pixels "
+                                 f"{max_pixels:,}")
+            image.verify()
+    except Image.DecompressionBombError as err:  # Pillow's own limit, far above ours
+        raise TooLarge(f"over data.max_pixels ({err})") from None
     return size
 
 
-def file_problems(records: Sequence[dict[str, Any]], most: int = 10, root: Optional[str] = None) -> list[str]:
-    """Missing, unreadable and non-image input files, masks of another size than their image, and
-    (with ``root``, ``data.inputs_root``) files outside ``root`` once links and ``..`` are resolved,
-    named with their record (from 1); the first ``most`` problems."""
-    problems: list[str] = []
+def file_problems(records: Sequence[dict[str, Any]], positions: Iterable[int], root: Optional[str] = None,
+                  max_pixels: Optional[int] = None) -> dict[int, list[str]]:
+    """The records at ``positions`` whose input files are missing, unreadable, not images, over
+    ``max_pixels``, or masks of another size than their image, and (with ``root``,
+    ``data.inputs_root``) files outside ``root`` once links and ``..`` are resolved: position ->
+    problems."""
+    found: dict[int, list[str]] = {}
     base = Path(root).expanduser().resolve() if root else None
     if base is not None and not base.is_dir():
-        return [f"data.inputs_root {root} is not a folder."]
-    for number, record in enumerate(records, start=1):
-        inputs = record_inputs(record)
+        base = None  # data_problems says so
+    for position in positions:
+        record = records[position]
+        problems: list[str] = []
         sizes: dict[str, list[Optional[tuple[int, int]]]] = {}
-        for name, value in inputs.items():
+        for name, value in record_inputs(record).items():
             sizes[name] = []
             for path in _paths(value):
                 size = None
                 if base is not None and not Path(path).resolve().is_relative_to(base):
-                    problems.append(f"prompt record {number}: {name} {path} leaves data.inputs_root {root} "
-                                    f"(it resolves to {Path(path).resolve()}).")
+                    problems.append(f"{name} {path} leaves data.inputs_root {root} (it resolves to "
+                                    f"{Path(path).resolve()}).")
                 elif not Path(path).is_file():
-                    problems.append(f"prompt record {number}: {name} {path} does not exist.")
+                    problems.append(f"{name} {path} does not exist.")
                 else:
                     try:
-                        size = _image_size(path)
+                        size = _image_size(path, max_pixels)
+                    except TooLarge as err:
+                        problems.append(f"{name} {path}: {err}.")
                     except Exception as err:  # PIL raises several kinds for a file it cannot read
-                        problems.append(f"prompt record {number}: {name} {path} is not a readable image "
-                                        f"({type(err).__name__}: {err}).")
+                        problems.append(f"{name} {path} is not a readable image ({type(err).__name__}: {err}).")
                 sizes[name].append(size)
         image, mask = sizes.get("image", [None])[0], sizes.get("mask_image", [None])[0]
         if image is not None and mask is not None and image != mask:
-            problems.append(f"prompt record {number}: mask_image is {mask[0]}x{mask[1]} and image {image[0]}x{image[1]}; "
-                            "a mask must have its image's size.")
-        if len(problems) >= most:
-            break
-    return problems[:most]
+            problems.append(f"mask_image is {mask[0]}x{mask[1]} and image {image[0]}x{image[1]}; a mask must have its "
+                            "image's size.")
+        if problems:
+            found[position] = problems
+    return found
 
 
 def upright_size(path: str) -> tuple[int, int]:

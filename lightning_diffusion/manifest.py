@@ -20,6 +20,12 @@ MANIFEST = "manifest.jsonl"
 # into one folder at once, each merging only its own parts).
 PART_GLOB = "manifest.*part-*.jsonl"
 MERGE_LOCK = ".manifest.merge-lock"
+# Records ``data.on_bad_record: skip`` left out (file:line, reason), and images whose pipeline call
+# failed under ``data.on_error: skip`` (index, record, error; a rerun retries them), merged from
+# ``failed.part-R.jsonl`` (``failed.shard-T-of-N.part-R.jsonl``) like the manifest.
+REJECTED = "rejected.jsonl"
+FAILED = "failed.jsonl"
+FAILURES_GLOB = "failed.*part-*.jsonl"
 
 
 def shard_name(shard: Optional[tuple[int, int]]) -> Optional[str]:
@@ -46,6 +52,11 @@ def part_name(shard: Optional[tuple[int, int]], rank: int) -> str:
     return parts_glob(shard).replace("*", str(rank))
 
 
+def failures_part(part: Path) -> Path:
+    """The failure part beside a manifest part (``failed.part-R.jsonl``)."""
+    return part.with_name("failed." + part.name.removeprefix("manifest."))
+
+
 def _atomic_write(path: Path, write, fsync: bool = True) -> int:
     """``path`` appears whole or not at all (written under a temporary name, then renamed); with
     ``fsync`` its bytes are on disk before the rename. The temporary name is unique across the
@@ -64,6 +75,12 @@ def _atomic_write(path: Path, write, fsync: bool = True) -> int:
         tmp.unlink(missing_ok=True)
         raise
     return size
+
+
+def _inside(folder: Path, name: str) -> bool:
+    """A manifest's file name stays inside its folder (no absolute path, no ``..``)."""
+    path = Path(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts
 
 
 def _finished(file: Path, size: Optional[int]) -> bool:
@@ -127,11 +144,14 @@ def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = N
     """Finished images by index (the merged manifest plus parts left by a running or killed run),
     and what was not counted, as ``file:line: why`` (``parts``: these parts only, not every one;
     ``trust_manifest``: the merged manifest's lines count without a look at their files). A line
-    that does not parse (cut by a kill) and a
-    line whose file is gone or has another size than recorded (truncated, replaced) do not count:
-    those images are made again. An unterminated last line is a write in progress, not a problem."""
+    that does not parse (cut by a kill), a line whose file is gone or has another size than
+    recorded (truncated, replaced), a line whose file lies outside the folder, and two lines for
+    one index with different files do not count: those images are made again. An unterminated
+    last line is a write in progress, not a problem."""
     folder = Path(output_dir)
     entries: dict[int, dict[str, Any]] = {}
+    where: dict[int, str] = {}
+    conflicts: set[int] = set()
     problems: list[str] = []
     for file in [folder / MANIFEST, *(sorted(folder.glob(PART_GLOB)) if parts is None else parts)]:
         if not file.is_file():
@@ -143,14 +163,25 @@ def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = N
                 try:
                     entry = json.loads(line)
                     index = int(entry["index"])
+                    name = str(entry.get("file", ""))
                 except (ValueError, KeyError, TypeError):
                     problems.append(f"{file.name}:{number}: not a manifest line")
                     continue
-                if (trust_manifest and file.name == MANIFEST) or _finished(folder / str(entry.get("file", "")),
-                                                                            entry.get("bytes")):
+                if not _inside(folder, name):
+                    problems.append(f"{file.name}:{number}: {name!r} is outside the output folder")
+                    continue
+                if index in entries and entries[index].get("file") != name:
+                    problems.append(f"{file.name}:{number}: image {index} is also {entries[index].get('file')!r} "
+                                    f"({where[index]}); neither counts")
+                    conflicts.add(index)
+                    continue
+                if (trust_manifest and file.name == MANIFEST) or _finished(folder / name, entry.get("bytes")):
                     entries[index] = entry
+                    where[index] = f"{file.name}:{number}"
                 else:
                     problems.append(f"{file.name}:{number}: {entry.get('file')!r} is missing or not the size recorded")
+    for index in conflicts:
+        entries.pop(index, None)
     return entries, problems
 
 
@@ -186,14 +217,15 @@ def merge_lock(folder: Path):
             fcntl.lockf(f, fcntl.LOCK_UN)
 
 
-def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]]) -> list[Path]:
-    """Every part of the folder, except those other shards of ``shard``'s count may still be
-    appending to: parts of the whole set and of other counts are left by runs that are over (a
-    live one would have refused this run, see ``lock.conflicting_runs``)."""
-    parts = sorted(folder.glob(PART_GLOB))
+def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = PART_GLOB) -> list[Path]:
+    """Every part of the folder (manifest parts, or failure parts with ``glob``), except those
+    other shards of ``shard``'s count may still be appending to: parts of the whole set and of
+    other counts are left by runs that are over (a live one would have refused this run, see
+    ``lock.conflicting_runs``)."""
+    parts = sorted(folder.glob(glob))
     if shard is None:
         return parts
-    siblings = re.compile(rf"manifest\.shard-(\d+)-of-{shard[1]}\.part-\d+\.jsonl")
+    siblings = re.compile(rf"(?:manifest|failed)\.shard-(\d+)-of-{shard[1]}\.part-\d+\.jsonl")
     return [p for p in parts if not ((m := siblings.fullmatch(p.name)) and int(m.group(1)) != shard[0])]
 
 
@@ -211,3 +243,63 @@ def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
         for part in parts:
             part.unlink(missing_ok=True)
     return entries
+
+
+def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]],
+                   done: dict[int, Any]) -> int:
+    """Fold the failure parts into ``failed.jsonl``: the images that failed in this run, and those
+    of earlier runs that are still not made (``done``: the merged manifest's indices) and were not
+    tried again; returns how many failed in this run."""
+    folder = Path(output_dir)
+    with merge_lock(folder):
+        parts = _parts_to_merge(folder, shard, FAILURES_GLOB)
+        now: dict[int, dict[str, Any]] = {}
+        for part in parts:
+            now.update(_lines(part))
+        failed = {**_lines(folder / FAILED), **now}
+        failed = {index: line for index, line in failed.items() if index not in done}
+        if failed or (folder / FAILED).exists():
+            text = "".join(json.dumps(failed[i], ensure_ascii=False) + "\n" for i in sorted(failed))
+            _atomic_write(folder / FAILED, lambda f: f.write(text.encode("utf-8")))
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return len(now)
+
+
+def _lines(file: Path) -> dict[int, dict[str, Any]]:
+    """The complete JSON lines of a failure file by index (a line cut by a kill is skipped)."""
+    found: dict[int, dict[str, Any]] = {}
+    if not file.is_file():
+        return found
+    with file.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+                found[int(entry["index"])] = entry
+            except (ValueError, KeyError, TypeError):
+                continue
+    return found
+
+
+def count_lines(file: Path) -> int:
+    """Complete lines of a small record file (``rejected.jsonl``, ``failed.jsonl``); 0 if absent."""
+    try:
+        return file.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def rejected_images(output_dir: str | os.PathLike) -> set[int]:
+    """The image indices of the records ``rejected.jsonl`` lists: never made from this prompt file,
+    so a folder whose other images are all made is complete."""
+    found: set[int] = set()
+    file = Path(output_dir) / REJECTED
+    if not file.is_file():
+        return found
+    with file.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                found.update(int(i) for i in json.loads(line)["images"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return found

@@ -11,63 +11,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_diffusion.cache import CacheStats, StepCache, check_cache, install
+from lightning_diffusion.cache import CacheStats, StepCache, install
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.data import INPUT_FIELDS, PromptDataModule, summarize_records
+from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion import compat, quantization
-from lightning_diffusion.errors import ConfigError, check_int, gather, preflight_passed, raise_problems
-from lightning_diffusion.pipelines import PipelineInfo, inspect_pipeline, resolve_dtype
+from lightning_diffusion.errors import ConfigError, RecordFailure, preflight_passed, raise_problems
+from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
+from lightning_diffusion.inputs import INPUT_FIELDS
+from lightning_diffusion.records import RecordVerdicts, Records, check_records
+from lightning_diffusion.validation import MODEL_CALL_ARGS, model_cache_problems, model_problems, pixel_problems
 
 
-def check_model_args(
-    path: str, torch_dtype: str, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]],
-    cache: Optional[dict[str, Any]] = None, records: Optional[Sequence[dict[str, Any]]] = None,
-    options: Optional[dict[str, Any]] = None, from_pretrained_kwargs: Optional[dict[str, Any]] = None,
-) -> tuple[Optional[PipelineInfo], list[str]]:
-    """Every check of the model settings that needs no weights; returns the pipeline's info (or
-    None when the path itself is wrong) and the problems found. ``records``: the prompt records,
-    when known (their negative prompts decide whether a guidance pass on the negative runs).
-    ``options``: the module's ``OPTIONS`` (``vae_tiling``, ``compile``...), absent ones unset."""
-    options = {key: (options or {}).get(key) for key in OPTIONS}
-    attention_backend = options["attention_backend"]
-    problems: list[str] = []
-    steps = named.get("num_inference_steps")
-    if steps is not None:
-        problems += filter(None, [check_int(steps, "model.num_inference_steps")])
-    gather(problems, resolve_dtype, torch_dtype)
-    if attention_backend is not None:
-        gather(problems, check_attention_backend_name, attention_backend)
-    info = gather(problems, inspect_pipeline, path, options["pipeline_class"], from_pretrained_kwargs)
-    if info is not None:
-        gather(problems, info.check_size, named.get("height"), named.get("width"))
-        gather(problems, info.check_frames, named.get("num_frames"), "model")
-        gather(problems, info.check_call_arguments, set(call_kwargs or {}), "model.call_kwargs")
-        gather(problems, info.check_call_values, dict(call_kwargs or {}), "model.call_kwargs")
-        negative = (call_kwargs or {}).get("negative_prompt")
-        if negative is not None and not isinstance(negative, str):
-            problems.append(f"model.call_kwargs.negative_prompt is the default negative prompt of every record: "
-                            f"give one string, not {negative!r} (records set their own in the prompt file).")
-        given = {k for k, v in named.items() if v is not None and k != "num_frames"}
-        gather(problems, info.check_call_arguments, given, "model")
-        if cache is not None:
-            base, extra = effective_call_args(info, named, call_kwargs)
-            problems += model_cache_problems(info, cache, {**base, **extra}, records)
-        problems += vae_tiling_problems(info, options["vae_tiling"])
-        problems += compile_problems(info, options["compile"])
-        if options["lora"]:
-            problems += lora_problems(info, options["lora"], options["quantization"])
-        if options["quantization"] is not None:
-            classes = {name: info.component_class(name) for name in info.model_index}
-            gather(problems, quantization.check, options["quantization"], info.model_index, classes,
-                   tuple(denoisers(info)))
-        if options["vae_slicing"] and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}), "use_slicing"):
-            problems.append(f"model.vae_slicing: {info.class_name}'s VAE cannot decode sample by sample; "
-                            "remove model.vae_slicing.")
-    return info, problems
-
-
-COMPILE_MODES = ("regional", "full")
 # The module's options that change pictures (float rounding, seams): recorded in run.json and in
 # each image's metadata, so that a folder is not resumed with other values.
 OPTIONS = ("pipeline_class", "lora", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
@@ -86,176 +41,9 @@ def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
         return options
 
 
-def check_attention_backend_name(name: Any) -> None:
-    """``model.attention_backend``: a diffusers attention backend whose package is installed."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
-
-    try:
-        backend = AttentionBackendName(name)
-    except ValueError:
-        raise ConfigError(f"model.attention_backend {name!r} is not a diffusers attention backend; choose one of: "
-                          f"{', '.join(sorted(b.value for b in AttentionBackendName))}.") from None
-    try:
-        _check_attention_backend_requirements(backend)
-    except (RuntimeError, ImportError) as err:
-        raise ConfigError(f"model.attention_backend {name!r}: {err}") from None
-
-
-def lora_problems(info: PipelineInfo, spec: Any, quantized: Any) -> list[str]:
-    """``model.lora``: files, scales, targets that are modules of this pipeline, and no adapter on
-    a component that loads quantized (an update cannot be fused into quantized weights)."""
-    import importlib.util
-
-    from lightning_diffusion import lora
-
-    if importlib.util.find_spec("peft") is None:
-        return ["model.lora needs the peft package, which is not installed: pip install peft."]
-    try:
-        adapters = lora.parse(spec)
-    except ConfigError as err:
-        return [str(err)]
-    modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
-    for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
-        cls = info.component_class(name)
-        if isinstance(cls, type) and hasattr(cls, "from_config") and name in info.configs:
-            with torch.device("meta"):
-                model = cls.from_config(info.configs[name])
-            modules[name] = {n for n, _ in model.named_modules()}
-    problems = []
-    for n, adapter in enumerate(adapters):
-        try:
-            missing = lora.unknown_targets(info.pipeline_class, adapter, modules)
-        except ConfigError as err:
-            problems.append(str(err))
-            continue
-        except Exception as err:  # a file diffusers cannot read as an adapter
-            problems.append(f"model.lora[{n}]: {adapter.file} is not a LoRA adapter diffusers can read "
-                            f"({type(err).__name__}: {err}).")
-            continue
-        if missing:
-            problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no layer of "
-                            f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
-                            "(an adapter for another model?).")
-    if quantized is not None and not problems:
-        both = [c for c in quantization.quantized(quantized, tuple(denoisers(info)))
-                if any(c in lora.targets(info.pipeline_class, a) for a in adapters)]
-        if both:
-            problems.append(f"model.lora: {', '.join(both)} loads quantized (model.quantization), and an adapter "
-                            "cannot be fused into quantized weights: leave it out of model.quantization.components.")
-    return problems
-
-
-def compile_problems(info: PipelineInfo, mode: Any) -> list[str]:
-    """``model.compile``: ``regional`` (``compile_repeated_blocks``: each distinct transformer block
-    compiled once and reused) needs denoisers that name their repeated blocks; ``full`` compiles
-    each denoiser whole."""
-    if mode is None:
-        return []
-    if mode not in COMPILE_MODES:
-        return [f"model.compile is regional, full or null, not {mode!r}."]
-    if mode == "regional":
-        for name, cls in denoisers(info).items():
-            if cls is not None and not getattr(cls, "_repeated_blocks", None):  # None: an absent component
-                which = cls.__name__ if isinstance(cls, type) else "unknown"
-                return [f"model.compile: regional compiles a transformer's repeated blocks, and {info.class_name}'s "
-                        f"{name} ({which}) names none; use model.compile: full."]
-    return []
-
-
-def vae_tiling_problems(info: PipelineInfo, vae_tiling: Any) -> list[str]:
-    """``model.vae_tiling``: ``true``, or the settings of the VAE's ``enable_tiling``, for a VAE
-    that has a tiled decode."""
-    if vae_tiling is None or vae_tiling is False:
-        return []
-    if vae_tiling is not True and not isinstance(vae_tiling, dict):
-        return [f"model.vae_tiling is true, false or the settings of the VAE's enable_tiling (a mapping), "
-                f"not {vae_tiling!r}."]
-    vae = info.component_class("vae")
-    if not callable(getattr(vae, "enable_tiling", None)) or not _vae_has(vae, info.configs.get("vae", {}),
-                                                                          "use_tiling"):
-        which = f"its VAE ({vae.__name__})" if isinstance(vae, type) else "it has no VAE that"
-        return [f"model.vae_tiling: {info.class_name} cannot decode by tiles: {which} has no tiled decoding; "
-                "remove model.vae_tiling."]
-    if isinstance(vae_tiling, dict):
-        import inspect
-
-        accepted = [name for name in inspect.signature(vae.enable_tiling).parameters if name != "self"]
-        unknown = sorted(set(vae_tiling) - set(accepted))
-        if unknown:
-            takes = f"takes {', '.join(accepted)}" if accepted else "takes no settings (use model.vae_tiling: true)"
-            return [f"model.vae_tiling: {vae.__name__}.enable_tiling {takes}; unknown: {', '.join(unknown)}."]
-        problems = [problem for k, v in vae_tiling.items() if v is not None
-                    for problem in filter(None, [check_int(v, f"model.vae_tiling.{k}")])]
-        for side in ("height", "width"):
-            tile, stride = vae_tiling.get(f"tile_sample_min_{side}"), vae_tiling.get(f"tile_sample_stride_{side}")
-            if not problems and tile is not None and stride is not None and stride > tile:
-                problems.append(f"model.vae_tiling: tile_sample_stride_{side} {stride} is larger than "
-                                f"tile_sample_min_{side} {tile}: tiles must overlap (stride <= tile size).")
-        return problems
-    return []
-
-
-def model_cache_problems(info: PipelineInfo, cache: Any, call_args: dict[str, Any],
-                         records: Optional[Sequence[dict[str, Any]]] = None) -> list[str]:
-    """``model.cache`` against this pipeline, the call arguments and (when known) the records."""
-    problems = check_cache(cache, denoisers(info), info.class_name, negative_branch(info, call_args, records),
-                           separate_passes=info.spec.cfg is not None)
-    if isinstance(cache, dict) and cache.get("type") == "magcache":
-        sets = summarize_records(records).override_sets() if records else []
-        steps = {overrides.get("num_inference_steps") for _, overrides in sets} - {None}
-        if steps - {call_args.get("num_inference_steps")}:
-            problems.append("model.cache: magcache's ratios are laid out for one step count, and prompt records set "
-                            f"num_inference_steps {sorted(steps)}; give every record the config's step count.")
-    return problems
-
-
 def denoisers(info: PipelineInfo) -> dict[str, Optional[type]]:
     """The pipeline's transformer components (those its guidance loop calls) and their classes."""
-    names = info.spec.cfg.transformers if info.spec.cfg is not None else ("transformer",)
-    return {name: info.component_class(name) for name in names if name in info.model_index}
-
-
-def negative_branch(info: PipelineInfo, call_args: dict[str, Any],
-                    records: Optional[Sequence[dict[str, Any]]] = None) -> bool:
-    """Whether some image runs a guidance pass on a negative prompt (true CFG): the scale above 1
-    and, where the pipeline needs one, a negative prompt in the config or a record."""
-    entry = info.spec.cfg
-    if entry is None:
-        return False
-    summary = summarize_records(records) if records else None
-    scales = {call_args.get(entry.scale_arg, info.call_default(entry.scale_arg))}
-    if summary is not None:
-        scales |= {overrides.get(entry.scale_arg) for _, overrides in summary.override_sets()} - {None}
-    if not any(isinstance(scale, (int, float)) and scale > 1 for scale in scales):
-        return False
-    if not entry.needs_negative_prompt or call_args.get("negative_prompt") is not None:
-        return True
-    return summary is not None and summary.first_negative is not None
-
-
-def _vae_has(vae: Optional[type], config: dict[str, Any], attribute: str) -> bool:
-    """Whether a VAE class decodes by tiles (``use_tiling``) or by sample (``use_slicing``):
-    diffusers' VAEs say so by an attribute set in ``__init__``, so the class is built from its
-    config on the meta device (no memory)."""
-    if not isinstance(vae, type):
-        return False
-    try:
-        with torch.device("meta"):
-            model = vae.from_config(config)
-    except Exception:  # a config this class cannot build: leave the verdict to the load
-        return True
-    return hasattr(model, attribute)
-
-
-def effective_call_args(
-    info: PipelineInfo, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(named arguments, other call arguments) as the pipeline is called: the config's, with the
-    model folder's recommended values (``PipelineInfo.recommended``) where the config sets nothing."""
-    recommended = {k: v for k, v in info.recommended.items() if k in info.call_parameters}
-    base = {k: v if v is not None else recommended.get(k) for k, v in named.items()}
-    extra = {**{k: v for k, v in recommended.items() if k not in named}, **dict(call_kwargs or {})}
-    return {k: v for k, v in base.items() if v is not None}, extra
+    return info.denoisers()
 
 
 def image_settings(
@@ -274,68 +62,6 @@ def image_settings(
         **({"model.cache": dict(cache)} if cache is not None else {}),
         **{f"model.{k}": v for k, v in sorted((options or {}).items()) if v not in (None, False)},
     }
-
-
-def strength_problem(info: PipelineInfo, args: dict[str, Any], where: str) -> Optional[str]:
-    """An image-to-image ``strength`` that runs no denoising step (diffusers raises only after loading)."""
-    if "strength" not in info.call_parameters:
-        return None
-    strength, steps = args.get("strength", info.call_default("strength")), args.get("num_inference_steps")
-    steps = steps if steps is not None else info.call_default("num_inference_steps")
-    if (isinstance(strength, (int, float)) and isinstance(steps, int) and 0 < strength <= 1
-            and int(steps * strength) < 1):
-        return (f"{where}: strength {strength} of num_inference_steps {steps} runs no step (the pipeline runs "
-                f"int(steps x strength) = 0 of them): raise one of the two.")
-    return None
-
-
-def check_records(info: PipelineInfo, records: Sequence[dict[str, Any]], most: int = 10,
-                  call_args: Optional[dict[str, Any]] = None, inputs_root: Optional[str] = None) -> list[str]:
-    """Per-record overrides, negative prompts and input files must be arguments this pipeline takes
-    (the first ``most`` problems are reported; each distinct set of overrides is checked once,
-    named by the first record that has it); input files must be readable images. ``call_args``:
-    the config's, when known (checked with each record's overrides)."""
-    problems: list[str] = []
-    summary = summarize_records(records)
-    for name, number in summary.with_inputs.items():
-        if name not in info.call_parameters:
-            task = {"image": " (image-to-image on FLUX.1 weights: model.pipeline_class: FluxImg2ImgPipeline)",
-                    "mask_image": " (inpainting on FLUX.1 weights: model.pipeline_class: FluxInpaintPipeline)"}
-            problems.append(f"prompt record {number} has {name}, which {info.class_name} does not take"
-                            f"{task.get(name, '') if info.class_name == 'FluxPipeline' else ''}.")
-    if info.spec.input_if_config is not None:  # an input these weights either need or cannot take
-        name, key = info.spec.input_if_config
-        needed = info.configs.get("transformer", {}).get(key) is not None
-        if name in summary.with_inputs and not needed:
-            problems.append(f"prompt record {summary.with_inputs[name]} has {name}, which these {info.class_name} weights "
-                            f"cannot take (their transformer config sets no {key}).")
-        if name in summary.without_inputs and needed:
-            problems.append(f"prompt record {summary.without_inputs[name]} has no {name}, which these {info.class_name} "
-                            f"weights need (their transformer config sets {key}).")
-    for name in info.spec.inputs:
-        if name in summary.without_inputs:
-            problems.append(f"prompt record {summary.without_inputs[name]} has no {name}, which {info.class_name} "
-                            f"needs (a path in the record: {{\"prompt\": ..., \"{name}\": \"in/0001.png\"}}).")
-    if summary.with_inputs:
-        from lightning_diffusion import inputs
-
-        problems += inputs.file_problems(records, most, inputs_root)
-    for n, overrides in summary.override_sets():
-        if len(problems) >= most:
-            break
-        if overrides:
-            gather(problems, info.check_call_arguments, set(overrides), f"prompt record {n}")
-            gather(problems, info.check_call_values, overrides, f"prompt record {n}")
-            gather(problems, info.check_size, overrides.get("height"), overrides.get("width"))
-            gather(problems, info.check_frames, overrides.get("num_frames"), f"prompt record {n}")
-        if call_args is not None:
-            where = f"prompt record {n}" if overrides else "model"
-            problems += filter(None, [strength_problem(info, {**call_args, **overrides}, where)])
-    if summary.first_negative is not None and "negative_prompt" not in info.call_parameters:
-        problems.append(
-            f"prompt record {summary.first_negative} has a negative_prompt, which {info.class_name} does not take."
-        )
-    return problems[:most]
 
 
 class DiffusionModule(pl.LightningModule):
@@ -417,24 +143,17 @@ class DiffusionModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        named = {
-            "height": height,
-            "width": width,
-            "num_inference_steps": num_inference_steps,
-            "guidance_scale": guidance_scale,
-            "num_frames": num_frames,
-        }
+        named = {key: self.hparams[key] for key in MODEL_CALL_ARGS}
+        options = {key: self.hparams[key] for key in OPTIONS}
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
-        # in the launching process, before any worker starts or any weight is read.
-        options = {"pipeline_class": pipeline_class, "lora": lora, "vae_tiling": vae_tiling, "compile": compile,
-                   "vae_slicing": vae_slicing, "attention_backend": attention_backend, "quantization": quantization}
-        info, problems = check_model_args(pretrained_model_name_or_path, torch_dtype, named, call_kwargs, cache,
-                                          options=options, from_pretrained_kwargs=from_pretrained_kwargs)
+        # in the launching process, before any worker starts or any weight is read. The size
+        # budget (data.max_pixels) is the data module's: checked in ``setup``.
+        info, problems = model_problems(dict(self.hparams), max_pixels=None)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
         self.dtype_ = resolve_dtype(torch_dtype)
-        self.base_call_args, self.call_kwargs = effective_call_args(info, named, call_kwargs)
+        self.base_call_args, self.call_kwargs = info.effective_call_args(named, call_kwargs)
         self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
         self.show_inner_progress = show_inner_progress
         self.pad_batches = pad_batches
@@ -444,9 +163,9 @@ class DiffusionModule(pl.LightningModule):
         self.step_cache: Optional[StepCache] = None
         self.split_work = split_work
         self.group_work: Any = None
-        if from_pretrained_kwargs and quantization is not None and "quantization_config" in from_pretrained_kwargs:
-            raise ConfigError("model.quantization and model.from_pretrained_kwargs.quantization_config both "
-                              "quantize: keep model.quantization.")
+        self.replica_group: Any = None  # the ranks that make the same images (``use_group``)
+        self.on_error = "fail"  # the data module's ``on_error``, read in setup
+        self.failures = 0  # records whose call failed in this run (``on_error: skip``)
         from lightning_diffusion import lora as lora_
 
         self.adapters = lora_.parse(lora)
@@ -475,7 +194,11 @@ class DiffusionModule(pl.LightningModule):
     # ----------------------------------------------------------------- the contract with strategies
 
     def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
-        """What a strategy may know before the weights load (see ``contract``)."""
+        """What a strategy may know before the weights load (see ``contract``): the records that
+        ``data.on_bad_record: skip`` leaves out are not in their summary."""
+        data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if isinstance(records, Records) and isinstance(data, PromptDataModule) and data.records is records:
+            self.record_verdicts(data)
         return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
                             self.options["attention_backend"], self.options["quantization"], tuple(self.adapters))
 
@@ -501,8 +224,10 @@ class DiffusionModule(pl.LightningModule):
 
     def use_group(self, group: Any) -> None:
         """The process group of the ranks that make the same images (one replica's cfg x ring x
-        ulysses x tp ranks): text encoding and VAE decoding are split over it (``group_work``)
-        unless ``split_work`` is off. ``None``: one process per replica, nothing to split."""
+        ulysses x tp ranks; ``None``: one process per replica): they agree on each call's failures
+        (``data.on_error: skip``), and text encoding and VAE decoding are split over it
+        (``group_work``) unless ``split_work`` is off."""
+        self.replica_group = group
         if not self.split_work or self.pipeline is None or self.group_work is not None:
             return
         from lightning_diffusion import group_work
@@ -517,16 +242,43 @@ class DiffusionModule(pl.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if isinstance(datamodule, PromptDataModule):
             self.batch_size = datamodule.batch_size
-            if not preflight_passed():
-                self.check_records(datamodule.records, datamodule.inputs_root)
+            self.on_error = datamodule.on_error
+            datamodule.reject(self.agreed_verdicts(datamodule))
 
-    def check_records(self, records: Sequence[dict[str, Any]], inputs_root: Optional[str] = None) -> None:
-        """Per-record overrides and negative prompts must be arguments this pipeline takes (and
-        the cache must suit the guidance passes the records' negative prompts turn on)."""
-        problems = check_records(self.info, records, call_args=self.call_args, inputs_root=inputs_root)
+    def record_verdicts(self, data: PromptDataModule) -> tuple[RecordVerdicts, list[str]]:
+        """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
+        whatever ``on_bad_record`` says (a size over the budget in the config, a cache that does not
+        suit the records' guidance passes, no record left)."""
+        verdicts = check_records(self.info, data.records, self.call_args, data.inputs_root, data.max_pixels,
+                                 data.num_images_per_prompt)
+        problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.max_pixels)]
         if self.cache is not None:
-            problems += model_cache_problems(self.info, self.cache, self.call_args, records)
+            problems += model_cache_problems(self.info, self.cache, self.call_args, data.records.summary)
+        if verdicts and data.on_bad_record == "fail":
+            problems.append(verdicts.report())
+        elif len(verdicts.rejected) == len(data.records):
+            problems.append("every prompt record is rejected: " + verdicts.report())
+        return verdicts, problems
+
+    def agreed_verdicts(self, data: PromptDataModule) -> RecordVerdicts:
+        """``record_verdicts`` as global rank 0 finds them (it reads each input file once for the
+        job), on every rank; raises its problems on every rank. Ranks started by the CLI, whose
+        launching process checked the same command line, skip it when bad records refuse the run."""
+        if preflight_passed() and data.on_bad_record == "fail":
+            return RecordVerdicts()  # none, or the launching process would have refused
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        outcome: tuple[Optional[RecordVerdicts], list[str]] = (None, [])
+        if strategy is None or strategy.global_rank == 0:
+            outcome = self.record_verdicts(data)
+        if strategy is not None and strategy.world_size > 1:
+            outcome = strategy.broadcast(outcome)
+        verdicts, problems = outcome
         raise_problems(problems)
+        assert verdicts is not None
+        if verdicts and (strategy is None or strategy.global_rank == 0):
+            log.warning(f"data.on_bad_record: skip: {len(verdicts.rejected):,} of {len(data.records):,} prompt records "
+                        "cannot be made; they are listed in rejected.jsonl")
+        return verdicts
 
     def configure_model(self) -> None:
         if self.pipeline is not None:
@@ -692,27 +444,131 @@ class DiffusionModule(pl.LightningModule):
                  for i in range(0, len(samples), spec.call_batch or len(samples))]
         results = {}
         for samples in calls:
-            for sample, image, params in zip(samples, *self.generate(samples)):
-                results[sample["index"]] = {
+            for sample, (image, params, error) in zip(samples, self.run_call(samples)):
+                result = {
                     "index": sample["index"],
                     "prompt": sample["prompt"],
                     "seed": sample["seed"],
                     "negative_prompt": self.negative_prompt(sample),
-                    "image": image,
-                    "params": params,
                 }
+                if error is None:
+                    result.update(image=image, params=params)
+                else:  # on_error: skip; the writer lists it in failed.jsonl
+                    result.update(error=error, record=sample.get("source"))
+                    self.failures += 1
+                results[sample["index"]] = result
         return [results[sample["index"]] for sample in batch]
 
-    def generate(self, samples: list[dict[str, Any]]) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+    # ----------------------------------------------------------------- one pipeline call, and its failures
+
+    def run_call(self, samples: list[dict[str, Any]]) -> list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]]:
+        """(image, params, None) for each sample of one pipeline call, or (None, None, reason) for
+        a sample whose call failed or whose image is not finite. With ``on_error: fail`` a failure
+        raises ``RecordFailure`` naming its records; with ``skip`` the ranks of the replica agree on
+        each step of the call (``_agree``), and out of memory retries the samples one at a time."""
+        skip = self.on_error == "skip"
+        images, params, failure = None, None, None
+        try:
+            images, params = self.generate(samples, agree=True) if skip else self.generate(samples)
+        except _Agreed as agreed:
+            failure = agreed.reason
+        except Exception as err:
+            if not skip:
+                raise RecordFailure(f"{_which(samples)} failed: {_last_line(err)}") from err
+            failure = _last_line(err)  # one rank, no group: nothing to agree
+        if failure is not None:
+            if failure.startswith(_OOM_NAMES) and len(samples) > 1:
+                if self.global_rank == 0:
+                    log.warning(f"{_which(samples)}: out of memory; retrying them one at a time")
+                _free_memory()
+                return [outcome for sample in samples for outcome in self._run_alone(sample)]
+            return [(None, None, failure)] * len(samples)
+        outcomes = []
+        for sample, image, param in zip(samples, images, params):
+            if np.isfinite(image).all():
+                outcomes.append((image, param, None))
+            elif skip:
+                outcomes.append((None, None, _NOT_FINITE))
+            else:
+                raise RecordFailure(f"{_which([sample])} failed: {_NOT_FINITE}")
+        return outcomes
+
+    def _run_alone(self, sample: dict[str, Any]) -> list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]]:
+        """One sample in a call of its own, unpadded (after out of memory at the batch size)."""
+        saved, self.pad_batches = self.pad_batches, False
+        try:
+            return self.run_call([sample])
+        finally:
+            self.pad_batches = saved
+
+    def _agree(self, error: Optional[BaseException]) -> None:
+        """The replica's ranks agree on one step of a call (``on_error: skip``): when any of them
+        failed, every one raises ``_Agreed`` with the first failing rank's reason, so that none goes
+        on into a collective the failed one never enters. A failure inside the pipeline on some
+        ranks only, in the middle of a collective, cannot be agreed: the collective times out."""
+        group = self.replica_group
+        if group is None:
+            if error is not None:
+                raise _Agreed(_last_line(error)) from error
+            return
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if error is None else 1], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not int(flag.item()):
+            return
+        reasons: list[Optional[str]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reasons, None if error is None else _last_line(error), group=group)
+        reason = next(r for r in reasons if r is not None)
+        raise _Agreed(reason) from error
+
+    def generate(self, samples: list[dict[str, Any]], agree: bool = False
+                 ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
         """One pipeline call for samples that share their arguments; noise from one CPU generator each.
-        With ``pad_batches`` the call is padded to the batch size and the padding's outputs dropped."""
-        real = len(samples)
+        With ``pad_batches`` the call is padded to the batch size and the padding's outputs dropped.
+        ``agree``: the replica's ranks agree on its preparation and on the call (``_agree``)."""
+        error: Optional[BaseException] = None
+        try:
+            samples, kwargs, given = self.prepare_call(samples)
+        except Exception as err:
+            if not agree:
+                raise
+            error = err
+        if agree:
+            self._agree(error)
+        real = len([s for s in samples if not s.get("padding")])
+        try:
+            output = self.pipeline(
+                prompt=[sample["prompt"] for sample in samples],
+                generator=[torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples],
+                output_type="np",
+                **kwargs,
+            )
+        except Exception as err:
+            if not agree:
+                raise
+            error = err
+        if agree:
+            self._agree(error)
+        images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
+        recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt", *INPUT_FIELDS)}
+        options = {k: v for k, v in self.options.items() if v not in (None, False)}
+        params = {"model": self.model_path, **self.info.call_defaults, **recorded, **options}
+        sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
+        if images.ndim == 5:  # videos: (batch, frames, height, width, 3)
+            sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]
+        return list(images)[:real], [{**params, **size, **({"inputs": files} if files else {})}
+                                     for size, files in zip(sizes, given)][:real]
+
+    def prepare_call(self, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict]]:
+        """The samples of one call (padded to the batch size with copies of the last, marked
+        ``padding``), its keyword arguments (input images read) and what each sample's metadata
+        records of its inputs."""
         size = min(self.batch_size or 0, self.info.spec.call_batch or self.batch_size or 0)
-        if self.pad_batches and real < size:
-            samples = samples + [samples[-1]] * (size - real)
+        if self.pad_batches and len(samples) < size:
+            samples = samples + [{**samples[-1], "padding": True}] * (size - len(samples))
         kwargs = self.call_arguments(samples[0])
         kwargs.pop("negative_prompt", None)
-        generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
         negatives = [self.negative_prompt(sample) for sample in samples]
         if any(n is not None for n in negatives):
             kwargs["negative_prompt"] = [n or "" for n in negatives]
@@ -724,18 +580,40 @@ class DiffusionModule(pl.LightningModule):
             if self.info.spec.call_batch == 1:  # one prompt a call: its input itself, not a list of one
                 images = {name: values[0] for name, values in images.items()}
             kwargs.update(images)
-        output = self.pipeline(
-            prompt=[sample["prompt"] for sample in samples],
-            generator=generators,
-            output_type="np",
-            **kwargs,
-        )
-        images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
-        recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt", *INPUT_FIELDS)}
-        options = {k: v for k, v in self.options.items() if v not in (None, False)}
-        params = {"model": self.model_path, **self.info.call_defaults, **recorded, **options}
-        sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
-        if images.ndim == 5:  # videos: (batch, frames, height, width, 3)
-            sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]
-        return list(images)[:real], [{**params, **size, **({"inputs": files} if files else {})}
-                                     for size, files in zip(sizes, given)][:real]
+        return samples, kwargs, given
+
+
+class _Agreed(Exception):
+    """A step of a pipeline call failed on some rank of the replica; every rank of it raises this."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_NOT_FINITE = "the image has NaN or infinite pixels (a numerical overflow: try torch_dtype bfloat16 or float32)"
+_OOM_NAMES = ("OutOfMemoryError", "torch.OutOfMemoryError")
+
+
+def _last_line(err: BaseException) -> str:
+    """The exception's type and the last line of its message (CUDA's out-of-memory message is a
+    paragraph whose first line is what matters: kept whole for it)."""
+    text = str(err).strip()
+    line = text.splitlines()[0 if isinstance(err, torch.OutOfMemoryError) else -1] if text else ""
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
+
+
+def _which(samples: list[dict[str, Any]]) -> str:
+    """``image 4 (prompts.jsonl:5)``, or the images of a call."""
+    real = [s for s in samples if not s.get("padding")]
+    named = [f"{s['index']} ({s['source']})" if s.get("source") else str(s["index"]) for s in real[:4]]
+    more = f" and {len(real) - 4} more" if len(real) > 4 else ""
+    return f"image{'s' if len(real) > 1 else ''} {', '.join(named)}{more}"
+
+
+def _free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -170,31 +170,52 @@ class PipelineInfo:
         parameter = inspect.signature(self.pipeline_class.__call__).parameters.get(name)
         return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
-    def check_size(self, height: Optional[int], width: Optional[int]) -> None:
+    def effective_call_args(self, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]]
+                            ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(named arguments, other call arguments) as the pipeline is called: the config's, with the
+        model folder's recommended values (``recommended``) where the config sets nothing."""
+        recommended = {k: v for k, v in self.recommended.items() if k in self.call_parameters}
+        base = {k: v if v is not None else recommended.get(k) for k, v in named.items()}
+        extra = {**{k: v for k, v in recommended.items() if k not in named}, **dict(call_kwargs or {})}
+        return {k: v for k, v in base.items() if v is not None}, extra
+
+    def denoisers(self) -> dict[str, Optional[type]]:
+        """The pipeline's transformer components (those its guidance loop calls) and their classes."""
+        names = self.spec.cfg.transformers if self.spec.cfg is not None else ("transformer",)
+        return {name: self.component_class(name) for name in names if name in self.model_index}
+
+    @property
+    def optional_parameters(self) -> set[str]:
+        """Call arguments whose default is None (a null value leaves the pipeline's choice)."""
+        parameters = inspect.signature(self.pipeline_class.__call__).parameters
+        return {name for name, p in parameters.items() if p.default is None}
+
+    def size_problems(self, height: Optional[int], width: Optional[int]) -> list[str]:
         multiple = self.size_multiple
+        problems = []
         for name, value in (("height", height), ("width", width)):
             if value is None:
                 continue
             if not is_int(value, multiple) or value % multiple:
-                hint = f" (for example {max(multiple, round(value / multiple) * multiple)})" if isinstance(value, int) else ""
-                raise PipelineError(
-                    f"{name}={value!r} cannot be made by {self.class_name}: use a positive multiple of {multiple}{hint}."
-                )
+                hint = f" (for example {max(multiple, round(value / multiple) * multiple)})" if is_int(value) else ""
+                problems.append(f"{name}={value!r} cannot be made by {self.class_name}: use a positive multiple of "
+                                f"{multiple}{hint}.")
+        return problems
 
-    def check_frames(self, frames: Optional[int], where: str) -> None:
+    def frames_problems(self, frames: Optional[int]) -> list[str]:
         spec = self.spec
         if frames is None:
-            return
+            return []
         if spec.frames_arg is None:
-            raise PipelineError(f"{where}: {self.class_name} makes images, not videos; drop num_frames.")
+            return [f"{self.class_name} makes images, not videos; drop num_frames."]
         scale = spec.temporal_scale
         if not is_int(frames, 1) or (frames - 1) % scale:
-            raise PipelineError(
-                f"{where}: num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "
-                f"(for example {max(1, round(((frames if isinstance(frames, int) else 1) - 1) / scale)) * scale + 1})."
-            )
+            example = max(1, round(((frames if is_int(frames) else 1) - 1) / scale)) * scale + 1
+            return [f"num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "
+                    f"(for example {example})."]
+        return []
 
-    def check_call_values(self, values: dict[str, Any], where: str) -> None:
+    def call_value_problems(self, values: dict[str, Any]) -> list[str]:
         """Each value fits the type the pipeline's ``__call__`` declares for it (numbers, booleans,
         strings, lists), so that ``"guidance_scale": "high"`` is refused before loading, not deep in
         the first denoising step."""
@@ -203,30 +224,29 @@ class PipelineInfo:
         for name, value in values.items():
             parameter = parameters.get(name)
             if parameter is not None and matches_annotation(parameter.annotation, value) is False:
-                wrong.append(f"{name}={value!r} is not {describe_annotation(parameter.annotation)}")
-        strength = values.get("strength")
-        if "strength" in parameters and isinstance(strength, (int, float)) and not 0 < strength <= 1:
-            wrong.append(f"strength={strength!r} is not in (0, 1] (the share of the steps run from the input image)")
-        if wrong:
-            raise PipelineError(f"{where}: {'; '.join(wrong)} ({self.class_name}).")
+                wrong.append(f"{name}={value!r} is not {describe_annotation(parameter.annotation)} ({self.class_name}).")
+        return wrong
 
-    def check_call_arguments(self, names: set[str], where: str) -> None:
+    def call_argument_problems(self, names: set[str], where: str) -> list[str]:
+        problems = []
         reserved = names & set(RESERVED_CALL_ARGS)
         if reserved:
-            raise PipelineError(
-                f"{where} sets {', '.join(sorted(reserved))}, which lightning-diffusion sets per image itself; "
-                "put prompts and seeds in the prompt file instead."
-            )
+            problems.append(f"{where} sets {', '.join(sorted(reserved))}, which lightning-diffusion sets per image "
+                            "itself; put prompts and seeds in the prompt file instead.")
         inputs = names & {"image", "mask_image", "last_image"}
         if inputs:
-            raise PipelineError(f"{where} sets {', '.join(sorted(inputs))}: input files belong to each prompt record "
-                                f"(a .jsonl line such as {{\"prompt\": \"...\", \"image\": \"in/0001.png\"}}).")
-        unknown = names - self.call_parameters
+            problems.append(f"{where} sets {', '.join(sorted(inputs))}: input files belong to each prompt record "
+                            f"(a .jsonl line such as {{\"prompt\": \"...\", \"image\": \"in/0001.png\"}}).")
+        if "num_frames" in names and self.spec.frames_arg is None:
+            problems += [f"{where}: {p}" for p in self.frames_problems(1)]
+            names = names - {"num_frames"}
+        unknown = names - self.call_parameters - set(RESERVED_CALL_ARGS) - inputs
         if unknown:
-            raise PipelineError(
+            problems.append(
                 f"{where}: {self.class_name} does not accept {', '.join(sorted(unknown))}. "
                 f"It accepts: {', '.join(sorted(self.call_parameters - set(RESERVED_CALL_ARGS)))}."
             )
+        return problems
 
 
 _TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string", list: "a list",

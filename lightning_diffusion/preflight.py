@@ -14,24 +14,24 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.data import check_data_args, load_records
-from lightning_diffusion.errors import ConfigError, gather, is_int
+from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion import lora
-from lightning_diffusion.module import (OPTIONS, check_model_args, check_records, effective_call_args, image_settings,
-                                       recorded_options)
+from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
 from lightning_diffusion.manifest import in_shard, read_manifest, settings_conflict, shard_size
-from lightning_diffusion.writer import WRITER_DEFAULTS, check_writer_args, run_settings
+from lightning_diffusion.records import RecordVerdicts, check_records, read_records
+from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
+from lightning_diffusion.writer import run_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5
-_NAMED = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
 
 
-def check_disk_space(
+def disk_space_problems(
     info: PipelineInfo, named: dict[str, Any], records: Sequence[Any], per_prompt: int, output_dir: str,
     num_shards: int = 1, shard_index: int = 0,
-) -> None:
+) -> list[str]:
+    """The outputs still to make need more space than the output folder's file system has free."""
     folder = Path(output_dir).expanduser()
     done = read_manifest(folder) if folder.is_dir() else {}
     shard = (shard_index, num_shards) if num_shards > 1 else None
@@ -42,11 +42,10 @@ def check_disk_space(
     need = pending * height * width * 3 * frames * _PNG_RATIO
     existing = next(p for p in [folder, *folder.parents] if p.exists())
     free = shutil.disk_usage(existing).free
-    if need > free:
-        raise ConfigError(
-            f"{pending:,} outputs of {height}x{width}{f' x {frames} frames' if frames > 1 else ''} need about "
-            f"{need / 1e9:,.1f} GB, but {existing} has {free / 1e9:,.1f} GB free."
-        )
+    if need <= free:
+        return []
+    return [f"{pending:,} outputs of {height}x{width}{f' x {frames} frames' if frames > 1 else ''} need about "
+            f"{need / 1e9:,.1f} GB, but {existing} has {free / 1e9:,.1f} GB free."]
 
 
 def build_strategy(spec: Any) -> Optional[Any]:
@@ -93,59 +92,72 @@ def world_size(trainer: Any) -> Optional[int]:
     return devices * nodes
 
 
+def _rule(problems: list, reader: Any, *args: Any) -> Any:
+    """Run a reader (a function that returns a value or raises ``ConfigError``) as a rule: its
+    refusal joins ``problems``."""
+    try:
+        return reader(*args)
+    except ConfigError as err:
+        problems.append(err)
+        return None
+
+
 def preflight(config: Any) -> tuple[list, bool]:
     """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config.
     Returns the problems and whether the checks were complete: the strategy's rules need the world
     size, which a config with ``devices: auto`` (or a device list) leaves to the Trainer; then the
     ranks must run them themselves."""
-    model, data, writer = config.model, config.data, config.writer
-    named = {key: model.get(key) for key in _NAMED}
-    info: Optional[PipelineInfo]
+    model, data, writer = dict(config.model), dict(config.data), dict(config.writer)
     problems: list = []
-    options = {key: model.get(key) for key in OPTIONS}
-    records = gather(problems, load_records, data.prompts)
-    info, model_problems = check_model_args(
-        model.pretrained_model_name_or_path, model.torch_dtype, named, model.get("call_kwargs"),
-        model.get("cache"), records, options, dict(model.get("from_pretrained_kwargs") or {}),
-    )
-    problems = model_problems + problems
-    problems += check_data_args(data.batch_size, data.seed, data.num_images_per_prompt, data.get("num_shards", 1),
-                                data.get("shard_index", 0),
-                                len(records) * data.num_images_per_prompt
-                                if records is not None and is_int(data.num_images_per_prompt, 1) else None)
-    if info is not None and records is not None:
-        base, extra = effective_call_args(info, named, model.get("call_kwargs"))
-        problems += check_records(info, records, call_args={**base, **extra}, inputs_root=data.get("inputs_root"))
-    problems += check_writer_args(writer.output_dir, writer.video_format, writer.fps, *(
-        writer.get(key, default) for key, default in WRITER_DEFAULTS.items()))
+    records = _rule(problems, read_records, data["prompts"])
+    num_images = (len(records) * data["num_images_per_prompt"]
+                  if records is not None and is_int(data.get("num_images_per_prompt"), 1) else None)
+    problems += data_problems(data, num_images)
+    max_pixels = data.get("max_pixels") if is_int(data.get("max_pixels"), 1) else None
+    info, model_found = model_problems(model, records.summary if records is not None else None, max_pixels)
+    problems = model_found + problems
+    named = {key: model.get(key) for key in MODEL_CALL_ARGS}
+    call_args: dict[str, Any] = {}
+    if info is not None:
+        base, extra = info.effective_call_args(named, model.get("call_kwargs"))
+        call_args = {**base, **extra}
+    if records is not None:
+        if info is not None and not model_found:
+            copies = data["num_images_per_prompt"] if is_int(data.get("num_images_per_prompt"), 1) else 1
+            verdicts = check_records(info, records, call_args, data.get("inputs_root"), max_pixels, copies)
+        else:  # the lines that failed while reading; the rest is checked once the model is right
+            verdicts = RecordVerdicts(dict(records.bad))
+        if verdicts and data.get("on_bad_record", "fail") != "skip":
+            problems.append(verdicts.report())
+        elif len(verdicts.rejected) == len(records):
+            problems.append("every prompt record is rejected: " + verdicts.report())
+    problems += writer_problems(writer)
     # Built first, so that a bad strategy argument is reported with the other problems; its rules
     # against the model run once the model and records are known to be right.
-    strategy = gather(problems, build_strategy, config.trainer.get("strategy"))
+    strategy = _rule(problems, build_strategy, config.trainer.get("strategy"))
     size = world_size(config.trainer)
     complete = strategy is None or size is not None
     if strategy is not None and size is not None:
-        gather(problems, strategy.make_parallel_dims, size)
+        _rule(problems, strategy.make_parallel_dims, size)
         if info is not None and not problems:
-            base, extra = effective_call_args(info, named, model.get("call_kwargs"))
-            call_args = {**base, **extra}
-            request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
+            options = {key: model.get(key) for key in OPTIONS}
+            request = ModelRequest(info, resolve_dtype(model["torch_dtype"]), call_args,
                                    dict(model.get("from_pretrained_kwargs") or {}), records,
                                    options["attention_backend"], options["quantization"],
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if info is not None and records is not None and not problems:
-        base, extra = effective_call_args(info, named, model.get("call_kwargs"))
-        gather(problems, check_disk_space, info, base, records, data.num_images_per_prompt, writer.output_dir,
-               data.get("num_shards", 1), data.get("shard_index", 0))
+        problems += disk_space_problems(info, call_args, records, data["num_images_per_prompt"], writer["output_dir"],
+              data.get("num_shards", 1), data.get("shard_index", 0))
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
             settings = run_settings(
-                image_settings(model.pretrained_model_name_or_path, model.torch_dtype, {**base, **extra},
+                image_settings(model["pretrained_model_name_or_path"], model["torch_dtype"], call_args,
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
-                               recorded_options(options)),
-                data.seed, data.num_images_per_prompt, data.prompts, writer.get("video_format") or "mp4",
+                               recorded_options({key: model.get(key) for key in OPTIONS})),
+                data["seed"], data["num_images_per_prompt"], data["prompts"], writer.get("video_format") or "mp4",
                 writer.get("fps") or 16, writer.get("image_format", "png"), writer.get("quality", 90))
-            conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)
+            conflict = settings_conflict(Path(writer["output_dir"]).expanduser(), settings)
             if conflict:
                 problems.append(conflict)
     return problems, complete

@@ -82,43 +82,45 @@ def components(spec: Mapping[str, Any], default: tuple[str, ...]) -> list[str]:
 
 
 def check(spec: Any, model_index: Mapping[str, Any], classes: Mapping[str, Optional[type]],
-          default: tuple[str, ...]) -> None:
+          default: tuple[str, ...]) -> list[str]:
     """``model.quantization`` against the installed backends and the pipeline's components
     (``model_index``: component name to ``[library, class]``; ``classes``: name to class, where
     diffusers or transformers has it); ``default``: the denoisers."""
     if not isinstance(spec, Mapping):
-        raise ConfigError(f"model.quantization is a mapping such as {{backend: torchao, quant_type: int8wo}}, not {spec!r}.")
+        return [f"model.quantization is a mapping such as {{backend: torchao, quant_type: int8wo}}, not {spec!r}."]
     backend = spec.get("backend")
     if backend not in BACKEND_PACKAGES:
         from diffusers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
         if backend in AUTO_QUANTIZATION_CONFIG_MAPPING:
-            raise ConfigError(
-                f"model.quantization.backend {backend!r} loads checkpoints that are already quantized: point "
-                "model.pretrained_model_name_or_path at such a folder (its config carries the quantization) and "
-                f"drop model.quantization. Quantizing while loading: {', '.join(BACKEND_PACKAGES)}."
-            )
-        raise ConfigError(f"model.quantization.backend must be one of {', '.join(BACKEND_PACKAGES)}, not {backend!r}.")
+            return [f"model.quantization.backend {backend!r} loads checkpoints that are already quantized: point "
+                    "model.pretrained_model_name_or_path at such a folder (its config carries the quantization) and "
+                    f"drop model.quantization. Quantizing while loading: {', '.join(BACKEND_PACKAGES)}."]
+        return [f"model.quantization.backend must be one of {', '.join(BACKEND_PACKAGES)}, not {backend!r}."]
     package = BACKEND_PACKAGES[backend]
     if importlib.util.find_spec(package.split(".")[0]) is None or importlib.util.find_spec(package) is None:
-        raise ConfigError(f"model.quantization.backend {backend!r} needs the {package} package, which is not "
-                          f"installed: pip install {package.replace('.', '-')}.")
+        return [f"model.quantization.backend {backend!r} needs the {package} package, which is not installed: "
+                f"pip install {package.replace('.', '-')}."]
     names = components(spec, default)
     models = sorted(name for name, cls in classes.items() if isinstance(cls, type) and issubclass(cls, torch.nn.Module))
     unknown = [n for n in names if n not in models]
     if not names or unknown:
-        raise ConfigError(f"model.quantization.components {unknown or names!r}: this pipeline's models are "
-                          f"{', '.join(models)}.")
+        return [f"model.quantization.components {unknown or names!r}: this pipeline's models are {', '.join(models)}."]
     if backend == "torchao":
         quant_type = spec.get("quant_type")
         if not isinstance(quant_type, str):
-            raise ConfigError(f"model.quantization with torchao needs quant_type: one of {', '.join(TORCHAO_TYPES)} "
-                              "(or a torchao.quantization config class name).")
+            return [f"model.quantization with torchao needs quant_type: one of {', '.join(TORCHAO_TYPES)} "
+                    "(or a torchao.quantization config class name)."]
     elif "quant_type" in spec:
-        raise ConfigError(f"model.quantization.quant_type is torchao's; {backend} takes its own arguments "
-                          f"({', '.join(_arguments(_backend_class(backend, 'diffusers')))}).")
+        return [f"model.quantization.quant_type is torchao's; {backend} takes its own arguments "
+                f"({', '.join(_arguments(_backend_class(backend, 'diffusers')))})."]
+    problems = []
     for name in names:
-        _build(spec, model_index[name][0])  # unknown arguments fail here, before any weight loads
+        try:
+            _build(spec, model_index[name][0])  # unknown arguments fail here, before any weight loads
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems[:1]
 
 
 def device_problem(spec: Optional[Mapping[str, Any]], device: torch.device) -> None:

@@ -50,6 +50,10 @@ class PublishedModel:
     text_tokens: int = 512
 
 
+# What a record may set on any pipeline that takes it: its size, steps, guidance and text length.
+RECORD_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length")
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """What the project knows of one diffusers pipeline class.
@@ -76,6 +80,9 @@ class PipelineSpec:
     transformer sees the input image's tokens beside the output's (context-parallel checks per record).
     ``input_if_config``: ``(input, key)``: records have ``input`` exactly when the transformer's
     config sets ``key`` (Wan 2.1's first-last-frame weights and ``last_image``).
+    ``text_length_max``: the most text tokens its ``text_length_arg`` may ask for (the pipeline's own
+    limit, which it checks only after loading). ``record_args``: the call arguments a prompt record
+    may set (typed and bounded by ``validation.CALL_ARGS``; those its ``__call__`` lacks are dropped).
     """
 
     class_name: str
@@ -99,6 +106,8 @@ class PipelineSpec:
     shares_input_size: bool = False
     reference_tokens: Optional[str] = None
     input_if_config: Optional[tuple[str, str]] = None
+    text_length_max: Optional[int] = None
+    record_args: tuple[str, ...] = RECORD_ARGS
 
     @property
     def is_video(self) -> bool:
@@ -193,7 +202,7 @@ def tiny_builder(name: str) -> Optional[Callable[..., Any]]:
 # ----------------------------------------------------------------------------- the registry
 
 register(PipelineSpec(
-    "FluxPipeline", patch=2, text_length_arg="max_sequence_length", default_size=(1024, 1024),
+    "FluxPipeline", patch=2, text_length_arg="max_sequence_length", text_length_max=512, default_size=(1024, 1024),
     transformer_class="FluxTransformer2DModel",
     cfg=CFGBranches(("encoder_hidden_states", "pooled_projections", "txt_ids"), "true_cfg_scale"),
     stages="lightning_diffusion.staged:FluxStages",
@@ -207,8 +216,9 @@ register(PipelineSpec(
 # run (their VAE also encodes the input, inside the call).
 for _task, _inputs in (("FluxImg2ImgPipeline", ("image",)), ("FluxInpaintPipeline", ("image", "mask_image"))):
     register(replace(SPECS["FluxPipeline"], class_name=_task, stages=None, published={}, tiny=None, tiny_builder=None,
-                     inputs=_inputs))
+                     inputs=_inputs, record_args=(*RECORD_ARGS, "strength")))
 register(replace(SPECS["FluxPipeline"], class_name="FluxFillPipeline", cfg=None, stages=None, published={},
+                 record_args=(*RECORD_ARGS, "strength"),
                  inputs=("image", "mask_image"), tiny="flux-fill", tiny_builder="lightning_diffusion.tiny:build_flux_fill"))
 # Kontext edits an optional reference image (its tokens join the sequence; every input of a call is
 # resized to the first one's size); true CFG as FLUX.1's.
@@ -216,6 +226,7 @@ register(replace(SPECS["FluxPipeline"], class_name="FluxKontextPipeline", stages
                  published={"black-forest-labs/FLUX.1-Kontext-dev": SPECS["FluxPipeline"].published[
                      "black-forest-labs/FLUX.1-dev"]},  # the same 12B architecture
                  shares_input_size=True, reference_tokens="lightning_diffusion.specs:kontext_tokens",
+                 record_args=(*RECORD_ARGS, "max_area"),
                  tiny="flux-kontext", tiny_builder="lightning_diffusion.tiny:build_flux_kontext"))
 
 
@@ -238,12 +249,12 @@ def kontext_tokens(image_size: Optional[tuple[int, int]], call_args: dict[str, A
 
 
 register(PipelineSpec(
-    "Flux2Pipeline", patch=2, transformer_class="Flux2Transformer2DModel",
+    "Flux2Pipeline", patch=2, transformer_class="Flux2Transformer2DModel", text_length_max=512,
     published={"black-forest-labs/FLUX.2-dev": PublishedModel(
         {"transformer": 64.4, "text_encoder": 48.0, "vae": 0.17}, heads=48, hidden=6144, layers=56, text_tokens=512)},
 ))
 register(PipelineSpec(
-    "QwenImagePipeline", patch=2, prompt_length_text=True, default_size=(1024, 1024),
+    "QwenImagePipeline", patch=2, prompt_length_text=True, default_size=(1024, 1024), text_length_max=1024,
     transformer_class="QwenImageTransformer2DModel",
     cfg=CFGBranches(("encoder_hidden_states", "encoder_hidden_states_mask"), "true_cfg_scale"),
     published={"Qwen/Qwen-Image": PublishedModel(
@@ -260,7 +271,8 @@ register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPipeline",
                  shares_input_size=True, tiny=None, tiny_builder=None))  # sized by a call's first image
 register(PipelineSpec(
     "WanPipeline", patch=2, default_size=(480, 832), output="frames", frames_arg="num_frames", temporal_scale=4,
-    default_frames=81, transformer_class="WanTransformer3DModel",
+    default_frames=81, transformer_class="WanTransformer3DModel", text_length_max=512,
+    record_args=(*RECORD_ARGS, "num_frames", "guidance_scale_2"),
     cfg=CFGBranches(("encoder_hidden_states",), "guidance_scale", needs_negative_prompt=False, one_call=True,
                     transformers=("transformer", "transformer_2")),
     published={"Wan-AI/Wan2.1-T2V-14B-Diffusers": PublishedModel(

@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_diffusion.background import WRITE_IN, WriterProcess, WriterThreads
 from lightning_diffusion.console import log
-from lightning_diffusion.errors import ConfigError, check_int, raise_problems
+from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.files import (  # noqa: F401 (names of the writer's files, kept importable from here)
     EXIF_DESCRIPTION,
     FSYNC,
@@ -49,15 +49,19 @@ from lightning_diffusion.files import (  # noqa: F401 (names of the writer's fil
     write_mp4,
 )
 from lightning_diffusion.lock import OutputLock, conflicting_runs
+from lightning_diffusion.validation import writer_problems
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.manifest import (
+    FAILED,
     MANIFEST,
+    REJECTED,
     PART_GLOB,
     PROMPTS_HASH,
     RUN_FILE,
     RUN_META,
     _atomic_write,
     in_shard,
+    merge_failures,
     merge_lock,
     merge_manifest,
     part_counts,
@@ -69,45 +73,6 @@ from lightning_diffusion.manifest import (
     shard_name,
     shard_size,
 )
-
-
-# check_writer_args' arguments after fps, with ImageWriter's defaults (preflight reads the config's).
-WRITER_DEFAULTS = {"image_format": "png", "quality": 90, "png_compress_level": PNG_COMPRESS_LEVEL, "fsync": "batch",
-                   "write_workers": 2, "write_queue": 2, "write_in": "process"}
-
-
-def check_writer_args(output_dir: Any, video_format: Any, fps: Any, image_format: Any = "png", quality: Any = 90,
-                      png_compress_level: Any = PNG_COMPRESS_LEVEL, fsync: Any = "batch",
-                      write_workers: Any = 2, write_queue: Any = 2, write_in: Any = "process") -> list[str]:
-    problems = []
-    path = Path(output_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        problems.append(f"writer.output_dir {str(path)!r} is a file, not a folder.")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                problems.append(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
-            elif not os.access(parent, os.W_OK) and not path.exists():
-                problems.append(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
-            break
-    if video_format not in VIDEO_FORMATS:
-        problems.append(f"writer.video_format must be one of {', '.join(VIDEO_FORMATS)}, got {video_format!r}.")
-    problems += filter(None, [check_int(fps, "writer.fps")])
-    if image_format not in IMAGE_FORMATS:
-        problems.append(f"writer.image_format must be one of {', '.join(IMAGE_FORMATS)}, got {image_format!r}.")
-    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
-        problems.append(f"writer.quality (WebP and JPEG) must be an integer from 1 to 100, got {quality!r}.")
-    if isinstance(png_compress_level, bool) or not isinstance(png_compress_level, int) or not 0 <= png_compress_level <= 9:
-        problems.append(f"writer.png_compress_level must be an integer from 0 to 9, got {png_compress_level!r}.")
-    if fsync not in FSYNC:
-        problems.append(f"writer.fsync must be one of {', '.join(FSYNC)}, got {fsync!r}.")
-    problems += filter(None, [check_int(write_queue, "writer.write_queue")])
-    if isinstance(write_workers, bool) or not isinstance(write_workers, int) or write_workers < 0:
-        problems.append(f"writer.write_workers must be an integer >= 0 (0: write on the prediction thread), "
-                        f"got {write_workers!r}.")
-    if write_in not in WRITE_IN:
-        problems.append(f"writer.write_in must be one of {', '.join(WRITE_IN)}, got {write_in!r}.")
-    return problems
 
 
 def run_settings(image_settings: dict[str, Any], seed: Any, num_images_per_prompt: Any, prompts: Any,
@@ -138,7 +103,9 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
     expected = f" of {summary['expected']:,}" if summary.get("expected") is not None else ""
     if summary.get("shard"):
         expected += f" (shard {summary['shard'][0]} of {summary['shard'][1]})"
-    return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume; {summary['in_manifest']:,}"
+    left = "".join(f", {summary[key]:,} {key} ({name})" for key, name in (("rejected", REJECTED), ("failed", FAILED))
+                   if summary.get(key))
+    return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume{left}; {summary['in_manifest']:,}"
             f"{expected} in {manifest}; wall {summary['wall_s']:.1f} s, load {summary['load_s']:.1f} s; "
             f"images/s per writing rank: {pace}")
 
@@ -210,8 +177,10 @@ class ImageWriter(BasePredictionWriter):
         write_in: str = "process",
     ) -> None:
         super().__init__(write_interval="batch")
-        raise_problems(check_writer_args(output_dir, video_format, fps, image_format, quality, png_compress_level,
-                                         fsync, write_workers, write_queue, write_in))
+        raise_problems(writer_problems(dict(output_dir=output_dir, video_format=video_format, fps=fps,
+                                            image_format=image_format, quality=quality,
+                                            png_compress_level=png_compress_level, fsync=fsync,
+                                            write_workers=write_workers, write_queue=write_queue, write_in=write_in)))
         if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
                               "script being run, so the writer process cannot import it: move it into a module, "
@@ -233,6 +202,7 @@ class ImageWriter(BasePredictionWriter):
         self.done: set[int] = set()
         self.expected: Optional[int] = None
         self.pending: Optional[int] = None
+        self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
         self.summary: Optional[dict[str, Any]] = None
         # Told the final count on global rank 0 once the manifest is merged (``ImageProgressBar``).
         self.progress_listener: Optional[Any] = None
@@ -392,8 +362,8 @@ class ImageWriter(BasePredictionWriter):
         self._raise_error(self._writers)
         if not self.save_arrays:  # videos are queued as 8-bit frames, a quarter of their float memory; images
             # as the pipeline's floats (converted by the writer: no time of the prediction thread)
-            prediction = [{**item, "image": to_uint8(item["image"])} if item["image"].ndim == 4 else item
-                          for item in prediction]
+            prediction = [{**item, "image": to_uint8(item["image"])} if "image" in item and item["image"].ndim == 4
+                          else item for item in prediction]
         self._writers.put(prediction)  # blocks while the queue is full: memory stays bounded
 
     def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
@@ -402,6 +372,24 @@ class ImageWriter(BasePredictionWriter):
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.predicting_at = time.time()
+        if self.pending is not None:  # the records data.on_bad_record: skip leaves out are not to make
+            self.pending = max(0, self.pending - self._rejected_images(trainer))
+
+    @staticmethod
+    def _rejected_images(trainer: pl.Trainer) -> int:
+        """This run's images of rejected records (known once the module checked the records)."""
+        data = trainer.datamodule
+        return len(data.rejected_images()) if getattr(data, "rejected", None) else 0
+
+    def _write_rejected(self, data: Any) -> None:
+        """``rejected.jsonl``: the prompt set's records that cannot be made, with file:line and reason
+        (written anew by each run: the verdicts of the prompt file as it is now)."""
+        copies = data.num_images_per_prompt
+        lines = [{"record": position + 1, "line": source, "reason": reason,
+                  "images": [position * copies + c for c in range(copies)]}
+                 for position, (source, reason) in sorted(data.rejected.rejected.items())]
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        _atomic_write(self.output_dir / REJECTED, lambda f: f.write(text.encode("utf-8")))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Not on_predict_end: a replica with no images skips the predict loop and its end hooks,
@@ -427,10 +415,14 @@ class ImageWriter(BasePredictionWriter):
                 self._lock.release()
             raise failed
         if trainer.is_global_zero:
+            self.rejected = self._rejected_images(trainer)
+            if self.rejected or (self.output_dir / REJECTED).exists():
+                self._write_rejected(trainer.datamodule)
             parts = part_counts(self.output_dir, self.parts_glob)
             entries = merge_manifest(self.output_dir, self.shard)
+            failed = merge_failures(self.output_dir, self.shard, entries)
             total = sum(in_shard(i, self.shard) for i in entries)
-            self.summary = self._summary(parts, total)
+            self.summary = self._summary(parts, total, failed)
             self._history.append(self.summary)
             settings = json.loads(self.record_file.read_text())
             self._write_run_file({k: v for k, v in settings.items() if k not in RUN_META})
@@ -441,7 +433,7 @@ class ImageWriter(BasePredictionWriter):
             if self._lock is not None:
                 self._lock.release()
 
-    def _summary(self, parts: dict[int, int], total: int) -> dict[str, Any]:
+    def _summary(self, parts: dict[int, int], total: int, failed: int = 0) -> dict[str, Any]:
         end = time.time()
         start = self.predicting_at or end
         seconds = max(end - start, 1e-9)
@@ -449,6 +441,8 @@ class ImageWriter(BasePredictionWriter):
             "finished": round(end, 3),
             "made": sum(parts.values()),
             "skipped": len(self.done),
+            "rejected": self.rejected,
+            "failed": failed,
             "in_manifest": total,
             "expected": self.expected,
             "wall_s": round(end - self.started_at, 3),

@@ -17,7 +17,10 @@ import torch
 
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.cache import check_cache
+from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.records import summarize_records
 from lightning_diffusion.shapes import caption, held_out_scenes
+from lightning_diffusion.validation import model_cache_problems
 from tests.conftest import SHAPES_ARGS, load_arrays, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
@@ -152,20 +155,20 @@ def test_shared_state_caches_are_refused_only_with_a_negative_pass():
     no_cfg = DiffusionModule("tiny:shapes", call_kwargs={"true_cfg_scale": 1.0},
                              cache={"type": "pyramid_attention_broadcast"})
     assert no_cfg.cache["type"] == "pyramid_attention_broadcast"
-    no_cfg.check_records([{"prompt": "x"}])
+    raise_problems(model_cache_problems(no_cfg.info, no_cfg.cache, no_cfg.call_args, summarize_records([{"prompt": "x"}])))
     # A record's own negative prompt, or its own scale above 1, turns the negative pass on.
     module = DiffusionModule("tiny:flux", call_kwargs={"true_cfg_scale": 2.0}, cache={"type": "faster_cache"})
     with pytest.raises(Exception, match="faster_cache keeps one state for both guidance passes"):
-        module.check_records([{"prompt": "x", "negative_prompt": "blurry"}])
+        raise_problems(model_cache_problems(module.info, module.cache, module.call_args, summarize_records([{"prompt": "x", "negative_prompt": "blurry"}])))
     with pytest.raises(Exception, match="pyramid_attention_broadcast keeps one state for both guidance passes"):
-        no_cfg.check_records([{"prompt": "x", "negative_prompt": "", "true_cfg_scale": 4.0}])
+        raise_problems(model_cache_problems(no_cfg.info, no_cfg.cache, no_cfg.call_args, summarize_records([{"prompt": "x", "negative_prompt": "", "true_cfg_scale": 4.0}])))
 
 
 def test_magcache_refuses_records_with_their_own_step_count():
     module = DiffusionModule("tiny:shapes", num_inference_steps=12, cache={"type": "magcache", "calibrate": True})
-    module.check_records([{"prompt": "x", "num_inference_steps": 12}])
+    raise_problems(model_cache_problems(module.info, module.cache, module.call_args, summarize_records([{"prompt": "x", "num_inference_steps": 12}])))
     with pytest.raises(Exception, match=r"prompt records set num_inference_steps \[20\]"):
-        module.check_records([{"prompt": "x", "num_inference_steps": 20}])
+        raise_problems(model_cache_problems(module.info, module.cache, module.call_args, summarize_records([{"prompt": "x", "num_inference_steps": 20}])))
 
 
 def test_a_transformer_without_cache_support_is_refused():

@@ -4,13 +4,15 @@ import json
 
 import pytest
 
-from lightning_diffusion.data import PromptDataModule, PromptDataset, PromptFileError, ShardSampler, load_records
+from lightning_diffusion.data import PromptDataModule, PromptDataset, ShardSampler
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.records import PromptFileError, read_records
 
 
 def test_txt_prompts_skip_blank_lines(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("a cat\n\n  a dog  \n")
-    assert [r["prompt"] for r in load_records(str(path))] == ["a cat", "a dog"]
+    assert [r["prompt"] for r in read_records(str(path))] == ["a cat", "a dog"]
 
 
 def test_jsonl_records_keep_seed_negative_prompt_and_overrides(tmp_path):
@@ -19,7 +21,7 @@ def test_jsonl_records_keep_seed_negative_prompt_and_overrides(tmp_path):
         json.dumps({"prompt": "a cat", "seed": 7, "negative_prompt": "blurry", "guidance_scale": 2.0}) + "\n"
         + json.dumps({"prompt": "a dog"}) + "\n"
     )
-    dataset = PromptDataset(load_records(str(path)), seed=100)
+    dataset = PromptDataset(read_records(str(path)), seed=100)
     first, second = dataset[0], dataset[1]
     assert first == {
         "index": 0,
@@ -27,6 +29,7 @@ def test_jsonl_records_keep_seed_negative_prompt_and_overrides(tmp_path):
         "seed": 7,
         "negative_prompt": "blurry",
         "overrides": {"guidance_scale": 2.0},
+        "source": f"{path}:1",
     }
     assert second["seed"] == 101 and second["overrides"] == {}
 
@@ -34,12 +37,12 @@ def test_jsonl_records_keep_seed_negative_prompt_and_overrides(tmp_path):
 def test_csv_needs_a_prompt_column_and_reads_seeds(tmp_path):
     good = tmp_path / "p.csv"
     good.write_text("prompt,seed\na cat,5\na dog,\n")
-    records = load_records(str(good))
+    records = read_records(str(good))
     assert records == [{"prompt": "a cat", "seed": 5}, {"prompt": "a dog"}]
     bad = tmp_path / "bad.csv"
     bad.write_text("text\na cat\n")
     with pytest.raises(PromptFileError, match=r"bad.csv:1: the CSV header has no 'prompt' column"):
-        load_records(str(bad))
+        read_records(str(bad))
 
 
 def test_seed_formula_with_several_images_per_prompt():
@@ -49,7 +52,7 @@ def test_seed_formula_with_several_images_per_prompt():
 
 
 def test_inline_list_accepts_strings_and_mappings():
-    records = load_records(["a cat", {"prompt": "a dog", "seed": 3}])
+    records = read_records(["a cat", {"prompt": "a dog", "seed": 3}])
     assert records == [{"prompt": "a cat"}, {"prompt": "a dog", "seed": 3}]
 
 
@@ -58,15 +61,15 @@ def test_inline_list_accepts_strings_and_mappings():
     [
         ('{"prompt": "ok"}\n{not json}\n', r"p.jsonl:2: not valid JSON"),
         ('{"prompt": "ok"}\n\n{"text": "no prompt"}\n', r"p.jsonl:3: no 'prompt'"),
-        ('{"prompt": "ok", "seed": -1}\n', r"p.jsonl:1: 'seed' must be a non-negative integer"),
+        ('{"prompt": "ok", "seed": -1}\n', r"p.jsonl:1: 'seed' must be an integer from 0 to 2\*\*64 - 1"),
         ("[1, 2]\n", r"p.jsonl:1: expected a JSON object"),
     ],
 )
 def test_bad_jsonl_lines_name_file_and_line(tmp_path, content, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
-    with pytest.raises(PromptFileError, match=message):
-        load_records(str(path))
+    with pytest.raises(ConfigError, match=message):
+        PromptDataModule(str(path))
 
 
 def test_missing_empty_and_unknown_prompt_files_are_refused(tmp_path):

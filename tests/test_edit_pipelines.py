@@ -149,13 +149,13 @@ def test_bad_edit_records_are_refused_together_before_loading(tmp_path, cli_here
                    + json.dumps({"prompt": "another size", "image": "in/c.png", "mask_image": "in/mask.png"}) + "\n")
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(bad), *FILL))
     assert proc.returncode == 2
-    assert "prompt record 1 has no mask_image, which FluxFillPipeline needs" in proc.stderr
-    assert "prompt record 2: mask_image is 64x64 and image 96x80" in proc.stderr
+    assert "bad.jsonl:1: it has no mask_image, which FluxFillPipeline needs" in proc.stderr
+    assert "bad.jsonl:2: mask_image is 64x64 and image 96x80" in proc.stderr
 
     text_only = tmp_path / "text.jsonl"
     text_only.write_text(json.dumps({"prompt": "no image"}) + "\n")
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(text_only), *WAN_I2V, config=CONFIGS["wan-i2v"]))
-    assert proc.returncode == 2 and "prompt record 1 has no image, which WanImageToVideoPipeline needs" in proc.stderr
+    assert proc.returncode == 2 and "text.jsonl:1: it has no image, which WanImageToVideoPipeline needs" in proc.stderr
 
     last = tmp_path / "last.jsonl"
     last.write_text(json.dumps({"prompt": "a clip", "image": "in/a.png", "last_image": "in/b.png"}) + "\n")

@@ -111,12 +111,12 @@ def test_bad_image_records_are_refused_together_before_loading(tmp_path, cli_her
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), "--model.pipeline_class",
                                "FluxInpaintPipeline"))
     assert proc.returncode == 2, proc.stderr
-    for message in ["prompt record 5 has no image, which FluxInpaintPipeline needs",
-                    f"prompt record 1: image {tmp_path}/in/missing.png does not exist",
-                    f"prompt record 2: image {tmp_path}/in/text.png is not a readable image",
-                    "prompt record 3: mask_image is 64x64 and image 96x80; a mask must have its image's size",
-                    f"prompt record 4: image {tmp_path}/in/cut.png is not a readable image",
-                    "prompt record 2: strength=1.5 is not in (0, 1]"]:
+    for message in ["bad.jsonl:5: it has no image, which FluxInpaintPipeline needs",
+                    f"bad.jsonl:1: image {tmp_path}/in/missing.png does not exist",
+                    f"bad.jsonl:2: strength must be in (0, 1], got 1.5. image {tmp_path}/in/text.png is not a "
+                    "readable image",
+                    "bad.jsonl:3: mask_image is 64x64 and image 96x80; a mask must have its image's size",
+                    f"bad.jsonl:4: image {tmp_path}/in/cut.png is not a readable image"]:
         assert message in proc.stderr, (message, proc.stderr)
     assert not (tmp_path / "out").exists()
 
@@ -124,10 +124,10 @@ def test_bad_image_records_are_refused_together_before_loading(tmp_path, cli_her
 def test_images_for_a_text_only_pipeline_and_text_only_records_for_an_image_pipeline_are_refused(tmp_path, cli_here):
     prompts = write_inputs(tmp_path)
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts)))
-    assert proc.returncode == 2 and ("prompt record 1 has image, which FluxPipeline does not take (image-to-image on "
-                                     "FLUX.1 weights: model.pipeline_class: FluxImg2ImgPipeline)") in proc.stderr
+    assert proc.returncode == 2 and ("prompts.jsonl:1: it has image, which FluxPipeline does not take (image-to-image "
+                                     "on FLUX.1 weights: model.pipeline_class: FluxImg2ImgPipeline)") in proc.stderr
     proc = cli_here(*tiny_args(tmp_path / "out", *IMG2IMG))
-    assert proc.returncode == 2 and "prompt record 1 has no image, which FluxImg2ImgPipeline needs" in proc.stderr
+    assert proc.returncode == 2 and ".txt:1: it has no image, which FluxImg2ImgPipeline needs" in proc.stderr
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), *IMG2IMG,
                                "--model.call_kwargs.image", "in/a.png"))
     assert proc.returncode == 2 and "input files belong to each prompt record" in proc.stderr
@@ -142,7 +142,7 @@ def test_a_strength_that_runs_no_step_is_refused(tmp_path, cli_here):
     prompts = write_inputs(tmp_path)
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), *IMG2IMG,
                                "--model.call_kwargs.strength", "0.2"))
-    assert proc.returncode == 2 and ("model: strength 0.2 of num_inference_steps 4 runs no step (the pipeline runs "
+    assert proc.returncode == 2 and ("model.call_kwargs: strength 0.2 of num_inference_steps 4 runs no step (the pipeline runs "
                                      "int(steps x strength) = 0 of them)") in proc.stderr
 
 
@@ -172,7 +172,7 @@ def test_inputs_that_leave_data_inputs_root_are_refused(tmp_path, cli_here):
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), *IMG2IMG,
                                "--data.inputs_root", str(root)))
     assert proc.returncode == 2, proc.stderr
-    assert f"prompt record 2: image {root}/../secret.png leaves data.inputs_root {root}" in proc.stderr
-    assert f"prompt record 3: image {root}/in/link.png leaves data.inputs_root {root} (it resolves to {outside})" \
+    assert f"prompts.jsonl:2: image {root}/../secret.png leaves data.inputs_root {root}" in proc.stderr
+    assert f"prompts.jsonl:3: image {root}/in/link.png leaves data.inputs_root {root} (it resolves to {outside})" \
         in proc.stderr
-    assert "prompt record 1" not in proc.stderr
+    assert "prompts.jsonl:1:" not in proc.stderr

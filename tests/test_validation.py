@@ -5,57 +5,56 @@ import json
 import pytest
 
 from lightning_diffusion import DiffusionModule, ImageWriter
-from lightning_diffusion.data import load_records
+from lightning_diffusion.records import check_records, read_records
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.pipelines import PipelineError
 from lightning_diffusion.strategies import MeshError, ParallelDims
 from lightning_diffusion.strategies.checks import check_cfg
 
 
 def test_missing_model_path(tmp_path):
-    with pytest.raises(PipelineError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         DiffusionModule(str(tmp_path / "nowhere"))
 
 
 def test_folder_that_is_not_a_pipeline(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(PipelineError, match="is not a diffusers pipeline: it has no model_index.json"):
+    with pytest.raises(ConfigError, match="is not a diffusers pipeline: it has no model_index.json"):
         DiffusionModule(str(tmp_path))
 
 
 def test_model_index_naming_an_unknown_class(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "NotAPipeline"}))
-    with pytest.raises(PipelineError, match="'NotAPipeline', which is not a pipeline class"):
+    with pytest.raises(ConfigError, match="'NotAPipeline', which is not a pipeline class"):
         DiffusionModule(str(tmp_path))
 
 
 @pytest.mark.parametrize("size", [{"height": 50}, {"width": 8}, {"height": 0}])
 def test_size_the_pipeline_cannot_take(size):
-    with pytest.raises(PipelineError, match="use a positive multiple of 16"):
+    with pytest.raises(ConfigError, match="use a positive multiple of 16"):
         DiffusionModule("tiny:flux", **size)
 
 
 def test_steps_below_one():
-    with pytest.raises(ValueError, match="num_inference_steps must be an integer >= 1"):
+    with pytest.raises(ValueError, match="model.num_inference_steps must be an integer from 1 to 1,000, got 0"):
         DiffusionModule("tiny:flux", num_inference_steps=0)
 
 
 def test_call_kwargs_the_pipeline_does_not_take():
-    with pytest.raises(PipelineError, match="FluxPipeline does not accept strength"):
+    with pytest.raises(ConfigError, match="FluxPipeline does not accept strength"):
         DiffusionModule("tiny:flux", call_kwargs={"strength": 0.5})
-    with pytest.raises(PipelineError, match="sets generator, which lightning-diffusion sets per image"):
+    with pytest.raises(ConfigError, match="sets generator, which lightning-diffusion sets per image"):
         DiffusionModule("tiny:flux", call_kwargs={"generator": None})
 
 
 def test_unknown_dtype():
-    with pytest.raises(PipelineError, match="torch_dtype 'float8'"):
+    with pytest.raises(ConfigError, match="torch_dtype 'float8'"):
         DiffusionModule("tiny:flux", torch_dtype="float8")
 
 
 def test_record_override_the_pipeline_does_not_take():
-    module = DiffusionModule("tiny:flux")
-    with pytest.raises(PipelineError, match="prompt record 2: FluxPipeline does not accept eta"):
-        module.check_records([{"prompt": "ok"}, {"prompt": "bad", "eta": 0.1}])
+    verdicts = check_records(DiffusionModule("tiny:flux").info, [{"prompt": "ok"}, {"prompt": "bad", "eta": 0.1}])
+    assert list(verdicts.rejected) == [1]
+    assert "inline prompts:2: eta: not something a record may set" in verdicts.report()
 
 
 def test_record_checks_read_the_summary_made_while_indexing_not_the_lines(tmp_path):
@@ -66,12 +65,15 @@ def test_record_checks_read_the_summary_made_while_indexing_not_the_lines(tmp_pa
     rows = [{"prompt": "a", "negative_prompt": "n"}, {"prompt": "b", "height": 64},
             {"prompt": "c", "eta": 0.1, "height": 64}, {"prompt": "d"}, {"prompt": "e", "height": 64, "seed": 3}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    records = load_records(str(path))
+    records = read_records(str(path))
     path.unlink()
     assert records.summary.override_sets() == [(1, {}), (2, {"height": 64}), (3, {"eta": 0.1, "height": 64})]
-    with pytest.raises(PipelineError, match="prompt record 3: FluxPipeline does not accept eta"):
-        DiffusionModule("tiny:flux").check_records(records)
-    with pytest.raises(ConfigError, match=r"4 of 5 records have none \(records 2, 3, 4, 5\)"):
+    verdicts = check_records(DiffusionModule("tiny:flux").info, records)
+    assert verdicts.report().endswith("p.jsonl:3: eta: not something a record may set; a FluxPipeline record may "
+                                      "have prompt, seed, negative_prompt, height, width, num_inference_steps, "
+                                      "guidance_scale, true_cfg_scale, max_sequence_length.")
+    assert records.summary.override_sets() == [(1, {}), (2, {"height": 64})]  # what runs, for the strategies
+    with pytest.raises(ConfigError, match=r"3 of 4 records have none \(records 2, 4, 5\)"):
         check_cfg("QwenImagePipeline", {"true_cfg_scale": 4.0}, lambda name: None, records)
 
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from lightning_diffusion import DiffusionModule, ImageWriter
-from lightning_diffusion.pipelines import PipelineError
+from lightning_diffusion.errors import ConfigError
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
@@ -88,7 +88,7 @@ def test_animated_formats(fmt, tmp_path):
 
 
 def test_frame_counts_the_pipeline_cannot_make():
-    with pytest.raises(PipelineError, match=r"num_frames=8 cannot be made by WanPipeline: use 4 x k \+ 1 frames \(for example 9\)"):
+    with pytest.raises(ConfigError, match=r"num_frames=8 cannot be made by WanPipeline: use 4 x k \+ 1 frames \(for example 9\)"):
         DiffusionModule("tiny:wan", num_frames=8)
-    with pytest.raises(PipelineError, match="FluxPipeline makes images, not videos"):
+    with pytest.raises(ConfigError, match="FluxPipeline makes images, not videos"):
         DiffusionModule("tiny:flux", num_frames=9)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lightning_diffusion.data import PromptFileError, load_records
+from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.writer import image_filename
 
 
@@ -25,5 +26,5 @@ def test_identical_prompts_get_distinct_names():
 def test_prompt_file_that_is_not_utf8_is_refused(tmp_path):
     path = tmp_path / "p.txt"
     path.write_bytes(b"fine\n\xff\xfe broken\n")
-    with pytest.raises(PromptFileError, match=r"p.txt:2: not valid UTF-8"):
-        load_records(str(path))
+    with pytest.raises(ConfigError, match=r"p.txt:2: not valid UTF-8"):
+        PromptDataModule(str(path))

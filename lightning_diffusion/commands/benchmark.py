@@ -28,7 +28,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_diffusion.config import read_config, report_config_error
-from lightning_diffusion.data import PromptDataset, load_records, record_inputs
+from lightning_diffusion.data import PromptDataset
+from lightning_diffusion.inputs import record_inputs
+from lightning_diffusion.records import read_records
 from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
 
 
@@ -166,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion benchmark")
 
-    if args.compare_diffusers and any(record_inputs(r) for r in load_records(cfg.data.prompts)):
+    if args.compare_diffusers and any(record_inputs(r) for _, r in read_records(cfg.data.prompts).accepted()):
         print("benchmark: --compare-diffusers does not feed the records' input images to its bare loop yet; "
               "run without it.", file=sys.stderr)
         return 2
@@ -184,14 +186,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.compare_diffusers:
         model, data = cfg.model, cfg.data
-        from lightning_diffusion.module import effective_call_args
         from lightning_diffusion.pipelines import inspect_pipeline
+        from lightning_diffusion.validation import MODEL_CALL_ARGS
 
-        named = {k: model.get(k) for k in ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")}
-        base, extra = effective_call_args(inspect_pipeline(model.pretrained_model_name_or_path), named,
-                                          model.get("call_kwargs"))
+        named = {k: model.get(k) for k in MODEL_CALL_ARGS}
+        base, extra = inspect_pipeline(model.pretrained_model_name_or_path).effective_call_args(
+            named, model.get("call_kwargs"))
         call_args = {**base, **extra}  # what predict calls the pipeline with, the model's recommendations included
-        records = list(load_records(data.prompts))
+        records = [r for _, r in read_records(data.prompts).accepted()]
         bare = diffusers_loop(model.pretrained_model_name_or_path, model.torch_dtype, records, int(data.batch_size),
                               call_args, int(data.seed), args.warmup, model.get("cache"), model.get("pipeline_class"))
         bare_ips = bare["images"] / bare["seconds"] if bare["seconds"] else 0.0

@@ -329,9 +329,13 @@ def job_fields(job_id: str) -> Optional[dict[str, str]]:
 
 
 def count_done(output_dir: Path) -> int:
-    from lightning_diffusion.manifest import read_manifest
+    """Outputs in the manifest, and images of records that cannot be made (``rejected.jsonl``)."""
+    from lightning_diffusion.manifest import read_manifest, rejected_images
 
-    return len(read_manifest(output_dir)) if output_dir.is_dir() else 0
+    if not output_dir.is_dir():
+        return 0
+    done = read_manifest(output_dir)
+    return len(done) + len(rejected_images(output_dir) - set(done))
 
 
 def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: float = 2.0) -> int:
@@ -358,9 +362,9 @@ def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: flo
 
 
 def expected_images(config: Any) -> int:
-    from lightning_diffusion.data import load_records
+    from lightning_diffusion.records import read_records
 
-    return len(load_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
+    return len(read_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
 
 
 def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:
@@ -389,7 +393,7 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: i
     running is left out, and said so; shards of another count still running refuse the lot."""
     from lightning_diffusion.commands import status
     from lightning_diffusion.lock import live_locks
-    from lightning_diffusion.manifest import in_shard, read_manifest, shard_size
+    from lightning_diffusion.manifest import in_shard, read_manifest, rejected_images, shard_size
 
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
@@ -409,6 +413,7 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: i
         raise ConfigError(f"{output_dir} is being written by {what} (running or queued); shards of {count} would make "
                           "some of the same images. Wait for it to end, or submit the same shard count.")
     done = read_manifest(output_dir) if output_dir.is_dir() else {}
+    accounted = set(done) | (rejected_images(output_dir) if output_dir.is_dir() else set())
     shards = []
     for shard in wanted:
         task = states.get(count, {}).get(shard, {})
@@ -416,7 +421,7 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: i
             job = f" (job {task['job']}, {task.get('state')})" if task else f" ({live.get((shard, count))})"
             print(f"shard {shard}: still running{job}; not submitted again.", flush=True)
             continue
-        made = sum(1 for i in done if in_shard(i, (shard, count)))
+        made = sum(1 for i in accounted if in_shard(i, (shard, count)))
         if args.resubmit and made >= shard_size(total, (shard, count)):
             continue
         shards.append(shard)

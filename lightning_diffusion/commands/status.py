@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.lock import OutputLock, live_locks
-from lightning_diffusion.manifest import MANIFEST, RUN_FILE, in_shard, part_counts, scan_manifest, shard_size
+from lightning_diffusion.manifest import (FAILED, FAILURES_GLOB, MANIFEST, REJECTED, RUN_FILE, count_lines, in_shard,
+                                         part_counts, rejected_images, scan_manifest, shard_size)
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -48,10 +49,12 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     lock = OutputLock(folder).describe()
     running = bool(lock and lock["live"])
     done = len(entries)
-    complete = expected is not None and done >= expected
+    rejected = rejected_images(folder) - set(entries)
+    failed = count_lines(folder / FAILED) + sum(count_lines(p) for p in folder.glob(FAILURES_GLOB))
+    complete = expected is not None and done + len(rejected) >= expected
     eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
     history = run.get("history") or []
-    shards = shard_status(folder, entries, expected)
+    shards = shard_status(folder, entries, expected, rejected=rejected)
     if shards:  # a task still queued counts: the array is not over
         running = running or any(shard["running"] or shard.get("slurm_state") in ACTIVE_STATES for shard in shards)
         eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
@@ -59,6 +62,8 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         "folder": str(folder),
         "done": done,
         "expected": expected,
+        "rejected": len(rejected),
+        "failed": failed,
         "complete": complete,
         "running": running,
         "by_rank": {str(rank): count for rank, count in sorted(parts.items())},
@@ -146,9 +151,10 @@ def task_states(folder: Path) -> dict[int, dict[int, dict[str, str]]]:
 
 
 def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
-                 count: Optional[int] = None) -> list[dict[str, Any]]:
-    """Per shard of the folder's job array: done and expected, whether a run of it writes now,
-    and its last SLURM job; empty for a folder written without shards."""
+                 count: Optional[int] = None, rejected: Optional[set[int]] = None) -> list[dict[str, Any]]:
+    """Per shard of the folder's job array: done and expected (less its rejected images), whether
+    a run of it writes now, and its last SLURM job; empty for a folder written without shards."""
+    rejected = rejected_images(folder) - set(entries) if rejected is None else rejected
     count = count or shard_count(folder)
     if not count or total is None:
         return []
@@ -165,7 +171,7 @@ def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
         shards.append({
             "shard": index,
             "done": sum(1 for i in entries if in_shard(i, (index, count))),
-            "expected": shard_size(total, (index, count)),
+            "expected": shard_size(total, (index, count)) - sum(1 for i in rejected if in_shard(i, (index, count))),
             "running": (index, count) in live,
             "slurm_job": lock.get("slurm_job") or (history[-1].get("slurm_job") if history else None),
             "runs": len(history),
@@ -186,6 +192,12 @@ def text(status: dict[str, Any]) -> str:
     state = "complete" if status["complete"] else ("incomplete, running" if status["running"] else
                                                    "incomplete, nobody is running it")
     lines = [f"{status['folder']}: {status['done']:,}{of} outputs, {state}"]
+    if status.get("rejected"):
+        lines.append(f"  rejected: {status['rejected']:,} images of records that cannot be made ({REJECTED}; not "
+                     "counted as missing)")
+    if status.get("failed"):
+        lines.append(f"  failed: {status['failed']:,} images whose pipeline call failed ({FAILED}; a rerun retries "
+                     "them)")
     if status["by_rank"]:
         lines.append("  this run, by writing rank: " + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))
     if status["rate_per_s"]:

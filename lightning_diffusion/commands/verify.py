@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lightning_diffusion.config import read_config, report_config_error
-from lightning_diffusion.data import load_records
+from lightning_diffusion.records import read_records
 from lightning_diffusion.pipelines import dtype_name
 
 # (max abs difference, min PSNR dB, min SSIM) on decoded images in [0, 1], by dtype. float32 runs
@@ -97,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = read_config(args.config, [*extra, "--writer.allow_config_change", "true"])
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion verify")
-    records = list(load_records(config.data.prompts))[: args.num_prompts]
+    records = [r for _, r in read_records(config.data.prompts).accepted()][: args.num_prompts]
     dtype = dtype_name(config.model.torch_dtype)
     max_abs, min_psnr, min_ssim = THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])
     accelerator = config.trainer.accelerator

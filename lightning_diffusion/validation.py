@@ -1,0 +1,532 @@
+"""Checks of the config's sections before anything loads, and the one convention every check follows.
+
+The convention: a rule takes the values it checks and returns the problems it finds, a ``list`` of
+messages (empty when all is well); it never raises for bad input. Callers add lists together, and
+``errors.raise_problems`` turns the lot into one refusal (exit code 2) at the boundary: the CLI's
+preflight, or the constructor of a data module, module or writer. A message says what is wrong
+and where (``model.height``, ``prompts.jsonl:3``), then what to do.
+
+Where each kind of input is checked:
+
+* config sections: here (``model_problems``, ``data_problems``, ``writer_problems``), option names
+  and defaults read from the signatures of ``DiffusionModule``, ``PromptDataModule`` and ``ImageWriter``;
+* call arguments, from the config or a record: ``CALL_ARGS`` (type and bound of each argument a
+  record may set) and ``call_arg_problems``;
+* prompt records: ``records`` (fields while reading, ``check_records`` against the pipeline);
+* input files: ``inputs.file_problems``; adapter files: ``lora``; step caches: ``cache.check_cache``;
+  quantization: ``quantization.check``; degrees, plans and devices: ``strategies/checks.py`` and
+  each strategy's ``check_request``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_diffusion.errors import ConfigError, is_int
+
+# The pixels of one image (or video frame) a config or record may ask for unless ``data.max_pixels``
+# says more: 4096 x 4096, four times FLUX.1's largest published size. A typo of 10000 x 10000 would
+# otherwise be found by the device's memory, after the weights loaded.
+MAX_PIXELS = 4096 * 4096
+MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps
+# torch.Generator.manual_seed takes 0 .. 2**64 - 1 (a larger seed raises "Overflow when unpacking long long").
+SEED_MAX = 2 ** 64 - 1
+MAX_GUIDANCE = 100.0
+
+# The DiffusionModule arguments that are pipeline-call arguments of every image.
+MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
+
+
+# ----------------------------------------------------------------------------- value rules
+
+
+def integer(value: Any, name: str, minimum: Optional[int] = 1, maximum: Optional[int] = None) -> list[str]:
+    """``value`` is an ``int`` (not a ``bool``) in [``minimum``, ``maximum``]."""
+    if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return []
+    if maximum is not None:
+        return [f"{name} must be an integer from {minimum} to {maximum:,}, got {value!r}."]
+    return [f"{name} must be an integer >= {minimum}, got {value!r}."]
+
+
+def number(value: Any, name: str, low: Optional[float] = None, high: Optional[float] = None,
+           low_open: bool = False) -> list[str]:
+    """``value`` is a finite number in [``low``, ``high``] (``(low, high]`` with ``low_open``)."""
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    inside = finite and (low is None or (value > low if low_open else value >= low)) and (high is None or value <= high)
+    if inside:
+        return []
+    if not finite:
+        kind = "a finite number" if isinstance(value, float) else "a number"
+        return [f"{name} must be {kind}, got {value!r}."]
+    bracket = "(" if low_open else "["
+    return [f"{name} must be in {bracket}{low:g}, {high:g}], got {value!r}."]
+
+
+def one_of(value: Any, name: str, choices: Sequence[Any]) -> list[str]:
+    if value in choices:
+        return []
+    return [f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}."]
+
+
+def non_finite(value: Any, path: str = "") -> list[str]:
+    """The places of non-finite numbers (NaN, Infinity) in a value: ``guidance_scale``,
+    ``sigmas[3]``... (they make black images that would be recorded as finished, and are not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [path or "the value"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in non_finite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in non_finite(v, f"{path}[{i}]")]
+    return []
+
+
+def finite(value: Any, name: str) -> list[str]:
+    """No NaN or Infinity anywhere in ``value`` (a number, or a mapping or list holding numbers)."""
+    places = non_finite(value)
+    return [f"{name}{'' if p == 'the value' else '.' + p}: not a finite number (NaN and Infinity are refused)."
+            for p in places]
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """The keyword arguments of ``cls.__init__`` and their defaults: the one declaration of a
+    section's options, which the parser (jsonargparse) reads too."""
+    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name != "self" and p.default is not inspect.Parameter.empty}
+
+
+# ----------------------------------------------------------------------------- call arguments
+
+
+@dataclass(frozen=True)
+class ArgRule:
+    """The type and bound of one call argument (``integer`` or ``number``); ``high`` may be given
+    by the pipeline or the run (``text``: its text encoder's limit, ``pixels``: ``data.max_pixels``)."""
+
+    kind: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_from: Optional[str] = None
+
+    def problems(self, name: str, value: Any, limits: Mapping[str, Optional[int]]) -> list[str]:
+        if self.kind in ("size", "frames"):
+            return []  # the pipeline's own rules: ``PipelineInfo.size_problems`` and ``frames_problems``
+        high = limits.get(self.high_from) if self.high_from else self.high
+        if self.kind == "integer":
+            return integer(value, name, int(self.low) if self.low is not None else None,
+                           int(high) if high is not None else None)
+        return number(value, name, self.low, high, self.low_open)
+
+
+# The call arguments a prompt record may set (``PipelineSpec.record_args`` picks among them), with
+# their types and bounds; the config's values are held to the same rules.
+CALL_ARGS: dict[str, ArgRule] = {
+    "height": ArgRule("size"),
+    "width": ArgRule("size"),
+    "num_inference_steps": ArgRule("integer", 1, MAX_STEPS),
+    "guidance_scale": ArgRule("number", 0, MAX_GUIDANCE),
+    "guidance_scale_2": ArgRule("number", 0, MAX_GUIDANCE),
+    "true_cfg_scale": ArgRule("number", 0, MAX_GUIDANCE),
+    "max_sequence_length": ArgRule("integer", 1, high_from="text"),
+    "num_frames": ArgRule("frames"),
+    "strength": ArgRule("number", 0, 1, low_open=True),
+    "max_area": ArgRule("integer", 256, high_from="pixels"),
+}
+
+
+def record_args(info: Any) -> list[str]:
+    """The call arguments a record may set for this pipeline: its spec's, that its call takes."""
+    return [name for name in info.spec.record_args if name in info.call_parameters and name in CALL_ARGS]
+
+
+def record_keys(info: Any) -> list[str]:
+    """Every key a record of this pipeline may have."""
+    from lightning_diffusion.inputs import INPUT_FIELDS
+
+    inputs = [name for name in INPUT_FIELDS if name in info.call_parameters]
+    negative = ["negative_prompt"] if "negative_prompt" in info.call_parameters else []
+    return ["prompt", "seed", *negative, *inputs, *record_args(info)]
+
+
+def call_arg_problems(info: Any, values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None,
+                      max_pixels: Optional[int] = MAX_PIXELS, record: bool = False, where: str = "") -> list[str]:
+    """Problems of call arguments ``values``. ``base``: the call arguments ``values`` override (a
+    record's over the config's); ``record``: ``values`` come from a prompt record, which may set
+    only ``record_args`` (the config may set any argument the pipeline's ``__call__`` takes, except
+    those the project sets itself). ``where``: the config key holding them (``model``,
+    ``model.call_kwargs``); a record's problems are bare, the caller names its line."""
+    problems: list[str] = []
+    names = set(values)
+    prefix = f"{where}." if where else ""
+    if record:
+        allowed = record_args(info)
+        unknown = sorted(names - set(allowed))
+        if unknown:
+            problems.append(f"{', '.join(unknown)}: not something a record may set; a {info.class_name} record may "
+                            f"have {', '.join(record_keys(info))}.")
+        names -= set(unknown)
+    else:
+        problems += info.call_argument_problems(names, where or "model")
+        names &= info.call_parameters
+    limits = {"text": info.spec.text_length_max, "pixels": max_pixels}
+    typed = {}
+    for name in sorted(names):
+        value = values[name]
+        rule = CALL_ARGS.get(name)
+        if value is None and (rule is None or name in info.optional_parameters):
+            found: list[str] = []  # the pipeline's own default
+        elif rule is not None:
+            found = rule.problems(prefix + name, value, limits)
+        else:
+            found = finite(value, prefix + name) or [f"{where}: {p}" for p in info.call_value_problems({name: value})]
+        problems += found
+        if not found:
+            typed[name] = value
+    merged = {**(base or {}), **typed}
+    if "height" in typed or "width" in typed:
+        sizes = info.size_problems(typed.get("height"), typed.get("width"))
+        problems += sizes or pixel_problems(info, merged, max_pixels)
+    if "num_frames" in typed:
+        problems += info.frames_problems(typed["num_frames"])
+    if "strength" in typed or "num_inference_steps" in typed:
+        problems += [f"{where}: {p}" if where else p for p in strength_problems(info, merged)]
+    return problems
+
+
+def pixel_problems(info: Any, call_args: Mapping[str, Any], max_pixels: Optional[int]) -> list[str]:
+    """An image (or frame) of more than ``max_pixels`` pixels: refused before it is found by the
+    device's memory (``None``: no budget)."""
+    if max_pixels is None:
+        return []
+    default = info.spec.default_size or (None, None)
+    height, width = call_args.get("height") or default[0], call_args.get("width") or default[1]
+    if is_int(height, 1) and is_int(width, 1) and height * width > max_pixels:
+        return [f"{height}x{width} is {height * width:,} pixels, over data.max_pixels {max_pixels:,} (raise it if "
+                "you mean it)."]
+    return []
+
+
+def strength_problems(info: Any, args: Mapping[str, Any]) -> list[str]:
+    """An image-to-image ``strength`` that runs no denoising step (diffusers raises only after loading)."""
+    if "strength" not in info.call_parameters:
+        return []
+    strength, steps = args.get("strength", info.call_default("strength")), args.get("num_inference_steps")
+    steps = steps if steps is not None else info.call_default("num_inference_steps")
+    if (isinstance(strength, (int, float)) and isinstance(steps, int) and 0 < strength <= 1
+            and int(steps * strength) < 1):
+        return [f"strength {strength} of num_inference_steps {steps} runs no step (the pipeline runs "
+                f"int(steps x strength) = 0 of them): raise one of the two."]
+    return []
+
+
+# ----------------------------------------------------------------------------- the model section
+
+
+COMPILE_MODES = ("regional", "full")
+
+
+def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
+                   max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[Any], list[str]]:
+    """Every weight-free check of the model section (``DiffusionModule``'s arguments by name);
+    returns the pipeline's info (None when the path itself is wrong) and the problems.
+    ``records``: the prompt records' ``RecordSummary``, when known (their negative prompts decide whether a guidance
+    pass on the negative runs, which some caches cannot share)."""
+    from lightning_diffusion import quantization
+    from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
+
+    named = {key: settings.get(key) for key in MODEL_CALL_ARGS}
+    call_kwargs = dict(settings.get("call_kwargs") or {})
+    from_pretrained_kwargs = dict(settings.get("from_pretrained_kwargs") or {})
+    problems: list[str] = []
+    problems += _caught(resolve_dtype, settings.get("torch_dtype", "float32"))
+    if settings.get("attention_backend") is not None:
+        problems += attention_backend_problems(settings["attention_backend"])
+    if settings.get("quantization") is not None and "quantization_config" in from_pretrained_kwargs:
+        problems.append("model.quantization and model.from_pretrained_kwargs.quantization_config both quantize: keep "
+                        "model.quantization.")
+    try:
+        info = inspect_pipeline(settings.get("pretrained_model_name_or_path"), settings.get("pipeline_class"),
+                                from_pretrained_kwargs)
+    except ConfigError as err:
+        # The path is wrong: still report what needs no pipeline.
+        steps = named.get("num_inference_steps")
+        return None, [str(err), *problems, *(integer(steps, "model.num_inference_steps", 1, MAX_STEPS)
+                                             if steps is not None else [])]
+    given = {k: v for k, v in named.items() if v is not None}
+    problems += call_arg_problems(info, given, max_pixels=max_pixels, where="model")
+    if call_kwargs:
+        problems += call_arg_problems(info, call_kwargs, base=given, max_pixels=max_pixels, where="model.call_kwargs")
+    if not set(given) & {"height", "width"}:  # the folder's or the pipeline's default size
+        base, _ = info.effective_call_args(named, call_kwargs)
+        problems += pixel_problems(info, base, max_pixels)
+    negative = call_kwargs.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        problems.append(f"model.call_kwargs.negative_prompt is the default negative prompt of every record: "
+                        f"give one string, not {negative!r} (records set their own in the prompt file).")
+    cache = settings.get("cache")
+    if cache is not None:
+        base, extra = info.effective_call_args(named, call_kwargs)
+        problems += model_cache_problems(info, cache, {**base, **extra}, records)
+    problems += vae_tiling_problems(info, settings.get("vae_tiling"))
+    problems += compile_problems(info, settings.get("compile"))
+    if settings.get("lora"):
+        problems += lora_problems(info, settings["lora"], settings.get("quantization"))
+    if settings.get("quantization") is not None:
+        classes = {name: info.component_class(name) for name in info.model_index}
+        problems += quantization.check(settings["quantization"], info.model_index, classes, tuple(info.denoisers()))
+    if settings.get("vae_slicing") and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}),
+                                                    "use_slicing"):
+        problems.append(f"model.vae_slicing: {info.class_name}'s VAE cannot decode sample by sample; "
+                        "remove model.vae_slicing.")
+    return info, problems
+
+
+def _caught(rule: Any, *args: Any) -> list[str]:
+    """A raising helper (``resolve_dtype``...) as a rule."""
+    try:
+        rule(*args)
+    except ConfigError as err:
+        return [str(err)]
+    return []
+
+
+def attention_backend_problems(name: Any) -> list[str]:
+    """``model.attention_backend``: a diffusers attention backend whose package is installed."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    try:
+        backend = AttentionBackendName(name)
+    except ValueError:
+        return [f"model.attention_backend {name!r} is not a diffusers attention backend; choose one of: "
+                f"{', '.join(sorted(b.value for b in AttentionBackendName))}."]
+    try:
+        _check_attention_backend_requirements(backend)
+    except (RuntimeError, ImportError) as err:
+        return [f"model.attention_backend {name!r}: {err}"]
+    return []
+
+
+def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
+    """``model.lora``: files, scales, targets that are modules of this pipeline, and no adapter on
+    a component that loads quantized (an update cannot be fused into quantized weights)."""
+    import importlib.util
+
+    import torch
+
+    from lightning_diffusion import lora, quantization
+
+    if importlib.util.find_spec("peft") is None:
+        return ["model.lora needs the peft package, which is not installed: pip install peft."]
+    try:
+        adapters = lora.parse(spec)
+    except ConfigError as err:
+        return [str(err)]
+    modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
+    for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
+        cls = info.component_class(name)
+        if isinstance(cls, type) and hasattr(cls, "from_config") and name in info.configs:
+            with torch.device("meta"):
+                model = cls.from_config(info.configs[name])
+            modules[name] = {n for n, _ in model.named_modules()}
+    loadable = list(getattr(info.pipeline_class, "_lora_loadable_modules", []))
+    problems = []
+    for n, adapter in enumerate(adapters):
+        try:
+            found = lora.targets(info.pipeline_class, adapter)
+            missing = lora.unknown_targets(info.pipeline_class, adapter, modules)
+        except ConfigError as err:
+            problems.append(str(err))
+            continue
+        except Exception as err:  # a file diffusers cannot read as an adapter
+            problems.append(f"model.lora[{n}]: {adapter.file} is not a LoRA adapter diffusers can read "
+                            f"({type(err).__name__}: {err}).")
+            continue
+        strays = sorted(set(found) - set(loadable))
+        if strays:
+            problems.append(f"model.lora[{n}]: {adapter.name}'s layers name no component of {info.class_name} that "
+                            f"takes adapters ({', '.join(loadable)}): they start with {', '.join(strays[:3])}. A file "
+                            "saved without its component prefix? Its keys should start with "
+                            f"'{loadable[0] if loadable else 'transformer'}.'.")
+        elif missing:
+            problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no layer of "
+                            f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                            "(an adapter for another model?).")
+    if quantized is not None and not problems:
+        both = [c for c in quantization.quantized(quantized, tuple(info.denoisers()))
+                if any(c in lora.targets(info.pipeline_class, a) for a in adapters)]
+        if both:
+            problems.append(f"model.lora: {', '.join(both)} loads quantized (model.quantization), and an adapter "
+                            "cannot be fused into quantized weights: leave it out of model.quantization.components.")
+    return problems
+
+
+def compile_problems(info: Any, mode: Any) -> list[str]:
+    """``model.compile``: ``regional`` (``compile_repeated_blocks``: each distinct transformer block
+    compiled once and reused) needs denoisers that name their repeated blocks; ``full`` compiles
+    each denoiser whole."""
+    if mode is None:
+        return []
+    if mode not in COMPILE_MODES:
+        return [f"model.compile is regional, full or null, not {mode!r}."]
+    if mode == "regional":
+        for name, cls in info.denoisers().items():
+            if cls is not None and not getattr(cls, "_repeated_blocks", None):  # None: an absent component
+                which = cls.__name__ if isinstance(cls, type) else "unknown"
+                return [f"model.compile: regional compiles a transformer's repeated blocks, and {info.class_name}'s "
+                        f"{name} ({which}) names none; use model.compile: full."]
+    return []
+
+
+def vae_tiling_problems(info: Any, vae_tiling: Any) -> list[str]:
+    """``model.vae_tiling``: ``true``, or the settings of the VAE's ``enable_tiling``, for a VAE
+    that has a tiled decode."""
+    if vae_tiling is None or vae_tiling is False:
+        return []
+    if vae_tiling is not True and not isinstance(vae_tiling, dict):
+        return [f"model.vae_tiling is true, false or the settings of the VAE's enable_tiling (a mapping), "
+                f"not {vae_tiling!r}."]
+    vae = info.component_class("vae")
+    if not callable(getattr(vae, "enable_tiling", None)) or not _vae_has(vae, info.configs.get("vae", {}),
+                                                                          "use_tiling"):
+        which = f"its VAE ({vae.__name__})" if isinstance(vae, type) else "it has no VAE that"
+        return [f"model.vae_tiling: {info.class_name} cannot decode by tiles: {which} has no tiled decoding; "
+                "remove model.vae_tiling."]
+    if isinstance(vae_tiling, dict):
+        accepted = [name for name in inspect.signature(vae.enable_tiling).parameters if name != "self"]
+        unknown = sorted(set(vae_tiling) - set(accepted))
+        if unknown:
+            takes = f"takes {', '.join(accepted)}" if accepted else "takes no settings (use model.vae_tiling: true)"
+            return [f"model.vae_tiling: {vae.__name__}.enable_tiling {takes}; unknown: {', '.join(unknown)}."]
+        problems = [problem for k, v in vae_tiling.items() if v is not None
+                    for problem in integer(v, f"model.vae_tiling.{k}")]
+        for side in ("height", "width"):
+            tile, stride = vae_tiling.get(f"tile_sample_min_{side}"), vae_tiling.get(f"tile_sample_stride_{side}")
+            if not problems and tile is not None and stride is not None and stride > tile:
+                problems.append(f"model.vae_tiling: tile_sample_stride_{side} {stride} is larger than "
+                                f"tile_sample_min_{side} {tile}: tiles must overlap (stride <= tile size).")
+        return problems
+    return []
+
+
+def model_cache_problems(info: Any, cache: Any, call_args: Mapping[str, Any], records: Optional[Any] = None
+                         ) -> list[str]:
+    """``model.cache`` against this pipeline, the call arguments and (when known) the records'
+    ``RecordSummary`` (``records.summarize_records``)."""
+    from lightning_diffusion.cache import check_cache
+
+    problems = check_cache(cache, info.denoisers(), info.class_name, negative_branch(info, call_args, records),
+                           separate_passes=info.spec.cfg is not None)
+    if isinstance(cache, dict) and cache.get("type") == "magcache":
+        sets = records.override_sets() if records is not None else []
+        steps = {overrides.get("num_inference_steps") for _, overrides in sets} - {None}
+        if steps - {call_args.get("num_inference_steps")}:
+            problems.append("model.cache: magcache's ratios are laid out for one step count, and prompt records set "
+                            f"num_inference_steps {sorted(steps)}; give every record the config's step count.")
+    return problems
+
+
+def negative_branch(info: Any, call_args: Mapping[str, Any], summary: Optional[Any] = None) -> bool:
+    """Whether some image runs a guidance pass on a negative prompt (true CFG): the scale above 1
+    and, where the pipeline needs one, a negative prompt in the config or a record (``summary``:
+    the records' ``RecordSummary``)."""
+    entry = info.spec.cfg
+    if entry is None:
+        return False
+    scales = {call_args.get(entry.scale_arg, info.call_default(entry.scale_arg))}
+    if summary is not None:
+        scales |= {overrides.get(entry.scale_arg) for _, overrides in summary.override_sets()} - {None}
+    if not any(isinstance(scale, (int, float)) and scale > 1 for scale in scales):
+        return False
+    if not entry.needs_negative_prompt or call_args.get("negative_prompt") is not None:
+        return True
+    return summary is not None and summary.first_negative is not None
+
+
+def _vae_has(vae: Optional[type], config: dict[str, Any], attribute: str) -> bool:
+    """Whether a VAE class decodes by tiles (``use_tiling``) or by sample (``use_slicing``):
+    diffusers' VAEs say so by an attribute set in ``__init__``, so the class is built from its
+    config on the meta device (no memory)."""
+    import torch
+
+    if not isinstance(vae, type):
+        return False
+    try:
+        with torch.device("meta"):
+            model = vae.from_config(config)
+    except Exception:  # a config this class cannot build: leave the verdict to the load
+        return True
+    return hasattr(model, attribute)
+
+
+# ----------------------------------------------------------------------------- the data section
+
+
+ON_BAD_RECORD = ("fail", "skip")
+ON_ERROR = ("fail", "skip")
+
+
+def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None) -> list[str]:
+    """``PromptDataModule``'s arguments by name; ``num_images``: the prompt set's, when known."""
+    problems: list[str] = []
+    for name in ("batch_size", "num_images_per_prompt", "num_shards"):
+        problems += integer(settings.get(name, 1), f"data.{name}")
+    seed = settings.get("seed", 0)
+    if not (is_int(seed, 0) and seed <= SEED_MAX):
+        problems.append(f"data.seed must be an integer from 0 to 2**64 - 1, got {seed!r}.")
+    if num_images is not None and is_int(seed, 0) and seed + num_images - 1 > SEED_MAX:
+        problems.append(f"data.seed {seed} + the {num_images:,} images of the prompt set passes the generator's "
+                        "largest seed, 2**64 - 1; use a smaller data.seed.")
+    problems += integer(settings.get("max_pixels", MAX_PIXELS), "data.max_pixels", 1)
+    problems += one_of(settings.get("on_bad_record", "fail"), "data.on_bad_record", ON_BAD_RECORD)
+    problems += one_of(settings.get("on_error", "fail"), "data.on_error", ON_ERROR)
+    root = settings.get("inputs_root")
+    if root is not None and not Path(str(root)).expanduser().is_dir():
+        problems.append(f"data.inputs_root {root} is not a folder.")
+    shards, index = settings.get("num_shards", 1), settings.get("shard_index", 0)
+    if is_int(shards, 1) and not (is_int(index, 0) and index < shards):
+        problems.append(f"data.shard_index must be an integer from 0 to data.num_shards - 1 = {shards - 1}, "
+                        f"got {index!r}.")
+    if is_int(shards, 1) and num_images is not None and shards > num_images:
+        problems.append(f"data.num_shards {shards} exceeds the {num_images} images of the prompt set: shards "
+                        f"{num_images} to {shards - 1} would have nothing to make. Use at most {num_images} shards.")
+    return problems
+
+
+# ----------------------------------------------------------------------------- the writer section
+
+
+def writer_problems(settings: Mapping[str, Any]) -> list[str]:
+    """``ImageWriter``'s arguments by name (absent ones take its defaults)."""
+    from lightning_diffusion.background import WRITE_IN
+    from lightning_diffusion.files import FSYNC, IMAGE_FORMATS, VIDEO_FORMATS
+
+    problems: list[str] = []
+    path = Path(str(settings.get("output_dir", "outputs"))).expanduser()
+    if path.exists() and not path.is_dir():
+        problems.append(f"writer.output_dir {str(path)!r} is a file, not a folder.")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                problems.append(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
+            elif not os.access(parent, os.W_OK) and not path.exists():
+                problems.append(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
+            break
+    problems += one_of(settings.get("video_format", "mp4"), "writer.video_format", VIDEO_FORMATS)
+    problems += integer(settings.get("fps", 16), "writer.fps")
+    problems += one_of(settings.get("image_format", "png"), "writer.image_format", list(IMAGE_FORMATS))
+    problems += [p.replace("writer.quality", "writer.quality (WebP and JPEG)")
+                 for p in integer(settings.get("quality", 90), "writer.quality", 1, 100)]
+    problems += integer(settings.get("png_compress_level", 1), "writer.png_compress_level", 0, 9)
+    problems += one_of(settings.get("fsync", "batch"), "writer.fsync", FSYNC)
+    problems += integer(settings.get("write_queue", 2), "writer.write_queue")
+    problems += [p + " (0: write on the prediction thread)"
+                 for p in integer(settings.get("write_workers", 2), "writer.write_workers", 0)]
+    problems += one_of(settings.get("write_in", "process"), "writer.write_in", WRITE_IN)
+    return problems
