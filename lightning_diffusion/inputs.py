@@ -4,6 +4,7 @@ that needs them, and named with their SHA-256 in each output's metadata."""
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -32,7 +33,10 @@ def _image_size(path: str, max_pixels: Optional[int] = None) -> tuple[int, int]:
     from PIL import Image
 
     try:
-        with Image.open(path) as image:
+        with warnings.catch_warnings():  # Pillow's own warning for large images: ours is the refusal
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(path)
+        with image:
             size = image.size
             if max_pixels is not None and size[0] * size[1] > max_pixels:
                 raise TooLarge(f"it is {size[0]}x{size[1]}, {size[0] * size[1]:,} pixels, over data.max_pixels "

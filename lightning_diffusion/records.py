@@ -42,6 +42,7 @@ RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)
 SUFFIXES = (".txt", ".jsonl", ".csv")
 REPORTED = 20  # bad records named in a refusal; the rest are counted
 BAD_SET = 0xFFFFFFFF  # the call-argument set of a line rejected while reading
+_PRESENCE = ("negative_prompt", *INPUT_FIELDS)
 
 
 class PromptFileError(ConfigError):
@@ -87,7 +88,7 @@ class RecordSummary:
     def __init__(self) -> None:
         self.set_of = array("I")  # record position -> index into ``sets`` (BAD_SET: rejected while read)
         self.sets: list[CallArgSet] = []
-        self._ids: dict[str, int] = {}
+        self._ids: dict[Any, int] = {}
         self.rejected_sets: frozenset[int] = frozenset()  # sets the pipeline refuses (``check_records``)
         self.large_seeds: dict[int, int] = {}  # position -> seed, for seeds near the generator's limit
 
@@ -97,8 +98,12 @@ class RecordSummary:
         # Records share a set when they set the same arguments and have the same fields, so that a
         # check of the set (an input the pipeline needs, a negative prompt it cannot take) is
         # every one of its records' verdict.
-        fields = "".join("1" if record.get(name) is not None else "0" for name in ("negative_prompt", *INPUT_FIELDS))
-        key = (json.dumps(overrides, sort_keys=True, default=repr) if overrides else "") + fields
+        fields = tuple(record.get(name) is not None for name in _PRESENCE)
+        try:
+            key: Any = (tuple(sorted(overrides.items())), fields)
+            hash(key)
+        except TypeError:  # a list or mapping among the values
+            key = (json.dumps(overrides, sort_keys=True, default=repr), fields)
         set_id = self._ids.get(key)
         if set_id is None:
             set_id = self._ids[key] = len(self.sets)
@@ -178,10 +183,11 @@ class Records(Sequence):
         """``file:line`` of the record at ``position``."""
         return f"{self.where}:{position + 1}"
 
-    def _accept(self, position: int, item: Any) -> Optional[dict[str, Any]]:
-        """Check one parsed item; a bad one is kept as a rejected position."""
+    def _accept(self, position: int, item: Any, constants: bool = True) -> Optional[dict[str, Any]]:
+        """Check one parsed item; a bad one is kept as a rejected position (``constants``: it may
+        hold a NaN or Infinity)."""
         try:
-            record = check_record(item, self.source(position), self.base)
+            record = check_record(item, self.source(position), self.base, constants)
         except PromptFileError as err:
             self._reject(position, err)
             return None
@@ -225,11 +231,11 @@ class LineRecords(Records):
                     position = len(self.offsets)
                     self.offsets.append(offset)
                     try:
-                        item = self._parse(raw, position)
+                        item, constants = self._parse(raw, position)
                     except PromptFileError as err:
                         self._reject(position, err)
                     else:
-                        self._accept(position, item)
+                        self._accept(position, item, constants)
                 else:
                     self.blanks.append(len(self.offsets))
                 offset += len(raw)
@@ -241,17 +247,21 @@ class LineRecords(Records):
     def source(self, position: int) -> str:
         return f"{self.where}:{position + 1 + bisect_right(self.blanks, position)}"
 
-    def _parse(self, raw: bytes, position: int) -> Any:
+    def _parse(self, raw: bytes, position: int) -> tuple[Any, bool]:
+        """The line's value, and whether it holds a NaN or Infinity (to be refused)."""
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise PromptFileError(f"{self.source(position)}: not valid UTF-8.") from None
         if not self.jsonl:
-            return {"prompt": line.strip()}
+            return {"prompt": line.strip()}, False
         try:
-            return json.loads(line, parse_constant=_non_finite_constant)
+            item = _DECODER.decode(line)
         except json.JSONDecodeError as err:
             raise PromptFileError(f"{self.source(position)}: not valid JSON ({err.msg}).") from None
+        finally:
+            constants, _CONSTANTS[:] = bool(_CONSTANTS), []
+        return item, constants
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -262,7 +272,8 @@ class LineRecords(Records):
         if self._file is None or self._pid != os.getpid():  # one handle per process (DataLoader workers)
             self._file, self._pid = self.path.open("rb"), os.getpid()
         self._file.seek(self.offsets[position])
-        return check_record(self._parse(self._file.readline(), position), self.source(position), self._base)
+        item, constants = self._parse(self._file.readline(), position)
+        return check_record(item, self.source(position), self._base, constants)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_file": None, "_pid": None}
@@ -355,17 +366,23 @@ def _read_csv(path: Path) -> ListRecords:
     return ListRecords(rows, str(path), lines, path.resolve().parent)
 
 
-class _NonFinite(float):
-    """A JSON ``NaN`` / ``Infinity`` (Python's json reads them): kept recognisable, then refused."""
+_CONSTANTS: list[str] = []  # NaN / Infinity seen by the decoder since the last look
 
 
 def _non_finite_constant(name: str) -> float:
-    return _NonFinite(name.replace("Infinity", "inf"))
+    """JSON has no NaN or Infinity, but Python's json reads them: noted, so that only a line that
+    has one is searched for it (``check_record`` refuses it)."""
+    _CONSTANTS.append(name)
+    return float(name.replace("Infinity", "inf"))
 
 
-def check_record(item: Any, where: str, base: Optional[Path] = None) -> dict[str, Any]:
+_DECODER = json.JSONDecoder(parse_constant=_non_finite_constant)
+
+
+def check_record(item: Any, where: str, base: Optional[Path] = None, constants: bool = True) -> dict[str, Any]:
     """One record's fields, checked without the pipeline; returns it with its input paths resolved
-    against ``base`` (the prompt file's folder). Raises ``PromptFileError`` naming ``where``."""
+    against ``base`` (the prompt file's folder). Raises ``PromptFileError`` naming ``where``.
+    ``constants``: it may hold a NaN or Infinity (a JSON line that had none is not searched)."""
     if isinstance(item, str):
         item = {"prompt": item}
     if not isinstance(item, dict):
@@ -379,7 +396,7 @@ def check_record(item: Any, where: str, base: Optional[Path] = None) -> dict[str
     negative = item.get("negative_prompt")
     if negative is not None and not isinstance(negative, str):
         raise PromptFileError(f"{where}: 'negative_prompt' must be a string.")
-    places = non_finite(item)
+    places = non_finite(item) if constants else []
     if places:
         raise PromptFileError(f"{where}: {', '.join(places)} is not a finite number (NaN and Infinity are refused).")
     item = dict(item)

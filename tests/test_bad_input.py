@@ -64,9 +64,11 @@ def _png_claiming(path, width, height):
     import struct
     import zlib
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = struct.pack(">I", len(ihdr)) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk)
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b""))
 
 
 I2I = ["--model.pipeline_class", "FluxImg2ImgPipeline"]
@@ -80,7 +82,9 @@ CASES = [
     ("data.seed 10**29", ["--data.seed", str(10 ** 29)], "data.seed must be an integer from 0 to 2**64 - 1"),
     ("data.seed at the generator's end", ["--data.seed", str(2 ** 64 - 5)],
      "data.seed 18446744073709551611 + the 10 images of the prompt set passes the generator's largest seed"),
-    ("config guidance NaN", ["--model.guidance_scale", "nan"], "model.guidance_scale must be a finite number, got nan"),
+    ("config guidance NaN", ["--model.guidance_scale", "nan"], "model.guidance_scale: expected float or null, got 'nan'"),
+    ("config true_cfg_scale NaN", ["--model.call_kwargs", '{"true_cfg_scale": .nan}'],
+     "model.call_kwargs.true_cfg_scale must be a finite number, got nan"),
     ("record steps 0", ["--data.prompts", "{d}/steps0.jsonl"],
      "steps0.jsonl:2: num_inference_steps must be an integer from 1 to 1,000, got 0"),
     ("record steps -3", ["--data.prompts", "{d}/steps-3.jsonl"], "steps-3.jsonl:2: num_inference_steps must be"),

@@ -14,7 +14,8 @@ import torch
 from lightning_diffusion import quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, NodeConfigError, check_int, gather
+from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems
+from lightning_diffusion.validation import integer
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
@@ -86,19 +87,21 @@ class DeviceMapStrategy(MeshStrategy):
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__(dp=-1, process_group_backend=process_group_backend, timeout=timeout)
-        if isinstance(device_map, str) and device_map not in ("auto", "balanced"):
-            raise ConfigError(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got {device_map!r}.")
-        if not isinstance(device_map, (str, dict)):
-            raise ConfigError(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got {device_map!r}.")
-        problem = check_int(devices_per_process, "devices_per_process")
-        if problem:
-            raise ConfigError(problem)
-        self.max_memory = {self._memory_key(k): size_in_bytes(v) for k, v in (max_memory or {}).items()}
+        problems: list = []
+        if not isinstance(device_map, (str, dict)) or isinstance(device_map, str) and device_map not in ("auto",
+                                                                                                         "balanced"):
+            problems.append(f"device_map must be 'auto', 'balanced' or a {{component: device}} mapping, got "
+                            f"{device_map!r}.")
+        problems += integer(devices_per_process, "devices_per_process")
+        problems += [f"max_memory key {k!r} is not a GPU number (0, 1, ...) or 'cpu'." for k in (max_memory or {})
+                     if self._memory_key(k) is None]
         if offload_folder is not None:
             folder = Path(offload_folder).expanduser()
             probe = folder if folder.exists() else next((p for p in folder.parents if p.exists()), None)
             if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
-                raise ConfigError(f"offload_folder {str(folder)!r} is not a writable folder.")
+                problems.append(f"offload_folder {str(folder)!r} is not a writable folder.")
+        raise_problems(problems)
+        self.max_memory = {self._memory_key(k): size_in_bytes(v) for k, v in (max_memory or {}).items()}
         self.device_map = device_map
         self.offload_folder = str(Path(offload_folder).expanduser()) if offload_folder else None
         self.staged = staged
@@ -106,12 +109,13 @@ class DeviceMapStrategy(MeshStrategy):
         self._placed: set[str] = set()
 
     @staticmethod
-    def _memory_key(key: Union[int, str]) -> Union[int, str]:
+    def _memory_key(key: Union[int, str]) -> Optional[Union[int, str]]:
+        """A ``max_memory`` key as accelerate takes it; None for one that is no GPU number or ``cpu``."""
         if isinstance(key, str) and key.isdigit():
             return int(key)
         if isinstance(key, int) and not isinstance(key, bool) and key >= 0 or key in ("cpu", "disk"):
             return key
-        raise ConfigError(f"max_memory key {key!r} is not a GPU number (0, 1, ...) or 'cpu'.")
+        return None
 
     # ----------------------------------------------------------------- devices of this process
 
@@ -143,41 +147,44 @@ class DeviceMapStrategy(MeshStrategy):
     def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
                       device_type: Optional[str] = None) -> list:
         problems = super().check_request(request, world_size, device_type)
-        gather(problems, self._check_placement, request)
-        gather(problems, self._check_quantized_placement, request, self.planned_device_type(device_type))
-        gather(problems, self._check_adapters, request)
+        problems += self._placement_problems(request)
+        problems += self._quantized_placement_problems(request, self.planned_device_type(device_type))
+        problems += self._adapter_problems(request)
         return problems
 
-    def _check_adapters(self, request: ModelRequest) -> None:
+    def _adapter_problems(self, request: ModelRequest) -> list:
         """Adapter updates are fused into the placed weights (plain LoRA pairs only: ``updates``
         refuses the rest), which must not be offloaded."""
         if not request.lora:
-            return
+            return []
         if self.offload_folder or any(k == "cpu" for k in self.max_memory):
-            raise ConfigError("model.lora with a device map that may offload weights to the CPU or disk "
-                              "(offload_folder, max_memory for cpu): an update cannot be fused into offloaded "
-                              "weights; drop them, or use data_parallel.")
+            return ["model.lora with a device map that may offload weights to the CPU or disk (offload_folder, "
+                    "max_memory for cpu): an update cannot be fused into offloaded weights; drop them, or use "
+                    "data_parallel."]
         from lightning_diffusion import lora
 
+        problems = []
         for adapter in request.lora:
-            lora.updates(request.info.pipeline_class, adapter)
+            try:
+                lora.updates(request.info.pipeline_class, adapter)
+            except ConfigError as err:
+                problems.append(err)
+        return problems
 
-    def _check_quantized_placement(self, request: ModelRequest, device_type: str) -> None:
+    def _quantized_placement_problems(self, request: ModelRequest, device_type: str) -> list:
         """diffusers' torchao quantizer leaves the weights a device map puts on the CPU or disk
         unquantized (offloaded weights are not quantized): in a CPU rehearsal that is all of them,
         on GPUs a component mapped to ``cpu`` or ``disk``."""
         if request.quantization is None:
-            return
-        from lightning_diffusion.module import denoisers
-
-        quantized = quantization.quantized(request.quantization, tuple(denoisers(request.info)))
+            return []
+        quantized = quantization.quantized(request.quantization, tuple(request.info.denoisers()))
         if isinstance(self.device_map, dict):
             offloaded = [n for n in quantized if str(self.device_map.get(n)) in ("cpu", "disk")]
             if offloaded and device_type != "cpu":
-                raise ConfigError(f"model.quantization: device_map puts {', '.join(offloaded)} on the CPU or disk, "
-                                  "where diffusers does not quantize: map it to a GPU or leave it unquantized.")
+                return [f"model.quantization: device_map puts {', '.join(offloaded)} on the CPU or disk, where "
+                        "diffusers does not quantize: map it to a GPU or leave it unquantized."]
         if device_type != "cpu":
-            return
+            return []
         if self.device_map == "auto":  # the first denoiser (load_plan)
             placed = {n for n in DENOISERS if n in request.info.model_index}
             placed = set(sorted(placed, key=DENOISERS.index)[:1])
@@ -185,21 +192,19 @@ class DeviceMapStrategy(MeshStrategy):
             placed = set(request.info.model_index) if self.device_map == "balanced" else set(self.device_map)
         both = [n for n in quantized if n in placed]
         if both:
-            raise ConfigError(
-                f"model.quantization: {', '.join(both)} would load unquantized, because diffusers does not quantize "
-                "weights a device map places on the CPU or disk, and on a CPU run that is every weight; drop "
-                "model.quantization for this CPU rehearsal, or use data_parallel."
-            )
+            return [f"model.quantization: {', '.join(both)} would load unquantized, because diffusers does not "
+                    "quantize weights a device map places on the CPU or disk, and on a CPU run that is every weight; "
+                    "drop model.quantization for this CPU rehearsal, or use data_parallel."]
+        return []
 
     def check_devices(self) -> list:
-        problems = super().check_devices()
-        gather(problems, self._check_devices)
-        return problems
+        return super().check_devices() + self._device_problems()
 
-    def _check_devices(self) -> None:
-        """This node's GPUs against the processes and their devices (known once the Trainer exists)."""
+    def _device_problems(self) -> list:
+        """This node's GPUs against the processes and their devices (known once the Trainer exists);
+        a shortage of GPUs is this node's (``NodeConfigError``: its first process says it)."""
         if self.parallel_devices is None:
-            return
+            return []
         if self.root_device.type == "cuda":
             if self.gpus_bound_to_tasks:
                 needed, what = self.devices_per_process, f"devices_per_process {self.devices_per_process} GPUs"
@@ -209,41 +214,39 @@ class DeviceMapStrategy(MeshStrategy):
                 what = f"{self.num_processes} processes x devices_per_process {self.devices_per_process} = {needed} GPUs"
                 where = "this node has"
             if needed > torch.cuda.device_count():
-                raise NodeConfigError(f"{what}, but {where} {torch.cuda.device_count()}.")
+                return [NodeConfigError(f"{what}, but {where} {torch.cuda.device_count()}.")]
         elif self.device_map == "balanced":
-            raise ConfigError("device_map 'balanced' spreads components over GPUs; on a CPU use 'auto' (with offload_folder).")
-        for key in self.max_memory:
-            if isinstance(key, int) and key >= max(len(self.gpu_indices()), 0):
-                raise ConfigError(
-                    f"max_memory names GPU {key}, but this process spans {len(self.gpu_indices())} GPU(s) "
-                    f"(devices_per_process={self.devices_per_process}{', and no GPU on a CPU run' if not self.gpu_indices() else ''})."
-                )
+            return ["device_map 'balanced' spreads components over GPUs; on a CPU use 'auto' (with offload_folder)."]
+        gpus = len(self.gpu_indices())
+        return [f"max_memory names GPU {key}, but this process spans {gpus} GPU(s) (devices_per_process="
+                f"{self.devices_per_process}{', and no GPU on a CPU run' if not gpus else ''})."
+                for key in self.max_memory if isinstance(key, int) and key >= gpus][:1]
 
-    def _check_placement(self, request: ModelRequest) -> None:
+    def _placement_problems(self, request: ModelRequest) -> list:
         info = request.info
         if request.from_pretrained_kwargs.get("device_map") is not None:
-            raise ConfigError("Set device_map on the DeviceMapStrategy, not in model.from_pretrained_kwargs.")
+            return ["Set device_map on the DeviceMapStrategy, not in model.from_pretrained_kwargs."]
         if isinstance(self.device_map, dict):
             unknown = set(self.device_map) - {k for k in info.model_index if not k.startswith("_")}
             if unknown:
-                raise ConfigError(f"device_map names {', '.join(sorted(unknown))}, which {info.class_name} does not have.")
+                return [f"device_map names {', '.join(sorted(unknown))}, which {info.class_name} does not have."]
         if self.staged:
-            stages_for(info.class_name)
+            try:
+                stages_for(info.class_name)
+            except ConfigError as err:
+                return [err]
         sizes = component_bytes(info.path)
         if self.max_memory and sizes and self.offload_folder is None:
             budget = sum(self.max_memory.values())
             smallest = min(sizes.values())
             if budget < smallest:
-                raise ConfigError(
-                    f"max_memory ({budget:,} bytes in all) cannot hold even the smallest component "
-                    f"({smallest:,} bytes); raise it or give an offload_folder."
-                )
+                return [f"max_memory ({budget:,} bytes in all) cannot hold even the smallest component "
+                        f"({smallest:,} bytes); raise it or give an offload_folder."]
             denoiser = next((sizes[n] for n in DENOISERS if n in sizes), None)
             if self.device_map == "auto" and denoiser is not None and budget < denoiser:
-                raise ConfigError(
-                    f"max_memory ({budget:,} bytes) cannot hold the transformer ({denoiser:,} bytes) and no "
-                    "offload_folder is given for the rest: give one, or raise max_memory."
-                )
+                return [f"max_memory ({budget:,} bytes) cannot hold the transformer ({denoiser:,} bytes) and no "
+                        "offload_folder is given for the rest: give one, or raise max_memory."]
+        return []
 
     # ----------------------------------------------------------------- placement
 
