@@ -1,4 +1,4 @@
-"""Prompt records -> (index, seed) samples -> batches over the data-parallel dimension.
+"""Prompt records -> (index, seed) samples -> batches (``batching``) over the data-parallel dimension.
 
 Every output image has a global index and its own seed:
 
@@ -13,6 +13,8 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 
 from __future__ import annotations
 
+from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, plan_batches
+from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.inputs import record_inputs
@@ -74,17 +76,35 @@ class PromptDataset(Dataset):
         }
 
 
-class ShardSampler(DistributedSampler):
-    """Positions ``rank, rank + num_replicas, ...``: no duplicate, no drop, and a replica with nothing
-    to do gets an empty shard (Lightning's own predict sampler asserts instead)."""
+class BatchDataset(Dataset):
+    """The batches of a ``BatchPlan``: item ``b`` is batch ``b``'s samples (``PromptDataset``'s)."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(self, samples: PromptDataset, plan: BatchPlan) -> None:
+        self.samples = samples
+        self.plan = plan
+        self._position = {int(index): n for n, index in enumerate(samples.indices)}
+
+    def __len__(self) -> int:
+        return len(self.plan.batches)
+
+    def __getitem__(self, batch: int) -> list[dict[str, Any]]:
+        return [self.samples[self._position[int(index)]] for index in self.plan.batches[batch]]
+
+
+class PlanSampler(DistributedSampler):
+    """This replica's batches of a ``BatchPlan`` (``BatchPlan.deal``): no duplicate, no drop, and a
+    replica with nothing to do gets none (Lightning's own predict sampler asserts instead). A
+    stopped job ends the loader instead of skipping every batch."""
+
+    def __init__(self, dataset: BatchDataset, num_replicas: int = 1, rank: int = 0) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
-        self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
-        self.total_size = len(dataset)  # type: ignore[arg-type]
+        self.positions = dataset.plan.deal(num_replicas)[rank] if len(dataset) else []
+        self.num_samples = len(self.positions)
+        self.total_size = len(dataset)
+
     def __iter__(self) -> Iterator[int]:
-        for position in range(self.rank, self.total_size, self.num_replicas):
-            if STOP.stopping.is_set():  # a stopped job ends the loader instead of skipping every batch
+        for position in self.positions:
+            if STOP.stopping.is_set():
                 return
             yield position
 
@@ -92,8 +112,9 @@ class ShardSampler(DistributedSampler):
         return self.num_samples
 
 
-def collate_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return samples
+def collate_batch(items: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The loader's batches of one item: the plan's batch itself."""
+    return items[0]
 
 
 def shard_indices(total: int, num_shards: int, shard_index: int) -> np.ndarray:
@@ -125,6 +146,9 @@ class PromptDataModule(pl.LightningDataModule):
             value out of bounds, a missing input file...) refuses the run before anything loads,
             naming every such record; ``skip``: the others are made, and those are listed in the
             output folder's ``rejected.jsonl`` with their line and reason.
+        bucket: ``true`` (default): batches are cut among records that share every call argument
+            (``batching``), so a mixed prompt set runs one full call a batch; ``false``: batches of
+            consecutive images, each split into one padded call per kind of record in it.
         on_error: ``fail`` (default): a pipeline call that fails (out of memory on one huge record,
             an input that cannot be decoded, an image of NaN pixels) stops the run naming its
             record; ``skip``: its records go to ``failed.jsonl`` and the run goes on (a rerun
@@ -144,6 +168,7 @@ class PromptDataModule(pl.LightningDataModule):
         max_pixels: int = MAX_PIXELS,
         on_bad_record: str = "fail",
         on_error: str = "fail",
+        bucket: bool = True,
     ) -> None:
         super().__init__()
         settings = {"batch_size": batch_size, "seed": seed, "num_images_per_prompt": num_images_per_prompt,
@@ -161,6 +186,11 @@ class PromptDataModule(pl.LightningDataModule):
         self.max_pixels = max_pixels
         self.on_bad_record = on_bad_record
         self.on_error = on_error
+        self.bucket = bucket
+        self.pad = True  # the module's pad_batches (padded batches count at their padded size)
+        self.facts: Optional[SetFacts] = None  # the module's buckets and costs of each call-argument set
+        self.bucket_of_position: Optional[dict[int, int]] = None
+        self.plan: Optional[BatchPlan] = None
         # Read now so that a bad prompt file fails before any process starts or weights load.
         self.records: Records = read_records(prompts)
         problems = data_problems(settings, self.num_images)
@@ -198,6 +228,19 @@ class PromptDataModule(pl.LightningDataModule):
         indices = np.asarray(self.rejected.image_indices(self.num_images_per_prompt), dtype=np.int64)
         return indices[indices % self.num_shards == self.shard_index] if self.num_shards > 1 else indices
 
+    def use_batch_facts(self, facts: SetFacts, bucket_of_position: Optional[dict[int, int]] = None,
+                        pad: bool = True) -> None:
+        """The pipeline's view of the records (``DiffusionModule.batch_facts``): which sets share a
+        call, and what an image of each costs."""
+        self.facts, self.bucket_of_position, self.pad = facts, bucket_of_position, pad
+
+    def batch_plan(self, pending: np.ndarray) -> BatchPlan:
+        """The batches of the ``pending`` images (``batching.plan_batches``)."""
+        facts = self.facts or SetFacts.from_summary(self.records.summary)
+        buckets, costs = image_facts(facts, self.records.summary.set_of, pending, self.num_images_per_prompt,
+                                     self.bucket_of_position)
+        return plan_batches(pending, buckets, costs, self.batch_size, self.bucket, self.pad)
+
     def predict_dataloader(self) -> DataLoader:
         todo = np.zeros(self.num_images, dtype=bool)
         todo[self.shard_images()] = True
@@ -206,14 +249,13 @@ class PromptDataModule(pl.LightningDataModule):
         if self.rejected:
             todo[self.rejected_images()] = False
         pending = np.flatnonzero(todo)
-        dataset = PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending)
+        self.plan = self.batch_plan(pending)
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}
-        sampler = ShardSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"])
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            collate_fn=collate_samples,
-        )
+        if len(pending) and (self.trainer is None or self.trainer.is_global_zero):
+            log.info(self.plan.describe(kwargs["num_replicas"]))
+        dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
+        sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"])
+        # One plan batch a loader batch: Lightning keeps its index tracking for batch size 1.
+        return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
+                          collate_fn=collate_batch)

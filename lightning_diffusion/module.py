@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_diffusion.batching import SetFacts, call_key
 from lightning_diffusion.cache import CacheStats, StepCache, install
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
@@ -18,7 +20,7 @@ from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion import compat, quantization
 from lightning_diffusion.errors import ConfigError, RecordFailure, preflight_passed, raise_problems
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
-from lightning_diffusion.inputs import INPUT_FIELDS
+from lightning_diffusion.inputs import INPUT_FIELDS, record_inputs
 from lightning_diffusion.records import RecordVerdicts, Records, check_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, model_cache_problems, model_problems, pixel_problems
 
@@ -166,6 +168,8 @@ class DiffusionModule(pl.LightningModule):
         self.replica_group: Any = None  # the ranks that make the same images (``use_group``)
         self.on_error = "fail"  # the data module's ``on_error``, read in setup
         self.failures = 0  # records whose call failed in this run (``on_error: skip``)
+        # This process's work in the run: images computed (padding included) and kept, seconds in calls.
+        self.stats = {"computed": 0, "kept": 0, "busy_s": 0.0}
         from lightning_diffusion import lora as lora_
 
         self.adapters = lora_.parse(lora)
@@ -243,7 +247,52 @@ class DiffusionModule(pl.LightningModule):
         if isinstance(datamodule, PromptDataModule):
             self.batch_size = datamodule.batch_size
             self.on_error = datamodule.on_error
+            self.failures, self.stats = 0, {"computed": 0, "kept": 0, "busy_s": 0.0}
             datamodule.reject(self.agreed_verdicts(datamodule))
+            datamodule.use_batch_facts(*self.batch_facts(datamodule), pad=self.pad_batches)
+
+    def batch_facts(self, data: PromptDataModule) -> tuple[SetFacts, Optional[dict[int, int]]]:
+        """How the records of ``data`` share pipeline calls and what each image costs
+        (``batching``): per call-argument set, the key ``predict_step`` groups a batch by, and
+        pixels x latent frames x steps x guidance passes; with a pipeline that resizes every input
+        to the first one's size, records with inputs of another size get buckets of their own."""
+        spec, summary = self.info.spec, data.records.summary
+        keys: dict[str, int] = {}
+        buckets, costs = [], []
+        for entry in summary.sets:
+            args = {**self.call_args, **entry.overrides}
+            buckets.append(keys.setdefault(call_key(args, sorted(entry.with_inputs)), len(keys)))
+            costs.append(self._image_cost(args, entry.first_negative is not None))
+        by_position: Optional[dict[int, int]] = None
+        if spec.shares_input_size and any(entry.with_inputs for entry in summary.sets):
+            from lightning_diffusion.inputs import input_sizes
+
+            by_position = {}
+            sets = [i for i, entry in enumerate(summary.sets) if entry.with_inputs]
+            for position in summary.positions(sets):
+                if position in data.rejected.rejected:
+                    continue
+                record = data.records[position]
+                entry = summary.sets[summary.set_of[position]]
+                key = call_key({**self.call_args, **entry.overrides}, sorted(entry.with_inputs),
+                               input_sizes(record_inputs(record)))
+                by_position[position] = keys.setdefault(key, len(keys))
+        return SetFacts(buckets, costs, list(keys)), by_position
+
+    def _image_cost(self, args: dict[str, Any], negative: bool) -> float:
+        """One image's estimated work: latent tokens x steps x guidance passes."""
+        spec, info = self.info.spec, self.info
+        default = spec.default_size or (1024, 1024)
+        height, width = args.get("height") or default[0], args.get("width") or default[1]
+        frames = args.get(spec.frames_arg) if spec.frames_arg else None
+        tokens = spec.image_tokens(int(height), int(width), frames, info.size_multiple) or 1
+        steps = args.get("num_inference_steps") or info.call_default("num_inference_steps") or 1
+        passes = 1
+        if spec.cfg is not None:
+            scale = args.get(spec.cfg.scale_arg, info.call_default(spec.cfg.scale_arg))
+            runs = not spec.cfg.needs_negative_prompt or negative or args.get("negative_prompt") is not None
+            passes = 2 if isinstance(scale, (int, float)) and scale > 1 and runs else 1
+        return float(tokens * steps * passes)
 
     def record_verdicts(self, data: PromptDataModule) -> tuple[RecordVerdicts, list[str]]:
         """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
@@ -427,22 +476,23 @@ class DiffusionModule(pl.LightningModule):
         return {**self.call_args, **sample["overrides"]}
 
     def predict_step(self, batch: list[dict[str, Any]], batch_idx: int = 0, dataloader_idx: int = 0) -> list[dict]:
-        # Samples with different per-record overrides cannot share one pipeline call.
+        # Samples with different per-record overrides cannot share one pipeline call (with buckets,
+        # the data module's batches hold one kind each: see ``batching``).
         groups: dict[str, list[dict[str, Any]]] = {}
         spec = self.info.spec
         for sample in batch:
-            key = json.dumps(self.call_arguments(sample), sort_keys=True, default=str)
-            if sample.get("inputs"):  # samples with other input fields cannot share a call
-                key += json.dumps(sorted(sample["inputs"]))
-                if spec.shares_input_size:  # a call resizes every input to its first one's size
-                    from lightning_diffusion.inputs import input_sizes
+            sizes = None
+            if sample.get("inputs") and spec.shares_input_size:  # a call resizes every input to its first one's
+                from lightning_diffusion.inputs import input_sizes
 
-                    key += json.dumps(input_sizes(sample["inputs"]))
+                sizes = input_sizes(sample["inputs"])
+            key = call_key(self.call_arguments(sample), sorted(sample.get("inputs") or {}), sizes)
             groups.setdefault(key, []).append(sample)
         self.batch_size = max(self.batch_size or 0, len(batch))
         calls = [samples[i:i + (spec.call_batch or len(samples))] for samples in groups.values()
                  for i in range(0, len(samples), spec.call_batch or len(samples))]
         results = {}
+        start = time.perf_counter()
         for samples in calls:
             for sample, (image, params, error) in zip(samples, self.run_call(samples)):
                 result = {
@@ -457,6 +507,7 @@ class DiffusionModule(pl.LightningModule):
                     result.update(error=error, record=sample.get("source"))
                     self.failures += 1
                 results[sample["index"]] = result
+        self.stats["busy_s"] += time.perf_counter() - start
         return [results[sample["index"]] for sample in batch]
 
     # ----------------------------------------------------------------- one pipeline call, and its failures
@@ -537,6 +588,8 @@ class DiffusionModule(pl.LightningModule):
         if agree:
             self._agree(error)
         real = len([s for s in samples if not s.get("padding")])
+        self.stats["computed"] += len(samples)
+        self.stats["kept"] += real
         try:
             output = self.pipeline(
                 prompt=[sample["prompt"] for sample in samples],

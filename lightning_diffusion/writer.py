@@ -105,6 +105,8 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
         expected += f" (shard {summary['shard'][0]} of {summary['shard'][1]})"
     left = "".join(f", {summary[key]:,} {key} ({name})" for key, name in (("rejected", REJECTED), ("failed", FAILED))
                    if summary.get(key))
+    if summary.get("padded"):
+        left += f", {summary['padded']:,} padded images computed"
     return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume{left}; {summary['in_manifest']:,}"
             f"{expected} in {manifest}; wall {summary['wall_s']:.1f} s, load {summary['load_s']:.1f} s; "
             f"images/s per writing rank: {pace}")
@@ -403,9 +405,13 @@ class ImageWriter(BasePredictionWriter):
         else:
             failed = None
         # Reached by every rank, failed or not; each learns how the others' writing ended, so that
-        # a rank whose writer failed at its drain does not leave the job ending with exit 0.
-        others = [(rank, text) for rank, text in enumerate(_gather_idle(trainer.strategy, _cause(failed)))
+        # a rank whose writer failed at its drain does not leave the job ending with exit 0 (and,
+        # from the writing ranks, what their replica computed, for the summary).
+        work = getattr(pl_module, "stats", None) if self.writes_outputs(trainer) else None
+        gathered = _gather_idle(trainer.strategy, (_cause(failed), work))
+        others = [(rank, text) for rank, (text, _) in enumerate(gathered)
                   if text is not None and rank != trainer.global_rank]
+        self._work = {rank: stats for rank, (_, stats) in enumerate(gathered) if stats is not None}
         if failed is None and others:
             rank, text = others[0]
             failed = RuntimeError(f"writing images failed on rank {rank}: {text} (the images recorded are kept: a "
@@ -415,6 +421,7 @@ class ImageWriter(BasePredictionWriter):
                 self._lock.release()
             raise failed
         if trainer.is_global_zero:
+            self._plan = getattr(trainer.datamodule, "plan", None)
             self.rejected = self._rejected_images(trainer)
             if self.rejected or (self.output_dir / REJECTED).exists():
                 self._write_rejected(trainer.datamodule)
@@ -443,6 +450,7 @@ class ImageWriter(BasePredictionWriter):
             "skipped": len(self.done),
             "rejected": self.rejected,
             "failed": failed,
+            **self._batch_summary(),
             "in_manifest": total,
             "expected": self.expected,
             "wall_s": round(end - self.started_at, 3),
@@ -451,6 +459,18 @@ class ImageWriter(BasePredictionWriter):
             "slurm_job": os.environ.get("SLURM_JOB_ID"),
             **({"shard": list(self.shard)} if self.shard is not None else {}),
         }
+
+    def _batch_summary(self) -> dict[str, Any]:
+        """The batch plan's buckets and what the writing ranks computed: images computed for the
+        images kept (padding), and each one's seconds in pipeline calls."""
+        work = getattr(self, "_work", {})
+        if not work:
+            return {}
+        computed = sum(w["computed"] for w in work.values())
+        kept = sum(w["kept"] for w in work.values())
+        plan = getattr(self, "_plan", None)
+        return {"buckets": plan.num_buckets if plan is not None else None, "computed": computed,
+                "padded": computed - kept, "busy_s_by_rank": {str(r): round(w["busy_s"], 3) for r, w in work.items()}}
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:  # the queued images are whole pictures: write them, so that a resume need not redo them,

@@ -2,9 +2,11 @@
 
 import json
 
+import numpy as np
+
 import pytest
 
-from lightning_diffusion.data import PromptDataModule, PromptDataset, ShardSampler
+from lightning_diffusion.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.records import PromptFileError, read_records
 
@@ -94,11 +96,13 @@ def test_counts_below_one_are_refused(field):
 
 
 @pytest.mark.parametrize("total, replicas", [(10, 2), (7, 2), (1, 2), (5, 4), (0, 3)])
-def test_shards_cover_every_position_once(total, replicas):
-    dataset = PromptDataset([{"prompt": "p"}] * total)
-    shards = [list(ShardSampler(dataset, replicas, rank)) for rank in range(replicas)]
-    assert sorted(i for shard in shards for i in shard) == list(range(total))
-    assert [len(ShardSampler(dataset, replicas, rank)) for rank in range(replicas)] == [len(s) for s in shards]
+def test_replicas_get_every_batch_once(total, replicas):
+    module = PromptDataModule([f"p{i}" for i in range(max(total, 1))][:total] or ["p"], batch_size=2)
+    pending = np.arange(total)
+    dataset = BatchDataset(PromptDataset(module.records, indices=pending), module.batch_plan(pending))
+    shards = [list(PlanSampler(dataset, replicas, rank)) for rank in range(replicas)]
+    assert sorted(b for shard in shards for b in shard) == list(range(len(dataset)))
+    assert [len(PlanSampler(dataset, replicas, rank)) for rank in range(replicas)] == [len(s) for s in shards]
 
 
 def test_skipped_indices_are_removed_before_the_split():

@@ -323,3 +323,17 @@ def test_a_clean_jsonl_reads_as_before(tmp_path):
     assert len(records) == 100 and not records.bad
     assert [o for _, o in records.summary.override_sets()] == [{"guidance_scale": 2.0}, {"guidance_scale": 3.0}]
     assert not check_records(DiffusionModule("tiny:flux").info, records)
+
+
+@pytest.mark.slow
+def test_skipped_records_under_two_replicas_are_the_ones_rank_zero_found(tmp_path):
+    """The ranks the CLI starts trust its checks; with skip, rank 0's verdicts reach every rank."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join([f'{{"prompt": "p{n}"}}' if n % 3 else NAN_RECORD for n in range(9)]) + "\n")
+    out = tmp_path / "out"
+    proc = run_cli(*tiny_args(out, "--data.prompts", str(prompts), "--data.on_bad_record", "skip",
+                              "--trainer.devices", "2", "--model.height", "64", "--model.width", "64"))
+    assert "3 rejected (rejected.jsonl)" in proc.stdout + proc.stderr
+    indices = [line["index"] for line in read_manifest_lines(out)]
+    assert sorted(indices) == [1, 2, 4, 5, 7, 8] and len(indices) == len(set(indices))
+    assert [json.loads(line)["record"] for line in (out / "rejected.jsonl").read_text().splitlines()] == [1, 4, 7]

@@ -1,0 +1,106 @@
+"""Mixed prompt sets: batches of like records (buckets), dealt to replicas by cost, the same
+pictures whatever the layout."""
+
+import json
+
+import numpy as np
+import pytest
+
+from lightning_diffusion import PromptDataModule
+from lightning_diffusion.batching import plan_batches
+from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+
+SIZES = [(32, 32), (48, 64), (64, 48)]
+
+
+def mixed_records(count: int, steps=(2, 3)) -> list[dict]:
+    """Three sizes and two step counts, interleaved."""
+    return [{"prompt": f"shape {n}", "height": SIZES[n % 3][0], "width": SIZES[n % 3][1],
+             "num_inference_steps": steps[(n // 3) % len(steps)]} for n in range(count)]
+
+
+def write(tmp_path, records, name="mixed.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_the_batches_do_not_depend_on_the_replica_count():
+    rng = np.random.default_rng(0)
+    indices = np.arange(1000)
+    buckets = rng.integers(0, 7, size=1000)
+    costs = np.asarray([1.0, 4.0, 2.25, 9.0, 1.0, 16.0, 0.5])[buckets]
+    plan = plan_batches(indices, buckets, costs, 4)
+    again = plan_batches(indices, buckets, costs, 4)
+    assert [b.tolist() for b in plan.batches] == [b.tolist() for b in again.batches]
+    for batch in plan.batches:  # one bucket a batch, index order inside
+        assert len(set(buckets[batch].tolist())) == 1 and batch.tolist() == sorted(batch.tolist())
+    assert sorted(np.concatenate(plan.batches).tolist()) == list(range(1000))
+    assert plan.padded <= 3 * 7  # a bucket's last batch at most
+    for replicas in (1, 2, 3, 8):
+        dealt = plan.deal(replicas)
+        assert sorted(b for positions in dealt for b in positions) == list(range(len(plan.batches)))
+        shares = plan.shares(replicas)
+        assert max(shares) - min(shares) <= replicas * plan.costs.max() / plan.costs.sum(), shares
+
+
+def test_index_order_batches_mix_kinds_and_are_dealt_whole():
+    buckets = np.asarray([0, 1, 2] * 4)
+    plan = plan_batches(np.arange(12), buckets, np.ones(12), 4, bucket=False)
+    assert [b.tolist() for b in plan.batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_the_plan_of_a_data_module_groups_records_by_their_call_arguments(tmp_path):
+    data = PromptDataModule(str(write(tmp_path, mixed_records(48))), batch_size=4)
+    plan = data.batch_plan(np.arange(48))
+    assert plan.num_buckets == 6 and len(plan.batches) == 12 and plan.padded == 0
+    loose = PromptDataModule(str(write(tmp_path, mixed_records(48))), batch_size=4, bucket=False)
+    assert len(loose.batch_plan(np.arange(48)).batches) == 12
+
+
+def _summary(out):
+    return json.loads((out / "run.json").read_text())["history"][-1]
+
+
+def test_buckets_compute_at_most_a_short_batch_a_bucket_and_the_same_pictures(tmp_path):
+    prompts = write(tmp_path, mixed_records(50))
+    args = ["--data.prompts", str(prompts), "--data.batch_size", "4", "--model.num_inference_steps", "2"]
+    run_here(*tiny_args(tmp_path / "buckets", *args))
+    run_here(*tiny_args(tmp_path / "order", *args, "--data.bucket", "false"))
+    buckets, order = _summary(tmp_path / "buckets"), _summary(tmp_path / "order")
+    assert buckets["made"] == order["made"] == 50
+    assert buckets["buckets"] == 6 and buckets["padded"] <= 3 * 6, buckets
+    assert buckets["computed"] == 50 + buckets["padded"]
+    assert order["padded"] > 3 * buckets["padded"], (order["padded"], buckets["padded"])
+    ours, ref = load_arrays(tmp_path / "buckets"), load_arrays(tmp_path / "order")
+    assert sorted(ours) == list(range(50)) and all(np.array_equal(ours[i], ref[i]) for i in range(50))
+
+
+@pytest.mark.slow
+def test_a_mixed_set_gives_the_same_bytes_for_every_layout(tmp_path):
+    """1 process, 2 and 3 replicas, a resume, and 2 shards of a job array (equal thread counts)."""
+    prompts = write(tmp_path, mixed_records(18))
+    args = ["--data.prompts", str(prompts), "--data.batch_size", "2"]
+    run_here(*tiny_args(tmp_path / "one", *args))
+    reference = load_arrays(tmp_path / "one")
+    assert sorted(reference) == list(range(18))
+    for devices in ("2", "3"):
+        run_cli(*tiny_args(tmp_path / devices, *args, "--trainer.devices", devices))
+        ours = load_arrays(tmp_path / devices)
+        assert all(np.array_equal(ours[i], reference[i]) for i in range(18)), devices
+        lines = read_manifest_lines(tmp_path / devices)
+        assert sorted(line["index"] for line in lines) == list(range(18))
+    # A resume: some images lost (their files gone), made again by 2 replicas in other batches.
+    resumed = tmp_path / "2"
+    for line in read_manifest_lines(resumed):
+        if line["index"] in (1, 5, 6, 11, 17):
+            (resumed / line["file"]).unlink()
+            (resumed / f"{line['index']:06d}.npy").unlink()
+    proc = run_cli(*tiny_args(resumed, *args, "--trainer.devices", "2"))
+    assert "resumed: 13 already in the manifest" in proc.stdout + proc.stderr
+    ours = load_arrays(resumed)
+    assert all(np.array_equal(ours[i], reference[i]) for i in range(18))
+    for shard in ("0", "1"):
+        run_here(*tiny_args(tmp_path / "shards", *args, "--data.num_shards", "2", "--data.shard_index", shard))
+    ours = load_arrays(tmp_path / "shards")
+    assert sorted(ours) == list(range(18)) and all(np.array_equal(ours[i], reference[i]) for i in range(18))
