@@ -21,6 +21,8 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     for key in ("time_per_iter_ms", "steps_per_sec", "peak_memory_gb", "images_per_sec", "load_s",
                 "diffusers_images_per_sec", "time_ratio_vs_diffusers"):
         assert result[key] > 0, key
+    assert result["buckets"] == 1 and result["batches"] == 3 and result["padded_images"] == 0
+    assert list(result["busy_s_by_rank"]) == ["0"] and result["busy_s_by_rank"]["0"] > 0
 
 
 @pytest.mark.slow

@@ -125,3 +125,17 @@ def test_plan_says_whether_cfg_parallel_applies(model, expected):
     from lightning_diffusion.commands.plan import cfg_note
 
     assert cfg_note(facts_for(model)).startswith(expected)
+
+
+def test_plan_reads_a_prompt_file_and_plans_for_its_largest_image(tmp_path, capsys):
+    from lightning_diffusion.commands.plan import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "p{n}", "height": {h}, "width": {h}}}\n'
+                               for n, h in enumerate([512, 2048, 512, 1024] * 5)))
+    assert main(["--model", "black-forest-labs/FLUX.1-dev", "--gpus", "8", "--gpu-memory", "80GB",
+                 "--prompts", str(prompts)]) == 0
+    out = capsys.readouterr().out
+    assert "prompt set: 20 records by size (512x512: 10, 2048x2048: 5, 1024x1024: 5); planned for the largest, " \
+           "2048x2048" in out
+    assert "height: 2048" in out

@@ -85,6 +85,7 @@ class StepTimer(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         summary = getattr(pl_module, "cache_summary", None)
         cache = summary() if callable(summary) else None  # a collective: every rank, before rank 0 returns
+        busy = _gather_busy(trainer, pl_module)  # a collective too
         if not trainer.is_global_zero:
             return
         if self.cuda:  # summed over the GPUs of rank 0 (a device map spans several)
@@ -114,7 +115,31 @@ class StepTimer(Callback):
             "timed_batches": len(self.times),
             "device": "cuda" if self.cuda else "cpu",
             "cache": cache,
+            **_plan_report(trainer, busy),
         }, indent=2))
+
+
+def _gather_busy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+    """Each writing rank's seconds in pipeline calls (one a replica), by global rank."""
+    import torch.distributed as dist
+
+    stats = getattr(pl_module, "stats", None)
+    mine = stats["busy_s"] if stats is not None and getattr(trainer.strategy, "writes_outputs", True) else None
+    every = [mine]
+    if dist.is_available() and dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=getattr(trainer.strategy, "idle_group", None))
+    return {str(rank): round(value, 4) for rank, value in enumerate(every) if value is not None}
+
+
+def _plan_report(trainer: pl.Trainer, busy: dict[str, float]) -> dict[str, Any]:
+    """The batch plan (``batching``): buckets, padded images and each replica's busy seconds."""
+    plan = getattr(trainer.datamodule, "plan", None)
+    if plan is None:
+        return {}
+    computed = plan.images + plan.padded
+    return {"buckets": plan.num_buckets, "batches": len(plan.batches), "padded_images": plan.padded,
+            "padded_share": round(plan.padded / computed, 4) if computed else 0.0, "busy_s_by_rank": busy}
 
 
 def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int, call_args: dict,

@@ -242,6 +242,22 @@ def describe_rates(chosen: Plan, other: Optional[tuple[Plan, str]], interconnect
     return lines
 
 
+def prompt_set(prompts: str, height: int, width: int) -> tuple[int, dict[tuple[int, int], int]]:
+    """``--prompts``: a count, or a prompt file's record count and its records by size (their own
+    ``height`` and ``width``, else ``--height`` and ``--width``), from the buckets of its
+    call-argument sets (``records.RecordSummary``; every line is read once)."""
+    if prompts.isdigit():
+        return int(prompts), {}
+    from lightning_diffusion.records import read_records
+
+    records = read_records(prompts)
+    sizes: dict[tuple[int, int], int] = {}
+    for entry in records.summary.sets:
+        size = (entry.overrides.get("height") or height, entry.overrides.get("width") or width)
+        sizes[size] = sizes.get(size, 0) + entry.count
+    return len(records), sizes
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-diffusion plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -252,7 +268,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--frames", type=int)
-    parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("--prompts", default="1000",
+                        help="how many prompts, or a prompt file: its count, and its largest image for memory")
     parser.add_argument("--goal", choices=["throughput", "latency"], default="throughput",
                         help="throughput: replicas first (default); latency: split each image over GPUs")
     parser.add_argument("--write", help="write the recommended config (YAML) here")
@@ -265,6 +282,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"lightning-diffusion plan: error: {err}", file=sys.stderr)
         return 2
+    try:
+        args.prompts, sizes = prompt_set(args.prompts, args.height, args.width)
+    except ConfigError as err:
+        print(f"lightning-diffusion plan: error: {err}", file=sys.stderr)
+        return 2
+    if sizes:  # the largest image decides memory and the split of its tokens
+        args.height, args.width = max(sizes, key=lambda s: s[0] * s[1])
+        shown = ", ".join(f"{h}x{w}: {n:,}" for (h, w), n in sorted(sizes.items(), key=lambda item: -item[1])[:5])
+        print(f"prompt set: {args.prompts:,} records by size ({shown}); planned for the largest, "
+              f"{args.height}x{args.width}")
     plan = choose(facts, args.gpus, gpu_gb, args.interconnect, args.height, args.width, args.frames, args.prompts,
                   args.goal)
     print(f"recommended: {plan.strategy} {plan.init_args or ''} on {plan.devices} process(es)")
