@@ -146,6 +146,10 @@ class WriterThreads(_Writers):
             self._ends_queued += 1
         for thread in self.threads:
             self._join(thread)
+        try:
+            self.files.finish()  # the open tar shard, if any: its samples' lines follow
+        except BaseException as err:
+            self.fail(err)
 
 
 # ----------------------------------------------------------------------------------- the pipe's frames
@@ -376,5 +380,10 @@ def child_main(argv: list[str]) -> None:
         jobs.put(None)
     for thread in threads:
         thread.join()
+    try:
+        files.finish()  # the open tar shard, if any: its samples' lines follow
+    except BaseException as err:
+        with ack_lock:
+            send(acks, ("error", type(err).__name__, str(err), traceback.format_exc()))
     acks.close()
     os._exit(0)

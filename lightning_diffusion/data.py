@@ -197,7 +197,7 @@ class PromptDataModule(pl.LightningDataModule):
         if self.records.bad and on_bad_record == "fail":
             problems.append(RecordVerdicts(dict(self.records.bad)).report())
         raise_problems(problems)
-        self.skip: set[int] = set()
+        self.skip = np.zeros(0, dtype=np.int64)
         self.rejected = RecordVerdicts()
         # More replicas than images is fine: the idle ones wait.
         self.allow_zero_length_dataloader_with_multiple_devices = True
@@ -215,9 +215,9 @@ class PromptDataModule(pl.LightningDataModule):
         """The indices this run is for: every image, or its shard's."""
         return shard_indices(self.num_images, self.num_shards, self.shard_index)
 
-    def skip_indices(self, indices: set[int]) -> None:
+    def skip_indices(self, indices: Any) -> None:
         """Leave out images that are already done (called by the writer on resume, before the split)."""
-        self.skip = set(indices)
+        self.skip = np.asarray(sorted(indices) if isinstance(indices, set) else indices, dtype=np.int64)
 
     def reject(self, verdicts: RecordVerdicts) -> None:
         """Leave out the records that cannot be made (``data.on_bad_record: skip``)."""
@@ -244,8 +244,8 @@ class PromptDataModule(pl.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         todo = np.zeros(self.num_images, dtype=bool)
         todo[self.shard_images()] = True
-        if self.skip:
-            todo[np.fromiter(self.skip, dtype=np.int64, count=len(self.skip))] = False
+        if len(self.skip):
+            todo[self.skip] = False
         if self.rejected:
             todo[self.rejected_images()] = False
         pending = np.flatnonzero(todo)

@@ -6,9 +6,11 @@ fraction of a second: it imports this module, numpy and Pillow only (PyAV for MP
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import tarfile
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +32,35 @@ def slugify(prompt: str, max_length: int = 40) -> str:
 
 def image_filename(index: int, prompt: str, suffix: str = ".png") -> str:
     return f"{index:06d}-{slugify(prompt)}{suffix}"
+
+
+LAYOUTS = ("auto", "flat", "sharded")
+FORMATS = ("files", "webdataset")
+FILES_PER_FOLDER = 10_000  # img2dataset's shard size; listing and backing up folders stays fast
+SAMPLES_PER_SHARD = 1_000  # a tar shard: about 1 GB of 1024x1024 PNGs; a kill loses at most the open one
+
+
+def resolve_layout(layout: str, expected: Optional[int], files_per_folder: int) -> str:
+    """``auto``: ``flat`` when the run's images fit in one folder of ``files_per_folder`` (or their
+    count is unknown: a data module other than ``PromptDataModule``), else ``sharded`` (no folder of
+    a million-image run holds more than ``files_per_folder`` files)."""
+    if layout != "auto":
+        return layout
+    return "flat" if expected is None or expected <= files_per_folder else "sharded"
+
+
+def output_name(index: int, prompt: str, suffix: str, layout: str = "flat",
+                files_per_folder: int = FILES_PER_FOLDER) -> str:
+    """An output's path in its folder: ``000123-a-red-fox.png``, or in the sharded layout
+    ``00000/000123-a-red-fox.png`` (its subfolder: ``index // files_per_folder``)."""
+    name = image_filename(index, prompt, suffix)
+    return name if layout == "flat" else f"{index // files_per_folder:05d}/{name}"
+
+
+def shard_name(first_index: int) -> str:
+    """A tar shard, named by the first image it holds: unique (an image is in one finished shard,
+    and a resume never makes it again) and the same whatever the layout of the run."""
+    return f"shard-{first_index:09d}.tar"
 
 
 VIDEO_FORMATS = ("mp4", "webp", "gif")
@@ -98,16 +129,28 @@ class OutputFiles:
     video_format: str = "mp4"
     fps: int = 16
     part: Optional[Path] = None
+    layout: str = "flat"  # resolved: flat or sharded
+    files_per_folder: int = FILES_PER_FOLDER
+    format: str = "files"
+    samples_per_shard: int = SAMPLES_PER_SHARD
 
     def __post_init__(self) -> None:
         self._part_lock = threading.Lock()
+        self._shards = TarShards(self) if self.format == "webdataset" else None
+        self._folders: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_part_lock"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_part_lock", "_shards", "_folders")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._part_lock = threading.Lock()
+        self.__post_init__()
+
+    def finish(self) -> None:
+        """Close the open tar shard (its samples' manifest lines follow): at the end of a run,
+        or when it stops. Nothing to do for loose files."""
+        if self._shards is not None:
+            self._shards.close()
 
     def write_batch(self, prediction: list[dict[str, Any]]) -> None:
         """Each file atomically, then the manifest lines of the files written: each line after its
@@ -117,6 +160,10 @@ class OutputFiles:
         failed = [failure_line(item) for item in prediction if "error" in item]
         if failed:
             self._append(failed, failures_part(self.part))
+        if self._shards is not None:
+            self._shards.add([item for item in prediction if "error" not in item],
+                             prediction[0].get("batch") if prediction else None)
+            return
         lines: list[dict[str, Any]] = []
         try:
             for item in prediction:
@@ -147,7 +194,7 @@ class OutputFiles:
         pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
         sync = self.fsync != "off"
         if pixels.ndim == 4:  # a video: frames x height x width x 3
-            name = image_filename(index, prompt, f".{self.video_format}")
+            name = self._name(index, prompt, f".{self.video_format}")
             text = json.dumps(metadata, ensure_ascii=False)
             if self.video_format == "mp4":
                 tags = {"title": prompt, "comment": text}
@@ -157,7 +204,7 @@ class OutputFiles:
                                      lambda f: write_animation(f, pixels, self.fps, self.video_format, text), sync)
             metadata["fps"] = self.fps
         else:
-            name = image_filename(index, prompt, IMAGE_FORMATS[self.image_format])
+            name = self._name(index, prompt, IMAGE_FORMATS[self.image_format])
             picture = Image.fromarray(pixels)
             size = _atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), sync)
         if self.save_arrays:
@@ -165,6 +212,32 @@ class OutputFiles:
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
         }, "written": round(time.time(), 3)}
+
+    def _name(self, index: int, prompt: str, suffix: str) -> str:
+        """The output's path in the folder, its subfolder made once (``layout``)."""
+        name = output_name(index, prompt, suffix, self.layout, self.files_per_folder)
+        folder = name.rpartition("/")[0]
+        if folder and folder not in self._folders:
+            (self.output_dir / folder).mkdir(exist_ok=True)
+            self._folders.add(folder)
+        return name
+
+    def encoded(self, item: dict[str, Any]) -> tuple[str, bytes, dict[str, Any]]:
+        """One output encoded in memory: its file suffix, its bytes and its metadata (for a tar
+        shard's members)."""
+        metadata = self.metadata(item)
+        pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
+        buffer = io.BytesIO()
+        if pixels.ndim == 4:
+            text = json.dumps(metadata, ensure_ascii=False)
+            if self.video_format == "mp4":
+                write_mp4(buffer, pixels, self.fps, {"title": item["prompt"], "comment": text})
+            else:
+                write_animation(buffer, pixels, self.fps, self.video_format, text)
+            metadata["fps"] = self.fps
+            return f".{self.video_format}", buffer.getvalue(), metadata
+        self.encode(Image.fromarray(pixels), metadata, buffer)
+        return IMAGE_FORMATS[self.image_format], buffer.getvalue(), metadata
 
     @staticmethod
     def metadata(item: dict[str, Any]) -> dict[str, Any]:
@@ -186,3 +259,102 @@ class OutputFiles:
         exif = Image.Exif()
         exif[EXIF_DESCRIPTION] = json.dumps(metadata)  # ASCII (escaped), as EXIF text must be
         picture.save(file, format=self.image_format.upper(), quality=self.quality, exif=exif.tobytes())
+
+
+class TarShards:
+    """The tar shards of one writer (``writer.format: webdataset``): samples ``{key}.png`` (or
+    ``.webp``, ``.jpg``, ``.mp4``...) and ``{key}.json`` (their metadata) appended to an open shard
+    under a temporary name; at ``samples_per_shard`` samples, or when the run ends or stops, the
+    shard is synced, renamed into place (``shard-{first index}.tar``), and only then are its
+    samples' manifest lines appended. A kill loses at most the open shard: its temporary file is
+    never read, its images have no line, and a resume makes them again with the same bytes.
+    Members carry no time or owner, so a shard of the same samples is the same bytes."""
+
+    def __init__(self, files: OutputFiles) -> None:
+        self.files = files
+        self.lock = threading.Lock()
+        self.turn = threading.Condition(self.lock)
+        self.next_batch = 0  # batches are appended in the rank's order (several threads encode them)
+        self.tar: Optional[tarfile.TarFile] = None
+        self.handle: Optional[Any] = None
+        self.tmp: Optional[Path] = None
+        self.name = ""
+        self.lines: list[dict[str, Any]] = []
+
+    def add(self, prediction: list[dict[str, Any]], batch: Optional[int] = None) -> None:
+        """Encode a batch (in parallel with other threads), then append it after the batches the
+        rank handed over before it (``batch``: its number), so that a shard holds the same samples
+        in the same order however many threads write."""
+        try:
+            encoded = [(item, *self.files.encoded(item)) for item in prediction]
+        except BaseException:
+            self._skip(batch)
+            raise
+        with self.turn:
+            if batch is not None:
+                self.turn.wait_for(lambda: self.next_batch >= batch)
+            try:
+                self._append_samples(encoded)
+            finally:
+                if batch is not None:
+                    self.next_batch = batch + 1
+                    self.turn.notify_all()
+
+    def _skip(self, batch: Optional[int]) -> None:
+        """A batch that failed to encode gives its turn to the next one."""
+        if batch is None:
+            return
+        with self.turn:
+            self.turn.wait_for(lambda: self.next_batch >= batch)
+            self.next_batch = batch + 1
+            self.turn.notify_all()
+
+    def _append_samples(self, encoded: list) -> None:
+        for item, suffix, data, metadata in encoded:
+            if self.tar is None:
+                self._open(item["index"])
+            key = f"{item['index']:09d}"
+            self._member(f"{key}{suffix}", data)
+            self._member(f"{key}.json", json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
+            self.lines.append({"index": item["index"], "prompt": item["prompt"], "seed": item["seed"],
+                               "file": self.name, "member": f"{key}{suffix}", "bytes": len(data), **{
+                                   k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")}})
+            if len(self.lines) >= self.files.samples_per_shard:
+                self._close()
+
+    def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def _open(self, first_index: int) -> None:
+        self.name = shard_name(first_index)
+        self.tmp = self.files.output_dir / f".{self.name}.tmp-{os.getpid()}-{os.urandom(6).hex()}"
+        self.handle = open(self.tmp, "wb")
+        self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.PAX_FORMAT)
+
+    def _member(self, name: str, data: bytes) -> None:
+        assert self.tar is not None
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), 0, 0o644
+        self.tar.addfile(info, io.BytesIO(data))
+
+    def _close(self) -> None:
+        if self.tar is None:
+            return
+        assert self.handle is not None and self.tmp is not None
+        try:
+            self.tar.close()
+            self.handle.flush()
+            if self.files.fsync != "off":
+                os.fsync(self.handle.fileno())
+            size = os.fstat(self.handle.fileno()).st_size
+            self.handle.close()
+            os.replace(self.tmp, self.files.output_dir / self.name)
+        except BaseException:
+            self.handle.close()
+            self.tmp.unlink(missing_ok=True)
+            self.tar, self.lines = None, []
+            raise
+        lines, self.lines, self.tar = self.lines, [], None
+        stamp = round(time.time(), 3)
+        self.files._append([{**line, "shard_bytes": size, "written": stamp} for line in lines])

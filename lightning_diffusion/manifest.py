@@ -11,8 +11,12 @@ import contextlib
 import json
 import os
 import re
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 MANIFEST = "manifest.jsonl"
 # Every run's parts: ``manifest.part-R.jsonl`` for a run of the whole prompt set, and
@@ -83,13 +87,33 @@ def _inside(folder: Path, name: str) -> bool:
     return bool(name) and not path.is_absolute() and ".." not in path.parts
 
 
-def _finished(file: Path, size: Optional[int]) -> bool:
+def _finished(file: Path, size: Optional[int], sizes: Optional[dict[Path, Optional[int]]] = None) -> bool:
     """The file of a manifest line is there and whole (its size is recorded, so a truncated file is
-    caught with a stat, without reading every image on resume)."""
-    try:
-        return file.is_file() and (size is None or file.stat().st_size == size)
-    except OSError:
-        return False
+    caught with a stat, without reading every image on resume). ``sizes``: files already looked at
+    (a tar shard holds many outputs: one stat for all)."""
+    if sizes is not None and file in sizes:
+        found = sizes[file]
+    else:
+        try:
+            found = file.stat().st_size if file.is_file() else None
+        except OSError:
+            found = None
+        if sizes is not None:
+            sizes[file] = found
+    return found is not None and (size is None or found == size)
+
+
+def read_output(folder: str | os.PathLike, entry: dict[str, Any]) -> bytes:
+    """An output's bytes, from its file or its tar shard's member (``writer.format: webdataset``)."""
+    path = Path(folder) / str(entry["file"])
+    if entry.get("member"):
+        import tarfile
+
+        with tarfile.open(path) as tar:
+            member = tar.extractfile(str(entry["member"]))
+            assert member is not None
+            return member.read()
+    return path.read_bytes()
 
 
 RUN_FILE = "run.json"
@@ -139,55 +163,154 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
             "writer.allow_config_change=true to add to it anyway.")
 
 
-def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None,
-                  trust_manifest: bool = False) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """Finished images by index (the merged manifest plus parts left by a running or killed run),
-    and what was not counted, as ``file:line: why`` (``parts``: these parts only, not every one;
-    ``trust_manifest``: the merged manifest's lines count without a look at their files). A line
-    that does not parse (cut by a kill), a line whose file is gone or has another size than
-    recorded (truncated, replaced), a line whose file lies outside the folder, and two lines for
-    one index with different files do not count: those images are made again. An unterminated
-    last line is a write in progress, not a problem."""
-    folder = Path(output_dir)
-    entries: dict[int, dict[str, Any]] = {}
-    where: dict[int, str] = {}
-    conflicts: set[int] = set()
+# A manifest line as the writer writes it (keys in this order); other lines are read as JSON.
+_LINE = re.compile(rb'\{"index": (\d+), .*?"file": "([^"\\]*)"(?:, "member": "([^"\\]*)")?, "bytes": (\d+)')
+_SHARD_BYTES = re.compile(rb'"shard_bytes": (\d+)')
+_WRITTEN = re.compile(rb'"written": ([0-9.]+)\}\s*$')
+
+
+def _parse(raw: bytes) -> Optional[tuple[int, str, Optional[str], Optional[int]]]:
+    """(index, file, tar member, size to check) of a manifest line; None for one that is not."""
+    match = _LINE.match(raw)
+    if match is not None:
+        member = match.group(3).decode() if match.group(3) is not None else None
+        size = int(match.group(4))
+        if member is not None:
+            shard = _SHARD_BYTES.search(raw)
+            size = int(shard.group(1)) if shard else None
+        return int(match.group(1)), match.group(2).decode(), member, size
+    try:
+        entry = json.loads(raw)
+        return (int(entry["index"]), str(entry.get("file", "")), entry.get("member"),
+                entry.get("shard_bytes", entry.get("bytes")))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: Any) -> list[str]:
+    """The one reading of manifest files: each complete line checked (parsed, inside the folder,
+    its file whole unless ``trust_manifest`` covers it), ``keep(index, key, raw, file name, line
+    number)`` called for those that count; returns what did not count."""
     problems: list[str] = []
-    for file in [folder / MANIFEST, *(sorted(folder.glob(PART_GLOB)) if parts is None else parts)]:
+    sizes: dict[Path, Optional[int]] = {}
+    for file in files:
         if not file.is_file():
             continue
-        with file.open(encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.endswith("\n"):
-                    continue
-                try:
-                    entry = json.loads(line)
-                    index = int(entry["index"])
-                    name = str(entry.get("file", ""))
-                except (ValueError, KeyError, TypeError):
+        trusted = trust_manifest and file.name == MANIFEST
+        with file.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                if not raw.endswith(b"\n"):
+                    continue  # a write in progress (or cut by a kill)
+                parsed = _parse(raw)
+                if parsed is None:
                     problems.append(f"{file.name}:{number}: not a manifest line")
                     continue
+                index, name, member, size = parsed
                 if not _inside(folder, name):
                     problems.append(f"{file.name}:{number}: {name!r} is outside the output folder")
-                    continue
-                if index in entries and entries[index].get("file") != name:
-                    problems.append(f"{file.name}:{number}: image {index} is also {entries[index].get('file')!r} "
-                                    f"({where[index]}); neither counts")
-                    conflicts.add(index)
-                    continue
-                if (trust_manifest and file.name == MANIFEST) or _finished(folder / name, entry.get("bytes")):
-                    entries[index] = entry
-                    where[index] = f"{file.name}:{number}"
+                elif trusted or _finished(folder / name, size, sizes):
+                    keep(index, (name, member), raw, file.name, number)
                 else:
-                    problems.append(f"{file.name}:{number}: {entry.get('file')!r} is missing or not the size recorded")
-    for index in conflicts:
+                    problems.append(f"{file.name}:{number}: {name!r} is missing or not the size recorded")
+    return problems
+
+
+def _files(folder: Path, parts: Optional[list[Path]]) -> list[Path]:
+    return [folder / MANIFEST, *(sorted(folder.glob(PART_GLOB)) if parts is None else parts)]
+
+
+def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None,
+                  trust_manifest: bool = False) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Finished images by index, their whole lines (the merged manifest plus parts left by a running
+    or killed run), and what was not counted, as ``file:line: why`` (``parts``: these parts only,
+    not every one; ``trust_manifest``: the merged manifest's lines count without a look at their
+    files). A line that does not parse (cut by a kill), a line whose file is gone or has another
+    size than recorded (truncated, replaced), a line whose file lies outside the folder, and two
+    lines for one index with different files do not count: those images are made again. An
+    unterminated last line is a write in progress, not a problem. For a whole folder of a large
+    run, ``finished`` reads the same in a fraction of the memory."""
+    folder = Path(output_dir)
+    entries: dict[int, dict[str, Any]] = {}
+    keys: dict[int, tuple[tuple[str, Optional[str]], str]] = {}
+    conflicts: list[tuple[int, str, str]] = []
+
+    def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
+        where = f"{name}:{number}"
+        if index in keys and keys[index][0] != key:
+            conflicts.append((index, where, keys[index][1]))
+            return
+        keys[index] = (key, where)
+        entries[index] = json.loads(raw)
+
+    problems = _scan(folder, _files(folder, parts), trust_manifest, keep)
+    for index, where, first in conflicts:
+        problems.append(f"{where}: image {index} is also {keys[index][0][0]!r} ({first}); neither counts")
         entries.pop(index, None)
     return entries, problems
 
 
-def read_manifest(output_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """Finished images by index (see ``scan_manifest``)."""
-    return scan_manifest(output_dir)[0]
+@dataclass
+class Finished:
+    """The finished images of a folder in compact form: their indices (sorted, 8 bytes each),
+    what did not count, the whole lines of those that name input files (a resume checks them), and,
+    when asked, when each was written (``status``'s rate)."""
+
+    indices: np.ndarray
+    problems: list[str]
+    with_inputs: dict[int, dict[str, Any]]
+    written: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def in_shard(self, shard: Optional[tuple[int, int]]) -> np.ndarray:
+        return self.indices if shard is None else self.indices[self.indices % shard[1] == shard[0]]
+
+
+def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None, written: bool = False) -> Finished:
+    """``scan_manifest``'s verdicts for every line, keeping only each image's index (and its line
+    when it names input files): a resume or ``status`` of a million-image folder reads each line
+    once with a pattern (its JSON only where the pattern does not fit) and stats each file once
+    (a tar shard once for all its members)."""
+    folder = Path(output_dir)
+    indices, keys, lines, times = array("q"), array("q"), array("q"), array("d")
+    names: dict[str, int] = {}
+    with_inputs: dict[int, dict[str, Any]] = {}
+
+    def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
+        indices.append(index)
+        keys.append(hash(key))
+        lines.append(names.setdefault(name, len(names)) << 40 | number)
+        if written:
+            found = _WRITTEN.search(raw)
+            times.append(float(found.group(1)) if found else 0.0)
+        if b'"inputs": {' in raw:
+            with_inputs[index] = json.loads(raw)
+
+    problems = _scan(folder, _files(folder, parts), False, keep)
+    index_array = np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
+    key_array = np.frombuffer(keys, dtype=np.int64) if len(keys) else np.zeros(0, dtype=np.int64)
+    order = np.argsort(index_array, kind="stable")
+    sorted_indices, sorted_keys = index_array[order], key_array[order]
+    same = sorted_indices[1:] == sorted_indices[:-1]
+    clash = same & (sorted_keys[1:] != sorted_keys[:-1])
+    conflicted = np.unique(sorted_indices[1:][clash])
+    if len(conflicted):
+        by_id = {n: name for name, n in names.items()}
+        line_array = np.frombuffer(lines, dtype=np.int64)[order]
+        for position in np.flatnonzero(clash).tolist():
+            first, second = int(line_array[position]), int(line_array[position + 1])
+            problems.append(f"{by_id[second >> 40]}:{second & (1 << 40) - 1}: image {int(sorted_indices[position])} "
+                            f"is also in {by_id[first >> 40]}:{first & (1 << 40) - 1} with another file; neither counts")
+    unique = np.unique(sorted_indices)
+    if len(conflicted):
+        unique = np.setdiff1d(unique, conflicted, assume_unique=True)
+        for index in conflicted.tolist():
+            with_inputs.pop(index, None)
+    times_array = None
+    if written:
+        times_array = np.frombuffer(times, dtype=np.float64) if len(times) else np.zeros(0)
+    return Finished(unique, problems, with_inputs, times_array)
 
 
 def part_counts(output_dir: str | os.PathLike, glob: str = "manifest.part-*.jsonl") -> dict[int, int]:
@@ -230,26 +353,43 @@ def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = 
 
 
 def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None) -> dict[int, dict[str, Any]]:
-    """Fold finished parts into ``manifest.jsonl`` (sorted by index) and drop them; returns the
-    merged manifest's entries. A shard's run leaves alone the parts its sibling shards still
-    append to. The manifest's own lines are not checked against their files here (a merge holds
-    the folder's lock, and the shards of an array queue for it): a resume checks them."""
+    """Append the finished lines of the parts to ``manifest.jsonl`` (sorted by index among
+    themselves) and drop the parts; returns the lines appended, by index. A merge costs in
+    proportion to its parts: the manifest is only appended to, never read or rewritten, so the 16
+    shards of a job array merging into a manifest of a million lines cost what one merge of those
+    lines costs. A shard's run leaves alone the parts its sibling shards still append to. A line
+    cut by a kill at the manifest's end is ended first (it stays a line that does not parse)."""
     folder = Path(output_dir)
     with merge_lock(folder):
         parts = _parts_to_merge(folder, shard)
-        entries, _ = scan_manifest(folder, parts, trust_manifest=True)
-        text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries))
-        _atomic_write(folder / MANIFEST, lambda f: f.write(text.encode("utf-8")))
+        entries: dict[int, dict[str, Any]] = {}
+
+        def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+            entries.setdefault(index, json.loads(raw))
+
+        _scan(folder, parts, False, keep)
+        if not (folder / MANIFEST).exists():
+            (folder / MANIFEST).touch()  # a run that made nothing still leaves its (empty) manifest
+        if entries:
+            text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries)).encode("utf-8")
+            with open(folder / MANIFEST, "a+b") as f:
+                end = f.seek(0, os.SEEK_END)
+                if end:
+                    f.seek(end - 1)
+                    if f.read(1) != b"\n":
+                        text = b"\n" + text
+                f.write(text)  # appended at the end, whatever the position read from
+                f.flush()
+                os.fsync(f.fileno())
         for part in parts:
             part.unlink(missing_ok=True)
     return entries
 
 
-def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]],
-                   done: dict[int, Any]) -> int:
+def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]], done: Any) -> int:
     """Fold the failure parts into ``failed.jsonl``: the images that failed in this run, and those
-    of earlier runs that are still not made (``done``: the merged manifest's indices) and were not
-    tried again; returns how many failed in this run."""
+    of earlier runs that are still not made (``done``: the indices in the manifest, an array) and
+    were not tried again; returns how many failed in this run."""
     folder = Path(output_dir)
     with merge_lock(folder):
         parts = _parts_to_merge(folder, shard, FAILURES_GLOB)
@@ -257,7 +397,8 @@ def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
         for part in parts:
             now.update(_lines(part))
         failed = {**_lines(folder / FAILED), **now}
-        failed = {index: line for index, line in failed.items() if index not in done}
+        made = set(np.asarray(list(failed), dtype=np.int64)[np.isin(list(failed), done)].tolist()) if failed else set()
+        failed = {index: line for index, line in failed.items() if index not in made}
         if failed or (folder / FAILED).exists():
             text = "".join(json.dumps(failed[i], ensure_ascii=False) + "\n" for i in sorted(failed))
             _atomic_write(folder / FAILED, lambda f: f.write(text.encode("utf-8")))

@@ -18,10 +18,11 @@ from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion import lora
 from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
 from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
-from lightning_diffusion.manifest import in_shard, read_manifest, settings_conflict, shard_size
+from lightning_diffusion.manifest import finished, settings_conflict, shard_size
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
-from lightning_diffusion.writer import run_settings
+from lightning_diffusion.files import FILES_PER_FOLDER
+from lightning_diffusion.writer import run_settings, storage_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5
@@ -33,9 +34,9 @@ def disk_space_problems(
 ) -> list[str]:
     """The outputs still to make need more space than the output folder's file system has free."""
     folder = Path(output_dir).expanduser()
-    done = read_manifest(folder) if folder.is_dir() else {}
     shard = (shard_index, num_shards) if num_shards > 1 else None
-    pending = max(0, shard_size(len(records) * per_prompt, shard) - sum(in_shard(i, shard) for i in done))
+    done = len(finished(folder).in_shard(shard)) if folder.is_dir() else 0
+    pending = max(0, shard_size(len(records) * per_prompt, shard) - done)
     default = info.spec.default_size or (1024, 1024)
     height, width = named.get("height") or default[0], named.get("width") or default[1]
     frames = named.get("num_frames") or info.spec.default_frames or 1
@@ -156,7 +157,9 @@ def preflight(config: Any) -> tuple[list, bool]:
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
                                recorded_options({key: model.get(key) for key in OPTIONS})),
                 data["seed"], data["num_images_per_prompt"], data["prompts"], writer.get("video_format") or "mp4",
-                writer.get("fps") or 16, writer.get("image_format", "png"), writer.get("quality", 90))
+                writer.get("fps") or 16, writer.get("image_format", "png"), writer.get("quality", 90),
+                storage_settings(writer.get("layout", "auto"), writer.get("files_per_folder", FILES_PER_FOLDER),
+                                 writer.get("format", "files"), num_images))
             conflict = settings_conflict(Path(writer["output_dir"]).expanduser(), settings)
             if conflict:
                 problems.append(conflict)

@@ -505,7 +505,8 @@ def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None)
 def writer_problems(settings: Mapping[str, Any]) -> list[str]:
     """``ImageWriter``'s arguments by name (absent ones take its defaults)."""
     from lightning_diffusion.background import WRITE_IN
-    from lightning_diffusion.files import FSYNC, IMAGE_FORMATS, VIDEO_FORMATS
+    from lightning_diffusion.files import (FILES_PER_FOLDER, FORMATS, FSYNC, IMAGE_FORMATS, LAYOUTS,
+                                           SAMPLES_PER_SHARD, VIDEO_FORMATS)
 
     problems: list[str] = []
     path = Path(str(settings.get("output_dir", "outputs"))).expanduser()
@@ -529,4 +530,8 @@ def writer_problems(settings: Mapping[str, Any]) -> list[str]:
     problems += [p + " (0: write on the prediction thread)"
                  for p in integer(settings.get("write_workers", 2), "writer.write_workers", 0)]
     problems += one_of(settings.get("write_in", "process"), "writer.write_in", WRITE_IN)
+    problems += one_of(settings.get("layout", "auto"), "writer.layout", LAYOUTS)
+    problems += integer(settings.get("files_per_folder", FILES_PER_FOLDER), "writer.files_per_folder")
+    problems += one_of(settings.get("format", "files"), "writer.format", FORMATS)
+    problems += integer(settings.get("samples_per_shard", SAMPLES_PER_SHARD), "writer.samples_per_shard")
     return problems

@@ -2,8 +2,11 @@
 
 Layout of the output folder::
 
-    000000-a-red-fox.png      image 0, prompt and parameters in PNG text chunks (or EXIF: WebP, JPEG)
-    manifest.jsonl            one JSON object per finished image, sorted by index
+    000000-a-red-fox.png      image 0, prompt and parameters in PNG text chunks (or EXIF: WebP, JPEG);
+                              00000/000000-a-red-fox.png in the sharded layout, a member of
+                              shard-000000000.tar with writer.format: webdataset
+    manifest.jsonl            one JSON object per finished image, appended run by run (sorted within a merge)
+    rejected.jsonl            records data.on_bad_record: skip left out; failed.jsonl: failed calls
     manifest.part-R.jsonl     lines appended by global rank R while a run is going
                               (manifest.shard-T-of-N.part-R.jsonl for shard T of N of a job array)
     run.json                  the settings that decide the pictures, the runs' summaries
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
+import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_diffusion.background import WRITE_IN, WriterProcess, WriterThreads
@@ -37,12 +41,15 @@ from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.files import (  # noqa: F401 (names of the writer's files, kept importable from here)
     EXIF_DESCRIPTION,
+    FILES_PER_FOLDER,
     FSYNC,
     IMAGE_FORMATS,
     PNG_COMPRESS_LEVEL,
+    SAMPLES_PER_SHARD,
     VIDEO_FORMATS,
     OutputFiles,
     image_filename,
+    resolve_layout,
     slugify,
     to_uint8,
     write_animation,
@@ -68,19 +75,32 @@ from lightning_diffusion.manifest import (
     part_name,
     parts_glob,
     prompts_hash,
-    read_manifest,
+    finished,
     settings_conflict,
     shard_name,
     shard_size,
 )
 
 
+def storage_settings(layout: str, files_per_folder: int, format: str, expected: Optional[int]) -> dict[str, Any]:
+    """Where outputs go, as run.json records it (the defaults, loose files in one folder, record
+    nothing: a folder made before these keys resumes): a resume with another layout or format is
+    refused like other settings."""
+    settings: dict[str, Any] = {}
+    if format != "files":
+        settings["writer.format"] = format
+    elif resolve_layout(layout, expected, files_per_folder) == "sharded":
+        settings.update({"writer.layout": "sharded", "writer.files_per_folder": files_per_folder})
+    return settings
+
+
 def run_settings(image_settings: dict[str, Any], seed: Any, num_images_per_prompt: Any, prompts: Any,
                  video_format: str = "mp4", fps: int = 16, image_format: str = "png",
-                 quality: int = 90) -> dict[str, Any]:
+                 quality: int = 90, storage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """run.json's settings: the model's (``module.image_settings``), the seeds, the prompt set (its
-    content hash compared, its path recorded) and a non-default video encoding."""
-    settings = dict(image_settings)
+    content hash compared, its path recorded), a non-default video encoding and the storage
+    (``storage_settings``)."""
+    settings = {**image_settings, **(storage or {})}
     if seed is not None:
         settings["data.seed"] = seed
     if num_images_per_prompt is not None:
@@ -156,6 +176,13 @@ class ImageWriter(BasePredictionWriter):
         write_queue: batches that may wait for a writer before prediction blocks.
         write_in: where the ``write_workers`` threads run: ``process`` (default: a writer process
             of this rank, so that writing never holds the rank's GIL) or ``thread`` (in the rank).
+        layout: ``flat`` (every file in the folder), ``sharded`` (``00012/000120000-slug.png``:
+            subfolder ``index // files_per_folder``) or ``auto`` (default: flat when the run's
+            images fit in one folder of ``files_per_folder``, else sharded).
+        files_per_folder: files per subfolder of the sharded layout (default 10,000).
+        format: ``files`` (default: one file an output) or ``webdataset`` (tar shards of
+            ``samples_per_shard`` samples, ``{key}.png`` and ``{key}.json`` each, as WebDataset
+            and img2dataset write them).
 
     Only one run may write into a folder at a time (``.lock``, taken over when its run is dead),
     or one run a shard for the shards of one count (``PromptDataModule(num_shards=...)``).
@@ -177,12 +204,25 @@ class ImageWriter(BasePredictionWriter):
         write_workers: int = 2,
         write_queue: int = 2,
         write_in: str = "process",
+        layout: str = "auto",
+        files_per_folder: int = FILES_PER_FOLDER,
+        format: str = "files",
+        samples_per_shard: int = SAMPLES_PER_SHARD,
     ) -> None:
         super().__init__(write_interval="batch")
         raise_problems(writer_problems(dict(output_dir=output_dir, video_format=video_format, fps=fps,
                                             image_format=image_format, quality=quality,
                                             png_compress_level=png_compress_level, fsync=fsync,
-                                            write_workers=write_workers, write_queue=write_queue, write_in=write_in)))
+                                            write_workers=write_workers, write_queue=write_queue, write_in=write_in,
+                                            layout=layout, files_per_folder=files_per_folder, format=format,
+                                            samples_per_shard=samples_per_shard)))
+        self.layout = layout
+        self.files_per_folder = files_per_folder
+        self.format = format
+        self.samples_per_shard = samples_per_shard
+        self._files: Optional[OutputFiles] = None
+        self.total: Optional[int] = None
+        self._batches = 0  # this rank's batches handed to its writers: the order of tar shard members
         if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
                               "script being run, so the writer process cannot import it: move it into a module, "
@@ -201,7 +241,7 @@ class ImageWriter(BasePredictionWriter):
         self.video_format = video_format
         self.fps = fps
         self.allow_config_change = allow_config_change
-        self.done: set[int] = set()
+        self.done = np.zeros(0, dtype=np.int64)  # this run's images already in the manifest (sorted)
         self.expected: Optional[int] = None
         self.pending: Optional[int] = None
         self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
@@ -229,7 +269,8 @@ class ImageWriter(BasePredictionWriter):
         data = trainer.datamodule
         return run_settings(describe() if callable(describe) else {}, getattr(data, "seed", None),
                             getattr(data, "num_images_per_prompt", None), getattr(data, "prompts", None),
-                            self.video_format, self.fps, self.image_format, self.quality)
+                            self.video_format, self.fps, self.image_format, self.quality,
+                            storage_settings(self.layout, self.files_per_folder, self.format, self.total))
 
     @property
     def record_file(self) -> Path:
@@ -242,7 +283,7 @@ class ImageWriter(BasePredictionWriter):
         self._lock.release()
         return message, []
 
-    def _prepare_folder(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], list[int]]:
+    def _prepare_folder(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], Any]:
         """On global rank 0: lock, compare settings, merge parts. Returns (error, done indices)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._lock = OutputLock(self.output_dir, self.shard)
@@ -276,16 +317,18 @@ class ImageWriter(BasePredictionWriter):
             self._write_run_file({"shard": list(self.shard)})
         if any(self.output_dir.glob(PART_GLOB)):
             merge_manifest(self.output_dir, self.shard)
-        done = {i: line for i, line in read_manifest(self.output_dir).items() if in_shard(i, self.shard)}
-        if not self.allow_config_change and any("inputs" in line for line in done.values()):
+        found = finished(self.output_dir)
+        done = found.in_shard(self.shard)
+        with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
+        if not self.allow_config_change and with_inputs:
             from lightning_diffusion.inputs import changed_since
 
-            changed = changed_since(done)
+            changed = changed_since(with_inputs)
             if changed:
                 return self._refuse(f"{self.output_dir} holds pictures made from input files that changed: "
                                     + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
                                     "writer.allow_config_change=true to keep those pictures anyway.")
-        return None, sorted(done)
+        return None, done
 
     def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
                         history: Optional[list] = None) -> None:
@@ -300,6 +343,7 @@ class ImageWriter(BasePredictionWriter):
         self.predicting_at: Optional[float] = None
         data = trainer.datamodule
         total = getattr(data, "num_images", None)
+        self.total = total  # the prompt set's images (every shard's): layout auto decides by it
         self.shard = getattr(data, "shard", None)
         self.expected = None if total is None else shard_size(total, self.shard)
         result: tuple[Optional[str], list[int]] = (None, [])
@@ -309,9 +353,9 @@ class ImageWriter(BasePredictionWriter):
         error, done = trainer.strategy.broadcast(result)
         if error:
             raise ConfigError(error)
-        self.done = set(done)
+        self.done = np.asarray(done, dtype=np.int64)
         self.pending = None if self.expected is None else max(0, self.expected - len(self.done))
-        if self.done:
+        if len(self.done):
             todo = f", {self.pending:,} to make" if self.pending is not None else ""
             log.info(f"resumed: {len(self.done):,} already in the manifest of {self.output_dir}{todo}.")
         skip = getattr(trainer.datamodule, "skip_indices", None)
@@ -325,9 +369,14 @@ class ImageWriter(BasePredictionWriter):
 
     @property
     def files(self) -> OutputFiles:
-        """What writes this run's files and appends their lines to this rank's manifest part."""
-        return self.files_class(self.output_dir, self.image_format, self.quality, self.png_compress_level, self.fsync,
-                                self.save_arrays, self.video_format, self.fps, self._part)
+        """What writes this run's files and appends their lines to this rank's manifest part (one
+        for the run: a tar shard stays open between batches)."""
+        if self._files is None or self._files.part != self._part:
+            self._files = self.files_class(
+                self.output_dir, self.image_format, self.quality, self.png_compress_level, self.fsync, self.save_arrays,
+                self.video_format, self.fps, self._part, resolve_layout(self.layout, self.total, self.files_per_folder),
+                self.files_per_folder, self.format, self.samples_per_shard)
+        return self._files
 
     # ----------------------------------------------------------------- writing off the prediction thread
 
@@ -339,6 +388,11 @@ class ImageWriter(BasePredictionWriter):
             writers.close(wait)  # interrupted (a second Ctrl-C): kept, on_exception closes it again
             self._writers = None
             self._raise_error(writers)
+        elif self._files is not None:  # written on the prediction thread: close its open tar shard
+            try:
+                self._files.finish()
+            except Exception as err:
+                raise RuntimeError(f"writing images failed: {type(err).__name__}: {err}") from err
 
     @staticmethod
     def _raise_error(writers: Optional[WriterProcess | WriterThreads]) -> None:
@@ -358,6 +412,9 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         if not self.writes_outputs(trainer):
             return
+        if self.format == "webdataset":  # a shard's members in the order of the batches, whatever writes them
+            prediction = [{**item, "batch": self._batches} for item in prediction]
+            self._batches += 1
         if self._writers is None:
             self.files.write_batch(prediction)
             return
@@ -426,9 +483,11 @@ class ImageWriter(BasePredictionWriter):
             if self.rejected or (self.output_dir / REJECTED).exists():
                 self._write_rejected(trainer.datamodule)
             parts = part_counts(self.output_dir, self.parts_glob)
-            entries = merge_manifest(self.output_dir, self.shard)
-            failed = merge_failures(self.output_dir, self.shard, entries)
-            total = sum(in_shard(i, self.shard) for i in entries)
+            merged = merge_manifest(self.output_dir, self.shard)
+            new = np.asarray([i for i in merged if in_shard(i, self.shard)], dtype=np.int64)
+            done = np.union1d(self.done, new)
+            failed = merge_failures(self.output_dir, self.shard, done)
+            total = len(done)
             self.summary = self._summary(parts, total, failed)
             self._history.append(self.summary)
             settings = json.loads(self.record_file.read_text())

@@ -203,8 +203,10 @@ def reference(tmp_path_factory):
 
 
 def read_manifest_lines(output_dir: Path) -> list[dict]:
+    """The manifest's lines by index (it holds them in the order they were merged: sorted within a
+    run, runs and shards appended one after the other); an image written twice shows twice."""
     with open(output_dir / "manifest.jsonl", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        return sorted((json.loads(line) for line in f), key=lambda line: line["index"])
 
 
 def load_arrays(output_dir: Path) -> dict[int, np.ndarray]:

@@ -14,7 +14,7 @@ import torch
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
 from lightning_diffusion.errors import ConfigError, RecordFailure
-from lightning_diffusion.manifest import scan_manifest
+from lightning_diffusion.manifest import finished, scan_manifest
 from lightning_diffusion.pipelines import PipelineInfo
 from lightning_diffusion.records import check_records, read_records
 from lightning_diffusion.specs import SPECS
@@ -297,11 +297,15 @@ def test_a_manifest_is_checked_when_it_is_read(tmp_path):
     entries, problems = scan_manifest(tmp_path)
     assert sorted(entries) == [0]
     assert problems == ["manifest.jsonl:2: '000001-b.png' is missing or not the size recorded",
-                        "manifest.jsonl:4: image 2 is also '000002-c.png' (manifest.jsonl:3); neither counts",
                         "manifest.jsonl:5: '../outside.png' is outside the output folder",
-                        f"manifest.jsonl:6: '{tmp_path}/000000-a.png' is outside the output folder"]
+                        f"manifest.jsonl:6: '{tmp_path}/000000-a.png' is outside the output folder",
+                        "manifest.jsonl:4: image 2 is also '000002-c.png' (manifest.jsonl:3); neither counts"]
+    found = finished(tmp_path)  # the compact reading of resume and status: the same verdicts
+    assert found.indices.tolist() == [0]
+    assert found.problems[:3] == problems[:3]
+    assert found.problems[3] == "manifest.jsonl:4: image 2 is also in manifest.jsonl:3 with another file; neither counts"
     status = run_here("status", str(tmp_path), check=False)
-    assert "not counted: manifest.jsonl:4: image 2 is also '000002-c.png'" in status.stdout
+    assert "not counted: manifest.jsonl:4: image 2 is also in manifest.jsonl:3 with another file" in status.stdout
     assert "not counted: manifest.jsonl:5: '../outside.png' is outside the output folder" in status.stdout
 
 

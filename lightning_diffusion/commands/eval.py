@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import math
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.manifest import MANIFEST, PART_GLOB, scan_manifest
+from lightning_diffusion.manifest import MANIFEST, PART_GLOB, read_output, scan_manifest
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 FEATURE_POOL = 4  # VAE latents pooled to 4x4: 64 features for 4 latent channels
@@ -41,7 +42,8 @@ def _entries(folder: Path, what: str) -> dict[int, dict[str, Any]]:
     entries, _ = scan_manifest(folder)
     if not entries:
         raise ConfigError(f"{what} {folder} records no finished image.")
-    videos = sorted(i for i, e in entries.items() if Path(str(e["file"])).suffix.lower() not in IMAGE_SUFFIXES)
+    videos = sorted(i for i, e in entries.items()
+                    if Path(str(e.get("member") or e["file"])).suffix.lower() not in IMAGE_SUFFIXES)
     if videos:
         raise ConfigError(f"{what} {folder} holds videos ({entries[videos[0]]['file']}, ...): eval reads images only.")
     return entries
@@ -52,7 +54,7 @@ def _load(folder: Path, entry: dict[str, Any]):
     import torch
     from PIL import Image
 
-    with Image.open(folder / entry["file"]) as image:
+    with Image.open(io.BytesIO(read_output(folder, entry))) as image:  # a file, or a tar shard's member
         array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     return torch.from_numpy(array).permute(2, 0, 1)
 

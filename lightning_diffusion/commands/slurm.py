@@ -330,12 +330,12 @@ def job_fields(job_id: str) -> Optional[dict[str, str]]:
 
 def count_done(output_dir: Path) -> int:
     """Outputs in the manifest, and images of records that cannot be made (``rejected.jsonl``)."""
-    from lightning_diffusion.manifest import read_manifest, rejected_images
+    from lightning_diffusion.manifest import finished, rejected_images
 
     if not output_dir.is_dir():
         return 0
-    done = read_manifest(output_dir)
-    return len(done) + len(rejected_images(output_dir) - set(done))
+    done = finished(output_dir).indices
+    return len(done) + len(rejected_images(output_dir) - set(done.tolist()))
 
 
 def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: float = 2.0) -> int:
@@ -393,7 +393,7 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: i
     running is left out, and said so; shards of another count still running refuse the lot."""
     from lightning_diffusion.commands import status
     from lightning_diffusion.lock import live_locks
-    from lightning_diffusion.manifest import in_shard, read_manifest, rejected_images, shard_size
+    from lightning_diffusion.manifest import finished, in_shard, rejected_images, shard_size
 
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
@@ -412,7 +412,7 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: i
         what = "a run of the whole prompt set" if None in live else f"shards of an array of {others[0]}"
         raise ConfigError(f"{output_dir} is being written by {what} (running or queued); shards of {count} would make "
                           "some of the same images. Wait for it to end, or submit the same shard count.")
-    done = read_manifest(output_dir) if output_dir.is_dir() else {}
+    done = finished(output_dir).indices.tolist() if output_dir.is_dir() else []
     accounted = set(done) | (rejected_images(output_dir) if output_dir.is_dir() else set())
     shards = []
     for shard in wanted:
@@ -448,7 +448,7 @@ def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
 def wait_for_array(job_id: str, output_dir: Path, expected: int, array: dict[str, Any], poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
     from lightning_diffusion.commands.status import ACTIVE_STATES, array_states, shard_status
-    from lightning_diffusion.manifest import read_manifest
+    from lightning_diffusion.manifest import finished
 
     last: dict[int, str] = {}
     while True:
@@ -460,7 +460,7 @@ def wait_for_array(job_id: str, output_dir: Path, expected: int, array: dict[str
         if not any(state["state"] in ACTIVE_STATES for state in states.values()):
             break
         time.sleep(poll_s)
-    shards = shard_status(output_dir, read_manifest(output_dir), expected, array["num_shards"])
+    shards = shard_status(output_dir, finished(output_dir).indices, expected, array["num_shards"])
     for shard in shards:
         print(f"shard {shard['shard']}: {shard['done']} of {shard['expected']} outputs", flush=True)
     done = sum(shard["done"] for shard in shards)

@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.lock import OutputLock, live_locks
-from lightning_diffusion.manifest import (FAILED, FAILURES_GLOB, MANIFEST, REJECTED, RUN_FILE, count_lines, in_shard,
-                                         part_counts, rejected_images, scan_manifest, shard_size)
+from lightning_diffusion.manifest import (FAILED, FAILURES_GLOB, MANIFEST, REJECTED, RUN_FILE, count_lines, finished,
+                                         in_shard, part_counts, rejected_images, shard_size)
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -41,20 +43,22 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         run = json.loads(run_file.read_text()) if run_file.is_file() else {}
     except ValueError:
         raise ConfigError(f"{run_file} is not valid JSON.") from None
-    entries, problems = scan_manifest(folder)
+    found = finished(folder, written=True)
+    indices, problems = found.indices, found.problems
     expected = run.get("expected", (submitted or {}).get("expected"))
-    recent = sorted(e["written"] for e in entries.values()
-                    if isinstance(e.get("written"), (int, float)) and e["written"] >= now - RATE_WINDOW_S)
-    rate = (len(recent) - 1) / (recent[-1] - recent[0]) if len(recent) > 1 and recent[-1] > recent[0] else None
+    assert found.written is not None
+    recent = np.sort(found.written[found.written >= now - RATE_WINDOW_S])
+    rate = (len(recent) - 1) / float(recent[-1] - recent[0]) if len(recent) > 1 and recent[-1] > recent[0] else None
     lock = OutputLock(folder).describe()
     running = bool(lock and lock["live"])
-    done = len(entries)
-    rejected = rejected_images(folder) - set(entries)
+    done = len(indices)
+    rejected = rejected_images(folder)
+    rejected = set(np.setdiff1d(np.asarray(sorted(rejected), dtype=np.int64), indices).tolist()) if rejected else set()
     failed = count_lines(folder / FAILED) + sum(count_lines(p) for p in folder.glob(FAILURES_GLOB))
     complete = expected is not None and done + len(rejected) >= expected
     eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
     history = run.get("history") or []
-    shards = shard_status(folder, entries, expected, rejected=rejected)
+    shards = shard_status(folder, indices, expected, rejected=rejected)
     if shards:  # a task still queued counts: the array is not over
         running = running or any(shard["running"] or shard.get("slurm_state") in ACTIVE_STATES for shard in shards)
         eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
@@ -150,11 +154,13 @@ def task_states(folder: Path) -> dict[int, dict[int, dict[str, str]]]:
     return states
 
 
-def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
+def shard_status(folder: Path, indices: np.ndarray, total: Optional[int],
                  count: Optional[int] = None, rejected: Optional[set[int]] = None) -> list[dict[str, Any]]:
-    """Per shard of the folder's job array: done and expected (less its rejected images), whether
-    a run of it writes now, and its last SLURM job; empty for a folder written without shards."""
-    rejected = rejected_images(folder) - set(entries) if rejected is None else rejected
+    """Per shard of the folder's job array (``indices``: the images in the manifest): done and
+    expected (less its rejected images), whether a run of it writes now, and its last SLURM job;
+    empty for a folder written without shards."""
+    indices = np.asarray(indices, dtype=np.int64)
+    rejected = rejected_images(folder) - set(indices.tolist()) if rejected is None else rejected
     count = count or shard_count(folder)
     if not count or total is None:
         return []
@@ -170,7 +176,7 @@ def shard_status(folder: Path, entries: dict[int, Any], total: Optional[int],
         lock = OutputLock(folder, (index, count)).describe() or {}
         shards.append({
             "shard": index,
-            "done": sum(1 for i in entries if in_shard(i, (index, count))),
+            "done": int(np.count_nonzero(indices % count == index)),
             "expected": shard_size(total, (index, count)) - sum(1 for i in rejected if in_shard(i, (index, count))),
             "running": (index, count) in live,
             "slurm_job": lock.get("slurm_job") or (history[-1].get("slurm_job") if history else None),
