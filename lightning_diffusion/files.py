@@ -330,7 +330,7 @@ class TarShards:
         self.name = shard_name(first_index)
         self.tmp = self.files.output_dir / f".{self.name}.tmp-{os.getpid()}-{os.urandom(6).hex()}"
         self.handle = open(self.tmp, "wb")
-        self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.PAX_FORMAT)
+        self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.USTAR_FORMAT)  # no per-member PAX header
 
     def _member(self, name: str, data: bytes) -> None:
         assert self.tar is not None

@@ -1,0 +1,168 @@
+"""The framework's own cost at 10^5 to 10^6 images: sampler, batch plan, module plumbing, writer,
+manifest, resume, status and the merges of a job array, with a stand-in pipeline.
+
+    python benchmarks/scale.py --images 1000000 --json scale.json [--format files|webdataset]
+        [--batch-size 64] [--replicas 2] [--shards 16]
+
+The stand-in replaces only the diffusers pipeline (``DiffusionModule.configure_model``): it returns
+8x8 images at once, so what is timed is everything around the pipeline call, as a real run goes
+through it: ``Trainer.predict`` with ``DataParallelStrategy``, ``PromptDataModule`` over a ``.txt``
+file, ``ImageWriter`` (its writer process, PNG encoding, the layout or tar shards, the manifest).
+Each run is a process of its own (its peak RSS is its own); one thread a process.
+
+Reported (and written to ``--json``):
+
+* ``framework_ms_per_image``: a run's prediction loop (from its first batch to its merged
+  manifest) per image, one process;
+* ``peak_rss_mb``: that process's peak RSS, and ``rss_growth_mb`` against a run of a tenth of the
+  images;
+* ``resume_scan_s``: reading the finished folder's manifest as a resume does (``finished``), and
+  ``resume_s``: a whole resume run that finds nothing left to make (start-up excluded);
+* ``status_s``: ``lightning-diffusion status`` on the finished folder;
+* ``merge_s``: the merge of the one-process run's manifest parts (every line once), and
+  ``array_merges_s``: the 16 merges of a job array of the same images into one folder;
+* with ``--replicas 2``: ``replicas_ms_per_image`` over 2 processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class StandIn:
+    """What a diffusers pipeline returns, at once: an 8x8 image a prompt."""
+
+    def __call__(self, prompt, generator=None, output_type="np", **kwargs):
+        class Output:
+            images = np.full((len(prompt), 8, 8, 3), 0.5, dtype=np.float32)
+
+        return Output()
+
+    def set_progress_bar_config(self, **kwargs):
+        pass
+
+
+def child(args: argparse.Namespace) -> None:
+    """One run (``--child``): predict, then report its summary and timings as JSON on stdout."""
+    from lightning.pytorch import Trainer
+
+    from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+    from lightning_diffusion import manifest as manifest_module
+    from lightning_diffusion import writer as writer_module
+    from lightning_diffusion.strategies import DataParallelStrategy
+
+    merges: list[float] = []
+    merge = writer_module.merge_manifest
+
+    def timed_merge(*a, **k):  # the writer's merge, timed where it runs
+        start = time.perf_counter()
+        try:
+            return merge(*a, **k)
+        finally:
+            merges.append(time.perf_counter() - start)
+
+    writer_module.merge_manifest = timed_merge
+    del manifest_module
+
+    class StandInModule(DiffusionModule):
+        def configure_model(self):
+            self.pipeline = StandIn()
+
+    writer = ImageWriter(args.out, format=args.format, fsync=args.fsync)
+    trainer = Trainer(accelerator="cpu", devices=args.replicas, strategy=DataParallelStrategy(), logger=False,
+                      enable_progress_bar=False, callbacks=[writer])
+    data = PromptDataModule(args.prompts, batch_size=args.batch_size, num_shards=args.shards,
+                            shard_index=args.shard_index)
+    start = time.perf_counter()
+    trainer.predict(StandInModule("tiny:flux", height=16, width=16), datamodule=data, return_predictions=False)
+    if trainer.is_global_zero:
+        summary = writer.summary or {}
+        print(json.dumps({"summary": summary, "merge_s": sum(merges), "run_s": time.perf_counter() - start,
+                          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def run(args: argparse.Namespace, out: Path, prompts: Path, replicas: int = 1, shards: int = 1, shard: int = 0) -> dict:
+    command = [sys.executable, __file__, "--child", "--out", str(out), "--prompts", str(prompts), "--format",
+               args.format, "--fsync", args.fsync, "--batch-size", str(args.batch_size), "--replicas", str(replicas),
+               "--shards", str(shards), "--shard-index", str(shard)]
+    proc = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = report["summary"]
+    report["ms_per_image"] = 1000 * (summary["wall_s"] - summary["load_s"]) / max(1, summary["made"])
+    return report
+
+
+def timed(fn) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=100_000)
+    parser.add_argument("--json")
+    parser.add_argument("--format", default="files", choices=["files", "webdataset"])
+    parser.add_argument("--fsync", default="batch")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=16)
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--out")
+    parser.add_argument("--prompts")
+    parser.add_argument("--shard-index", type=int, default=0)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    from lightning_diffusion.commands.status import folder_status
+    from lightning_diffusion.manifest import finished
+
+    result: dict[str, Any] = {"images": args.images, "format": args.format, "fsync": args.fsync,
+                              "batch_size": args.batch_size}
+    with tempfile.TemporaryDirectory(dir=REPO) as tmp:
+        root = Path(tmp)
+        prompts, small = root / "prompts.txt", root / "small.txt"
+        prompts.write_text("".join(f"a shape number {n}\n" for n in range(args.images)))
+        small.write_text("".join(f"a shape number {n}\n" for n in range(args.images // 10)))
+        tenth = run(args, root / "tenth", small)
+        whole = run(args, root / "one", prompts)
+        result.update(framework_ms_per_image=whole["ms_per_image"], peak_rss_mb=whole["peak_rss_mb"],
+                      rss_growth_mb=whole["peak_rss_mb"] - tenth["peak_rss_mb"], merge_s=whole["merge_s"])
+        result["resume_scan_s"], found = timed(lambda: finished(root / "one"))
+        assert len(found) == args.images, (len(found), found.problems[:3])
+        resume = run(args, root / "one", prompts)
+        result["resume_s"] = resume["summary"]["load_s"]
+        result["status_s"], status = timed(lambda: folder_status(root / "one"))
+        assert status["complete"], status
+        if args.shards > 1:
+            merges = [run(args, root / "array", prompts, shards=args.shards, shard=t)["merge_s"]
+                      for t in range(args.shards)]
+            result["array_merges_s"] = sum(merges)
+            assert len(finished(root / "array")) == args.images
+        if args.replicas > 1:
+            result["replicas_ms_per_image"] = run(args, root / "replicas", prompts, replicas=args.replicas)[
+                "ms_per_image"]
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
