@@ -17,15 +17,17 @@ SLURM requeues a preempted one itself. Lightning's own ``SIGTERM`` handler is re
 loop: it swallows the signal and runs a broadcast inside the handler, which can interleave with
 the collectives of a context- or tensor-parallel step.
 
-``SIGINT`` (Ctrl-C) from the strategy's setup to its teardown stops the same way in any run, SLURM
-or not (outside SLURM jobs ``SIGTERM`` and ``SIGUSR1`` keep their default action): the
-batch in flight is finished, the manifest merged, ``stopped after 8 of 40 images; run the same
-command to resume`` printed, and the command exits with 130 (128 + SIGINT). A second Ctrl-C stops
-at once (Lightning's shutdown; every file is still whole, being written under a temporary name).
+``SIGINT`` (Ctrl-C) and ``SIGTERM`` (Kubernetes, ``torchrun``'s agent, systemd, ``kill``) from the
+strategy's setup to its teardown stop the same way in any run, SLURM or not (outside SLURM jobs
+``SIGUSR1`` keeps its default action): the batch in flight is finished, the manifest merged,
+``stopped after 8 of 40 images; run the same command to resume`` printed, and the command exits
+with 130 (128 + SIGINT) or, outside SLURM, 143 (128 + SIGTERM). A signal that reaches one process
+only reaches every rank through the job's store (``_share_stops``). A second Ctrl-C stops at once
+(Lightning's shutdown; every file is still whole, being written under a temporary name).
 
 All of it is one object, ``STOP`` (a ``StopController``; signals are per process, so there is one
-per process): the strategies enable it in every run (SLURM's signals only in SLURM jobs) and ask it at every batch, the prompt sampler
-ends when it says so, and the CLI asks it whether to requeue.
+per process): the strategies enable it in every run (SLURM's SIGUSR1 only in SLURM jobs) and ask
+it at every batch, the prompt sampler ends when it says so, and the CLI asks it whether to requeue.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ _ALL = {"all_ranks": True}
 # EX_TEMPFAIL from sysexits.h: "try again later".
 REQUEUE_EXIT_CODE = 75
 INTERRUPT_EXIT_CODE = 128 + signal.SIGINT
+TERMINATE_EXIT_CODE = 128 + signal.SIGTERM
+# The key a rank that received a stop signal sets in the job's store, so that every rank stops at
+# its next batch, whichever rank the signal reached (``kill PID`` reaches one process).
+_STOP_KEY = "lightning_diffusion/stop"
 STOP_SIGNAL = signal.SIGUSR1
 
 
@@ -73,17 +79,28 @@ class StopController:
         self._group: Optional[Any] = None
         self._device = torch.device("cpu")
         self._rank = 0
+        self._store: Optional[Any] = None
+        self._previous_sigterm: Any = None
+        self._previous_sigterm_after: Any = None  # what SIGTERM does once the run gave it back
+        self._watching_terminate = False
 
     # ----------------------------------------------------------------- signals
 
     def _record(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and not self._watching_terminate:
+            # Left installed after the run (Lightning restores the handlers it found, ours among them,
+            # after the strategy gave SIGTERM back): act as if it were not there.
+            signal.signal(signal.SIGTERM, self._previous_sigterm_after or signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         first = not self.requested.is_set()
         self.requested.set()
         if signum == signal.SIGTERM:
             first = first or not self.terminated.is_set()
             self.terminated.set()
         if first and self._rank == 0:
-            then = "stopping (no requeue from here)" if signum == signal.SIGTERM else "stopping so that the job can be requeued"
+            then = ("stopping" + (" (no requeue from here)" if self.slurm else "") if signum == signal.SIGTERM
+                    else "stopping so that the job can be requeued")
             _say(f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
                  f"then {then}.")
 
@@ -119,10 +136,23 @@ class StopController:
         self._installed = True
 
     def watch_terminate(self) -> None:
-        """Record ``SIGTERM`` too, for the prediction loop of a SLURM job (Lightning registers its own
-        handler just before the loop and restores the previous one after it). Main thread only."""
-        if self.enabled and self.slurm and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._record)
+        """Record ``SIGTERM`` (a scheduler's, Kubernetes', systemd's, ``kill``'s), in every run:
+        called when the strategy sets up and again when the prediction loop starts (Lightning
+        registers its own handler just before the loop, and restores the one before it after).
+        Main thread only."""
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._record)
+            if self._previous_sigterm is None and previous != self._record:
+                self._previous_sigterm = previous
+            self._watching_terminate = True
+
+    def release_terminate(self) -> None:
+        """Give SIGTERM back (the strategy's teardown, ``finish_job``)."""
+        self._watching_terminate = False
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm_after = self._previous_sigterm
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     # ----------------------------------------------------------------- the run
 
@@ -144,13 +174,50 @@ class StopController:
         self.stopped_early = False
         self.images_made = 0
         self._group, self._device, self._rank = replica_group, device, global_rank
+        self.watch_terminate()
+        self._share_stops()
+
+    def _share_stops(self) -> None:
+        """A signal that reaches one rank stops every rank: a thread of this rank sets a key in
+        the job's store (the rendezvous' TCP store) as soon as a stop is requested here, and every
+        rank looks for it before each batch (``should_stop``)."""
+        import torch.distributed as dist
+
+        self._store = None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._store = _get_default_store()
+        except (ImportError, RuntimeError, ValueError):
+            return
+        store, requested = self._store, self.requested
+
+        def post() -> None:
+            requested.wait()
+            try:
+                store.set(_STOP_KEY, "1")
+            except Exception:  # the job is ending: its store may be gone
+                pass
+
+        threading.Thread(target=post, name="stop-signal", daemon=True).start()
+
+    def _stop_posted(self) -> bool:
+        """Whether another rank received a stop signal (a look at the store, without waiting)."""
+        if self._store is None:
+            return False
+        try:
+            return bool(self._store.check([_STOP_KEY]))
+        except Exception:
+            return False
 
     def should_stop(self) -> bool:
         """Whether this replica stops before its next batch: after a signal, agreed by every rank of
         the replica at the same batch so that none waits in a collective for the others."""
         if self.stopping.is_set() or not self.enabled:
             return self.stopping.is_set()
-        stop = self.requested.is_set()
+        stop = self.requested.is_set() or self._stop_posted()
         if self._group is not None:
             flag = torch.tensor([int(stop)], device=self._device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
@@ -183,15 +250,17 @@ class StopController:
         if not self.enabled:
             return 0
         self.release_interrupt()
+        self.release_terminate()
         stopped, made, terminated, interrupted = self.outcome()  # every rank is here after the manifest merge
         self.interrupted.clear()  # this run's; an in-process caller's next run starts afresh
-        if stopped and interrupted:
+        if stopped and (interrupted or terminated and not self.slurm):
             if self._rank == 0:
                 done, expected = self.totals or (made, None)
                 of = f" of {expected:,}" if expected is not None else ""
-                log.info(f"lightning-diffusion: stopped after {done:,}{of} images; run the same command to resume.",
-                         extra=_ALL)
-            return INTERRUPT_EXIT_CODE
+                how = "" if interrupted else " on SIGTERM"
+                log.info(f"lightning-diffusion: stopped{how} after {done:,}{of} images; run the same command to "
+                         "resume.", extra=_ALL)
+            return INTERRUPT_EXIT_CODE if interrupted else TERMINATE_EXIT_CODE
         if not stopped or self._rank != 0 or not self.slurm:
             return 0
         return _requeue(made, terminated)

@@ -406,5 +406,6 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.stop()
         STOP.release_interrupt()
+        STOP.release_terminate()
         # The idle group stays: Lightning tears the strategy down before the callbacks, and the
         # writer's teardown still waits on it; destroy_process_group() at the end ends every group.
