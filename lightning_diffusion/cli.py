@@ -12,6 +12,7 @@ in ``lightning_diffusion.commands`` (see ``COMMANDS``); ``--help`` lists them.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import NoReturn, Optional
 
@@ -60,6 +61,9 @@ def run() -> None:
         if isinstance(done.code, str):
             print(done.code, file=sys.stderr)
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BrokenPipeError:  # ``status DIR | head -1``: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")  # nothing more to flush into the closed pipe
+        code = 128 + 13  # as a process killed by SIGPIPE (what git and coreutils exit with)
     except BaseException as err:  # a failure ends the same way: its traceback, then exit 1 (130: Ctrl-C)
         from lightning_diffusion.errors import RecordFailure
 

@@ -583,31 +583,16 @@ class DiffusionModule(pl.LightningModule):
         """One pipeline call for samples that share their arguments; noise from one CPU generator each.
         With ``pad_batches`` the call is padded to the batch size and the padding's outputs dropped.
         ``agree``: the replica's ranks agree on its preparation and on the call (``_agree``)."""
-        error: Optional[BaseException] = None
-        try:
-            samples, kwargs, given = self.prepare_call(samples)
-        except Exception as err:
-            if not agree:
-                raise
-            error = err
-        if agree:
-            self._agree(error)
+        samples, kwargs, given = self._step(agree, self.prepare_call, samples)
         real = len([s for s in samples if not s.get("padding")])
         self.stats["computed"] += len(samples)
         self.stats["kept"] += real
-        try:
-            output = self.pipeline(
-                prompt=[sample["prompt"] for sample in samples],
-                generator=[torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples],
-                output_type="np",
-                **kwargs,
-            )
-        except Exception as err:
-            if not agree:
-                raise
-            error = err
-        if agree:
-            self._agree(error)
+        output = self._step(agree, lambda: self.pipeline(
+            prompt=[sample["prompt"] for sample in samples],
+            generator=[torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples],
+            output_type="np",
+            **kwargs,
+        ))
         images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt", *INPUT_FIELDS)}
         options = {k: v for k, v in self.options.items() if v not in (None, False)}
@@ -617,6 +602,19 @@ class DiffusionModule(pl.LightningModule):
             sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]
         return list(images)[:real], [{**params, **size, **({"inputs": files} if files else {})}
                                      for size, files in zip(sizes, given)][:real]
+
+    def _step(self, agree: bool, step: Any, *args: Any) -> Any:
+        """``step(*args)``; with ``agree``, the replica's ranks agree on how it went (``_agree``)
+        before any of them goes on, whether it raised here or elsewhere."""
+        if not agree:
+            return step(*args)
+        try:
+            result = step(*args)
+        except Exception as err:
+            self._agree(err)
+            raise  # _agree raised (with one rank, too): not reached
+        self._agree(None)
+        return result
 
     def prepare_call(self, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict]]:
         """The samples of one call (padded to the batch size with copies of the last, marked

@@ -115,6 +115,10 @@ def test_two_replicas_and_a_job_array_write_every_image_once(flat, storage, tmp_
     for shard in ("0", "1", "2"):
         run_here(*tiny_args(tmp_path / "array", *ARGS, *storage, "--data.num_shards", "3", "--data.shard_index", shard))
     assert outputs(tmp_path / "array") == flat
+    status = run_here("status", str(tmp_path / "array"), "--json")
+    shards = json.loads(status.stdout)["shards"]  # each shard's runs summed, as img2dataset's _stats.json
+    assert [s["stats"]["made"] for s in shards] == [4, 3, 3] and all(s["stats"]["images_per_s"] for s in shards)
+    assert "shards together: 10 made in 3 runs, 0 failed" in run_here("status", str(tmp_path / "array")).stdout
 
 
 @pytest.mark.slow

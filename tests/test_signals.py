@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, read_manifest_lines, run_cli, tiny_args
-from tests.test_failures import children, group_alive
+from tests.test_failures import children, group_alive, wait_for_images
 
 COUNT = 24
 
@@ -24,15 +24,6 @@ def start(out):
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     return proc, args
-
-
-def wait_for_images(out, proc, count=2, limit=180):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(out.glob("*.png"))) >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the run never got going")
 
 
 @pytest.mark.slow

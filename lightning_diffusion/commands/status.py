@@ -154,6 +154,16 @@ def task_states(folder: Path) -> dict[int, dict[int, dict[str, str]]]:
     return states
 
 
+def run_stats(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A shard's (or a folder's) runs summed, as img2dataset's ``_stats.json``: outputs made,
+    failed (in the last run: a rerun retries them), rejected, seconds of prediction and the rate."""
+    made = sum(int(run.get("made") or 0) for run in history)
+    seconds = sum(max(0.0, float(run.get("wall_s") or 0) - float(run.get("load_s") or 0)) for run in history)
+    last = history[-1] if history else {}
+    return {"made": made, "failed": int(last.get("failed") or 0), "rejected": int(last.get("rejected") or 0),
+            "predict_s": round(seconds, 3), "images_per_s": round(made / seconds, 3) if seconds else None}
+
+
 def shard_status(folder: Path, indices: np.ndarray, total: Optional[int],
                  count: Optional[int] = None, rejected: Optional[set[int]] = None) -> list[dict[str, Any]]:
     """Per shard of the folder's job array (``indices``: the images in the manifest): done and
@@ -181,6 +191,7 @@ def shard_status(folder: Path, indices: np.ndarray, total: Optional[int],
             "running": (index, count) in live,
             "slurm_job": lock.get("slurm_job") or (history[-1].get("slurm_job") if history else None),
             "runs": len(history),
+            "stats": run_stats(history),
             **({"slurm_state": states[index]["state"], "slurm_job": states[index]["job"]} if index in states else {}),
         })
     return shards
@@ -223,6 +234,14 @@ def text(status: dict[str, Any]) -> str:
             state += f", SLURM {shard['slurm_state']}"
         job = f", job {shard['slurm_job']}" if shard["slurm_job"] else ""
         lines.append(f"  shard {shard['shard']}: {shard['done']:,} of {shard['expected']:,}, {state}{job}")
+    shards = status.get("shards") or []
+    if shards:
+        made = sum(shard["stats"]["made"] for shard in shards)
+        failed = sum(shard["stats"]["failed"] for shard in shards)
+        seconds = sum(shard["stats"]["predict_s"] for shard in shards)
+        rate = f", {made / seconds:.2f} outputs/s a shard" if seconds else ""
+        lines.append(f"  shards together: {made:,} made in {sum(shard['runs'] for shard in shards)} runs, {failed:,} "
+                     f"failed, {seconds / 3600:.2f} h of prediction{rate}")
     for problem in status["not_counted"][:10]:
         lines.append(f"  not counted: {problem}")
     return "\n".join(lines)
