@@ -80,15 +80,15 @@ class BatchDataset(Dataset):
     """The batches of a ``BatchPlan``: item ``b`` is batch ``b``'s samples (``PromptDataset``'s)."""
 
     def __init__(self, samples: PromptDataset, plan: BatchPlan) -> None:
-        self.samples = samples
+        self.samples = samples  # its indices are sorted: a batch's images are found by bisection
         self.plan = plan
-        self._position = {int(index): n for n, index in enumerate(samples.indices)}
 
     def __len__(self) -> int:
         return len(self.plan.batches)
 
     def __getitem__(self, batch: int) -> list[dict[str, Any]]:
-        return [self.samples[self._position[int(index)]] for index in self.plan.batches[batch]]
+        positions = np.searchsorted(self.samples.indices, self.plan.batches[batch])
+        return [self.samples[int(position)] for position in positions]
 
 
 class PlanSampler(DistributedSampler):
