@@ -59,6 +59,8 @@ def build_strategy(spec: Any) -> Optional[Any]:
     from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
 
     if isinstance(spec, str):
+        if spec not in StrategyRegistry and spec not in ("auto", "dp"):
+            raise ConfigError(strategy_name_problem(spec))
         strategy = StrategyRegistry.get(spec) if spec in StrategyRegistry else None
     elif spec is not None and spec.get("class_path"):
         module_name, _, name = spec.class_path.rpartition(".")
@@ -69,6 +71,35 @@ def build_strategy(spec: Any) -> Optional[Any]:
     else:
         return None
     return strategy if isinstance(strategy, DiffusionParallelStrategy) else None
+
+
+def strategy_name_problem(name: str) -> str:
+    """An unknown ``trainer.strategy`` name, with the closest one and the project's own."""
+    import difflib
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_diffusion.strategies import STRATEGY_NAMES
+
+    known = list(StrategyRegistry.available_strategies())
+    close = difflib.get_close_matches(name, [*STRATEGY_NAMES, *known], n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return (f"trainer.strategy {name!r} is not a strategy; {hint}this project's: {', '.join(STRATEGY_NAMES)} "
+            "(or a class path with init_args; Lightning's own names work too).")
+
+
+def accelerator_problems(accelerator: Any) -> list[str]:
+    """A GPU run asked for on a machine whose torch sees no GPU (Lightning would say "No supported
+    gpu backend found!" in a traceback)."""
+    name = str(accelerator or "auto").lower()
+    if name in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return [f"trainer.accelerator {name}: torch sees no CUDA GPU on this machine (torch "
+                    f"{torch.__version__}{', a CPU build' if torch.version.cuda is None else ''}); to rehearse the "
+                    "run on the CPU, set trainer.accelerator: cpu."]
+    return []
 
 
 def device_type(accelerator: Any) -> str:
@@ -133,6 +164,7 @@ def preflight(config: Any) -> tuple[list, bool]:
         elif len(verdicts.rejected) == len(records):
             problems.append("every prompt record is rejected: " + verdicts.report())
     problems += writer_problems(writer)
+    problems += accelerator_problems(config.trainer.get("accelerator"))
     # Built first, so that a bad strategy argument is reported with the other problems; its rules
     # against the model run once the model and records are known to be right.
     strategy = _rule(problems, build_strategy, config.trainer.get("strategy"))

@@ -101,6 +101,11 @@ CASES = [
     ("unknown on_bad_record", ["--data.on_bad_record", "ignore"], "data.on_bad_record must be one of fail, skip"),
     ("unknown on_error", ["--data.on_error", "retry"], "data.on_error must be one of fail, skip"),
     ("max_pixels 0", ["--data.max_pixels", "0"], "data.max_pixels must be an integer >= 1, got 0"),
+    ("strategy name misspelt", ["--trainer.strategy", "data_paralel"],
+     "trainer.strategy 'data_paralel' is not a strategy; did you mean data_parallel? this project's: mesh, "
+     "data_parallel"),
+    ("GPUs asked for on a machine without", ["--trainer.accelerator", "gpu"],
+     "trainer.accelerator gpu: torch sees no CUDA GPU on this machine"),
     ("files_per_folder 0", ["--writer.files_per_folder", "0"], "writer.files_per_folder must be an integer >= 1, got 0"),
     ("unknown layout", ["--writer.layout", "nested"], "writer.layout must be one of auto, flat, sharded, got 'nested'"),
     ("unknown format", ["--writer.format", "parquet"], "writer.format must be one of files, webdataset, got 'parquet'"),
@@ -234,7 +239,8 @@ SRUN_TASK = {"SLURM_PROCID": "9", "SLURM_LOCALID": "0", "SLURM_NODEID": "1"}  # 
     ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, True, True),
     (SRUN_TASK, False, True),
     ({**SRUN_TASK, "SLURM_PROCID": "10", "SLURM_LOCALID": "1"}, False, False),
-    ({"NODE_RANK": "1"}, True, True),  # the launching process of node 1 (it starts that node's ranks)
+    ({"NODE_RANK": "1"}, False, True),  # Lightning's launcher on node 1: the node's problems only
+    ({"NODE_RANK": "0"}, True, True),  # ... on node 0: the job's first process
     ({"NODE_RANK": "1", "LOCAL_RANK": "2"}, False, False),  # a rank it started
     ({**SRUN_TASK, "LOCAL_RANK": "1"}, False, False),  # a rank started by node 1's task
     ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "LOCAL_RANK": "1"}, False, False),  # one started by task 0

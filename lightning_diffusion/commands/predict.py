@@ -18,10 +18,11 @@ SILENT_EXIT_DELAY = 2.0  # seconds a process that does not print a refusal waits
 
 
 def first_process(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this is the job's first process: global rank 0 (``RANK``, or ``SLURM_PROCID`` for the
-    tasks ``srun`` starts on every node) and its node's first (a rank the launcher started inside
-    srun's task 0 inherits its SLURM_PROCID); without either, the first process of its node."""
-    for variable in ("RANK", "SLURM_PROCID"):
+    """Whether this is the job's first process: global rank 0 (``RANK``; ``SLURM_PROCID`` for the
+    tasks ``srun`` starts on every node; ``NODE_RANK`` 0 for Lightning's own launcher on several
+    nodes) and its node's first (a rank the launcher started inside srun's task 0 inherits its
+    SLURM_PROCID); without any, the first process of its node."""
+    for variable in ("RANK", "SLURM_PROCID", "NODE_RANK"):
         if variable in environ:
             if environ[variable] != "0":
                 return False

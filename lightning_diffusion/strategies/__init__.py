@@ -28,6 +28,8 @@ _REGISTRY = {
     "tensor_parallel": (TensorParallelStrategy, "Transformer weights sharded over all processes.", {"tp_degree": -1}),
 }
 
+STRATEGY_NAMES = tuple(_REGISTRY)
+
 for _name, (_cls, _description, _kwargs) in _REGISTRY.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _cls, description=_description, **_kwargs)
