@@ -121,6 +121,7 @@ RUN_FILE = "run.json"
 # prompt file is compared by content (``data.prompts_sha256``), its path only recorded.
 RUN_META = ("expected", "history", "data.prompts")
 PROMPTS_HASH = "data.prompts_sha256"
+_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def prompts_hash(prompts: Any) -> str:
@@ -155,10 +156,14 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
         before.pop(PROMPTS_HASH, None)
         now.pop(PROMPTS_HASH, None)
         before["data.prompts"], now["data.prompts"] = recorded.get("data.prompts"), settings.get("data.prompts")
+    for values in (before, now):  # a dtype's alias is the same dtype (bf16 is bfloat16)
+        if "torch_dtype" in values:
+            values["torch_dtype"] = _DTYPE_NAMES.get(values["torch_dtype"], values["torch_dtype"])
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     if not changed:
         return None
-    details = "; ".join(f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in changed)
+    details = "; ".join("the prompt file's content changed" if k == PROMPTS_HASH
+                        else f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in changed)
     return (f"{output_dir} holds images made with other settings ({details}). Use another writer.output_dir, or "
             "writer.allow_config_change=true to add to it anyway.")
 

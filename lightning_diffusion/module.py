@@ -19,7 +19,7 @@ from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion import compat, quantization
 from lightning_diffusion.errors import ConfigError, RecordFailure, preflight_passed, raise_problems
-from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
+from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.inputs import INPUT_FIELDS, record_inputs
 from lightning_diffusion.records import RecordVerdicts, Records, check_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, model_cache_problems, model_problems, pixel_problems
@@ -187,8 +187,8 @@ class DiffusionModule(pl.LightningModule):
 
     def image_settings(self) -> dict[str, Any]:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
-        return image_settings(self.model_path, self.hparams.torch_dtype, self.call_args, self.from_pretrained_kwargs,
-                              self.cache, self.options)
+        return image_settings(self.model_path, dtype_name(self.hparams.torch_dtype), self.call_args,
+                              self.from_pretrained_kwargs, self.cache, self.options)
 
     @property
     def call_args(self) -> dict[str, Any]:
@@ -509,11 +509,6 @@ class DiffusionModule(pl.LightningModule):
                 results[sample["index"]] = result
         self.stats["busy_s"] += time.perf_counter() - start
         return [results[sample["index"]] for sample in batch]
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """A batch is prompts, seeds and paths, no tensor: nothing to move (Lightning would walk
-        every sample's fields, about 0.1 ms an image on a CPU)."""
-        return batch
 
     # ----------------------------------------------------------------- one pipeline call, and its failures
 

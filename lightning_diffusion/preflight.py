@@ -17,7 +17,7 @@ from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion import lora
 from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
-from lightning_diffusion.pipelines import PipelineInfo, resolve_dtype
+from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.manifest import finished, settings_conflict, shard_size
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
@@ -185,7 +185,7 @@ def preflight(config: Any) -> tuple[list, bool]:
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
             settings = run_settings(
-                image_settings(model["pretrained_model_name_or_path"], model["torch_dtype"], call_args,
+                image_settings(model["pretrained_model_name_or_path"], dtype_name(model["torch_dtype"]), call_args,
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
                                recorded_options({key: model.get(key) for key in OPTIONS})),
                 data["seed"], data["num_images_per_prompt"], data["prompts"], writer.get("video_format") or "mp4",

@@ -163,7 +163,10 @@ def test_other_settings_are_refused_before_any_process_starts_and_prompts_compar
     assert "data.prompts" not in proc.stderr  # a byte-identical copy elsewhere is the same prompt set
     assert not (out / ".lock").exists()
     proc = cli_here(*tiny_args(out, "--data.prompts", str(other)))
-    assert proc.returncode == 2 and "data.prompts_sha256: '" in proc.stderr
+    assert proc.returncode == 2 and "(the prompt file's content changed)" in proc.stderr
+    # a dtype's alias is the same dtype: bf16 resumes a folder made with bfloat16, and the other way
+    proc = cli_here(*tiny_args(out, "--data.prompts", str(copy), "--model.torch_dtype", "fp32"))
+    assert "torch_dtype" not in proc.stderr
     proc = cli_here(*tiny_args(out, "--data.prompts", str(copy), "--model.vae_tiling", "true"))
     assert proc.returncode == 2 and "(model.vae_tiling: None then, True now)" in proc.stderr, proc.stderr[-2000:]
     resumed = run_here(*tiny_args(out, "--data.prompts", str(copy), "--data.batch_size", "1"))
