@@ -330,6 +330,30 @@ class ImageWriter(BasePredictionWriter):
                                     "writer.allow_config_change=true to keep those pictures anyway.")
         return None, done
 
+    def _check_shared(self, trainer: pl.Trainer) -> None:
+        """Every node sees the output folder rank 0 prepared (one file system, not node-local
+        storage, where each node would write a folder of its own and a resume would find half):
+        rank 0 leaves a file there, the first process of each node looks for it, all learn the
+        verdict. Under any launcher (SLURM's script checks it too, before the job starts)."""
+        import socket
+
+        token = f".nodes-check-{os.urandom(6).hex()}" if trainer.is_global_zero else None
+        if token is not None:
+            (self.output_dir / token).write_bytes(b"")
+        token = trainer.strategy.broadcast(token)
+        sees = (self.output_dir / token).exists() if trainer.local_rank == 0 else None
+        node = f"node {trainer.node_rank} ({socket.gethostname()})"
+        seen = [entry for entry in _gather_idle(trainer.strategy, (node, sees)) if entry[1] is not None]
+        if trainer.is_global_zero:
+            (self.output_dir / token).unlink(missing_ok=True)
+        blind = sorted({name for name, saw in seen if not saw})
+        if blind:
+            if self._lock is not None and trainer.is_global_zero:
+                self._lock.release()
+            raise ConfigError(f"writer.output_dir {self.output_dir} is not one folder shared by the nodes: "
+                              f"{', '.join(blind)} {'does' if len(blind) == 1 else 'do'} not see what {seen[0][0]} "
+                              "writes there (node-local storage?). Put it on a file system every node mounts.")
+
     def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
                         history: Optional[list] = None) -> None:
         """run.json (or the shard's record): the settings that decide the pictures, the expected
@@ -353,6 +377,8 @@ class ImageWriter(BasePredictionWriter):
         error, done = trainer.strategy.broadcast(result)
         if error:
             raise ConfigError(error)
+        if trainer.num_nodes > 1:
+            self._check_shared(trainer)
         self.done = np.asarray(done, dtype=np.int64)
         self.pending = None if self.expected is None else max(0, self.expected - len(self.done))
         if len(self.done):

@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "benchmark": ("lightning_diffusion.commands.benchmark", "time a config, optionally against diffusers called directly"),
     "plan": ("lightning_diffusion.commands.plan", "recommend a strategy and write its config for a model and GPUs"),
     "slurm": ("lightning_diffusion.commands.slurm", "render, submit and follow a SLURM batch job for a config"),
+    "k8s": ("lightning_diffusion.commands.k8s", "render a Kubernetes job of torchrun nodes for a config (no operator)"),
     "download": ("lightning_diffusion.commands.download", "fetch a config's hub weights ahead of a job (offline nodes)"),
     "status": ("lightning_diffusion.commands.status", "how far the run writing an output folder is (read-only)"),
     "eval": ("lightning_diffusion.commands.eval", "metrics of an output folder: against a reference, prompt adherence, FID/KID"),
