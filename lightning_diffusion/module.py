@@ -528,9 +528,10 @@ class DiffusionModule(pl.LightningModule):
                 raise RecordFailure(f"{_which(samples)} failed: {_last_line(err)}") from err
             failure = _last_line(err)  # one rank, no group: nothing to agree
         if failure is not None:
-            if failure.startswith(_OOM_NAMES) and len(samples) > 1:
-                if self.global_rank == 0:
-                    log.warning(f"{_which(samples)}: out of memory; retrying them one at a time")
+            padded = self.pad_batches and min(self.batch_size or 1, self.info.spec.call_batch or 1 << 30) > 1
+            if failure.startswith(_OOM_NAMES) and (len(samples) > 1 or padded):
+                log.warning(f"[rank {self.global_rank}] {_which(samples)}: out of memory; retrying one record at a "
+                            "time, unpadded", extra={"all_ranks": True})
                 _free_memory()
                 return [outcome for sample in samples for outcome in self._run_alone(sample)]
             return [(None, None, failure)] * len(samples)
