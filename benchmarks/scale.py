@@ -136,7 +136,7 @@ def main() -> None:
 
     result: dict[str, Any] = {"images": args.images, "format": args.format, "fsync": args.fsync,
                               "batch_size": args.batch_size}
-    with tempfile.TemporaryDirectory(dir=REPO) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prompts, small = root / "prompts.txt", root / "small.txt"
         prompts.write_text("".join(f"a shape number {n}\n" for n in range(args.images)))

@@ -83,23 +83,24 @@ def _atomic_write(path: Path, write, fsync: bool = True) -> int:
 
 def _inside(folder: Path, name: str) -> bool:
     """A manifest's file name stays inside its folder (no absolute path, no ``..``)."""
-    path = Path(name)
-    return bool(name) and not path.is_absolute() and ".." not in path.parts
+    return bool(name) and not name.startswith(("/", "\\")) and ".." not in name.replace("\\", "/").split("/")
 
 
-def _finished(file: Path, size: Optional[int], sizes: Optional[dict[Path, Optional[int]]] = None) -> bool:
+def _finished(file: Path | str, size: Optional[int], sizes: Optional[dict[str, Optional[int]]] = None) -> bool:
     """The file of a manifest line is there and whole (its size is recorded, so a truncated file is
     caught with a stat, without reading every image on resume). ``sizes``: files already looked at
     (a tar shard holds many outputs: one stat for all)."""
-    if sizes is not None and file in sizes:
-        found = sizes[file]
+    path = os.fspath(file)
+    if sizes is not None and path in sizes:
+        found = sizes[path]
     else:
         try:
-            found = file.stat().st_size if file.is_file() else None
+            stat = os.stat(path)
+            found = stat.st_size if (stat.st_mode & 0o170000) == 0o100000 else None  # a regular file
         except OSError:
             found = None
         if sizes is not None:
-            sizes[file] = found
+            sizes[path] = found
     return found is not None and (size is None or found == size)
 
 
@@ -171,19 +172,17 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
 # A manifest line as the writer writes it (keys in this order); other lines are read as JSON.
 _LINE = re.compile(rb'\{"index": (\d+), .*?"file": "([^"\\]*)"(?:, "member": "([^"\\]*)")?, "bytes": (\d+)')
 _SHARD_BYTES = re.compile(rb'"shard_bytes": (\d+)')
-_WRITTEN = re.compile(rb'"written": ([0-9.]+)\}\s*$')
 
 
 def _parse(raw: bytes) -> Optional[tuple[int, str, Optional[str], Optional[int]]]:
     """(index, file, tar member, size to check) of a manifest line; None for one that is not."""
     match = _LINE.match(raw)
     if match is not None:
-        member = match.group(3).decode() if match.group(3) is not None else None
-        size = int(match.group(4))
-        if member is not None:
-            shard = _SHARD_BYTES.search(raw)
-            size = int(shard.group(1)) if shard else None
-        return int(match.group(1)), match.group(2).decode(), member, size
+        index, name, member, size = match.groups()
+        if member is None:
+            return int(index), name.decode(), None, int(size)
+        shard = _SHARD_BYTES.search(raw, match.end())
+        return int(index), name.decode(), member.decode(), int(shard.group(1)) if shard else None
     try:
         entry = json.loads(raw)
         return (int(entry["index"]), str(entry.get("file", "")), entry.get("member"),
@@ -192,32 +191,124 @@ def _parse(raw: bytes) -> Optional[tuple[int, str, Optional[str], Optional[int]]
         return None
 
 
-def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: Any) -> list[str]:
-    """The one reading of manifest files: each complete line checked (parsed, inside the folder,
-    its file whole unless ``trust_manifest`` covers it), ``keep(index, key, raw, file name, line
-    number)`` called for those that count; returns what did not count."""
-    problems: list[str] = []
-    sizes: dict[Path, Optional[int]] = {}
-    for file in files:
-        if not file.is_file():
+class _Looked:
+    """What a scan has already looked at: shards' sizes and verdicts (one stat for all members)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.prefix = os.fspath(folder) + os.sep
+        self.sizes: dict[str, Optional[int]] = {}
+        self.shards: dict[tuple[str, Optional[int]], bool] = {}
+
+    def shard_ok(self, name: str, size: Optional[int], trusted: bool) -> bool:
+        verdict = self.shards.get((name, size))
+        if verdict is None:
+            verdict = self.shards[(name, size)] = _inside(self.folder, name) and (
+                trusted or _finished(self.prefix + name, size, self.sizes))
+        return verdict
+
+
+def _check_lines(looked: _Looked, where: str, lines: Any, trusted: bool, keep: Any, problems: list[str]) -> None:
+    """Each complete line of ``lines`` ((number, raw) pairs) checked: parsed, inside the folder, its
+    file whole unless ``trusted``; ``keep(index, key, raw, where, number)`` for those that count."""
+    for number, raw in lines:
+        if not raw.endswith(b"\n"):
+            continue  # a write in progress (or cut by a kill)
+        parsed = _parse(raw)
+        if parsed is None:
+            problems.append(f"{where}:{number}: not a manifest line")
             continue
-        trusted = trust_manifest and file.name == MANIFEST
-        with file.open("rb") as f:
-            for number, raw in enumerate(f, start=1):
-                if not raw.endswith(b"\n"):
-                    continue  # a write in progress (or cut by a kill)
-                parsed = _parse(raw)
-                if parsed is None:
-                    problems.append(f"{file.name}:{number}: not a manifest line")
-                    continue
-                index, name, member, size = parsed
-                if not _inside(folder, name):
-                    problems.append(f"{file.name}:{number}: {name!r} is outside the output folder")
-                elif trusted or _finished(folder / name, size, sizes):
-                    keep(index, (name, member), raw, file.name, number)
-                else:
-                    problems.append(f"{file.name}:{number}: {name!r} is missing or not the size recorded")
+        index, name, member, size = parsed
+        if member is not None and looked.shard_ok(name, size, trusted):
+            keep(index, (name, member), raw, where, number)
+        elif not _inside(looked.folder, name):
+            problems.append(f"{where}:{number}: {name!r} is outside the output folder")
+        elif trusted or (member is None and _finished(looked.prefix + name, size)):
+            keep(index, (name, member), raw, where, number)
+        else:
+            problems.append(f"{where}:{number}: {name!r} is missing or not the size recorded")
+
+
+def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: Any) -> list[str]:
+    """The one reading of manifest files, line by line (``_check_lines``); returns what did not
+    count, as ``file:line: why``."""
+    problems: list[str] = []
+    looked = _Looked(folder)
+    for file in files:
+        if file.is_file():
+            with file.open("rb") as f:
+                _check_lines(looked, file.name, enumerate(f, start=1), trust_manifest and file.name == MANIFEST,
+                             keep, problems)
     return problems
+
+
+# ``finished``'s reading of a whole block of lines at once: each key the check needs found in the
+# whole block by its literal (an unescaped quote is never inside a JSON string, so a key's text
+# cannot stand in a prompt), one a line, in the lines' order; a block where a key is not once a
+# line (input files, adapters, a line of another shape) is read line by line.
+_BLOCK_KEYS = {key: re.compile(pattern) for key, pattern in (
+    ("index", rb'\{"index": (\d+), '), ("file", rb'"file": "([^"\\\n]*)"'), ("member", rb'"member": "([^"\\\n]*)"'),
+    ("bytes", rb'"bytes": (\d+)'), ("shard_bytes", rb'"shard_bytes": (\d+)'))}
+_WRITTEN = re.compile(rb'"written": ([0-9.]+)\}\n')
+_BLOCK = 8 << 20  # bytes read at once
+
+
+def _read_blocks(looked: _Looked, file: Path, indices: array, keep: Any, problems: list[str]) -> None:
+    """``file``'s lines block by block: a block whose lines all fit ``_BLOCK_LINE`` is read with a
+    pattern and arrays (a million lines in about a second), any other line by line."""
+    first = 1
+    with file.open("rb") as f:
+        rest = b""
+        while True:
+            data = f.read(_BLOCK)
+            block = rest + data
+            end = block.rfind(b"\n") + 1 if data else len(block)
+            block, rest = block[:end], block[end:]
+            if block:
+                count = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+                found = None
+                if block.endswith(b"\n") and b'"inputs": {' not in block:
+                    found = _block_columns(block, count)
+                if found is not None:
+                    _keep_block(looked, file.name, first, found, indices, problems)
+                else:
+                    _check_lines(looked, file.name, enumerate(block.splitlines(keepends=True), start=first), False,
+                                 keep, problems)
+                first += count
+            if not data:
+                return
+
+
+def _block_columns(block: bytes, count: int) -> Optional[tuple]:
+    """The columns of a block whose ``count`` lines all have the writer's shape, else None."""
+    columns = {key: _BLOCK_KEYS[key].findall(block) for key in ("index", "file", "bytes", "member", "shard_bytes")}
+    if not (len(columns["index"]) == len(columns["file"]) == len(columns["bytes"]) == count
+            and len(columns["member"]) == len(columns["shard_bytes"]) in (0, count)):
+        return None
+    members = np.full(count, bool(columns["member"]))
+    shard_size = np.asarray(columns["shard_bytes"]).astype(np.int64) if columns["member"] else np.zeros(count, np.int64)
+    return (np.asarray(columns["index"]).astype(np.int64), np.asarray(columns["file"]), members,
+            np.asarray(columns["bytes"]).astype(np.int64), shard_size)
+
+
+def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: array, problems: list[str]) -> None:
+    index, name, members, size, shard_size = found
+    ok = np.zeros(len(index), dtype=bool)
+    if members.any():  # one verdict per shard (and recorded size)
+        names, inverse = np.unique(name[members], return_inverse=True)
+        for n, value in enumerate(names.tolist()):
+            rows = np.flatnonzero(members)[inverse.ravel() == n]
+            for recorded in np.unique(shard_size[rows]).tolist():
+                chosen = rows[shard_size[rows] == recorded]
+                ok[chosen] = looked.shard_ok(value.decode(), recorded, False)
+    for row in np.flatnonzero(~members).tolist():  # loose files: one look each
+        text = name[row].decode()
+        ok[row] = _inside(looked.folder, text) and _finished(looked.prefix + text, int(size[row]))
+    for row in np.flatnonzero(~ok).tolist():
+        text = name[row].decode()
+        why = "is outside the output folder" if not _inside(looked.folder, text) else "is missing or not the size recorded"
+        problems.append(f"{where}:{first + row}: {text!r} {why}")
+    indices.extend(index[ok].tolist())
 
 
 def _files(folder: Path, parts: Optional[list[Path]]) -> list[Path]:
@@ -257,13 +348,11 @@ def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = N
 @dataclass
 class Finished:
     """The finished images of a folder in compact form: their indices (sorted, 8 bytes each),
-    what did not count, the whole lines of those that name input files (a resume checks them), and,
-    when asked, when each was written (``status``'s rate)."""
+    what did not count, and the whole lines of those that name input files (a resume checks them)."""
 
     indices: np.ndarray
     problems: list[str]
     with_inputs: dict[int, dict[str, Any]]
-    written: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -272,50 +361,49 @@ class Finished:
         return self.indices if shard is None else self.indices[self.indices % shard[1] == shard[0]]
 
 
-def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None, written: bool = False) -> Finished:
+def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) -> Finished:
     """``scan_manifest``'s verdicts for every line, keeping only each image's index (and its line
     when it names input files): a resume or ``status`` of a million-image folder reads each line
     once with a pattern (its JSON only where the pattern does not fit) and stats each file once
-    (a tar shard once for all its members)."""
+    (a tar shard once for all its members). Two lines for one index (rare: a merge cut by a kill
+    repeats a part) are looked at again, alone, to tell a repeat from a conflict."""
     folder = Path(output_dir)
-    indices, keys, lines, times = array("q"), array("q"), array("q"), array("d")
-    names: dict[str, int] = {}
+    files = _files(folder, parts)
+    indices = array("q")
     with_inputs: dict[int, dict[str, Any]] = {}
 
-    def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
+    def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
         indices.append(index)
-        keys.append(hash(key))
-        lines.append(names.setdefault(name, len(names)) << 40 | number)
-        if written:
-            found = _WRITTEN.search(raw)
-            times.append(float(found.group(1)) if found else 0.0)
         if b'"inputs": {' in raw:
             with_inputs[index] = json.loads(raw)
 
-    problems = _scan(folder, _files(folder, parts), False, keep)
+    problems: list[str] = []
+    looked = _Looked(folder)
+    for file in files:
+        if file.is_file():
+            _read_blocks(looked, file, indices, keep, problems)
     index_array = np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
-    key_array = np.frombuffer(keys, dtype=np.int64) if len(keys) else np.zeros(0, dtype=np.int64)
-    order = np.argsort(index_array, kind="stable")
-    sorted_indices, sorted_keys = index_array[order], key_array[order]
-    same = sorted_indices[1:] == sorted_indices[:-1]
-    clash = same & (sorted_keys[1:] != sorted_keys[:-1])
-    conflicted = np.unique(sorted_indices[1:][clash])
-    if len(conflicted):
-        by_id = {n: name for name, n in names.items()}
-        line_array = np.frombuffer(lines, dtype=np.int64)[order]
-        for position in np.flatnonzero(clash).tolist():
-            first, second = int(line_array[position]), int(line_array[position + 1])
-            problems.append(f"{by_id[second >> 40]}:{second & (1 << 40) - 1}: image {int(sorted_indices[position])} "
-                            f"is also in {by_id[first >> 40]}:{first & (1 << 40) - 1} with another file; neither counts")
-    unique = np.unique(sorted_indices)
-    if len(conflicted):
-        unique = np.setdiff1d(unique, conflicted, assume_unique=True)
-        for index in conflicted.tolist():
-            with_inputs.pop(index, None)
-    times_array = None
-    if written:
-        times_array = np.frombuffer(times, dtype=np.float64) if len(times) else np.zeros(0)
-    return Finished(unique, problems, with_inputs, times_array)
+    unique, counts = np.unique(index_array, return_counts=True)
+    repeated = set(unique[counts > 1].tolist())
+    if repeated:  # the lines of those indices, with their files: a repeat counts, a conflict does not
+        seen: dict[int, tuple[Any, str]] = {}
+        conflicted: set[int] = set()
+
+        def compare(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+            if index not in repeated:
+                return
+            where = f"{name}:{number}"
+            if index in seen and seen[index][0] != key:
+                problems.append(f"{where}: image {index} is also in {seen[index][1]} with another file; neither counts")
+                conflicted.add(index)
+            seen.setdefault(index, (key, where))
+
+        _scan(folder, files, False, compare)
+        if conflicted:
+            unique = np.setdiff1d(unique, np.asarray(sorted(conflicted), dtype=np.int64), assume_unique=True)
+            for index in conflicted:
+                with_inputs.pop(index, None)
+    return Finished(unique, problems, with_inputs)
 
 
 def part_counts(output_dir: str | os.PathLike, glob: str = "manifest.part-*.jsonl") -> dict[int, int]:
@@ -357,38 +445,40 @@ def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = 
     return [p for p in parts if not ((m := siblings.fullmatch(p.name)) and int(m.group(1)) != shard[0])]
 
 
-def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None) -> dict[int, dict[str, Any]]:
-    """Append the finished lines of the parts to ``manifest.jsonl`` (sorted by index among
-    themselves) and drop the parts; returns the lines appended, by index. A merge costs in
-    proportion to its parts: the manifest is only appended to, never read or rewritten, so the 16
-    shards of a job array merging into a manifest of a million lines cost what one merge of those
-    lines costs. A shard's run leaves alone the parts its sibling shards still append to. A line
-    cut by a kill at the manifest's end is ended first (it stays a line that does not parse)."""
+def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None) -> np.ndarray:
+    """Append the finished lines of the parts to ``manifest.jsonl``, part after part, and drop the
+    parts; returns the indices appended. A merge costs in proportion to its parts: the manifest is
+    only appended to, never read or rewritten, so the 16 shards of a job array merging into a
+    manifest of a million lines cost what one merge of those lines costs; lines go through as they
+    were written (bytes, never held all at once). A shard's run leaves alone the parts its sibling
+    shards still append to. A line cut by a kill at the manifest's end is ended first (it stays a
+    line that does not parse)."""
     folder = Path(output_dir)
+    indices = array("q")
     with merge_lock(folder):
         parts = _parts_to_merge(folder, shard)
-        entries: dict[int, dict[str, Any]] = {}
+        with open(folder / MANIFEST, "a+b") as out:  # created if missing: a run that made nothing has one
+            end = out.seek(0, os.SEEK_END)
+            if end:
+                out.seek(end - 1)
+                if out.read(1) != b"\n":
+                    out.write(b"\n")
+            chunk: list[bytes] = []
 
-        def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
-            entries.setdefault(index, json.loads(raw))
+            def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+                indices.append(index)
+                chunk.append(raw)
+                if len(chunk) >= 10_000:
+                    out.write(b"".join(chunk))
+                    chunk.clear()
 
-        _scan(folder, parts, False, keep)
-        if not (folder / MANIFEST).exists():
-            (folder / MANIFEST).touch()  # a run that made nothing still leaves its (empty) manifest
-        if entries:
-            text = "".join(json.dumps(entries[i], ensure_ascii=False) + "\n" for i in sorted(entries)).encode("utf-8")
-            with open(folder / MANIFEST, "a+b") as f:
-                end = f.seek(0, os.SEEK_END)
-                if end:
-                    f.seek(end - 1)
-                    if f.read(1) != b"\n":
-                        text = b"\n" + text
-                f.write(text)  # appended at the end, whatever the position read from
-                f.flush()
-                os.fsync(f.fileno())
+            _scan(folder, parts, False, keep)
+            out.write(b"".join(chunk))
+            out.flush()
+            os.fsync(out.fileno())
         for part in parts:
             part.unlink(missing_ok=True)
-    return entries
+    return np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
 
 
 def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]], done: Any) -> int:
@@ -449,3 +539,19 @@ def rejected_images(output_dir: str | os.PathLike) -> set[int]:
             except (ValueError, KeyError, TypeError):
                 continue
     return found
+
+
+def recent_written(output_dir: str | os.PathLike, tail: int = 8 << 20) -> np.ndarray:
+    """When the latest outputs were written (``status``'s rate): the times of the running run's
+    parts and of the manifest's last ``tail`` bytes (it is appended in merge order)."""
+    folder = Path(output_dir)
+    times: list[bytes] = []
+    for file in [folder / MANIFEST, *sorted(folder.glob(PART_GLOB))]:
+        try:
+            with file.open("rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - tail) if file.name == MANIFEST else 0)
+                times += _WRITTEN.findall(f.read())
+        except OSError:
+            continue
+    return np.asarray(times).astype(np.float64) if times else np.zeros(0)

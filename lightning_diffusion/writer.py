@@ -510,7 +510,7 @@ class ImageWriter(BasePredictionWriter):
                 self._write_rejected(trainer.datamodule)
             parts = part_counts(self.output_dir, self.parts_glob)
             merged = merge_manifest(self.output_dir, self.shard)
-            new = np.asarray([i for i in merged if in_shard(i, self.shard)], dtype=np.int64)
+            new = merged if self.shard is None else merged[merged % self.shard[1] == self.shard[0]]
             done = np.union1d(self.done, new)
             failed = merge_failures(self.output_dir, self.shard, done)
             total = len(done)

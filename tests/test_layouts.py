@@ -89,7 +89,7 @@ def test_a_merge_only_appends_the_new_lines(tmp_path):
 
     sys.addaudithook(audit)
     merged = merge_manifest(tmp_path, (1, 16))
-    assert list(merged) == [2]
+    assert merged.tolist() == [2]
     modes = [mode for name, mode in opened if name == MANIFEST]
     assert len(modes) == 1 and modes[0].startswith("a")  # appended to, never read whole nor rewritten
     assert (tmp_path / MANIFEST).read_bytes() == before + line.encode() and not part.exists()

@@ -23,7 +23,7 @@ import numpy as np
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.lock import OutputLock, live_locks
 from lightning_diffusion.manifest import (FAILED, FAILURES_GLOB, MANIFEST, REJECTED, RUN_FILE, count_lines, finished,
-                                         in_shard, part_counts, rejected_images, shard_size)
+                                         in_shard, part_counts, recent_written, rejected_images, shard_size)
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -43,11 +43,11 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         run = json.loads(run_file.read_text()) if run_file.is_file() else {}
     except ValueError:
         raise ConfigError(f"{run_file} is not valid JSON.") from None
-    found = finished(folder, written=True)
+    found = finished(folder)
     indices, problems = found.indices, found.problems
     expected = run.get("expected", (submitted or {}).get("expected"))
-    assert found.written is not None
-    recent = np.sort(found.written[found.written >= now - RATE_WINDOW_S])
+    written = recent_written(folder)
+    recent = np.sort(written[written >= now - RATE_WINDOW_S])
     rate = (len(recent) - 1) / float(recent[-1] - recent[0]) if len(recent) > 1 and recent[-1] > recent[0] else None
     lock = OutputLock(folder).describe()
     running = bool(lock and lock["live"])
