@@ -59,51 +59,62 @@ def call_key(call_args: dict[str, Any], input_fields: Sequence[str], input_sizes
 
 @dataclass
 class BatchPlan:
-    """Batches of image indices, each with its bucket and estimated cost."""
+    """Batches of image indices, each with its bucket and estimated cost, held flat: batch ``b``
+    is ``order[starts[b]:starts[b + 1]]`` (a million images in 8 MB, not an array a batch)."""
 
-    batches: list[np.ndarray]
+    order: np.ndarray  # image indices, batch after batch
+    starts: np.ndarray  # where each batch begins in ``order``, and its end last
     buckets: np.ndarray
     costs: np.ndarray
     batch_size: int
     pad: bool = True
 
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def batch(self, b: int) -> np.ndarray:
+        return self.order[self.starts[b]:self.starts[b + 1]]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.starts)
+
     @property
     def num_buckets(self) -> int:
-        return len(set(self.buckets.tolist()))
+        return len(np.unique(self.buckets))
 
     @property
     def images(self) -> int:
-        return sum(len(b) for b in self.batches)
+        return len(self.order)
 
     @property
     def padded(self) -> int:
         """Images a padded run computes and drops (each bucket's short last batch)."""
-        return sum(self.batch_size - len(b) for b in self.batches) if self.pad else 0
+        return int((self.batch_size - self.sizes).sum()) if self.pad else 0
 
-    def deal(self, replicas: int) -> list[list[int]]:
+    def deal(self, replicas: int) -> list[np.ndarray]:
         """Batch positions for each replica: longest first, each to the replica with the least
         estimated work so far (ties: the lower rank). A pure function of the plan and ``replicas``."""
+        order = np.argsort(-self.costs, kind="stable")  # equal costs: the earlier batch first
         if replicas == 1:
-            return [sorted(range(len(self.batches)), key=lambda b: -self.costs[b])]
-        order = sorted(range(len(self.batches)), key=lambda b: (-self.costs[b], b))
+            return [order]
         loads = [(0.0, rank) for rank in range(replicas)]
         dealt: list[list[int]] = [[] for _ in range(replicas)]
-        for position in order:
+        for position, cost in zip(order.tolist(), self.costs[order].tolist()):
             load, rank = heapq.heappop(loads)
             dealt[rank].append(position)
-            heapq.heappush(loads, (load + float(self.costs[position]), rank))
-        return dealt
+            heapq.heappush(loads, (load + cost, rank))
+        return [np.asarray(positions, dtype=np.int64) for positions in dealt]
 
     def shares(self, replicas: int) -> list[float]:
         """Each replica's estimated share of the work (1.0 for each when perfectly even)."""
-        dealt = self.deal(replicas)
         total = float(self.costs.sum()) or 1.0
-        return [replicas * float(self.costs[positions].sum()) / total if positions else 0.0 for positions in dealt]
+        return [replicas * float(self.costs[positions].sum()) / total for positions in self.deal(replicas)]
 
     def describe(self, replicas: int) -> str:
         padded = self.padded
         share = f" ({100 * padded / (self.images + padded):.1f}% of those computed)" if self.images else ""
-        line = (f"batch plan: {self.images:,} images in {len(self.batches):,} batches of {self.batch_size} from "
+        line = (f"batch plan: {self.images:,} images in {len(self):,} batches of {self.batch_size} from "
                 f"{self.num_buckets} bucket{'s' if self.num_buckets != 1 else ''}, {padded:,} padded{share}")
         if replicas > 1:
             line += "; estimated work per replica: " + ", ".join(f"{s:.2f}" for s in self.shares(replicas))
@@ -113,37 +124,44 @@ class BatchPlan:
 def plan_batches(indices: np.ndarray, bucket_of_image: np.ndarray, cost_of_image: np.ndarray, batch_size: int,
                  bucket: bool = True, pad: bool = True) -> BatchPlan:
     """The batches of ``indices`` (sorted image indices; ``bucket_of_image`` and ``cost_of_image``
-    give each one's bucket and cost): within each bucket in index order with ``bucket``, else
-    consecutive images whatever their buckets."""
+    give each one's bucket and cost): within each bucket in index order with ``bucket`` (buckets
+    in the order of their first image), else consecutive images whatever their buckets."""
     indices = np.asarray(indices, dtype=np.int64)
-    buckets = np.asarray(bucket_of_image, dtype=np.int64)
+    buckets = np.asarray(bucket_of_image)
     costs = np.asarray(cost_of_image, dtype=np.float64)
-    batches, batch_buckets, batch_costs = [], [], []
-    if bucket and len(indices):
-        order = np.argsort(buckets, kind="stable")  # by bucket, index order inside each
-        edges = np.flatnonzero(np.diff(buckets[order])) + 1
-        groups = np.split(order, edges)
-        groups.sort(key=lambda g: indices[g[0]])  # buckets in the order of their first image
+    if bucket and len(indices) and buckets.min() != buckets.max():
+        kinds, first, group_of_image = np.unique(buckets, return_index=True, return_inverse=True)
+        rank = np.empty(len(kinds), dtype=np.int64)
+        rank[np.argsort(first)] = np.arange(len(kinds))  # groups in the order of their first image
+        group_of_image = rank[group_of_image.ravel()]
+        order = np.argsort(group_of_image, kind="stable")  # index order inside each group
+        group_sizes = np.bincount(group_of_image, minlength=len(kinds))
     else:
-        groups = [np.arange(len(indices))]
-    for group in groups:
-        for start in range(0, len(group), batch_size):
-            chosen = group[start:start + batch_size]
-            batches.append(indices[chosen])
-            batch_buckets.append(int(buckets[chosen[0]]) if bucket else -1)
-            size = batch_size if pad else len(chosen)
-            batch_costs.append(float(costs[chosen].mean()) * size)
-    return BatchPlan(batches, np.asarray(batch_buckets, dtype=np.int64), np.asarray(batch_costs), batch_size, pad)
+        order = np.arange(len(indices))
+        group_sizes = np.asarray([len(indices)] if len(indices) else [], dtype=np.int64)
+    group_starts = np.cumsum(group_sizes) - group_sizes
+    per_group = -(-group_sizes // batch_size)  # batches a group makes
+    group_of_batch = np.repeat(np.arange(len(group_sizes)), per_group)
+    within = np.arange(len(group_of_batch)) - np.repeat(np.cumsum(per_group) - per_group, per_group)
+    starts = group_starts[group_of_batch] + within * batch_size
+    ends = np.minimum(starts + batch_size, (group_starts + group_sizes)[group_of_batch])
+    sizes = ends - starts
+    mean = np.add.reduceat(costs[order], starts) / sizes if len(starts) else np.zeros(0)
+    batch_buckets = (buckets[order[starts]].astype(np.int64) if bucket and len(starts)
+                     else np.full(len(starts), -1, dtype=np.int64))
+    return BatchPlan(indices[order], np.append(starts, len(order)).astype(np.int64), batch_buckets,
+                     mean * (batch_size if pad else sizes), batch_size, pad)
 
 
 def image_facts(facts: SetFacts, set_of: Any, indices: np.ndarray, num_images_per_prompt: int,
                 bucket_of_position: Optional[dict[int, int]] = None) -> tuple[np.ndarray, np.ndarray]:
     """Each image's bucket and cost, from its record's set (``set_of``: record position -> set)."""
-    sets = np.frombuffer(set_of, dtype=np.uint32).astype(np.int64) if len(set_of) else np.zeros(0, np.int64)
-    positions = indices // num_images_per_prompt
+    sets = np.frombuffer(set_of, dtype=np.uint32) if len(set_of) else np.zeros(0, np.uint32)
+    positions = indices // num_images_per_prompt if num_images_per_prompt > 1 else indices
     image_sets = sets[positions]
-    buckets = np.asarray(facts.bucket, dtype=np.int64)[image_sets]
+    buckets = np.asarray(facts.bucket, dtype=np.int32)[image_sets]
     costs = np.asarray(facts.cost, dtype=np.float64)[image_sets]
+    del image_sets
     if bucket_of_position:
         for n, position in enumerate(positions.tolist()):
             if position in bucket_of_position:

@@ -165,10 +165,10 @@ def read_config(config: str, overrides: Optional[list[str]] = None, check: bool 
     return parsed
 
 
-def check_config(config: Any) -> bool:
+def check_config(config: Any, here: bool = True) -> bool:
     """Every weight-free check of a parsed config (``preflight``), reported in one ``ConfigError``;
     returns whether they were complete (see ``preflight``)."""
-    problems, complete = preflight(config)
+    problems, complete = preflight(config, here)
     raise_problems(problems)
     return complete
 

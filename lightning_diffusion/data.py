@@ -84,10 +84,10 @@ class BatchDataset(Dataset):
         self.plan = plan
 
     def __len__(self) -> int:
-        return len(self.plan.batches)
+        return len(self.plan)
 
     def __getitem__(self, batch: int) -> list[dict[str, Any]]:
-        positions = np.searchsorted(self.samples.indices, self.plan.batches[batch])
+        positions = np.searchsorted(self.samples.indices, self.plan.batch(batch))
         return [self.samples[int(position)] for position in positions]
 
 
@@ -98,7 +98,7 @@ class PlanSampler(DistributedSampler):
 
     def __init__(self, dataset: BatchDataset, num_replicas: int = 1, rank: int = 0) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
-        self.positions = dataset.plan.deal(num_replicas)[rank] if len(dataset) else []
+        self.positions = dataset.plan.deal(num_replicas)[rank].tolist() if len(dataset) else []
         self.num_samples = len(self.positions)
         self.total_size = len(dataset)
 

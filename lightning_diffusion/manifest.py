@@ -353,6 +353,8 @@ class Finished:
     indices: np.ndarray
     problems: list[str]
     with_inputs: dict[int, dict[str, Any]]
+    conflicted: frozenset = frozenset()
+    untidy: bool = False  # the merged manifest holds lines that do not count (see ``repair_manifest``)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -379,15 +381,23 @@ def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) 
 
     problems: list[str] = []
     looked = _Looked(folder)
+    cut, in_manifest = False, 0
     for file in files:
         if file.is_file():
             _read_blocks(looked, file, indices, keep, problems)
+            if file.name == MANIFEST:
+                cut = _cut(file)
+                in_manifest = len(indices)
     index_array = np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
+    untidy = cut or any(problem.startswith(MANIFEST + ":") for problem in problems)
+    if not untidy and (folder / MANIFEST).is_file():
+        merged = index_array[:in_manifest]
+        untidy = len(np.unique(merged)) != len(merged)
     unique, counts = np.unique(index_array, return_counts=True)
     repeated = set(unique[counts > 1].tolist())
+    conflicted: set[int] = set()
     if repeated:  # the lines of those indices, with their files: a repeat counts, a conflict does not
         seen: dict[int, tuple[Any, str]] = {}
-        conflicted: set[int] = set()
 
         def compare(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
             if index not in repeated:
@@ -403,7 +413,56 @@ def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) 
             unique = np.setdiff1d(unique, np.asarray(sorted(conflicted), dtype=np.int64), assume_unique=True)
             for index in conflicted:
                 with_inputs.pop(index, None)
-    return Finished(unique, problems, with_inputs)
+    return Finished(unique, problems, with_inputs, frozenset(conflicted), untidy)
+
+
+def _cut(file: Path) -> bool:
+    """The file ends inside a line (a merge killed mid-write)."""
+    with file.open("rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        if not end:
+            return False
+        f.seek(end - 1)
+        return f.read(1) != b"\n"
+
+
+def repair_manifest(output_dir: str | os.PathLike, found: Finished) -> int:
+    """Rewrite ``manifest.jsonl`` with only the lines that count, once each, when ``found``
+    (``finished`` of the folder, its parts merged) says it holds others: a line cut by a kill, a
+    line whose file is gone or truncated (the image is made again and appended), a repeat or a
+    conflict. Merges only append, so without this a resume would leave the stale line beside the
+    new one. Rare, and then the whole file is read once; the rewrite is atomic, under the merge
+    lock. Returns the lines dropped."""
+    folder = Path(output_dir)
+    path = folder / MANIFEST
+    if not found.untidy:
+        return 0
+    with merge_lock(folder):
+        written = np.zeros(int(found.indices.max()) + 1 if len(found.indices) else 0, dtype=bool)
+        kept = [0]
+
+        def write(out) -> None:
+            chunk: list[bytes] = []
+
+            def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+                if index in found.conflicted or index >= len(written) or written[index]:
+                    return
+                written[index] = True
+                kept[0] += 1
+                chunk.append(raw)
+                if len(chunk) >= 10_000:
+                    out.write(b"".join(chunk))
+                    chunk.clear()
+
+            _scan(folder, [path], False, keep)
+            out.write(b"".join(chunk))
+
+        total = _cut(path)
+        with path.open("rb") as f:
+            while block := f.read(_BLOCK):
+                total += block.count(b"\n")
+        _atomic_write(path, write)
+    return total - kept[0]
 
 
 def part_counts(output_dir: str | os.PathLike, glob: str = "manifest.part-*.jsonl") -> dict[int, int]:

@@ -134,11 +134,12 @@ def _rule(problems: list, reader: Any, *args: Any) -> Any:
         return None
 
 
-def preflight(config: Any) -> tuple[list, bool]:
+def preflight(config: Any, here: bool = True) -> tuple[list, bool]:
     """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config.
     Returns the problems and whether the checks were complete: the strategy's rules need the world
     size, which a config with ``devices: auto`` (or a device list) leaves to the Trainer; then the
-    ranks must run them themselves."""
+    ranks must run them themselves. ``here``: the run is on this machine (``slurm`` and ``k8s``
+    render a job for others: this machine's GPUs are not asked about)."""
     model, data, writer = dict(config.model), dict(config.data), dict(config.writer)
     problems: list = []
     records = _rule(problems, read_records, data["prompts"])
@@ -164,7 +165,8 @@ def preflight(config: Any) -> tuple[list, bool]:
         elif len(verdicts.rejected) == len(records):
             problems.append("every prompt record is rejected: " + verdicts.report())
     problems += writer_problems(writer)
-    problems += accelerator_problems(config.trainer.get("accelerator"))
+    if here:
+        problems += accelerator_problems(config.trainer.get("accelerator"))
     # Built first, so that a bad strategy argument is reported with the other problems; its rules
     # against the model run once the model and records are known to be right.
     strategy = _rule(problems, build_strategy, config.trainer.get("strategy"))

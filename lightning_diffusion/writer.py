@@ -71,6 +71,7 @@ from lightning_diffusion.manifest import (
     merge_failures,
     merge_lock,
     merge_manifest,
+    repair_manifest,
     part_counts,
     part_name,
     parts_glob,
@@ -318,6 +319,11 @@ class ImageWriter(BasePredictionWriter):
         if any(self.output_dir.glob(PART_GLOB)):
             merge_manifest(self.output_dir, self.shard)
         found = finished(self.output_dir)
+        dropped = repair_manifest(self.output_dir, found)
+        if dropped:
+            log.info("%s: %d line%s that did not count left the manifest (%s); their images are made again.",
+                     self.output_dir / MANIFEST, dropped, "" if dropped == 1 else "s",
+                     "; ".join(found.problems[:3]) + (f"; {len(found.problems) - 3} more" if len(found.problems) > 3 else ""))
         done = found.in_shard(self.shard)
         with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
         if not self.allow_config_change and with_inputs:

@@ -32,14 +32,15 @@ def test_the_batches_do_not_depend_on_the_replica_count():
     costs = np.asarray([1.0, 4.0, 2.25, 9.0, 1.0, 16.0, 0.5])[buckets]
     plan = plan_batches(indices, buckets, costs, 4)
     again = plan_batches(indices, buckets, costs, 4)
-    assert [b.tolist() for b in plan.batches] == [b.tolist() for b in again.batches]
-    for batch in plan.batches:  # one bucket a batch, index order inside
+    batches = [plan.batch(b) for b in range(len(plan))]
+    assert [b.tolist() for b in batches] == [again.batch(b).tolist() for b in range(len(again))]
+    for batch in batches:  # one bucket a batch, index order inside
         assert len(set(buckets[batch].tolist())) == 1 and batch.tolist() == sorted(batch.tolist())
-    assert sorted(np.concatenate(plan.batches).tolist()) == list(range(1000))
+    assert sorted(np.concatenate(batches).tolist()) == list(range(1000))
     assert plan.padded <= 3 * 7  # a bucket's last batch at most
     for replicas in (1, 2, 3, 8):
         dealt = plan.deal(replicas)
-        assert sorted(b for positions in dealt for b in positions) == list(range(len(plan.batches)))
+        assert sorted(b for positions in dealt for b in positions.tolist()) == list(range(len(plan)))
         shares = plan.shares(replicas)
         assert max(shares) - min(shares) <= replicas * plan.costs.max() / plan.costs.sum(), shares
 
@@ -47,15 +48,15 @@ def test_the_batches_do_not_depend_on_the_replica_count():
 def test_index_order_batches_mix_kinds_and_are_dealt_whole():
     buckets = np.asarray([0, 1, 2] * 4)
     plan = plan_batches(np.arange(12), buckets, np.ones(12), 4, bucket=False)
-    assert [b.tolist() for b in plan.batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [plan.batch(b).tolist() for b in range(len(plan))] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
 def test_the_plan_of_a_data_module_groups_records_by_their_call_arguments(tmp_path):
     data = PromptDataModule(str(write(tmp_path, mixed_records(48))), batch_size=4)
     plan = data.batch_plan(np.arange(48))
-    assert plan.num_buckets == 6 and len(plan.batches) == 12 and plan.padded == 0
+    assert plan.num_buckets == 6 and len(plan) == 12 and plan.padded == 0
     loose = PromptDataModule(str(write(tmp_path, mixed_records(48))), batch_size=4, bucket=False)
-    assert len(loose.batch_plan(np.arange(48)).batches) == 12
+    assert len(loose.batch_plan(np.arange(48))) == 12
 
 
 def _summary(out):

@@ -138,7 +138,7 @@ def _plan_report(trainer: pl.Trainer, busy: dict[str, float]) -> dict[str, Any]:
     if plan is None:
         return {}
     computed = plan.images + plan.padded
-    return {"buckets": plan.num_buckets, "batches": len(plan.batches), "padded_images": plan.padded,
+    return {"buckets": plan.num_buckets, "batches": len(plan), "padded_images": plan.padded,
             "padded_share": round(plan.padded / computed, 4) if computed else 0.0, "busy_s_by_rank": busy}
 
 

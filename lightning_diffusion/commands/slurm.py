@@ -494,7 +494,7 @@ def main(argv: list[str]) -> int:
                 print("nothing to submit: every shard asked for is complete or still running.")
                 return 0
             config.data.num_shards, config.data.shard_index = res["array"]["num_shards"], res["array"]["shards"][0]
-        check_config(config)  # predict's own weight-free checks, on the config as the job runs it
+        check_config(config, here=False)  # predict's checks, on the config as the job runs it (on the cluster's GPUs)
         if args.submit and not args.no_download:  # after the checks: a job that cannot run fetches nothing
             res["weights"] = fetch_weights(config, str(config_path))
         if args.submit or args.script:
