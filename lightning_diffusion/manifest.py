@@ -353,7 +353,7 @@ class Finished:
     indices: np.ndarray
     problems: list[str]
     with_inputs: dict[int, dict[str, Any]]
-    conflicted: frozenset = frozenset()
+    conflicted: frozenset[int] = frozenset()
     untidy: bool = False  # the merged manifest holds lines that do not count (see ``repair_manifest``)
 
     def __len__(self) -> int:
@@ -432,37 +432,39 @@ def repair_manifest(output_dir: str | os.PathLike, found: Finished) -> int:
     line whose file is gone or truncated (the image is made again and appended), a repeat or a
     conflict. Merges only append, so without this a resume would leave the stale line beside the
     new one. Rare, and then the whole file is read once; the rewrite is atomic, under the merge
-    lock. Returns the lines dropped."""
-    folder = Path(output_dir)
-    path = folder / MANIFEST
+    lock, and keeps the lines a sibling shard appended since ``found`` was read. Returns the lines
+    dropped."""
     if not found.untidy:
         return 0
+    folder = Path(output_dir)
+    path = folder / MANIFEST
     with merge_lock(folder):
         written = np.zeros(int(found.indices.max()) + 1 if len(found.indices) else 0, dtype=bool)
-        kept = [0]
+        dropped = int(_cut(path))
 
         def write(out) -> None:
+            nonlocal written, dropped
             chunk: list[bytes] = []
 
             def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
-                if index in found.conflicted or index >= len(written) or written[index]:
+                nonlocal written, dropped
+                if index >= len(written):  # appended by a sibling shard since ``found``
+                    written = np.concatenate([written, np.zeros(index + 1 - len(written) + len(written) // 2, bool)])
+                if index in found.conflicted or written[index]:
+                    dropped += 1
                     return
                 written[index] = True
-                kept[0] += 1
                 chunk.append(raw)
                 if len(chunk) >= 10_000:
                     out.write(b"".join(chunk))
                     chunk.clear()
 
-            _scan(folder, [path], False, keep)
+            problems = _scan(folder, [path], False, keep)  # the lines that do not count
+            dropped += len(problems)
             out.write(b"".join(chunk))
 
-        total = _cut(path)
-        with path.open("rb") as f:
-            while block := f.read(_BLOCK):
-                total += block.count(b"\n")
         _atomic_write(path, write)
-    return total - kept[0]
+    return dropped
 
 
 def part_counts(output_dir: str | os.PathLike, glob: str = "manifest.part-*.jsonl") -> dict[int, int]:

@@ -321,9 +321,9 @@ class ImageWriter(BasePredictionWriter):
         found = finished(self.output_dir)
         dropped = repair_manifest(self.output_dir, found)
         if dropped:
+            shown = "; ".join(found.problems[:3]) + (f"; {len(found.problems) - 3} more" if found.problems[3:] else "")
             log.info("%s: %d line%s that did not count left the manifest (%s); their images are made again.",
-                     self.output_dir / MANIFEST, dropped, "" if dropped == 1 else "s",
-                     "; ".join(found.problems[:3]) + (f"; {len(found.problems) - 3} more" if len(found.problems) > 3 else ""))
+                     self.output_dir / MANIFEST, dropped, "" if dropped == 1 else "s", shown)
         done = found.in_shard(self.shard)
         with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
         if not self.allow_config_change and with_inputs:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_diffusion.manifest import MANIFEST, finished, merge_manifest, read_output
+from lightning_diffusion.manifest import MANIFEST, finished, merge_manifest, read_output, repair_manifest
 from tests.conftest import REPO, read_manifest_lines, run_cli, run_here, tiny_args
 
 PROMPTS = "[" + ", ".join(f"prompt {n}" for n in range(10)) + "]"
@@ -103,6 +103,25 @@ def test_a_merge_ends_a_line_a_kill_cut_before_it_appends(tmp_path):
     merge_manifest(tmp_path)
     found = finished(tmp_path)
     assert found.indices.tolist() == [0] and found.problems == ["manifest.jsonl:1: not a manifest line"]
+
+
+def test_a_repair_drops_only_the_lines_that_do_not_count(tmp_path):
+    """Merges only append, so a resume rewrites the manifest once when it holds a line whose file
+    is gone, a repeat or a cut end; a line a sibling shard appends after the folder was read stays."""
+    def line(i):
+        return json.dumps({"index": i, "file": f"{i:06d}-x.png", "bytes": 3}) + "\n"
+
+    for i in (0, 2, 9):
+        (tmp_path / f"{i:06d}-x.png").write_bytes(b"png")
+    (tmp_path / MANIFEST).write_text(line(0) + line(1) + line(0) + line(2) + '{"index": 5, "fi')
+    found = finished(tmp_path)
+    assert found.untidy and found.indices.tolist() == [0, 2]
+    with (tmp_path / MANIFEST).open("a") as f:  # a sibling's merge ends the cut line and appends
+        f.write("\n" + line(9))
+    assert repair_manifest(tmp_path, found) == 3  # image 1's line, the repeat of 0, the cut line
+    assert (tmp_path / MANIFEST).read_text() == line(0) + line(2) + line(9)
+    again = finished(tmp_path)
+    assert not again.untidy and again.indices.tolist() == [0, 2, 9] and repair_manifest(tmp_path, again) == 0
 
 
 @pytest.mark.slow
