@@ -40,7 +40,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(usage())
         sys.exit(0 if words else 2)
     if words[0] not in COMMANDS:
-        print(f"lightning-diffusion: error: unknown command {words[0]!r}.\n\n{usage()}", file=sys.stderr)
+        import difflib
+
+        close = difflib.get_close_matches(words[0], list(COMMANDS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        print(f"lightning-diffusion: error: unknown command {words[0]!r}.{hint}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
     command = importlib.import_module(COMMANDS[words[0]][0])
     sys.exit(command.main(words[1:]))

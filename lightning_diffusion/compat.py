@@ -198,14 +198,24 @@ def apply_pipeline_patches() -> None:
     _patch_wan_i2v_prompt_clean_without_ftfy()
 
 
-def set_collective_timeout(timeout: timedelta) -> None:
+def set_collective_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:
     """torch 2.13 gives ``init_process_group`` one timeout for the rendezvous (connecting to the
-    store) and the collectives; the strategies start it with a generous one and set the collectives'
-    own here, through the private ``distributed_c10d._set_pg_timeout`` (present since torch 2.4).
-    Where it is missing, the collectives keep the rendezvous timeout."""
+    store) and the collectives, and ``init_device_mesh`` none for the groups it makes; the
+    strategies set the collectives' own here (the default group's when ``group`` is None), through
+    the private ``distributed_c10d._set_pg_timeout`` (present since torch 2.4), which sets the
+    timeout of the group's gloo or NCCL backend. Where it is missing, torch's defaults stay."""
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if setter is not None:
-        setter(timeout)
+        setter(timeout, group)
+
+
+def collective_timeout(group: Any) -> Optional[timedelta]:
+    """The timeout a group's collectives wait, read back from its backend's options (gloo, NCCL)."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None:
+            return options._timeout
+    return None
 
 
 def apply_parallel_patches() -> None:

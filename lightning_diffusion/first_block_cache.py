@@ -117,13 +117,18 @@ class _HeadHook(_FirstBlockHook):
         self.state_manager.reset()
         return module
 
-    @torch.compiler.disable
+    @torch.compiler.disable(recursive=False)
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # Under model.compile only the block's own forward is traced (see _BlockHook.new_forward).
+        output = self.fn_ref.original_forward(*args, **kwargs)
+        return self._decide(args, kwargs, output)
+
+    @torch.compiler.disable
+    def _decide(self, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.state_manager._context is None:  # a pipeline without cache contexts
             self.state_manager.set_context(CacheContext(name="inference"))
         state = self.state_manager.get_state()
         hidden_in = self.block.inputs(args, kwargs)[0]
-        output = self.fn_ref.original_forward(*args, **kwargs)
         head = self.block.outputs(output)
         residual = head[0] - hidden_in.to(head[0].device)
         fresh = state.reference is None or state.reference.shape != residual.shape
@@ -149,13 +154,28 @@ class _BlockHook(_FirstBlockHook):
         super().__init__(state_manager)
         self.is_tail = is_tail
 
+    @torch.compiler.disable(recursive=False)
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = self.state_manager.get_state()
-        if not any(state.compute):
-            return self.block.output(self.block.inputs(args, kwargs))
+        # Under model.compile, dynamo skips this frame and the decisions around it (run eagerly)
+        # and traces only the block's own forward: guards on the cache's state (the guidance
+        # branch's name, which images reuse, the last block) would otherwise make a graph per
+        # pattern, past dynamo's recompile limit, after which it runs eagerly without a word.
+        if self._passes_through():
+            return self._pass_through(args, kwargs)
         output = self.fn_ref.original_forward(*args, **kwargs)
-        if not self.is_tail:
-            return output
+        return self._record(output) if self.is_tail else output
+
+    @torch.compiler.disable
+    def _passes_through(self) -> bool:
+        return not any(self.state_manager.get_state().compute)
+
+    @torch.compiler.disable
+    def _pass_through(self, args: tuple, kwargs: dict) -> Any:
+        return self.block.output(self.block.inputs(args, kwargs))
+
+    @torch.compiler.disable
+    def _record(self, output: Any) -> Any:
+        state = self.state_manager.get_state()
         parts = self.block.outputs(output)
         residuals = tuple(p - h.to(p.device) for p, h in zip(parts, state.head))
         if all(state.compute):

@@ -10,7 +10,9 @@ GPUs. ``GroupWork`` installs three things on a loaded pipeline, on every rank of
   rank gets what one device computes for the whole batch. A call whose tensor arguments are not all
   batch-first (an image encoder's flattened patches) runs whole. The tokenizer padded the batch to
   one length before the call, so the slices have equal shapes. Output fields no diffusion pipeline
-  reads (``NOT_GATHERED``: logits, the KV cache) come back as ``None``.
+  reads (``NOT_GATHERED``: logits, the KV cache) come back as ``None``. Where the pipeline method
+  making the call provably reads one hidden state of it and nothing else (``_one_hidden_state``:
+  Qwen-Image's ``hidden_states[-1]``), only that state is gathered and the rest is ``None``.
 * **VAE decoding by sample.** ``vae.decode`` on a batch of two or more latents decodes one slice per
   rank and all-gathers the images.
 * **VAE decoding by tile** (``model.vae_tiling``, for the VAEs in ``TILE_PARALLEL``). The tiles of
@@ -31,7 +33,12 @@ one process on the tiny pipelines, see tests/test_group_work.py).
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import math
+import sys
+import textwrap
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,6 +52,12 @@ HOOK_NAME = "lightning_diffusion.group_split"
 TILE_PARALLEL = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")
 NOT_GATHERED = ("logits", "past_key_values", "cache", "loss")  # transformers 4 and 5 names
 _ALIGN = 16  # bytes: every tensor starts at an offset any dtype can be viewed from
+# Backends whose all-gather into one tensor is not copy-free: gloo's (torch 2.13) cuts the output
+# into per-rank chunks and runs its list all-gather, which gathers into a flat staging tensor of the
+# whole output and copies out of it; MPI has none. ``exchange`` broadcasts each rank's slot there.
+_BROADCAST_BACKENDS = ("gloo", "mpi")
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _TilesDecoded(Exception):
@@ -53,32 +66,56 @@ class _TilesDecoded(Exception):
 
 def exchange(tensors: list[torch.Tensor], group: Any, device: torch.device) -> list[list[torch.Tensor]]:
     """Every rank's ``tensors`` (any number, shapes and dtypes) on every rank of ``group``, by rank:
-    one all-gather of their shapes and one of their bytes (padded to the longest rank's). The list
-    is emptied once packed, so that its tensors can be freed before the others arrive."""
-    size = dist.get_world_size(group)
+    one all-gather of their shapes and one of their bytes, each rank's padded to the longest rank's.
+
+    The bytes land in one flat buffer of ``group size x longest`` and the results are views into it:
+    nothing else of that size is held. Each rank packs its tensors straight into its own slot of
+    the buffer, popping them off ``tensors`` one by one (so that a tensor nobody else holds is freed
+    as soon as it is packed), and that slot is the input of an in-place all-gather into one tensor
+    (on gloo and MPI: a broadcast from each rank's slot, see ``_BROADCAST_BACKENDS``). A list
+    all-gather into per-rank buffers held about twice the gathered bytes (the buffers, and the
+    backend's flat staging tensor it copies them out of)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     metas: list[Any] = [None] * size
     dist.all_gather_object(metas, [(tuple(t.shape), t.dtype) for t in tensors], group=group)
-    pieces = []
-    for tensor in tensors:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        pieces += [data, data.new_zeros((-data.numel()) % _ALIGN)]
-    lengths = [sum(_padded_bytes(shape, dtype) for shape, dtype in meta) for meta in metas]
-    longest = max(lengths)
-    mine = torch.cat(pieces + [torch.zeros(longest - sum(p.numel() for p in pieces), dtype=torch.uint8,
-                                            device=device)])
-    pieces.clear()
-    tensors.clear()
-    buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
-    dist.all_gather(buffers, mine, group=group)
+    longest = max(sum(_padded_bytes(shape, dtype) for shape, dtype in meta) for meta in metas)
+    flat = torch.empty(size * longest, dtype=torch.uint8, device=device)
+    mine = flat[rank * longest:(rank + 1) * longest]
+    offset = 0
+    tensors.reverse()
+    while tensors:
+        tensor = tensors.pop()
+        count, padded = tensor.numel() * tensor.element_size(), _padded_bytes(tuple(tensor.shape), tensor.dtype)
+        mine[offset:offset + count].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        mine[offset + count:offset + padded].zero_()
+        offset += padded
+        del tensor
+    mine[offset:].zero_()
+    if _backend(group, device) in _BROADCAST_BACKENDS:
+        # One in-place broadcast per rank, from its slot (gloo and MPI broadcast into the tensor
+        # itself): the same bytes as an all-gather, without the backend's staging copy.
+        for source in range(size):
+            slot = flat[source * longest:(source + 1) * longest]
+            dist.broadcast(slot, src=dist.get_global_rank(group, source), group=group)
+    else:
+        _all_gather_single(flat, mine, group=group)  # NCCL: in place (the input is the output's slot)
     result = []
-    for buffer, meta in zip(buffers, metas):
-        offset, unpacked = 0, []
+    for r, meta in enumerate(metas):
+        offset, unpacked = r * longest, []
         for shape, dtype in meta:
             count = math.prod(shape) * dtype.itemsize
-            unpacked.append(buffer[offset:offset + count].view(dtype).reshape(shape))
+            unpacked.append(flat[offset:offset + count].view(dtype).view(shape))
             offset += _padded_bytes(shape, dtype)
         result.append(unpacked)
     return result
+
+
+def _backend(group: Any, device: torch.device) -> str:
+    """The backend that carries ``device``'s tensors in ``group`` (``cpu:gloo,cuda:nccl`` -> one)."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device.type, backend)
+    return backend
 
 
 def _padded_bytes(shape: tuple, dtype: torch.dtype) -> int:
@@ -119,10 +156,15 @@ class GroupWork:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.encoders = [module for name, module in pipeline.components.items()
-                         if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)]
-        for module in self.encoders:
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(_Hook(self.encode), HOOK_NAME)
+        named = [(name, module) for name, module in pipeline.components.items()
+                 if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)]
+        self.encoders = [module for _, module in named]
+        for name, module in named:
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(
+                _Hook(functools.partial(self.encode, encoder=name)), HOOK_NAME)
+        # The pipeline's methods whose encoder call is read for one hidden state only (code -> what
+        # ``_one_hidden_state`` found): such a call gathers only that state.
+        self.readers = self._hidden_state_readers({name for name, _ in named})
         self.vae = getattr(pipeline, "vae", None)
         self.tiles = False
         self.mode = "off"  # decoder calls: "off" (pass through), "collect" (pass one), "replay" (pass two)
@@ -132,6 +174,7 @@ class GroupWork:
         self.answers: list[torch.Tensor] = []
         # Over the run: calls split by sample, tiles of tiled decodes and this rank's share of them.
         self.encoder_splits = self.decode_splits = self.tiles_seen = self.tiles_decoded = 0
+        self.bytes_received = 0  # by this rank's exchanges, its own share included
         if isinstance(self.vae, torch.nn.Module) and callable(getattr(self.vae, "decode", None)):
             self._original_decode = self.vae.decode
             self.vae.decode = self.decode
@@ -192,17 +235,22 @@ class GroupWork:
         if not local:
             return output
         count = len(local)
-        parts = exchange(local, self.group, local[0].device)
-        whole = iter([torch.cat([rank_parts[i] for rank_parts in parts])[:batch] for i in range(count)])
+        parts = self._exchange(local, local[0].device)
+        whole = iter([_joined([rank_parts[i] for rank_parts in parts])[:batch] for i in range(count)])
 
         def replace(tensor: torch.Tensor) -> torch.Tensor:
             return next(whole) if tensor.dim() >= 1 and tensor.shape[0] == chunk else tensor
 
         return _map_tensors(output, replace)
 
+    def _exchange(self, tensors: list[torch.Tensor], device: torch.device) -> list[list[torch.Tensor]]:
+        parts = exchange(tensors, self.group, device)
+        self.bytes_received += sum(t.nbytes for share in parts for t in share)
+        return parts
+
     # ----------------------------------------------------------------- text encoders
 
-    def encode(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    def encode(self, forward: Callable, args: tuple, kwargs: dict, encoder: str = "") -> Any:
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 1]
         batch = tensors[0].shape[0] if tensors else 0
         if batch < 2 or any(t.shape[0] != batch for t in tensors):
@@ -211,7 +259,37 @@ class GroupWork:
             return forward(*args, **kwargs)
         output = forward(*(self._take(v, batch) for v in args), **{k: self._take(v, batch) for k, v in kwargs.items()})
         self.encoder_splits += 1
+        index = self._read_index(encoder) if self.readers and kwargs.get("output_hidden_states") is True else None
+        if index is not None:
+            output = _only_hidden_state(output, index)
         return self._gather(output, batch)
+
+    def _read_index(self, encoder: str) -> Optional[int]:
+        """The one hidden state that the caller of this ``encoder`` call reads, where it is a reader
+        (``self.readers``) of this pipeline calling it from the call site that was checked, else None."""
+        frame = sys._getframe(1)
+        while frame is not None and str(frame.f_globals.get("__name__")).startswith(_CALL_MACHINERY):
+            frame = frame.f_back  # nn.Module.__call__, the hooks' forwards, this module
+        found = self.readers.get(frame.f_code) if frame is not None else None
+        if found is None or found[0] != encoder or not found[2] <= frame.f_lineno <= found[3] \
+                or frame.f_locals.get("self") is not self.pipeline:
+            return None
+        return found[1]
+
+    def _hidden_state_readers(self, encoders: set[str]) -> dict[Any, tuple[str, int, int, int]]:
+        """The methods of the pipeline's class that read one hidden state of an encoder's output and
+        nothing else of it (their code -> encoder, index, lines of the call): ``_one_hidden_state``."""
+        readers = {}
+        for cls in type(self.pipeline).__mro__:
+            if cls.__module__.startswith(("diffusers.pipelines.pipeline_utils", "diffusers.configuration_utils",
+                                          "builtins")):
+                continue
+            for function in vars(cls).values():
+                if inspect.isfunction(function) and "hidden_states" in _names(function.__code__):
+                    found = _one_hidden_state(function)
+                    if found is not None and found[0] in encoders:
+                        readers[function.__code__] = found
+        return readers
 
     # ----------------------------------------------------------------- VAE decoding
 
@@ -297,7 +375,7 @@ class GroupWork:
         self.tiles_decoded += len({calls[c] for c in self.mine})
         owned = [self.mine[c] for c in sorted(self.mine)]
         self.mine = {}
-        parts = exchange(owned, self.group, z.device)
+        parts = self._exchange(owned, z.device)
         self.answers = self._answers(calls, parts)
         self.mode, self.calls, self.new_tile = "replay", [], True
         try:
@@ -313,6 +391,127 @@ class GroupWork:
         """Each decoder call's output, from its owner's share of the exchange (call order)."""
         taken = [iter(share) for share in parts]
         return [next(taken[tile % self.size]) for tile in calls]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``; a view, not a copy, where the parts lie back to back in one buffer (an
+    exchange of one tensor per rank whose bytes need no padding: a decode or one hidden state)."""
+    first = parts[0]
+    shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+    if all(p.shape == first.shape and p.dtype == first.dtype and p.is_contiguous()
+           and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and p.data_ptr() == first.data_ptr() + i * first.nbytes for i, p in enumerate(parts)):
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        return first.as_strided(shape, strides)
+    return torch.cat(parts)
+
+
+def _only_hidden_state(output: Any, index: int) -> Any:
+    """An encoder's ``output`` with only ``hidden_states[index]`` left (the rest ``None``, the tuple's
+    length kept): all that its caller reads (``_one_hidden_state``). Anything else: as it is."""
+    states = output.get("hidden_states") if isinstance(output, dict) else None
+    if not isinstance(states, tuple) or not -len(states) <= index < len(states):
+        return output
+    keep = index % len(states)
+    try:
+        return type(output)(hidden_states=tuple(s if i == keep else None for i, s in enumerate(states)))
+    except TypeError:  # an output class with required fields
+        return output
+
+
+# Modules whose frames lie between a pipeline method and an encoder's hook: nn.Module.__call__,
+# diffusers' and accelerate's hooks, this module.
+_CALL_MACHINERY = ("torch.nn.modules.", "diffusers.hooks.", "accelerate.hooks", __name__)
+
+
+def _names(code: Any) -> set[str]:
+    """The attribute and global names a code object and the code nested in it use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if inspect.iscode(constant):
+            names |= _names(constant)
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _one_hidden_state(function: Callable) -> Optional[tuple[str, int, int, int]]:
+    """``(encoder, index, first line, last line)`` where ``function`` (a pipeline method) makes a
+    call ``out = self.<encoder>(..., output_hidden_states=True)`` on those lines and provably reads
+    nothing of its result but ``out.hidden_states[index]``, else ``None``. From its source: that is
+    the method's only call of ``self.text_encoder*``, with no call in its arguments; ``out`` is
+    assigned nowhere else and read only as ``out.hidden_states[<int>]``, one index throughout (no
+    ``locals()``, ``vars()``, ``eval``); the encoder is otherwise only the base of an attribute
+    (``self.text_encoder.dtype``). ``GroupWork._read_index`` then takes only a call made from that
+    method's frame on those lines as that call. Qwen-Image's ``_get_qwen_prompt_embeds`` is one
+    (``hidden_states[-1]``, of 29 with Qwen2.5-VL 7B); SDXL's ``encode_prompt`` is not (it reads
+    ``hidden_states[-2]`` and the pooled output)."""
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError):
+        return None
+    source = "".join(lines)
+    if "output_hidden_states" not in source:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    definition = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(definition, ast.FunctionDef) or not definition.args.args or definition.args.args[0].arg != "self":
+        return None
+    nodes = list(ast.walk(definition))
+    parents = {child: node for node in nodes for child in ast.iter_child_nodes(node)}
+
+    def self_attribute(node: ast.AST) -> Optional[str]:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            return node.attr
+        return None
+
+    calls = [node for node in nodes if isinstance(node, ast.Call)
+             and (self_attribute(node.func) or "").startswith("text_encoder")]
+    if len(calls) != 1:
+        return None
+    call = calls[0]
+    encoder = self_attribute(call.func)
+    if not any(k.arg == "output_hidden_states" and isinstance(k.value, ast.Constant) and k.value.value is True
+               for k in call.keywords):
+        return None
+    if any(isinstance(node, ast.Call) and node is not call and node.lineno <= call.end_lineno
+           and node.end_lineno >= call.lineno for node in nodes):
+        return None  # another call on the encoder call's lines (in its arguments or beside it)
+    assignment = parents.get(call)
+    if not (isinstance(assignment, ast.Assign) and assignment.value is call and len(assignment.targets) == 1
+            and isinstance(assignment.targets[0], ast.Name)):
+        return None
+    out = assignment.targets[0]
+    indices = set()
+    for node in nodes:
+        if isinstance(node, ast.Name) and node.id in ("locals", "vars", "eval", "exec"):
+            return None
+        if self_attribute(node) == encoder and node is not call.func and \
+                not isinstance(parents.get(node), ast.Attribute):
+            return None  # the encoder passed on or aliased
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and out.id in node.names or \
+                isinstance(node, ast.arg) and node.arg == out.id:
+            return None
+        if not isinstance(node, ast.Name) or node.id != out.id or node is out:
+            continue
+        attribute = parents.get(node)
+        subscript = parents.get(attribute)
+        if not (isinstance(node.ctx, ast.Load) and isinstance(attribute, ast.Attribute)
+                and attribute.attr == "hidden_states" and isinstance(subscript, ast.Subscript)
+                and subscript.value is attribute and isinstance(subscript.ctx, ast.Load)):
+            return None
+        try:
+            index = ast.literal_eval(subscript.slice)
+        except (ValueError, TypeError, SyntaxError):
+            return None
+        if type(index) is not int:
+            return None
+        indices.add(index)
+    if len(indices) != 1:
+        return None
+    return encoder, indices.pop(), first + call.lineno - 1, first + call.end_lineno - 1
 
 
 def _sample(output: Any) -> torch.Tensor:

@@ -73,6 +73,20 @@ def conflicting_runs(folder: Path, shard: Optional[tuple[int, int]]) -> list[str
     return conflicts
 
 
+def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optional[str]) -> Optional[str]:
+    """Why a run of ``shard`` cannot write ``folder``: ``holder`` (the live run holding its lock),
+    or live runs of other shards that make some of the same images; None when it can."""
+    if holder is not None:
+        which = "" if shard is None else f"shard {shard[0]} of {shard[1]} of "
+        return (f"{which}{folder} is being written by another run ({holder}); wait for it to end or choose another "
+                "writer.output_dir.")
+    others = conflicting_runs(folder, shard)
+    if others:
+        return (f"{folder} is being written by {', '.join(others)}, which makes some of the same images; wait for it "
+                "to end, or run the same shard count (data.num_shards).")
+    return None
+
+
 class OutputLock:
     def __init__(self, folder: Path, shard: Optional[tuple[int, int]] = None) -> None:
         self.path = Path(folder) / lock_name(shard)

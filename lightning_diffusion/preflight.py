@@ -22,6 +22,7 @@ from lightning_diffusion.manifest import finished, settings_conflict, shard_size
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
 from lightning_diffusion.files import FILES_PER_FOLDER
+from lightning_diffusion.lock import OutputLock, busy_message
 from lightning_diffusion.writer import run_settings, storage_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
@@ -46,7 +47,37 @@ def disk_space_problems(
     if need <= free:
         return []
     return [f"{pending:,} outputs of {height}x{width}{f' x {frames} frames' if frames > 1 else ''} need about "
-            f"{need / 1e9:,.1f} GB, but {existing} has {free / 1e9:,.1f} GB free."]
+            f"{_size(need)}, but {existing} has {_size(free)} free."]
+
+
+def _size(count: float) -> str:
+    """Bytes in the unit that shows them (``12 MB``, ``1.5 GB``), never ``0.0 GB`` for a small run."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}"
+    return f"{int(count)} bytes"
+
+
+def busy_folder_problems(output_dir: str, num_shards: int = 1, shard_index: int = 0) -> list[str]:
+    """Another live run writes the folder (or images of this shard): refused before any process
+    starts, as the writer refuses it when the run starts (its lock is taken only then)."""
+    folder = Path(output_dir).expanduser()
+    if not folder.is_dir():
+        return []
+    shard = (shard_index, num_shards) if num_shards > 1 else None
+    message = busy_message(folder, shard, OutputLock(folder, shard).holder())
+    return [message] if message else []
+    shard = (shard_index, num_shards) if num_shards > 1 else None
+    which = "" if shard is None else f"shard {shard[0]} of {shard[1]} of "
+    holder = OutputLock(folder, shard).holder()
+    if holder is not None:
+        return [f"{which}{folder} is being written by another run ({holder}); wait for it to end or choose another "
+                "writer.output_dir."]
+    others = conflicting_runs(folder, shard)
+    if others:
+        return [f"{folder} is being written by {', '.join(others)}, which makes some of the same images; wait for it "
+                "to end, or run the same shard count (data.num_shards)."]
+    return []
 
 
 def build_strategy(spec: Any) -> Optional[Any]:
@@ -181,6 +212,8 @@ def preflight(config: Any, here: bool = True) -> tuple[list, bool]:
                                    options["attention_backend"], options["quantization"],
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
+    if not problems and is_int(data.get("num_shards", 1), 1) and is_int(data.get("shard_index", 0), 0):
+        problems += busy_folder_problems(writer["output_dir"], data.get("num_shards", 1), data.get("shard_index", 0))
     if info is not None and records is not None and not problems:
         problems += disk_space_problems(info, call_args, records, data["num_images_per_prompt"], writer["output_dir"],
               data.get("num_shards", 1), data.get("shard_index", 0))

@@ -248,6 +248,9 @@ def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
     problems += _caught(resolve_dtype, settings.get("torch_dtype", "float32"))
     if settings.get("attention_backend") is not None:
         problems += attention_backend_problems(settings["attention_backend"])
+        if not problems:
+            problems += backend_dtype_problems(settings["attention_backend"],
+                                               resolve_dtype(settings.get("torch_dtype", "float32")))
     if settings.get("quantization") is not None and "quantization_config" in from_pretrained_kwargs:
         problems.append("model.quantization and model.from_pretrained_kwargs.quantization_config both quantize: keep "
                         "model.quantization.")
@@ -311,6 +314,29 @@ def attention_backend_problems(name: Any) -> list[str]:
     except (RuntimeError, ImportError) as err:
         return [f"model.attention_backend {name!r}: {err}"]
     return []
+
+
+def backend_dtype_problems(name: str, dtype: Any, where: str = "model.attention_backend") -> list[str]:
+    """A backend whose kernels take half precision only (flash, sage, ``_native_cudnn``...: read
+    from the backend's own constraints in diffusers) with float32 weights would fail at the first
+    step, after every weight loaded: diffusers checks the dtype only under ``DIFFUSERS_ATTN_CHECKS``."""
+    import torch
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    try:
+        backend = AttentionBackendName(name)
+    except ValueError:
+        return []  # named by attention_backend_problems
+    checks = {getattr(check, "__name__", "") for check in _AttentionBackendRegistry._constraints.get(backend, ())}
+    if "_check_qkv_dtype_bf16" in checks and dtype != torch.bfloat16:
+        need = "bfloat16"
+    elif "_check_qkv_dtype_bf16_or_fp16" in checks and dtype not in (torch.bfloat16, torch.float16):
+        need = "bfloat16 or float16"
+    else:
+        return []
+    return [f"{where} {name!r} needs {need} (its kernels take half precision only), but model.torch_dtype is "
+            f"{str(dtype).removeprefix('torch.')}: set model.torch_dtype to bfloat16, or choose a backend that takes "
+            "float32 (native, _native_efficient, flex, xformers)."]
 
 
 def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
@@ -502,23 +528,60 @@ def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None)
 # ----------------------------------------------------------------------------- the writer section
 
 
+# Kernel file systems that hold no files of ours (writes fail or vanish); from /proc/mounts.
+PSEUDO_FILE_SYSTEMS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                       "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs", "autofs",
+                       "binfmt_misc", "efivarfs", "rpc_pipefs", "nsfs"}
+
+
+def mount_of(path: Path) -> Optional[tuple[str, str]]:
+    """The mount point and file system type that hold ``path`` (an existing path), from
+    /proc/mounts; None where that file is absent (not Linux)."""
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    resolved, best = str(path.resolve()), None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, fields[2])
+    return best
+
+
+def output_dir_problems(path: Path) -> list[str]:
+    """``writer.output_dir``: a folder (or one that can be made) on a writable file system that
+    stores files: not below a file, not read-only, not a kernel pseudo file system (/proc, /sys)."""
+    if path.exists() and not path.is_dir():
+        return [f"writer.output_dir {str(path)!r} is a file, not a folder."]
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        return [f"writer.output_dir {str(path)!r} is below {str(existing)!r}, which is a file."]
+    mount = mount_of(existing)
+    if mount is not None and mount[1] in PSEUDO_FILE_SYSTEMS:
+        return [f"writer.output_dir {str(path)!r} is on {mount[0]}, a {mount[1]} file system of the kernel that "
+                "stores no files: choose a folder on a disk."]
+    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+        where = f" ({mount[0]})" if mount is not None else ""
+        return [f"writer.output_dir {str(path)!r} is on a read-only file system{where}: choose a writable folder."]
+    if not os.access(existing, os.W_OK):
+        if existing == path:
+            return [f"writer.output_dir {str(path)!r} is not writable by this user."]
+        return [f"writer.output_dir {str(path)!r} cannot be created: {str(existing)!r} is not writable."]
+    return []
+
+
 def writer_problems(settings: Mapping[str, Any]) -> list[str]:
     """``ImageWriter``'s arguments by name (absent ones take its defaults)."""
     from lightning_diffusion.background import WRITE_IN
     from lightning_diffusion.files import (FILES_PER_FOLDER, FORMATS, FSYNC, IMAGE_FORMATS, LAYOUTS,
                                            SAMPLES_PER_SHARD, VIDEO_FORMATS)
 
-    problems: list[str] = []
-    path = Path(str(settings.get("output_dir", "outputs"))).expanduser()
-    if path.exists() and not path.is_dir():
-        problems.append(f"writer.output_dir {str(path)!r} is a file, not a folder.")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                problems.append(f"writer.output_dir {str(path)!r} is below {str(parent)!r}, which is a file.")
-            elif not os.access(parent, os.W_OK) and not path.exists():
-                problems.append(f"writer.output_dir {str(path)!r} cannot be created: {str(parent)!r} is not writable.")
-            break
+    problems: list[str] = output_dir_problems(Path(str(settings.get("output_dir", "outputs"))).expanduser())
     problems += one_of(settings.get("video_format", "mp4"), "writer.video_format", VIDEO_FORMATS)
     problems += integer(settings.get("fps", 16), "writer.fps")
     problems += one_of(settings.get("image_format", "png"), "writer.image_format", list(IMAGE_FORMATS))

@@ -55,7 +55,7 @@ from lightning_diffusion.files import (  # noqa: F401 (names of the writer's fil
     write_animation,
     write_mp4,
 )
-from lightning_diffusion.lock import OutputLock, conflicting_runs
+from lightning_diffusion.lock import OutputLock, busy_message
 from lightning_diffusion.validation import writer_problems
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.manifest import (
@@ -289,14 +289,11 @@ class ImageWriter(BasePredictionWriter):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._lock = OutputLock(self.output_dir, self.shard)
         holder = self._lock.acquire()
-        which = "" if self.shard is None else f"shard {self.shard[0]} of {self.shard[1]} of "
+        busy = busy_message(self.output_dir, self.shard, holder)
         if holder is not None:
-            return (f"{which}{self.output_dir} is being written by another run ({holder}); wait for it to end "
-                    "or choose another writer.output_dir."), []
-        others = conflicting_runs(self.output_dir, self.shard)
-        if others:
-            return self._refuse(f"{self.output_dir} is being written by {', '.join(others)}, which makes some of the "
-                                f"same images; wait for it to end, or run the same shard count (data.num_shards).")
+            return busy, []  # the lock is the other run's
+        if busy is not None:
+            return self._refuse(busy)
         run_file = self.output_dir / RUN_FILE
         if run_file.is_file():
             conflict = None if self.allow_config_change else settings_conflict(self.output_dir, settings)
@@ -425,6 +422,11 @@ class ImageWriter(BasePredictionWriter):
                 self._files.finish()
             except Exception as err:
                 raise RuntimeError(f"writing images failed: {type(err).__name__}: {err}") from err
+
+    def drain_on_stall(self) -> None:
+        """From the stall watch's thread, while the prediction thread waits in a collective that will
+        not end: write the images already queued, then the rank ends (``StallWatch``)."""
+        self._drain(wait=True)
 
     @staticmethod
     def _raise_error(writers: Optional[WriterProcess | WriterThreads]) -> None:

@@ -6,6 +6,9 @@ Weight reads are observed with a Python audit hook on file opens (nothing is rep
 """
 
 import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +43,8 @@ def files(tmp_path):
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "busy").mkdir()  # a folder a live run (this test's process) writes
+    (tmp_path / "busy" / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     for name, record in {
         "nan": '{"prompt": "x", "guidance_scale": NaN}', "inf": '{"prompt": "x", "true_cfg_scale": Infinity}',
         "bigseed": '{"prompt": "x", "seed": 1000000000000000000000000000000}',
@@ -150,6 +155,11 @@ CASES = [
                           "--trainer.strategy.init_args.timeout", "-1"], "timeout must be a positive number of seconds"),
     ("unknown device map", ["--trainer.strategy.class_path", DM, "--trainer.strategy.init_args.device_map", "sequential"],
      "device_map must be 'auto', 'balanced'"),
+    ("output folder on /proc", ["--writer.output_dir", "/proc/lightning-diffusion-test/out"],
+     "writer.output_dir '/proc/lightning-diffusion-test/out' is on /proc, a proc file system of the kernel that "
+     "stores no files: choose a folder on a disk."),
+    ("output folder in use", ["--writer.output_dir", "{d}/busy"],
+     "{d}/busy is being written by another run (pid %d on %s); wait for it to end" % (os.getpid(), socket.gethostname())),
     ("offload folder not writable", ["--trainer.strategy.class_path", DM, "--trainer.strategy.init_args.offload_folder",
                                      "{d}/afile/offload"], "is not a writable folder"),
 ]
@@ -303,3 +313,36 @@ def test_an_unknown_key_in_a_config_file_is_named_with_a_suggestion(command, tmp
     assert line.startswith("lightning-diffusion: error: unknown key ") and "\n" not in line
     assert ("data.batchsize; did you mean data.batch_size?" in line
             or "model.num_steps; did you mean model.num_inference_steps?" in line), line
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A read-only bind mount of an empty folder (needs CAP_SYS_ADMIN: root here and in CI)."""
+    source, target = tmp_path / "rw", tmp_path / "ro"
+    source.mkdir()
+    target.mkdir()
+    if subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(target)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only here")
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], capture_output=True)
+
+
+def test_an_output_folder_on_a_read_only_file_system_is_refused_in_one_line(read_only_folder, capsys):
+    for folder in (read_only_folder, read_only_folder / "new" / "out"):  # an existing folder, and one to create
+        with pytest.raises(SystemExit) as exit_info:
+            main(["predict", "--config", "configs/tiny-flux.yaml", "--writer.output_dir", str(folder)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"lightning-diffusion: error: writer.output_dir {str(folder)!r} is on a "
+                                            f"read-only file system ({read_only_folder}): choose a writable folder."]
+
+
+def test_free_space_is_said_in_a_unit_that_shows_it():
+    from lightning_diffusion.preflight import _size
+
+    assert [_size(n) for n in (512, 12_300, 4_500_000, 2.5e9, 3e12)] == ["512 bytes", "12.3 kB", "4.5 MB", "2.5 GB",
+                                                                           "3.0 TB"]

@@ -69,9 +69,10 @@ def test_first_block_cache_agrees_under_model_parallelism(name, cached_reference
         np.testing.assert_allclose(ours[i], images[i], rtol=0, atol=ATOL, err_msg=f"image {i}")
 
 
-def _generate(cache, batch_size, steps=12, count=4, **call):
-    module = DiffusionModule("tiny:shapes", num_inference_steps=steps, cache=cache, **call)
+def _generate(cache, batch_size, steps=12, count=4, compile=None, **call):
+    module = DiffusionModule("tiny:shapes", num_inference_steps=steps, cache=cache, compile=compile, **call)
     module.configure_model()
+    module.compile_denoisers()
     module.batch_size = batch_size
     prompts = [caption(scene) for scene in held_out_scenes()[:count]]
     images = []
@@ -95,6 +96,29 @@ def test_first_block_cache_decides_per_image():
     np.testing.assert_allclose(four, one, rtol=0, atol=ATOL)
     uncached, _ = _generate(None, 4)
     assert np.abs(four - uncached).max() > 1e-3, "the cache reused steps but changed nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_compiled_first_block_cache_compiles_a_bounded_number_of_graphs_and_decides_as_eager(mode):
+    """The cache's decisions run outside the compiled graphs: guards on which images reuse, the
+    guidance branch or the last block would make a graph per pattern until dynamo's recompile limit
+    (8 per code object), after which it runs eagerly without a word (17 graphs were made here for 3
+    batches when the decisions were traced). Decisions equal eager's; images within the float bound."""
+    from torch._dynamo.utils import counters
+
+    cache = {"type": "first_block", "threshold": 0.5}
+    call = {"call_kwargs": {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}}
+    eager, eager_cache = _generate(cache, 2, steps=8, count=6, **call)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, compiled_cache = _generate(cache, 2, steps=8, count=6, compile=mode, **call)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= {"regional": 4, "full": 8}[mode], dict(counters["stats"])
+    e, c = eager_cache.stats, compiled_cache.stats
+    assert (c.image_steps, c.reused_image_steps) == (e.image_steps, e.reused_image_steps)
+    assert 0 < e.reused_image_steps < e.image_steps
+    np.testing.assert_allclose(compiled, eager, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("cache", [

@@ -81,7 +81,7 @@ def test_help_lists_every_subcommand_with_one_line(capsys):
         assert f"  {name}" in out and summary in out
     with pytest.raises(SystemExit) as exit_info:
         main(["predcit"])
-    assert exit_info.value.code == 2 and "unknown command 'predcit'" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unknown command 'predcit'. Did you mean 'predict'?" in capsys.readouterr().err
 
 
 def test_one_config_reader_takes_equals_and_nested_overrides(tmp_path):
@@ -158,7 +158,10 @@ def test_gpu_check_rehearsal_runs_every_one_gpu_check_on_the_cpu(tmp_path):
     assert {"data-parallel-vs-diffusers", "device-map-auto", "device-map-balanced", "staged", "compile-regional",
             "quantization-fp8", "quantization-int8", "first-block-cache", "ulysses-cuda", "ring-bf16-cuda",
             "tensor-parallel-cuda", "cfg-parallel-cuda", "mesh-cuda", "one-gpu-per-task", "cpu-tensor-parallel-on-a-gpu-machine",
-            "device-map-own-gpus", "cuda-pipeline"} <= set(rows)
+            "device-map-own-gpus", "cuda-pipeline", "compile-ulysses-cuda", "compile-tp-cuda",
+            "tile-parallel-decode-cuda", "tile-parallel-decode-cfg-cuda", "quantized-ulysses-cuda", "ulysses-whole-work-cuda", "tp-whole-work-cuda",
+            "first-block-cache-ulysses-cuda", "first-block-cache-tp-cuda", "lora-tensor-parallel-cuda",
+            "communicator-memory", "stuck-peer-nccl"} <= set(rows)
     ran = {name for name, row in rows.items() if row["result"] == "PASS"}
     assert ran == {"data-parallel-vs-diffusers", "device-map-auto", "staged", "compile-regional", "quantization-int8",
                    "first-block-cache"}, rows

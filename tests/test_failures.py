@@ -175,3 +175,49 @@ def test_the_launcher_leaves_the_watching_to_the_watchdog():
     launcher._call_children_scripts = lambda: None  # this test starts no rank processes
     threads = launcher.launch(threading.enumerate)
     assert "child-process-observer" not in [thread.name for thread in threads]
+
+
+def test_the_stall_watch_watches_only_batches_after_the_first_and_any_beat_resets_it():
+    from lightning_diffusion.strategies.watchdog import StallWatch
+
+    watch = StallWatch(timeout_s=0.05, rank=0, drain=lambda: None)
+    watch.batch_started()
+    time.sleep(0.08)
+    assert watch.stalled_for() is None  # the first batch compiles and warms up: not watched
+    watch.batch_ended()
+    time.sleep(0.08)
+    assert watch.stalled_for() is None  # between batches: idle, not stalled
+    watch.batch_started()
+    assert watch.stalled_for() is None
+    time.sleep(0.08)
+    assert watch.stalled_for() >= 0.05
+    watch.beat()
+    assert watch.stalled_for() is None
+
+
+@pytest.mark.slow
+def test_a_stuck_peer_ends_the_replica_with_a_message_before_the_backend_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP: its connections stay open, so gloo sees nothing) leaves
+    its peer waiting in a collective. The stall watch ends the peer at the strategy's timeout with
+    one line, before the backend's own timeout (60 s later; on NCCL its watchdog would abort the
+    process without a word or a drain); the images written are kept and a rerun makes the rest."""
+    out = tmp_path / "out"
+    proc, args = start(out, ["--trainer.strategy.class_path", CP, "--trainer.strategy.init_args.ulysses_degree",
+                             "2", "--trainer.strategy.init_args.timeout", "10"])
+    wait_for_images(out, proc)
+    os.kill(children(proc.pid)[0], signal.SIGSTOP)
+    try:
+        output, _ = proc.communicate(timeout=10 + 55)  # the backends' own timeout is 10 + 60 s
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the stall watch did not end the waiting rank before the backend's timeout")
+    assert proc.returncode == 1, output[-3000:]
+    assert "rank 0 made no progress for 10 s inside a batch (the strategy's timeout)" in output, output[-3000:]
+    deadline = time.monotonic() + 10
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the stopped rank was left behind")
+    run_here(*args, "--trainer.devices", "1", "--trainer.strategy", "data_parallel")
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(COUNT))

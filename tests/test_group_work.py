@@ -3,9 +3,11 @@
 Two levels. The split itself, in two real gloo processes, against the same components on one
 process: dealt tiles give exactly one device's tiled decode (bit for bit), splits by sample agree
 within 1e-5 (smaller batches round differently), and a deliberately wrong gather (two tiles
-swapped) fails the same comparison. Then whole runs of every strategy with batches of two and
-tiling, against one process with the same batch size and tiling: decoded float images within
-ATOL (measured at most 2.1e-6; Wan cfg 2 with tiles 0).
+swapped) fails the same comparison; the exchange under them returns every rank's bytes as they
+were sent, as views into one buffer, with a bounded peak; Qwen-Image's encoder split gathers only
+the hidden state its pipeline reads, with the same embeddings. Then whole runs of every strategy
+with batches of two and tiling, against one process with the same batch size and tiling: decoded
+float images within ATOL (measured at most 2.1e-6; Wan cfg 2 with tiles 0).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_diffusion import DiffusionModule
+from lightning_diffusion import DiffusionModule, group_work
 from lightning_diffusion.cli import end_process
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.group_work import GroupWork
+from lightning_diffusion.group_work import GroupWork, _one_hidden_state, exchange
 from tests.conftest import (FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args,
                             tiny_flux_with)
 
@@ -32,6 +34,13 @@ ATOL = 1e-5
 SMALL_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32,
                "tile_sample_stride_height": 24, "tile_sample_stride_width": 24}
 PROMPTS = ["a red fox", "a much longer prompt about a lighthouse standing in a storm at night", "ramen"]
+
+
+class GatherAll(GroupWork):
+    """The split without its readers: every hidden state of an encoder call is gathered."""
+
+    def _hidden_state_readers(self, encoders):
+        return {}
 
 
 class SwappedTiles(GroupWork):
@@ -84,13 +93,24 @@ def _split_worker(rank: int, name: str, port: int, out: str) -> None:
             encoded_alone = pipeline.encode_prompt(prompt=PROMPTS)
             work = GroupWork(pipeline, dist.group.WORLD)
             results["sample"] = _max_difference(_decode(vae, z), alone)
+            received = work.bytes_received
             encoded = pipeline.encode_prompt(prompt=PROMPTS)
+            results["readers"] = sorted(code.co_name for code in work.readers)
+            received = work.bytes_received - received
             results["encoders"] = len(work.encoders)
             results["splits"] = [work.encoder_splits, work.decode_splits]
             results["encoded"] = [None if a is None else (list(a.shape), _max_difference(a, b))
                                   for a, b in zip(encoded, encoded_alone)]
             results["encoded_none"] = [(a is None) == (b is None) for a, b in zip(encoded, encoded_alone)]
             work.remove()
+            if name == "qwenimage":  # the same split gathering every hidden state
+                every = GatherAll(pipeline, dist.group.WORLD)
+                encoded_every = pipeline.encode_prompt(prompt=PROMPTS)
+                results["encoder_bytes"] = [received, every.bytes_received,
+                                            pipeline.text_encoder.config.text_config.num_hidden_layers + 1]
+                results["same_as_gathering_all"] = [a is b is None or torch.equal(a, b)
+                                                    for a, b in zip(encoded, encoded_every)]
+                every.remove()
             # By tile: tiling on both sides.
             vae.enable_tiling(**({} if name == "flux" else SMALL_TILES))
             z = _latents(vae, name, 2, 64)
@@ -131,6 +151,7 @@ def split_results(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow  # two gloo processes
 @pytest.mark.parametrize("name", ["flux", "qwenimage", "wan"])
 def test_dealt_tiles_equal_one_device_and_a_swap_does_not(name, split_results):
     for rank, results in enumerate(split_results(name)):
@@ -143,6 +164,7 @@ def test_dealt_tiles_equal_one_device_and_a_swap_does_not(name, split_results):
         assert results["sliced"] == [0.0, 2 * seen], results["sliced"]  # the tiles of each of 2 samples
 
 
+@pytest.mark.slow  # two gloo processes
 @pytest.mark.parametrize("name", ["flux", "qwenimage", "wan"])
 def test_split_by_sample_matches_one_process(name, split_results):
     for results in split_results(name):
@@ -151,12 +173,170 @@ def test_split_by_sample_matches_one_process(name, split_results):
         # one split call per encoder (Wan's encode_prompt also encodes the default negative "")
         assert results["splits"] == [{"flux": 2, "qwenimage": 1, "wan": 2}[name], 1], results["splits"]
         assert all(results["encoded_none"]), results["encoded_none"]
+        # FLUX's and Wan's encoders are called without output_hidden_states
+        assert results["readers"] == (["_get_qwen_prompt_embeds"] if name == "qwenimage" else [])
         for entry in results["encoded"]:
             if entry is not None:
                 shape, difference = entry
                 # every output is per prompt except FLUX's text position ids (512 x 3, shared)
                 assert shape[0] == len(PROMPTS) or name == "flux" and shape == [512, 3], shape
                 assert difference <= ATOL
+
+
+@pytest.mark.slow
+def test_qwen_encoder_split_gathers_only_the_hidden_state_it_reads(split_results):
+    for results in split_results("qwenimage"):
+        assert results["readers"] == ["_get_qwen_prompt_embeds"]
+        assert results["same_as_gathering_all"] == [True, True], results["same_as_gathering_all"]
+        one, every, states = results["encoder_bytes"]
+        assert states >= 3 and one > 0 and one * states == every, results["encoder_bytes"]
+
+
+# ----------------------------------------------------------------------------- the exchange
+
+MIB = 1 << 20
+
+
+def _rank_tensors(rank: int) -> list[torch.Tensor]:
+    """What ``rank`` sends: dtypes, odd byte counts (padding), a NaN with a payload, -0.0, an empty
+    and a 0-dim tensor, a non-contiguous one, and another number of tensors on each rank."""
+    generator = torch.Generator().manual_seed(rank)
+    odd = torch.randn(3, 5, 7, generator=generator)  # 420 bytes: padded to 432
+    odd.view(torch.int32)[0, 0, 0] = 0x7FC00123  # a NaN with a payload
+    odd[0, 0, 1] = -0.0
+    tensors = [odd, torch.randn(2, 9, generator=generator).to(torch.bfloat16),
+               torch.randint(-2**40, 2**40, (5,), generator=generator), torch.rand(3, 3, generator=generator) > 0.5,
+               torch.empty(0, 4), torch.tensor(rank + 0.5, dtype=torch.float64),
+               torch.randn(6, 4, generator=generator).t()]
+    return tensors[:len(tensors) - rank]
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _peak_above(start: int) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - start
+
+
+def _exchange_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        # exchange's own path on gloo (broadcasts), then the all-gather into one tensor it takes on NCCL
+        for path, backends in (("broadcast", ("gloo", "mpi")), ("all_gather_single", ())):
+            group_work._BROADCAST_BACKENDS = backends
+            parts = exchange(_rank_tensors(rank), dist.group.WORLD, torch.device("cpu"))
+            results[path] = {
+                "bytes": [[_raw(a) == _raw(b) and a.shape == b.shape and a.dtype == b.dtype
+                           for a, b in zip(share, _rank_tensors(r))] + [len(share) == len(_rank_tensors(r))]
+                          for r, share in enumerate(parts)],
+                "storages": len({t.untyped_storage().data_ptr() for share in parts for t in share}),
+                "storage_bytes": parts[0][0].untyped_storage().nbytes(),
+            }
+        group_work._BROADCAST_BACKENDS = ("gloo", "mpi")
+        # Memory: 2 tiles of 40 MiB per rank (above glibc's largest mmap threshold, so each is its
+        # own mapping, returned when freed); the list is their only reference, as in a tiled decode.
+        tiles = [torch.full((40 * MIB // 4,), float(rank + i)) for i in range(2)]
+        dist.barrier()
+        with open("/proc/self/statm") as f:
+            start = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the peak (VmHWM) starts again from here
+        except OSError:
+            results["grown"] = None
+        parts = exchange(tiles, dist.group.WORLD, torch.device("cpu"))
+        results.setdefault("grown", _peak_above(start))
+        results["tiles"] = [[float(t[0]), float(t[-1])] for share in parts for t in share]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+    end_process(0)
+
+
+@pytest.mark.slow
+def test_exchange_returns_the_bytes_sent_in_one_buffer_with_a_bounded_peak(tmp_path):
+    """The exchange's results are every rank's tensors byte for byte (what the list all-gather it
+    replaced returned), views into one buffer of the gathered size; and its peak above the start
+    stays under the gathered bytes (4 x 40 MiB; measured 80 MiB, as this rank's own tiles are freed
+    once packed). Holding a second copy (per-rank buffers, or a backend's staging tensor) reaches
+    2.1x (list all_gather) or 1.5x (gloo's all_gather_into_tensor): benchmarks/group_work_memory.py."""
+    torch.multiprocessing.spawn(_exchange_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for path in ("broadcast", "all_gather_single"):
+            assert results[path]["bytes"] == [[True] * 8, [True] * 7], (path, results[path]["bytes"])
+            assert results[path]["storages"] == 1, path
+            longest = sum(-(-n // 16) * 16 for n in (420, 36, 40, 9, 0, 8, 96))  # rank 0's tensors, padded
+            assert results[path]["storage_bytes"] == 2 * longest, path
+        assert results["tiles"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0]]
+        if results["grown"] is None:
+            pytest.skip("/proc/self/clear_refs is not writable here: no peak to measure")
+        gathered = 4 * 40 * MIB
+        assert results["grown"] <= gathered, f"rank {rank}: peak {results['grown'] / MIB:.0f} MiB above the start"
+
+
+def _reads_last(self, prompt):
+    tokens = self.tokenizer(prompt)
+    output = self.text_encoder(input_ids=tokens.input_ids, output_hidden_states=True)
+    return output.hidden_states[-1], self.text_encoder.dtype
+
+
+def _reads_two(self, prompt):
+    output = self.text_encoder(input_ids=prompt, output_hidden_states=True)
+    return output.hidden_states[-1], output.hidden_states[-2]
+
+
+def _reads_pooled(self, prompt):
+    output = self.text_encoder(input_ids=prompt, output_hidden_states=True)
+    return output.hidden_states[-2], output[0]
+
+
+def _passes_it_on(self, prompt):
+    output = self.text_encoder(input_ids=prompt, output_hidden_states=True)
+    self.keep(output)
+    return output.hidden_states[-1]
+
+
+def _slices(self, prompt):
+    output = self.text_encoder(input_ids=prompt, output_hidden_states=True)
+    return output.hidden_states[1:]
+
+
+def _computed_argument(self, prompt):
+    output = self.text_encoder(input_ids=self.tokenize(prompt), output_hidden_states=True)
+    return output.hidden_states[-1]
+
+
+def _aliased(self, prompt):
+    encoder = self.text_encoder
+    output = self.text_encoder(input_ids=prompt, output_hidden_states=True)
+    return output.hidden_states[-1], encoder(prompt)
+
+
+def _reassigned(self, prompt):
+    output = self.text_encoder(input_ids=prompt, output_hidden_states=True)
+    first = output.hidden_states[-1]
+    output = self.other(prompt)
+    return first, output.hidden_states[-1]
+
+
+def _no_hidden_states_asked(self, prompt):
+    output = self.text_encoder(input_ids=prompt)
+    return output.hidden_states[-1]
+
+
+def test_a_reader_of_one_hidden_state_is_recognised_only_when_provably_one():
+    found = _one_hidden_state(_reads_last)
+    assert found is not None and found[:2] == ("text_encoder", -1)
+    assert found[2] == found[3] == _reads_last.__code__.co_firstlineno + 2
+    for function in (_reads_two, _reads_pooled, _passes_it_on, _slices, _computed_argument, _aliased, _reassigned,
+                     _no_hidden_states_asked):
+        assert _one_hidden_state(function) is None, function.__name__
 
 
 # ----------------------------------------------------------------------------- whole runs

@@ -86,3 +86,57 @@ def test_unverified_pairings_are_refused(degrees, message):
     devices = degrees["tp"] * degrees.get("ring", 1) * degrees.get("ulysses", 1)
     with pytest.raises(ConfigError, match=message):
         mesh_trainer(devices, **degrees)
+
+
+def _groups_worker(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_diffusion.compat import collective_timeout
+    from lightning_diffusion.strategies.mesh import ParallelDims
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(minutes=5))
+    try:
+        found = {}
+        for name, degrees in {"dp2-ulysses2": dict(dp=2, ulysses=2), "cfg2-ring2": dict(cfg=2, ring=2)}.items():
+            groups = ParallelDims(world_size=4, **degrees).build_groups("cpu", rank, timedelta(seconds=77),
+                                                                         shard_group=True)
+            found[name] = {"timeouts": [collective_timeout(g).total_seconds() for g in groups.all()],
+                           "flattened": sorted(groups.mesh._get_root_mesh()._flatten_mapping),
+                           "replica": dist.get_process_group_ranks(groups.replica),
+                           "shard": dist.get_process_group_ranks(groups.shard)}
+        with open(f"{out}/{rank}.json", "w") as f:
+            json.dump(found, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_group_a_strategy_makes_waits_the_strategy_timeout(tmp_path):
+    """init_device_mesh and new_group(timeout=None) give their groups torch's default (10 min on
+    NCCL, 30 on gloo), not the strategy's: the context-parallel all-to-all, the CFG exchange, group
+    work and the stop agreement would wait that long for a dead peer. Read back from each group's
+    backend: the mesh's dimensions, the ring x ulysses group diffusers flattens (made with the
+    others, before any weight), the replica and the shard group."""
+    import json
+    import socket
+
+    import torch.multiprocessing
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_groups_worker, args=(port, str(tmp_path)), nprocs=4)
+    for rank in range(4):
+        found = json.loads((tmp_path / f"{rank}.json").read_text())
+        for name, groups in found.items():
+            assert groups["timeouts"] and set(groups["timeouts"]) == {77.0}, (rank, name, groups)
+        dp_ulysses, cfg_ring = found["dp2-ulysses2"], found["cfg2-ring2"]
+        assert len(dp_ulysses["timeouts"]) == 5 + 1 + 2  # 5 dimensions, ring_ulysses, replica, shard
+        assert dp_ulysses["flattened"] == cfg_ring["flattened"] == ["ring_ulysses"]
+        assert dp_ulysses["replica"] == dp_ulysses["shard"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert cfg_ring["replica"] == [0, 1, 2, 3] and cfg_ring["shard"] == [rank // 2 * 2, rank // 2 * 2 + 1]

@@ -91,6 +91,9 @@ def test_model_attention_backend_is_set_on_the_denoisers_and_matches_the_default
 @pytest.mark.parametrize("extra, message", [
     (["--model.attention_backend", "nope"], "model.attention_backend 'nope' is not a diffusers attention backend"),
     (["--model.attention_backend", "_native_cudnn"],
+     "model.attention_backend '_native_cudnn' needs bfloat16 or float16 (its kernels take half precision only), but "
+     "model.torch_dtype is float32"),
+    (["--model.attention_backend", "_native_cudnn", "--model.torch_dtype", "bfloat16"],
      "attention_backend '_native_cudnn' needs a GPU; on CPU use one of: native, _native_math"),
     (["--model.attention_backend", "_native_math", "--trainer.devices", "2", "--trainer.strategy", "ulysses"],
      "attention_backend '_native_math' cannot do context parallelism"),
@@ -113,7 +116,34 @@ def test_ring_attention_on_cuda_needs_a_backend_with_the_log_sum_exp():
     ring, cuda = ParallelDims(world_size=2, ring=2), torch.device("cuda")  # a device object needs no GPU
     with pytest.raises(ConfigError, match="native does not"):
         resolved_attention_backend("native", cuda, ring, torch.bfloat16)
-    with pytest.raises(ConfigError, match="with _native_cudnn needs bfloat16 or float16"):
-        resolved_attention_backend("_native_cudnn", cuda, ring, torch.float32)
     assert resolved_attention_backend(None, cuda, ring, torch.bfloat16) == "_native_cudnn"
     assert resolved_attention_backend("native", torch.device("cpu"), ring, torch.float32) == "native"
+
+
+@pytest.mark.parametrize("backend", ["flash", "_native_flash", "_native_cudnn", "sage"])
+def test_half_precision_backends_in_float32_are_refused_before_loading(backend):
+    """diffusers checks an attention kernel's dtype only under DIFFUSERS_ATTN_CHECKS: a flash or
+    cuDNN backend with float32 weights (the default dtype) would fail at the first step, after every
+    weight loaded. Refused from the backend's own constraints in diffusers, for the model's backend
+    and for a strategy's, on the planned device type."""
+    import torch
+
+    from lightning_diffusion.strategies import ContextParallelStrategy
+    from lightning_diffusion.validation import backend_dtype_problems
+
+    assert "needs bfloat16 or float16" in " ".join(backend_dtype_problems(backend, torch.float32))
+    assert backend_dtype_problems(backend, torch.bfloat16) == backend_dtype_problems(backend, torch.float16) == []
+    assert backend_dtype_problems("native", torch.float32) == []
+
+    strategy = ContextParallelStrategy(ulysses_degree=2, attention_backend=backend)
+    for dtype, refused in (("float32", True), ("bfloat16", False)):
+        request = DiffusionModule("tiny:flux", height=64, width=64, torch_dtype=dtype).request()
+        problems = " ".join(map(str, strategy.check_request(request, world_size=2, device_type="cuda")))
+        assert (f"the strategy's attention_backend {backend!r} needs bfloat16 or float16" in problems) is refused, problems
+
+
+def test_a_model_backend_in_float32_is_refused_with_the_module():
+    with pytest.raises(ConfigError, match=r"model.attention_backend '_native_cudnn' needs bfloat16 or float16 .*"
+                                          r"model.torch_dtype is float32"):
+        DiffusionModule("tiny:flux", attention_backend="_native_cudnn")
+    DiffusionModule("tiny:flux", attention_backend="_native_cudnn", torch_dtype="bfloat16")

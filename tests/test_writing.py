@@ -127,6 +127,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_writer_process_that_dies_fails_the_run_and_a_killed_rank_leaves_no_writer_behind(tmp_path):
     """The writer process killed mid-run: the run fails naming it, every recorded image whole.
@@ -202,7 +203,7 @@ def test_lossy_formats_carry_the_parameters_in_exif_and_are_recorded(image_forma
     assert proc.returncode == 2 and "writer.image_format" in proc.stderr
 
 
-@pytest.mark.parametrize("write_in", ["process", "thread"])
+@pytest.mark.parametrize("write_in", [pytest.param("process", marks=pytest.mark.slow), "thread"])
 def test_a_failing_writer_fails_the_run_and_records_no_unwritten_image(tmp_path, write_in):
     from lightning.pytorch import Trainer
 
@@ -264,6 +265,7 @@ def test_bad_writer_settings_are_refused_before_loading(tmp_path, cli_here):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_run_with_dataloader_workers_ends_instead_of_waiting_for_its_writer(tmp_path):
     """DataLoader workers forked after the writer process started hold its pipe's write end, so the
     writer must be told the end in a frame: a failing run (its exception hooks run while the
@@ -329,6 +331,7 @@ def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([line["file"] for line in lines] + ["part.jsonl"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("write_in", ["process", "thread"])
 def test_writers_that_take_no_batch_for_long_say_so_and_still_write_every_batch(tmp_path, monkeypatch, write_in):
     """Writers held up (a second an image here, a stalled network mount on a cluster): a put that

@@ -57,8 +57,14 @@ class StepTimer(Callback):
         self.load_s = time.perf_counter() - self.setup_at
         self.cuda = trainer.strategy.root_device.type == "cuda"
         if self.cuda:
-            for index in self.devices(trainer):
+            indices = self.devices(trainer)
+            for index in indices:
                 torch.cuda.reset_peak_memory_stats(index)
+            # What the device holds beyond tensors (CUDA context, NCCL communicators, the allocator's
+            # cache): seen by mem_get_info, not by max_memory_allocated.
+            info = [torch.cuda.mem_get_info(index) for index in indices]
+            self.device_used_gb = sum(total - free for free, total in info) / 1024**3
+            self.allocated_gb = sum(torch.cuda.memory_allocated(index) for index in indices) / 1024**3
 
     def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if self.cuda:
@@ -107,6 +113,8 @@ class StepTimer(Callback):
             "time_per_iter_ms": per_step * 1000,
             "steps_per_sec": 1 / per_step if per_step else 0.0,
             "peak_memory_gb": peak,
+            **({"device_used_gb_after_setup": self.device_used_gb, "allocated_gb_after_setup": self.allocated_gb}
+               if self.cuda else {}),
             "shape": shape,
             # rank 0's batches, times the replicas that run alongside it
             "images_per_sec": self.images * replicas / total if total else 0.0,

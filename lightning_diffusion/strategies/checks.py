@@ -291,10 +291,7 @@ def resolved_attention_backend(backend: Optional[str], device: torch.device, dim
     if backend == "native":
         raise ConfigError("Ring attention on CUDA needs an attention backend that returns the log-sum-exp, and "
                           "native does not: use _native_cudnn (bfloat16 or float16), flash or sage, or leave it unset.")
-    if backend is not None:
-        if backend in ("_native_cudnn", "_native_flash") and dtype not in (torch.bfloat16, torch.float16):
-            raise ConfigError(f"Ring attention on CUDA with {backend} needs bfloat16 or float16: set "
-                              "model.torch_dtype to bfloat16.")
+    if backend is not None:  # a half-precision backend in float32: validation.backend_dtype_problems
         return backend
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(

@@ -9,12 +9,15 @@ for sizes, ranks and sub-meshes; nothing else multiplies degrees.
 
 from __future__ import annotations
 
-from lightning_diffusion.errors import ConfigError, is_int
-
 from dataclasses import dataclass
-from typing import Optional
+from datetime import timedelta
+from typing import Any, Optional
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_diffusion import compat
+from lightning_diffusion.errors import ConfigError, is_int
 
 MESH_DIMS = ("dp", "cfg", "ring", "ulysses", "tp")
 
@@ -132,8 +135,27 @@ class ParallelDims:
         innermost dimensions of one outer coordinate are adjacent)."""
         return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
+    def build_mesh(self, device_type: str, timeout: Optional[timedelta] = None) -> DeviceMesh:
+        """The named mesh; with ``timeout``, every group it holds waits that long in a collective
+        (``init_device_mesh`` takes no timeout: its groups would wait torch's default, 10 min on
+        NCCL and 30 on gloo). Under context parallelism the ``ring_ulysses`` group diffusers
+        flattens is made here too, with the others, before any weight loads."""
+        mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
+        if self.cp > 1:
+            mesh["ring", "ulysses"]._flatten()  # diffusers' ContextParallelConfig.setup finds it made
+        if timeout is not None:
+            for group in mesh_groups(mesh):
+                compat.set_collective_timeout(timeout, group)
+        return mesh
+
+    def build_groups(self, device_type: str, rank: int, timeout: timedelta, shard_group: bool) -> "ProcessGroups":
+        """Every process group a strategy uses inside a step, made at once by every rank in the same
+        order (before any weight loads: with a bound device, each is an NCCL communicator split over
+        all ranks, which would block ranks that finished loading first), each with ``timeout``."""
+        mesh = self.build_mesh(device_type, timeout)
+        replica = new_groups(self.replica_groups(), rank, timeout)
+        shard = new_groups(self.shard_groups(), rank, timeout) if shard_group else None
+        return ProcessGroups(mesh, replica, shard)
 
     def replica_groups(self) -> list[list[int]]:
         """Global ranks of each replica, in order: ranks ``r`` with the same ``r // model_parallel_size``."""
@@ -149,3 +171,36 @@ def mesh_coordinate(mesh: DeviceMesh) -> dict[str, int]:
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not part of the mesh"
     return dict(zip(mesh.mesh_dim_names or MESH_DIMS, coordinate))
+
+
+@dataclass
+class ProcessGroups:
+    """A rank's groups: the mesh, its replica's group and its shard group (``None`` where the
+    group would be the rank alone, or is not needed)."""
+
+    mesh: DeviceMesh
+    replica: Optional[Any]
+    shard: Optional[Any]
+
+    def all(self) -> list[Any]:
+        """Every group made for this rank (the mesh's dimensions and flattened groups included)."""
+        return mesh_groups(self.mesh) + [group for group in (self.replica, self.shard) if group is not None]
+
+
+def mesh_groups(mesh: DeviceMesh) -> list[Any]:
+    """The process groups of this rank in ``mesh``: one per dimension, and the flattened ones."""
+    names = list(mesh.mesh_dim_names or ()) + list(mesh._get_root_mesh()._flatten_mapping)
+    return [mesh[name].get_group() for name in names]
+
+
+def new_groups(groups: list[list[int]], rank: int, timeout: timedelta) -> Optional[Any]:
+    """Create every group of ``groups`` (every rank creates every group, in the same order) and
+    return ``rank``'s; ``None`` when the groups are single ranks."""
+    if len(groups[0]) == 1:
+        return None
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine

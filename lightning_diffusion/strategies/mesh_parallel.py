@@ -38,6 +38,7 @@ from lightning_diffusion.strategies.context import enable_context_parallel, mode
 from lightning_diffusion.strategies.mesh import ParallelDims
 from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sharded
+from lightning_diffusion.validation import backend_dtype_problems
 
 
 class MeshStrategy(DiffusionParallelStrategy):
@@ -140,6 +141,8 @@ class MeshStrategy(DiffusionParallelStrategy):
         backend = gather(problems, self._backend, request)
         if backend is not None:
             gather(problems, check_backend_device, backend, device)
+            if request.attention_backend is None:  # the model's is checked with the model
+                problems += backend_dtype_problems(backend, request.dtype, "the strategy's attention_backend")
             if dims.cp > 1:
                 gather(problems, check_attention_backend, backend)
         if dims.cp > 1:

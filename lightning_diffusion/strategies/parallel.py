@@ -40,7 +40,7 @@ from lightning_diffusion.errors import ConfigError, gather, preflight_passed, ra
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
-from lightning_diffusion.strategies.watchdog import Launcher, Watchdog
+from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
 
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
@@ -49,6 +49,9 @@ DEFAULT_TIMEOUT_S = 600.0
 # last images; they are not collectives of a model-parallel step.
 IDLE_TIMEOUT = timedelta(hours=24)
 RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+# The backends' own collective timeout comes this long after the strategy's, at which the stall
+# watch ends a stuck rank with a message (NCCL's watchdog would abort it without a word).
+BACKEND_GRACE = timedelta(seconds=60)
 
 
 class DiffusionParallelStrategy(ParallelStrategy):
@@ -84,11 +87,15 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
             raise ConfigError(f"strategy timeout must be a positive number of seconds, got {timeout!r}.")
         self._timeout = timedelta(seconds=float(seconds))
+        self._backend_timeout = self._timeout + BACKEND_GRACE
+        self._stall_watch: Optional[StallWatch] = None
+        self._beats: list[Any] = []  # the watch's hooks on the pipeline's models
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._idle_group: Optional[Any] = None
         self._replica_group: Optional[Any] = None
+        self._shard_group: Optional[Any] = None
         self._device_mesh: Optional[DeviceMesh] = None
         # Stop on SLURM's signals (see ``preemption``), in SLURM jobs.
         self._stop_on_signal = False
@@ -225,19 +232,26 @@ class DiffusionParallelStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment,
             self._process_group_backend,
-            timeout=max(self._timeout, RENDEZVOUS_TIMEOUT),
+            timeout=max(self._backend_timeout, RENDEZVOUS_TIMEOUT),
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
-        if self._timeout < RENDEZVOUS_TIMEOUT:
-            compat.set_collective_timeout(self._timeout)
+        if self._backend_timeout < RENDEZVOUS_TIMEOUT:
+            compat.set_collective_timeout(self._backend_timeout)
         # Every rank creates it, in the same order as every other group.
         self._idle_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._parallel_dims = self.make_parallel_dims(self.world_size)
-        self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
+        # The replica group: the stop agreement at each batch, the split of text encoding and
+        # decoding inside the call; the shard group: data-dependent decisions inside the transformer
+        # (a first-block cache). All are made before any weight; their backends wait BACKEND_GRACE
+        # past the strategy's timeout, at which the stall watch ends a stuck rank first.
+        module = self.lightning_module
+        groups = self._parallel_dims.build_groups(
+            self.root_device.type, self.global_rank, self._backend_timeout,
+            shard_group=isinstance(module, DiffusionModule) and module.needs_shard_group)
+        self._device_mesh, self._replica_group, self._shard_group = groups.mesh, groups.replica, groups.shard
         log.info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
         self._warn_groups_across_nodes()
         # Every run stops cleanly on Ctrl-C; SLURM jobs also on SLURM's signals, and requeue.
-        self._replica_group = self._new_replica_group()
         STOP.enable(self._replica_group, self.root_device, self.global_rank, slurm=self._stop_on_signal)
         if request is not None:
             self.lightning_module.use_load_plan(self.load_plan(request))
@@ -251,34 +265,18 @@ class DiffusionParallelStrategy(ParallelStrategy):
                 "are a multiple of the context x tensor parallel degrees."
             )
 
-    def _new_replica_group(self) -> Optional[Any]:
-        """A process group per replica (ranks that make the same images): the stop agreement at
-        each batch, and the split of text encoding and decoding inside the pipeline call (both on
-        the main thread, in the same order on every rank of the replica)."""
-        assert self._parallel_dims is not None
-        return self._new_groups(self._parallel_dims.replica_groups())
-
-    def _new_shard_group(self) -> Optional[Any]:
-        """A process group per shard group (ranks that hold pieces of one transformer call), over
-        which data-dependent decisions inside the transformer are agreed; ``None`` when each
-        process holds whole tensors. Its collectives wait the strategy's timeout, like the others."""
-        assert self._parallel_dims is not None
-        return self._new_groups(self._parallel_dims.shard_groups(), timeout=self._timeout)
-
-    def _new_groups(self, groups: list[list[int]], timeout: Optional[timedelta] = None) -> Optional[Any]:
-        """Create every group of ``groups`` (every rank creates every group, in the same order) and
-        return this rank's; ``None`` when the groups are single ranks."""
-        if len(groups[0]) == 1:
-            return None
-        mine = None
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=timeout)
-            if self.global_rank in ranks:
-                mine = group
-        return mine
-
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        watch = self._stall_watch
+        if watch is None:
+            return self._predict_step(*args, **kwargs)
+        watch.batch_started()
+        try:
+            return self._predict_step(*args, **kwargs)
+        finally:
+            watch.batch_ended()
+
+    def _predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if STOP.should_stop():
             if self.writes_outputs and not getattr(self, "_said_stopped", False):
                 self._said_stopped = True
@@ -328,10 +326,29 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if isinstance(module, DiffusionModule) and module.pipeline is not None:
             module.use_pipeline(self.setup_pipeline(module.pipeline))
             if module.needs_shard_group:
-                module.use_shard_group(self._new_shard_group())
-            if module.split_work:
-                module.use_group(self._replica_group)
+                module.use_shard_group(self._shard_group)
+            module.use_group(self._replica_group)  # also agrees failures when split_work is off
+            if self.parallel_dims.model_parallel_size > 1:
+                self._watch_stalls(module)
         self.barrier("pipeline_placed")
+
+    def _watch_stalls(self, module: DiffusionModule) -> None:
+        """A ``StallWatch`` beaten at the start and end of every model call of the pipeline (a
+        replica of several ranks waits on its peers in collectives inside those calls)."""
+        watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self._drain_writers)
+        beat = torch.compiler.disable(watch.beat)  # a compiled model calls it outside its graphs
+        for component in getattr(module.pipeline, "components", {}).values():
+            if isinstance(component, torch.nn.Module):
+                self._beats += [component.register_forward_pre_hook(beat), component.register_forward_hook(beat)]
+        self._stall_watch = watch
+        watch.start()
+
+    def _drain_writers(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for callback in getattr(trainer, "callbacks", []):
+            drain = getattr(callback, "drain_on_stall", None)
+            if drain is not None:
+                drain()
 
     @override
     def model_to_device(self) -> None:
@@ -389,6 +406,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._stall_watch is not None:
+            self._stall_watch.stop()
         if getattr(self, "_watchdog", None) is not None:
             # This process ends by itself now, with its own message and exit code (2 for a refused
             # config every rank raises): the watchdog no longer ends it when a child goes first.
@@ -405,6 +424,12 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.accelerator.teardown()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.stop()
+        if self._stall_watch is not None:
+            self._stall_watch.stop()
+            self._stall_watch = None
+        for handle in self._beats:
+            handle.remove()
+        self._beats = []
         STOP.release_interrupt()
         STOP.release_terminate()
         # The idle group stays: Lightning tears the strategy down before the callbacks, and the

@@ -179,3 +179,82 @@ class Watchdog:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+
+
+class StallWatch:
+    """Ends a rank whose batch makes no progress for ``timeout`` seconds, with a message, before the
+    process-group backend's own timeout (which the strategy sets ``BACKEND_GRACE`` later).
+
+    Inside a batch of a model-parallel replica, the ranks wait on each other in collectives; a peer
+    that is gone or stuck leaves them waiting. On gloo the wait ends in an exception at the group's
+    timeout, which the run reports and survives cleanly (the writer drains, the rank says why); on
+    NCCL the backend's watchdog thread aborts the process instead (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s
+    default), with no message and no drain. This watch makes both backends behave alike: the
+    strategy beats it at every model call (forward hooks on the pipeline's models), and when a batch
+    has gone ``timeout`` seconds without a beat, the watch thread says so on this rank, lets the
+    writer finish the images already queued (``drain``, bounded), and ends the process with exit code
+    1. The first batch is not watched: it compiles (``model.compile``) and warms up, which may take
+    longer than one model call.
+    """
+
+    def __init__(self, timeout_s: float, rank: int, drain: Callable[[], None], poll_s: float = 1.0) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.drain = drain
+        self.poll_s = poll_s
+        self._last = time.monotonic()
+        self._batches = 0
+        self._busy = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="lightning-diffusion-stall-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat(self, *_: Any) -> None:
+        """Progress (a model call began or ended); also a forward (pre-)hook."""
+        self._last = time.monotonic()
+
+    def batch_started(self) -> None:
+        self._last = time.monotonic()
+        self._busy = True
+
+    def batch_ended(self) -> None:
+        self._busy = False
+        self._batches += 1
+
+    def stalled_for(self) -> Optional[float]:
+        """Seconds without progress inside a watched batch, past the timeout; else None."""
+        if not self._busy or self._batches == 0:
+            return None
+        waited = time.monotonic() - self._last
+        return waited if waited >= self.timeout_s else None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            waited = self.stalled_for()
+            if waited is None:
+                continue
+            log.error(f"lightning-diffusion: rank {self.rank} made no progress for {waited:.0f} s inside a batch (the "
+                      "strategy's timeout): a rank it waits on in a collective is gone or stuck. Ending this rank; the "
+                      "images written so far are kept, and rerunning the command makes the rest.", extra=_ALL)
+            writer = threading.Thread(target=self._drain, name="lightning-diffusion-stall-drain", daemon=True)
+            writer.start()
+            writer.join(timeout=60)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(1)
+
+    def _drain(self) -> None:
+        try:
+            self.drain()
+        except Exception as err:  # the rank ends anyway; say why the queue was not written
+            log.error(f"lightning-diffusion: rank {self.rank}: the images queued for writing were not all written "
+                      f"({type(err).__name__}: {err}); a rerun makes them.", extra=_ALL)
