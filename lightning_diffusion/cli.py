@@ -69,10 +69,13 @@ def run() -> None:
         sys.stdout = open(os.devnull, "w")  # nothing more to flush into the closed pipe
         code = 128 + 13  # as a process killed by SIGPIPE (what git and coreutils exit with)
     except BaseException as err:  # a failure ends the same way: its traceback, then exit 1 (130: Ctrl-C)
-        from lightning_diffusion.errors import RecordFailure
+        from lightning_diffusion.errors import RecordFailure, WritingFailed
 
-        if isinstance(err, RecordFailure):  # the message names the record: a traceback adds nothing
+        if isinstance(err, (RecordFailure, WritingFailed)):  # the message says it all: a traceback adds nothing
             print(f"lightning-diffusion: error: {err}", file=sys.stderr)
+        elif isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the run's own handling (imports, loading)
+            print("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
+                  "resumes.", file=sys.stderr)
         else:
             import traceback
 

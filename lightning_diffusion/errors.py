@@ -21,6 +21,11 @@ class RecordFailure(RuntimeError):
     The CLI prints it as one line and exits with 1."""
 
 
+class WritingFailed(RuntimeError):
+    """Outputs that could not be written (a full disk, a lost mount); the message says where and
+    what to do. The CLI prints it as one line and exits with 1."""
+
+
 def raise_problems(problems: list) -> None:
     """Raise one ConfigError naming every problem found (messages or ConfigErrors; nothing if none).
     A single ConfigError is raised as it is, keeping its type; several are a NodeConfigError where

@@ -358,3 +358,11 @@ class TarShards:
         lines, self.lines, self.tar = self.lines, [], None
         stamp = round(time.time(), 3)
         self.files._append([{**line, "shard_bytes": size, "written": stamp} for line in lines])
+
+
+def size_text(count: float) -> str:
+    """Bytes in the unit that shows them (``12.3 MB``, ``1.5 GB``), never ``0.0 GB`` for a small run."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}"
+    return f"{int(count)} bytes"

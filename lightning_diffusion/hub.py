@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,51 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
+UNREACHABLE = "LIGHTNING_DIFFUSION_HUB_UNREACHABLE"
+
+
+@functools.lru_cache(maxsize=1)
+def reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's endpoint answers a TCP connection within ``timeout_s`` (a name that does
+    not resolve fails at once). One probe a process."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def offline_unless_reachable() -> bool:
+    """Work from the cache alone when the hub cannot be reached: huggingface_hub would otherwise
+    retry each request with back-off (12 lines and about 30 s before the first error, seen in an
+    offline container). Sets ``HF_HUB_OFFLINE`` for this process (huggingface_hub reads it at each
+    request) and for the ranks it starts; returns whether it is offline."""
+    if offline():
+        return True
+    if reachable():
+        return False
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ[UNREACHABLE] = "1"  # why it is offline, for this process's messages and its ranks'
+    constants.HF_HUB_OFFLINE = True
+    return True
+
+
+NOT_CACHED = "is not in the Hugging Face cache"
+
+
+def offline_reason() -> str:
+    return "HF_HUB_OFFLINE=1 is set" if offline() and not os.environ.get(UNREACHABLE) else "the hub cannot be reached from here"
+
+
 def cache_folder(options: Optional[dict[str, Any]] = None) -> Path:
     from huggingface_hub import constants
 
@@ -76,8 +123,7 @@ def message(err: BaseException, repo: str, options: Optional[dict[str, Any]] = N
         current = current.__cause__ or current.__context__
     for e in chain:
         if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
-            why = "HF_HUB_OFFLINE=1 is set" if offline() else "the hub cannot be reached from here"
-            return (f"{repo} is not in the Hugging Face cache ({cache_folder(options)}) and {why}. Fetch it on a "
+            return (f"{repo} {NOT_CACHED} ({cache_folder(options)}) and {offline_reason()}. Fetch it on a "
                     f"machine with network into a cache these nodes share: {download_command(config)}; or set "
                     "HF_HOME to the folder that holds it.")
         if isinstance(e, GatedRepoError):

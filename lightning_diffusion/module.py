@@ -70,8 +70,10 @@ class DiffusionModule(pl.LightningModule):
     """Runs a diffusers ``DiffusionPipeline`` on batches of prompt samples.
 
     Args:
-        pretrained_model_name_or_path: hub id, local folder written by ``save_pretrained``, or
-            ``tiny:flux`` (a small random pipeline built offline, for rehearsal and tests).
+        pretrained_model_name_or_path: hub id, local folder written by ``save_pretrained``, or a
+            tiny pipeline that needs no download: ``tiny:shapes`` (the quickstart's: a small FLUX.1
+            trained to draw coloured shapes) or ``tiny:flux`` and the others (random weights, for
+            rehearsal and tests).
         torch_dtype: ``float32``, ``bfloat16`` or ``float16``.
         height, width, num_inference_steps, guidance_scale: pipeline-call arguments for every image
             (``None`` leaves the pipeline's default); a prompt record may override them.
@@ -122,7 +124,7 @@ class DiffusionModule(pl.LightningModule):
 
     def __init__(
         self,
-        pretrained_model_name_or_path: str = "tiny:flux",
+        pretrained_model_name_or_path: str = "tiny:shapes",
         torch_dtype: str = "float32",
         height: Optional[int] = None,
         width: Optional[int] = None,

@@ -348,6 +348,8 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
     elif _looks_local(path):
         raise PipelineError(f"Model path {path!r} does not exist.")
     options = {} if local else hub.hub_options(from_pretrained_kwargs)
+    if not local:
+        hub.offline_unless_reachable()
     try:
         model_index = _read_json(path, "model_index.json", local, options)
     except Exception as err:  # network, authentication or repository errors from the hub
@@ -377,7 +379,7 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise PipelineError(f"{path}: {len(missing)} file(s) its from_pretrained reads are missing from the Hugging "
-                                f"Face cache ({hub.cache_folder(options)}) and HF_HUB_OFFLINE=1 is set: {shown}. Fetch "
+                                f"Face cache ({hub.cache_folder(options)}) and {hub.offline_reason()}: {shown}. Fetch "
                                 f"them on a machine with network: {hub.download_command(None)}.")
     recommended = (_read_json(path, RECOMMENDED_FILE, local) or {}).get("call_defaults", {}) if local else {}
     cls = diffusers_pipeline

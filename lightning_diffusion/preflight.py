@@ -21,7 +21,7 @@ from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtyp
 from lightning_diffusion.manifest import finished, settings_conflict, shard_size
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
-from lightning_diffusion.files import FILES_PER_FOLDER
+from lightning_diffusion.files import FILES_PER_FOLDER, size_text
 from lightning_diffusion.lock import OutputLock, busy_message
 from lightning_diffusion.writer import run_settings, storage_settings
 
@@ -47,15 +47,7 @@ def disk_space_problems(
     if need <= free:
         return []
     return [f"{pending:,} outputs of {height}x{width}{f' x {frames} frames' if frames > 1 else ''} need about "
-            f"{_size(need)}, but {existing} has {_size(free)} free."]
-
-
-def _size(count: float) -> str:
-    """Bytes in the unit that shows them (``12 MB``, ``1.5 GB``), never ``0.0 GB`` for a small run."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:,.1f} {unit}"
-    return f"{int(count)} bytes"
+            f"{size_text(need)}, but {existing} has {size_text(free)} free."]
 
 
 def busy_folder_problems(output_dir: str, num_shards: int = 1, shard_index: int = 0) -> list[str]:
@@ -67,17 +59,6 @@ def busy_folder_problems(output_dir: str, num_shards: int = 1, shard_index: int 
     shard = (shard_index, num_shards) if num_shards > 1 else None
     message = busy_message(folder, shard, OutputLock(folder, shard).holder())
     return [message] if message else []
-    shard = (shard_index, num_shards) if num_shards > 1 else None
-    which = "" if shard is None else f"shard {shard[0]} of {shard[1]} of "
-    holder = OutputLock(folder, shard).holder()
-    if holder is not None:
-        return [f"{which}{folder} is being written by another run ({holder}); wait for it to end or choose another "
-                "writer.output_dir."]
-    others = conflicting_runs(folder, shard)
-    if others:
-        return [f"{folder} is being written by {', '.join(others)}, which makes some of the same images; wait for it "
-                "to end, or run the same shard count (data.num_shards)."]
-    return []
 
 
 def build_strategy(spec: Any) -> Optional[Any]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -38,7 +40,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_diffusion.background import WRITE_IN, WriterProcess, WriterThreads
 from lightning_diffusion.console import log
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.errors import ConfigError, WritingFailed, raise_problems
 from lightning_diffusion.files import (  # noqa: F401 (names of the writer's files, kept importable from here)
     EXIF_DESCRIPTION,
     FILES_PER_FOLDER,
@@ -48,6 +50,7 @@ from lightning_diffusion.files import (  # noqa: F401 (names of the writer's fil
     SAMPLES_PER_SHARD,
     VIDEO_FORMATS,
     OutputFiles,
+    size_text,
     image_filename,
     resolve_layout,
     slugify,
@@ -131,6 +134,24 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
     return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume{left}; {summary['in_manifest']:,}"
             f"{expected} in {manifest}; wall {summary['wall_s']:.1f} s, load {summary['load_s']:.1f} s; "
             f"images/s per writing rank: {pace}")
+
+
+# A write that found the file system full: ENOSPC, a quota, or the short write a full disk makes.
+_NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded|\[Errno (28|122)\]|\d+ requested and \d+ written")
+
+
+def writing_failed(error: str, folder: Path, rank: Optional[int] = None) -> WritingFailed:
+    """The one-line failure of a write (``error``: what the writer raised), on ``rank`` when it is
+    another rank's; a full file system is said in words, with the folder and its free space."""
+    where = "" if rank is None else f" on rank {rank}"
+    if _NO_SPACE.search(error):
+        try:
+            free = f" ({size_text(shutil.disk_usage(folder).free)} free)"
+        except OSError:
+            free = ""
+        return WritingFailed(f"writing images failed{where}: no space left on the file system of {folder}{free}; the "
+                             "images recorded are kept: free some space and run the same command to resume.")
+    return WritingFailed(f"writing images failed{where}: {error} (the images recorded are kept: a rerun makes the rest)")
 
 
 def _cause(failed: Optional[BaseException]) -> Optional[str]:
@@ -421,18 +442,17 @@ class ImageWriter(BasePredictionWriter):
             try:
                 self._files.finish()
             except Exception as err:
-                raise RuntimeError(f"writing images failed: {type(err).__name__}: {err}") from err
+                raise writing_failed(f"{type(err).__name__}: {err}", self.output_dir) from err
 
     def drain_on_stall(self) -> None:
         """From the stall watch's thread, while the prediction thread waits in a collective that will
         not end: write the images already queued, then the rank ends (``StallWatch``)."""
         self._drain(wait=True)
 
-    @staticmethod
-    def _raise_error(writers: Optional[WriterProcess | WriterThreads]) -> None:
+    def _raise_error(self, writers: Optional[WriterProcess | WriterThreads]) -> None:
         error = writers.take_error() if writers is not None else None
         if error is not None:
-            raise RuntimeError(f"writing images failed: {error}") from error
+            raise writing_failed(str(error), self.output_dir) from error
 
     def write_on_batch_end(
         self,
@@ -505,8 +525,7 @@ class ImageWriter(BasePredictionWriter):
         self._work = {rank: stats for rank, (_, stats) in enumerate(gathered) if stats is not None}
         if failed is None and others:
             rank, text = others[0]
-            failed = RuntimeError(f"writing images failed on rank {rank}: {text} (the images recorded are kept: a "
-                                  "rerun makes the rest)")
+            failed = writing_failed(text, self.output_dir, rank)
         if failed is not None:
             if self._lock is not None and trainer.is_global_zero:
                 self._lock.release()

@@ -194,3 +194,26 @@ def test_a_failed_run_ends_with_its_traceback_and_exit_1_without_the_interpreter
     assert proc.returncode == 1
     assert "RuntimeError: a failure" in proc.stderr and "Traceback" in proc.stderr
     assert "interpreter teardown" not in proc.stdout
+
+
+
+def test_predict_help_shows_this_projects_keys_first_and_help_all_everything(capsys):
+    """Lightning's help lists its training options first (the project's keys started at line 482
+    of 737); ours lists model, data, writer and the Trainer's inference keys, and points to
+    --help-all, which keeps jsonargparse's whole help."""
+    from lightning_diffusion.commands.predict import main as predict
+
+    assert predict(["--help"]) == 0
+    short = capsys.readouterr().out
+    titles = [line for line in short.splitlines() if line[:1].isalpha() and line.endswith(":")]
+    assert [t.split(":")[0] for t in titles] == ["options", "model", "data", "writer", "trainer"], titles
+    for hidden in ("--trainer.max_epochs", "--optimizer", "--lr_scheduler", "--trainer.gradient_clip_val",
+                   "--ckpt_path"):
+        assert hidden not in short
+    for shown in ("--trainer.strategy ", "--trainer.devices ", "--data.prompts ", "--writer.output_dir ",
+                  "default: tiny:shapes"):
+        assert shown in short
+    assert short.rstrip().endswith("--help-all shows every option, Lightning's training options included.")
+    assert predict(["--help-all"]) == 0
+    every = capsys.readouterr().out
+    assert "--trainer.max_epochs" in every and "--optimizer" in every and len(every) > 2 * len(short)

@@ -51,7 +51,73 @@ def error_line(error: ConfigError, environ: Mapping[str, str] = os.environ) -> O
     return f"lightning-diffusion: error: {error}" if first_process(environ) else None
 
 
+# The Trainer's options an inference run uses (the others train: epochs, optimizers, clipping...).
+INFERENCE_TRAINER_KEYS = ("accelerator", "strategy", "devices", "num_nodes", "callbacks", "enable_progress_bar",
+                          "limit_predict_batches")
+# The sections of the full help, by their option prefix, in the order shown.
+SECTIONS = (("--model", "model: the pipeline and how it is called (DiffusionModule)"),
+            ("--data", "data: the prompt records (PromptDataModule)"),
+            ("--writer", "writer: the output folder, formats and manifest (ImageWriter)"),
+            ("--trainer", "trainer: processes, devices and strategy (Lightning's Trainer; --help-all shows its training "
+                          "options too)"))
+
+
+def short_help(full: str) -> str:
+    """``predict --help``: this project's keys first, the Trainer's inference keys, then the rest
+    of the options; the Trainer's training-only options, optimizers, schedulers and checkpoint
+    arguments are left to ``--help-all`` (jsonargparse's help, which lists Lightning's first)."""
+    blocks = full.split("\n\n")
+    options = next((b for b in blocks if b.startswith("options:")), "")
+    by_prefix: dict[str, list[str]] = {}
+    for block in blocks:
+        entries = _entries(block)
+        prefixes = {entry.split()[0].split(".")[0] for entry in entries if entry.lstrip().startswith("--")}
+        if len(prefixes) == 1:
+            by_prefix.setdefault(prefixes.pop(), []).extend(entries)
+    keep = tuple(f"--trainer.{key}" for key in INFERENCE_TRAINER_KEYS)
+    by_prefix["--trainer"] = [e for e in by_prefix.get("--trainer", [])
+                              if e.split()[0].rstrip(",").split(" ")[0].startswith(keep)]
+    parts = ["usage: lightning-diffusion predict --config CONFIG [--GROUP.KEY VALUE ...]",
+             "Make images (or videos) from prompt records with a diffusers pipeline; the same keys go in the YAML "
+             "config (model:, data:, writer:, trainer:). Examples: configs/, docs/config.md.",
+             options]
+    for prefix, title in SECTIONS:
+        if by_prefix.get(prefix):
+            parts.append(title + ":\n" + "\n".join(by_prefix[prefix]))
+    parts.append("--help-all shows every option, Lightning's training options included.")
+    return "\n\n".join(part.rstrip() for part in parts) + "\n"
+
+
+def _entries(block: str) -> list[str]:
+    """A help section's options, each with its wrapped description lines (the title line dropped)."""
+    entries: list[str] = []
+    for line in block.splitlines()[1:]:
+        if line.startswith("  -"):
+            entries.append(line)
+        elif entries:
+            entries[-1] += "\n" + line
+    return entries
+
+
+def print_help(argv: list[str]) -> int:
+    """``--help`` (short, see ``short_help``) or ``--help-all`` (jsonargparse's whole help)."""
+    import contextlib
+    import io
+
+    every = "--help-all" in argv
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        try:
+            DiffusionCLI(args=["predict", "--help"])
+        except SystemExit:
+            pass
+    print(captured.getvalue() if every else short_help(captured.getvalue()), end="")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if any(word in ("-h", "--help", "--help-all") for word in argv):
+        return print_help(argv)
     if preemption.in_slurm_job():
         preemption.STOP.install()  # before the weights load: SIGUSR1's default action kills the process
     try:

@@ -189,8 +189,8 @@ class ProcessGroups:
 
 def mesh_groups(mesh: DeviceMesh) -> list[Any]:
     """The process groups of this rank in ``mesh``: one per dimension, and the flattened ones."""
-    names = list(mesh.mesh_dim_names or ()) + list(mesh._get_root_mesh()._flatten_mapping)
-    return [mesh[name].get_group() for name in names]
+    flattened = mesh._get_root_mesh()._flatten_mapping  # not sliced by name: deprecated for flattened dims
+    return [mesh[name].get_group() for name in mesh.mesh_dim_names or ()] + [m.get_group() for m in flattened.values()]
 
 
 def new_groups(groups: list[list[int]], rank: int, timeout: timedelta) -> Optional[Any]:
