@@ -26,9 +26,14 @@ _PUBLIC = {
 
 
 def __getattr__(name: str) -> Any:
+    # Python scripts start as quietly as the command line: third-party start-up noise (transformers'
+    # and diffusers' advisories, torchao's extension warnings, Lightning's banners) is hidden unless
+    # LIGHTNING_DIFFUSION_VERBOSE=1 (the command line's --verbose). Before the imports below.
+    console.quiet()
     if name == "strategies":
         return importlib.import_module("lightning_diffusion.strategies")
     if name in _PUBLIC:
         importlib.import_module("lightning_diffusion.strategies")  # registers the strategy names
+        console.quiet_lightning()
         return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'lightning_diffusion' has no attribute {name!r}")

@@ -217,3 +217,19 @@ def test_predict_help_shows_this_projects_keys_first_and_help_all_everything(cap
     assert predict(["--help-all"]) == 0
     every = capsys.readouterr().out
     assert "--trainer.max_epochs" in every and "--optimizer" in every and len(every) > 2 * len(short)
+
+
+def test_every_subcommand_takes_json_alone_for_stdout_and_json_file_for_a_file(tmp_path, cli_here):
+    """One --json convention: alone, the JSON on stdout (parseable: nothing else there); with FILE,
+    the file written beside the usual report."""
+    out = tmp_path / "out"
+    run_here(*tiny_args(out, "--data.prompts", "[a red circle, a blue star]", "--model.num_inference_steps", "2"))
+    alone = cli_here("status", str(out), "--json")
+    assert json.loads(alone.stdout)["complete"] is True
+    to_file = cli_here("status", str(out), "--json", str(tmp_path / "status.json"))
+    assert json.loads((tmp_path / "status.json").read_text())["complete"] is True
+    assert "complete" in to_file.stdout and not to_file.stdout.lstrip().startswith("{")
+    alone = cli_here("eval", str(out), "--json")
+    assert json.loads(alone.stdout)["images"]
+    cli_here("eval", str(out), f"--json={tmp_path / 'eval.json'}")
+    assert json.loads((tmp_path / "eval.json").read_text())["images"]

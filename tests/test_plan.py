@@ -95,7 +95,9 @@ def test_plan_writes_a_config_the_cli_accepts(tmp_path, capsys):
         main(["plan", "--model", FLUX1, "--gpus", "4", "--gpu-memory", "80GB", "--height", "4096", "--width", "4096",
               "--goal", "latency", "--write", str(written)])
     assert exit_info.value.code == 0
-    assert "recommended: ContextParallelStrategy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "recommended: ContextParallelStrategy" in out
+    assert "prompt set: none given; planned for 1,000 prompts (--prompts N, or a prompt file, plans for yours)" in out
     config = yaml.safe_load(written.read_text())
     assert config["trainer"]["strategy"]["init_args"]["ulysses_degree"] == 4
     with pytest.raises(SystemExit) as exit_info:

@@ -116,6 +116,7 @@ def test_eval_against_a_reference_and_fid(quickstart, cli_here, tmp_path):
     fid = eval_json(cli_here, str(quickstart), "--fid")["summary"]["fid"]
     assert fid["fid_images"] == 10 and fid["fid"] >= 0 and np.isfinite(fid["kid"])
     assert fid["against"] == "the captions drawn by shapes.render"
+    assert fid["warning"].startswith("FID and KID from 10 images are noisy estimates (KID can come out below 0")
 
 
 def tiny_clip(folder: Path) -> Path:

@@ -5,6 +5,12 @@ Each module has ``main(argv: list[str]) -> int``; ``cli.main`` imports only the 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
 # name -> (module, one line for ``lightning-diffusion --help``)
 COMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("lightning_diffusion.commands.predict", "make the images of a config (the main job)"),
@@ -18,3 +24,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("lightning_diffusion.commands.eval", "metrics of an output folder: against a reference, prompt adherence, FID/KID"),
     "make-tiny": ("lightning_diffusion.commands.make_tiny", "write a tiny random pipeline (no download)"),
 }
+
+
+def add_json_option(parser: Any, what: str) -> None:
+    """Every subcommand's ``--json``: alone, ``what`` as JSON on stdout instead of the human
+    report; ``--json FILE``, written to FILE beside the report (``--json=FILE`` before a
+    positional argument)."""
+    parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                        help=f"{what} as JSON: on stdout instead of the report (--json alone), or into FILE")
+
+
+def report(json_to: Optional[str], result: Any, human: Callable[[], None], default: Any = None) -> None:
+    """Print the human report (``human``) and the JSON as ``--json`` asks: on stdout alone (the
+    report then goes to stderr, so that stdout parses), or into a file."""
+    if json_to == "-":
+        with contextlib.redirect_stdout(sys.stderr):
+            human()
+        print(json.dumps(result, indent=2, default=default))
+        return
+    human()
+    if json_to:
+        Path(json_to).write_text(json.dumps(result, indent=2, default=default) + "\n")

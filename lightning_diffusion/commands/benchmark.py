@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_diffusion.commands import add_json_option, report
 from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.data import PromptDataset
 from lightning_diffusion.inputs import record_inputs
@@ -194,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--warmup", type=int, default=1, help="batches not timed (default 1)")
     parser.add_argument("--compare-diffusers", action="store_true")
-    parser.add_argument("--json", help="write the report here")
+    add_json_option(parser, "the report")
     args, extra = parser.parse_known_args(argv)
     try:
         cfg = read_config(args.config, extra)
@@ -233,14 +234,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["diffusers_images_per_sec"] = bare_ips
         result["time_ratio_vs_diffusers"] = bare_ips / result["images_per_sec"] if result["images_per_sec"] else None
 
-    print("| Strategy | Time / Iter (ms) | Steps / sec | Peak memory (GB) | Shape | Images / sec | Load (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| {result['strategy']} x{result['world_size']} | {result['time_per_iter_ms']:.1f} | "
-          f"{result['steps_per_sec']:.2f} | {result['peak_memory_gb']:.2f} | {result['shape']} | "
-          f"{result['images_per_sec']:.2f} | {result['load_s']:.1f} |")
-    if args.compare_diffusers:
-        print(f"bare diffusers loop: {result['diffusers_images_per_sec']:.2f} images/sec; "
-              f"ours takes {result['time_ratio_vs_diffusers']:.3f}x its time")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    def table() -> None:
+        print("| Strategy | Time / Iter (ms) | Steps / sec | Peak memory (GB) | Shape | Images / sec | Load (s) |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print(f"| {result['strategy']} x{result['world_size']} | {result['time_per_iter_ms']:.1f} | "
+              f"{result['steps_per_sec']:.2f} | {result['peak_memory_gb']:.2f} | {result['shape']} | "
+              f"{result['images_per_sec']:.2f} | {result['load_s']:.1f} |")
+        if args.compare_diffusers:
+            print(f"bare diffusers loop: {result['diffusers_images_per_sec']:.2f} images/sec; "
+                  f"ours takes {result['time_ratio_vs_diffusers']:.3f}x its time")
+
+    report(args.json, result, table)
     return 0

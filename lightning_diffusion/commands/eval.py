@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_diffusion.commands import add_json_option, report as emit
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.manifest import MANIFEST, PART_GLOB, read_output, scan_manifest
 
@@ -156,6 +157,10 @@ def _inception(weights: str):
     return Inception()
 
 
+# Below this many images, FID and KID are too noisy to read alone (a KID estimate below 0 is common).
+FEW_IMAGES = 100
+
+
 def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
     import torch
     from torchmetrics.image.fid import FrechetInceptionDistance
@@ -173,8 +178,11 @@ def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
         for start in range(0, len(fake), 64):
             metric.update(torch.stack(fake[start:start + 64]), real=False)
     kid_mean, kid_std = kid.compute()
-    return {"fid": float(fid.compute()), "kid": float(kid_mean), "kid_std": float(kid_std),
-            "fid_images": len(fake)}
+    result = {"fid": float(fid.compute()), "kid": float(kid_mean), "kid_std": float(kid_std), "fid_images": len(fake)}
+    if len(fake) < FEW_IMAGES:
+        result["warning"] = (f"FID and KID from {len(fake)} images are noisy estimates (KID can come out below 0, and "
+                             f"FID is biased upwards): compare runs of the same image count, or use {FEW_IMAGES} or more")
+    return result
 
 
 def evaluate(args) -> dict[str, Any]:
@@ -333,6 +341,8 @@ def report(result: dict[str, Any], per_image: bool) -> str:
         f = summary["fid"]
         lines.append(f"FID {f['fid']:.3f}, KID {f['kid']:.4f} +- {f['kid_std']:.4f} ({f['fid_images']} images, "
                      f"{f['features']} features, against {f['against']})")
+        if "warning" in f:
+            lines.append(f"warning: {f['warning']}")
     if "clip_score" in summary:
         lines.append(f"CLIP score {summary['clip_score']:.2f}")
     return "\n".join(lines)
@@ -350,15 +360,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--inception-weights", help="torch-fidelity's Inception weights file (--features inception)")
     parser.add_argument("--clip", help="a local CLIP model folder for the CLIP score")
     parser.add_argument("--per-image", action="store_true", help="print every image's row (--json always has them)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_json_option(parser, "the result (every image's row included)")
     args = parser.parse_args(argv)
     try:
         result = evaluate(args)
     except ConfigError as err:
         print(f"lightning-diffusion eval: {err}", file=sys.stderr)
         return 2
-    if args.json:
+    if args.json == "-":  # the report would only repeat it, on stderr
         print(json.dumps(_finite(result), indent=2, default=str))
     else:
-        print(report(result, args.per_image or len(result["images"]) <= 20))
+        emit(args.json, _finite(result), lambda: print(report(result, args.per_image or len(result["images"]) <= 20)),
+             default=str)
     return 0

@@ -258,6 +258,9 @@ def prompt_set(prompts: str, height: int, width: int) -> tuple[int, dict[tuple[i
     return len(records), sizes
 
 
+ASSUMED_PROMPTS = 1000  # the prompt count a plan assumes when none is given
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-diffusion plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,8 +271,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--frames", type=int)
-    parser.add_argument("--prompts", default="1000",
-                        help="how many prompts, or a prompt file: its count, and its largest image for memory")
+    parser.add_argument("--prompts", default=None,
+                        help="how many prompts, or a prompt file: its count, and its largest image for memory "
+                             f"(default: {ASSUMED_PROMPTS:,}, said in the output)")
     parser.add_argument("--goal", choices=["throughput", "latency"], default="throughput",
                         help="throughput: replicas first (default); latency: split each image over GPUs")
     parser.add_argument("--write", help="write the recommended config (YAML) here")
@@ -282,6 +286,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"lightning-diffusion plan: error: {err}", file=sys.stderr)
         return 2
+    if args.prompts is None:
+        print(f"prompt set: none given; planned for {ASSUMED_PROMPTS:,} prompts (--prompts N, or a prompt file, plans "
+              "for yours)")
+        args.prompts = str(ASSUMED_PROMPTS)
     try:
         args.prompts, sizes = prompt_set(args.prompts, args.height, args.width)
     except ConfigError as err:

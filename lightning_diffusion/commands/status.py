@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from lightning_diffusion.commands import add_json_option, report
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.lock import OutputLock, live_locks
 from lightning_diffusion.manifest import (FAILED, FAILURES_GLOB, MANIFEST, REJECTED, RUN_FILE, count_lines, finished,
@@ -251,12 +252,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-diffusion status", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output_dir")
-    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    add_json_option(parser, "the status")
     args = parser.parse_args(argv)
     try:
         status = folder_status(Path(args.output_dir).expanduser())
     except ConfigError as err:
         print(f"lightning-diffusion status: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(status, indent=2) if args.json else text(status))
+    if args.json == "-":  # the report would only repeat it, on stderr
+        print(json.dumps(status, indent=2))
+    else:
+        report(args.json, status, lambda: print(text(status)))
     return exit_code(status)

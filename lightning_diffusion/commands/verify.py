@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from lightning_diffusion.commands import add_json_option, report
 from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.records import read_records
 from lightning_diffusion.pipelines import dtype_name
@@ -87,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--json", help="also write the report here")
+    add_json_option(parser, "the comparison")
     args, extra = parser.parse_known_args(argv)
     if args.num_prompts < 1:
         parser.error("--num-prompts must be at least 1")
@@ -130,16 +131,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             row["pass"] = row["max_abs"] <= max_abs and row["psnr"] >= min_psnr and row["ssim"] >= min_ssim
             rows.append(row)
 
-    print(f"verify {args.config} against one device, {dtype}: pass if max abs <= {max_abs:g}, "
-          f"PSNR >= {min_psnr:g} dB, SSIM >= {min_ssim:g}")
-    print("| Image | Max abs diff | PSNR (dB) | SSIM | Verdict |")
-    print("| --- | --- | --- | --- | --- |")
-    for row in rows:
-        print(f"| {row['index']} | {row['max_abs']:.3g} | {row['psnr']:.1f} | {row['ssim']:.6f} | "
-              f"{'pass' if row['pass'] else 'FAIL'} |")
     passed = all(row["pass"] for row in rows)
-    print("PASS" if passed else "FAIL: the plan does not reproduce the single-device images")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": args.config, "dtype": dtype, "images": rows,
-                                               "pass": passed}, indent=2))
+
+    def table() -> None:
+        print(f"verify {args.config} against one device, {dtype}: pass if max abs <= {max_abs:g}, "
+              f"PSNR >= {min_psnr:g} dB, SSIM >= {min_ssim:g}")
+        print("| Image | Max abs diff | PSNR (dB) | SSIM | Verdict |")
+        print("| --- | --- | --- | --- | --- |")
+        for row in rows:
+            print(f"| {row['index']} | {row['max_abs']:.3g} | {row['psnr']:.1f} | {row['ssim']:.6f} | "
+                  f"{'pass' if row['pass'] else 'FAIL'} |")
+        print("PASS" if passed else "FAIL: the plan does not reproduce the single-device images")
+
+    report(args.json, {"config": args.config, "dtype": dtype, "images": rows, "pass": passed}, table)
     return 0 if passed else 1
