@@ -96,7 +96,7 @@ def main() -> None:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         size_mb = path.stat().st_size / 1e6
         sets = len(records.summary.sets)
-    print(f"| lines | file | call-argument sets | rejected | read | check against the pipeline | whole preflight "
+    print("| lines | file | call-argument sets | rejected | read | check against the pipeline | whole preflight "
           "| peak RSS |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print(f"| {args.lines:,} | {size_mb:.1f} MB | {sets} | {len(verdicts.rejected):,} | {read_s:.2f} s | "

@@ -278,7 +278,7 @@ class WriterProcess(_Writers):
             return
         try:
             write_frame(self.stdin, data, views)
-        except OSError as err:
+        except OSError:
             self._end()
 
     def _read(self) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 from array import array
 from bisect import bisect_right

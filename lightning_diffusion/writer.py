@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_diffusion.background import WRITE_IN, WriterProcess, WriterThreads
+from lightning_diffusion.background import WriterProcess, WriterThreads
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, WritingFailed, raise_problems
 from lightning_diffusion.files import (  # noqa: F401 (names of the writer's files, kept importable from here)

@@ -15,7 +15,7 @@ from lightning_diffusion.accelerators import (
     gpus_bound_to_tasks,
     slurm_tasks_per_node,
 )
-from lightning_diffusion.errors import ConfigError, NodeConfigError
+from lightning_diffusion.errors import NodeConfigError
 from lightning_diffusion.strategies import DeviceMapStrategy
 
 TASK = {"SLURM_LOCALID": "3", "SLURM_PROCID": "3", "SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "8"}

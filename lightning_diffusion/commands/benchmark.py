@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_diffusion.commands import add_json_option, report
+from lightning_diffusion.commands import add_json_option, report as emit
 from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.data import PromptDataset
 from lightning_diffusion.inputs import record_inputs
@@ -244,5 +244,5 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"bare diffusers loop: {result['diffusers_images_per_sec']:.2f} images/sec; "
                   f"ours takes {result['time_ratio_vs_diffusers']:.3f}x its time")
 
-    report(args.json, result, table)
+    emit(args.json, result, table)
     return 0
