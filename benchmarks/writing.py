@@ -62,7 +62,7 @@ from lightning.pytorch import Callback, Trainer
 from PIL import Image
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
-from lightning_diffusion.manifest import _atomic_write
+from lightning_diffusion.manifest import atomic_write
 from lightning_diffusion.pipelines import inspect_pipeline
 from writing_parts import EncodeFiles, HandOverFiles  # benchmarks/: importable by the writer process too
 
@@ -256,7 +256,7 @@ def _writer_load(picture: Image.Image, folder: Optional[Path]) -> None:
     if folder is None:
         picture.save(io.BytesIO(), format="PNG", compress_level=1)
     else:
-        _atomic_write(folder / "image.png", lambda f: picture.save(f, format="PNG", compress_level=1))
+        atomic_write(folder / "image.png", lambda f: picture.save(f, format="PNG", compress_level=1))
         (folder / "image.png").unlink()
 
 

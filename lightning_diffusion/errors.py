@@ -51,11 +51,6 @@ def is_int(value: Any, minimum: Optional[int] = None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
 
 
-def check_int(value: Any, name: str, minimum: int = 1) -> Optional[str]:
-    """The problem with ``value`` as an integer >= ``minimum`` named ``name`` (None if it is one)."""
-    return None if is_int(value, minimum) else f"{name} must be an integer >= {minimum}, got {value!r}."
-
-
 # The CLI's launching process checks the whole config before it starts the other ranks, which run
 # the same command line; they trust that check instead of repeating it (``preflight_passed``).
 _PREFLIGHT_ENV = "LIGHTNING_DIFFUSION_PREFLIGHT_PASSED"

@@ -22,7 +22,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.manifest import _atomic_write, failures_part
+from lightning_diffusion.manifest import atomic_write, failures_part
 
 
 def slugify(prompt: str, max_length: int = 40) -> str:
@@ -198,17 +198,17 @@ class OutputFiles:
             text = json.dumps(metadata, ensure_ascii=False)
             if self.video_format == "mp4":
                 tags = {"title": prompt, "comment": text}
-                size = _atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags), sync)
+                size = atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags), sync)
             else:
-                size = _atomic_write(self.output_dir / name,
+                size = atomic_write(self.output_dir / name,
                                      lambda f: write_animation(f, pixels, self.fps, self.video_format, text), sync)
             metadata["fps"] = self.fps
         else:
             name = self._name(index, prompt, IMAGE_FORMATS[self.image_format])
             picture = Image.fromarray(pixels)
-            size = _atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), sync)
+            size = atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), sync)
         if self.save_arrays:
-            _atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]), sync)
+            atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]), sync)
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
         }, "written": round(time.time(), 3)}

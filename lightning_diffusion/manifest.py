@@ -61,7 +61,7 @@ def failures_part(part: Path) -> Path:
     return part.with_name("failed." + part.name.removeprefix("manifest."))
 
 
-def _atomic_write(path: Path, write, fsync: bool = True) -> int:
+def atomic_write(path: Path, write, fsync: bool = True) -> int:
     """``path`` appears whole or not at all (written under a temporary name, then renamed); with
     ``fsync`` its bytes are on disk before the rename. The temporary name is unique across the
     nodes and threads writing into one folder (equal pids are common in containers). Returns the
@@ -463,7 +463,7 @@ def repair_manifest(output_dir: str | os.PathLike, found: Finished) -> int:
             dropped += len(problems)
             out.write(b"".join(chunk))
 
-        _atomic_write(path, write)
+        atomic_write(path, write)
     return dropped
 
 
@@ -557,7 +557,7 @@ def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
         failed = {index: line for index, line in failed.items() if index not in made}
         if failed or (folder / FAILED).exists():
             text = "".join(json.dumps(failed[i], ensure_ascii=False) + "\n" for i in sorted(failed))
-            _atomic_write(folder / FAILED, lambda f: f.write(text.encode("utf-8")))
+            atomic_write(folder / FAILED, lambda f: f.write(text.encode("utf-8")))
         for part in parts:
             part.unlink(missing_ok=True)
     return len(now)

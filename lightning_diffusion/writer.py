@@ -69,7 +69,7 @@ from lightning_diffusion.manifest import (
     PROMPTS_HASH,
     RUN_FILE,
     RUN_META,
-    _atomic_write,
+    atomic_write,
     in_shard,
     merge_failures,
     merge_lock,
@@ -384,7 +384,7 @@ class ImageWriter(BasePredictionWriter):
         count, the runs' summaries."""
         content = {**settings, "expected": self.expected if expected is None else expected,
                    "history": self._history if history is None else history}
-        _atomic_write(path or self.record_file, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
+        atomic_write(path or self.record_file, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.started_at = time.time()
@@ -502,7 +502,7 @@ class ImageWriter(BasePredictionWriter):
                   "images": [position * copies + c for c in range(copies)]}
                  for position, (source, reason) in sorted(data.rejected.rejected.items())]
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
-        _atomic_write(self.output_dir / REJECTED, lambda f: f.write(text.encode("utf-8")))
+        atomic_write(self.output_dir / REJECTED, lambda f: f.write(text.encode("utf-8")))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Not on_predict_end: a replica with no images skips the predict loop and its end hooks,

@@ -433,7 +433,7 @@ def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     import json
 
     from lightning_diffusion.commands.status import ARRAY_FILE
-    from lightning_diffusion.manifest import _atomic_write
+    from lightning_diffusion.manifest import atomic_write
 
     path = output_dir / ARRAY_FILE
     try:
@@ -442,7 +442,7 @@ def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
         submissions = []
     submissions.append({"job": job_id, "num_shards": array["num_shards"], "shards": array["shards"],
                         "expected": array["expected"], "submitted": round(time.time(), 3)})
-    _atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
+    atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
 
 
 def wait_for_array(job_id: str, output_dir: Path, expected: int, array: dict[str, Any], poll_s: float = 2.0) -> int:

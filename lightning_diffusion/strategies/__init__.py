@@ -11,10 +11,11 @@ from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
 from lightning_diffusion.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["CFGParallelStrategy", "ContextParallelStrategy", "DataParallelStrategy", "DeviceMapStrategy", "DiffusionParallelStrategy", "MeshError", "MeshStrategy", "ParallelDims", "TensorParallelStrategy"]
+__all__ = ["CFGParallelStrategy", "ContextParallelStrategy", "DataParallelStrategy", "DeviceMapStrategy",
+           "DiffusionParallelStrategy", "MeshError", "MeshStrategy", "ParallelDims", "TensorParallelStrategy"]
 
 _REGISTRY = {
-    "mesh": (MeshStrategy, "dp x ring x ulysses x tp on one device mesh (default: data parallel).", {}),
+    "mesh": (MeshStrategy, "dp x cfg x ring x ulysses x tp on one device mesh (default: data parallel).", {}),
     "data_parallel": (DataParallelStrategy, "One pipeline per process; prompts split across replicas.", {}),
     "context_parallel": (ContextParallelStrategy, "Ulysses over all processes.", {"ulysses_degree": -1}),
     "ulysses": (ContextParallelStrategy, "Ulysses attention over all processes.", {"ulysses_degree": -1}),

@@ -55,8 +55,8 @@ BACKEND_GRACE = timedelta(seconds=60)
 
 
 class DiffusionParallelStrategy(ParallelStrategy):
-    """Base of the project's strategies: one process per device, a ``("dp", "ring", "ulysses", "tp")``
-    mesh, and prompts split over ``dp`` only.
+    """Base of the project's strategies: one process per device, a ``("dp", "cfg", "ring", "ulysses",
+    "tp")`` mesh (``mesh.MESH_DIMS``), and prompts split over ``dp`` only.
 
     Args:
         process_group_backend: ``nccl`` on CUDA and ``gloo`` on CPU when left ``None``.
