@@ -37,7 +37,7 @@ def raise_problems(problems: list) -> None:
         raise kind(f"{len(problems)} problems:\n  - " + "\n  - ".join(map(str, problems)))
 
 
-def gather(problems: list, check, *args, **kwargs):
+def run_check(problems: list, check, *args, **kwargs):
     """Run one check; on a ConfigError, record it and return None."""
     try:
         return check(*args, **kwargs)

@@ -23,7 +23,7 @@ import torch
 from lightning_diffusion import compat
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, gather
+from lightning_diffusion.errors import ConfigError, run_check
 from lightning_diffusion.specs import spec_for
 from lightning_diffusion.strategies.cfg_split import CFGSplit
 from lightning_diffusion.strategies.checks import (
@@ -138,21 +138,21 @@ class MeshStrategy(DiffusionParallelStrategy):
         dims = self.make_parallel_dims(world_size) if world_size is not None else self.parallel_dims
         info = request.info
         device = torch.device(self.planned_device_type(device_type))
-        backend = gather(problems, self._backend, request)
+        backend = run_check(problems, self._backend, request)
         if backend is not None:
-            gather(problems, check_backend_device, backend, device)
+            run_check(problems, check_backend_device, backend, device)
             if request.attention_backend is None:  # the model's is checked with the model
                 problems += backend_dtype_problems(backend, request.dtype, "the strategy's attention_backend")
             if dims.cp > 1:
-                gather(problems, check_attention_backend, backend)
+                run_check(problems, check_attention_backend, backend)
         if dims.cp > 1:
-            gather(problems, resolved_attention_backend, backend, device, dims, request.dtype)
+            run_check(problems, resolved_attention_backend, backend, device, dims, request.dtype)
         if dims.cfg > 1:
-            gather(problems, check_cfg, info.class_name, dict(request.call_args), info.call_default, request.records)
+            run_check(problems, check_cfg, info.class_name, dict(request.call_args), info.call_default, request.records)
         if dims.cp > 1:
-            gather(problems, check_context_parallel, request, dims, self.ulysses_anything, self.ring_anything)
+            run_check(problems, check_context_parallel, request, dims, self.ulysses_anything, self.ring_anything)
         if dims.tp > 1:
-            gather(problems, check_tensor_parallel, request, dims)
+            run_check(problems, check_tensor_parallel, request, dims)
         return problems
 
     def _backend(self, request: ModelRequest) -> Optional[str]:

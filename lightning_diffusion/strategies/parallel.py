@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_diffusion import compat, quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, gather, preflight_passed, raise_problems
+from lightning_diffusion.errors import ConfigError, run_check, preflight_passed, raise_problems
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
@@ -177,7 +177,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         """Problems of the model against the strategy that need no weights (subclasses add theirs)."""
         problems: list = []
         device = torch.device(self.planned_device_type(device_type))
-        gather(problems, quantization.device_problem, request.quantization, device)
+        run_check(problems, quantization.device_problem, request.quantization, device)
         return problems
 
     def check_devices(self) -> list:
