@@ -1,4 +1,5 @@
-"""The contract between ``DiffusionModule`` and a strategy, in one direction.
+"""The contract between ``DiffusionModule`` and a strategy, both ways: ``DiffusionModel`` is what
+a strategy may call on the module, ``DiffusionStrategy`` what the module's run needs of a strategy.
 
 A strategy reads a ``ModelRequest`` (what is known of the model before any weight loads) and hands
 the module a ``LoadPlan`` (how to load it); after the load it gets the pipeline back once to
@@ -21,9 +22,9 @@ same steps, before the process group starts for the checks):
    ranks that hold pieces of the same transformer call (ring x ulysses x tp of one replica and
    guidance branch; ``None`` when each process holds whole tensors), over which data-dependent
    decisions inside the transformer (a first-block cache) are agreed;
-7. if ``module.split_work``: ``module.use_group(group)``, the process group of one replica's ranks
-   (cfg x ring x ulysses x tp; ``None`` with one process per replica), over which the module
-   splits text encoding and VAE decoding (``group_work``).
+7. ``module.use_group(group)``, the process group of one replica's ranks (cfg x ring x ulysses x
+   tp; ``None`` with one process per replica), over which the module agrees failed calls and, with
+   ``module.split_work``, splits text encoding and VAE decoding (``group_work``).
 """
 
 from __future__ import annotations
@@ -106,4 +107,32 @@ class DiffusionStrategy(Protocol):
 
     def setup_pipeline(self, pipeline: Any) -> Any:
         """Parallelise or wrap the loaded, placed pipeline; returns what ``predict_step`` calls."""
+        ...
+
+
+@runtime_checkable
+class DiffusionModel(Protocol):
+    """What a strategy calls on the module it runs (``DiffusionModule``), in the order above; a
+    strategy tells such a module from another LightningModule with ``isinstance`` on this."""
+
+    pipeline: Any
+    split_work: bool
+
+    def request(self, records: Optional[Any] = None) -> ModelRequest:
+        ...
+
+    def use_load_plan(self, plan: LoadPlan) -> None:
+        ...
+
+    def use_pipeline(self, pipeline: Any) -> None:
+        ...
+
+    @property
+    def needs_shard_group(self) -> bool:
+        ...
+
+    def use_shard_group(self, group: Any) -> None:
+        ...
+
+    def use_group(self, group: Any) -> None:
         ...

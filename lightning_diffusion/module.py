@@ -42,11 +42,6 @@ def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
         return options
 
 
-def denoisers(info: PipelineInfo) -> dict[str, Optional[type]]:
-    """The pipeline's transformer components (those its guidance loop calls) and their classes."""
-    return info.denoisers()
-
-
 def image_settings(
     path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any],
     cache: Optional[dict[str, Any]] = None, options: Optional[dict[str, Any]] = None,
@@ -365,7 +360,7 @@ class DiffusionModule(pl.LightningModule):
     def quantization_configs(self) -> dict[str, Any]:
         """``model.quantization`` as each quantized component's backend config (none without it)."""
         spec = self.options["quantization"]
-        return quantization.component_configs(spec, self.info.model_index, tuple(denoisers(self.info))) if spec else {}
+        return quantization.component_configs(spec, self.info.model_index, tuple(self.info.denoisers())) if spec else {}
 
     def load_pipeline(self, **components: Any) -> None:
         """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may
@@ -390,7 +385,7 @@ class DiffusionModule(pl.LightningModule):
         if self.options["quantization"] is not None and self.global_rank == 0:
             spec = self.options["quantization"]
             for name, (left, total) in quantization.left_unquantized(
-                    pipeline, spec, quantization.quantized(spec, tuple(denoisers(self.info)))).items():
+                    pipeline, spec, quantization.quantized(spec, tuple(self.info.denoisers()))).items():
                 log.warning(f"model.quantization: {left} of {name}'s {total} linear layers loaded in full precision "
                             "(a device map offloaded them: diffusers does not quantize weights on the CPU or disk)")
         if self.adapters:  # fused before any strategy hook, cache or compile sees the weights
@@ -454,7 +449,7 @@ class DiffusionModule(pl.LightningModule):
 
     def denoiser_modules(self) -> dict[str, nn.Module]:
         """The pipeline's denoisers that are loaded (Wan 2.1 lists an empty ``transformer_2``)."""
-        found = {name: getattr(self.pipeline, name, None) for name in denoisers(self.info)}
+        found = {name: getattr(self.pipeline, name, None) for name in self.info.denoisers()}
         return {name: module for name, module in found.items() if isinstance(module, nn.Module)}
 
     def on_predict_start(self) -> None:

@@ -17,7 +17,6 @@ import torch
 from lightning_diffusion import quantization
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.module import denoisers
 from lightning_diffusion.specs import cfg_supported, spec_for, with_plan
 from lightning_diffusion.strategies.mesh import ParallelDims
 
@@ -236,7 +235,7 @@ def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
     for option, reason in TP_INCOMPATIBLE_OPTIONS.items():
         if options.get(option) is not None:
             raise ConfigError(f"model.from_pretrained_kwargs.{option} cannot be used with tensor parallelism: {reason}.")
-    sharded_and_quantized = [name for name in quantization.quantized(request.quantization, tuple(denoisers(info)))
+    sharded_and_quantized = [name for name in quantization.quantized(request.quantization, tuple(info.denoisers()))
                              if name in planned]
     if sharded_and_quantized:
         raise ConfigError(

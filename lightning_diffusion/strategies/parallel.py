@@ -35,9 +35,8 @@ from typing_extensions import override
 
 from lightning_diffusion import compat, quantization
 from lightning_diffusion.console import log
-from lightning_diffusion.contract import LoadPlan, ModelRequest
+from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, run_check, preflight_passed, raise_problems
-from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
@@ -200,7 +199,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
 
     def _request(self) -> Optional[ModelRequest]:
         module = self.lightning_module
-        if not isinstance(module, DiffusionModule):
+        if not isinstance(module, DiffusionModel):
             return None  # another LightningModule: nothing is known before loading
         trainer = module._trainer
         records = getattr(getattr(trainer, "datamodule", None), "records", None) if trainer is not None else None
@@ -247,7 +246,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         module = self.lightning_module
         groups = self._parallel_dims.build_groups(
             self.root_device.type, self.global_rank, self._backend_timeout,
-            shard_group=isinstance(module, DiffusionModule) and module.needs_shard_group)
+            shard_group=isinstance(module, DiffusionModel) and module.needs_shard_group)
         self._device_mesh, self._replica_group, self._shard_group = groups.mesh, groups.replica, groups.shard
         log.info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
         self._warn_groups_across_nodes()
@@ -323,7 +322,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model_to_device()
         module = self.lightning_module
-        if isinstance(module, DiffusionModule) and module.pipeline is not None:
+        if isinstance(module, DiffusionModel) and module.pipeline is not None:
             module.use_pipeline(self.setup_pipeline(module.pipeline))
             if module.needs_shard_group:
                 module.use_shard_group(self._shard_group)
@@ -332,7 +331,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
                 self._watch_stalls(module)
         self.barrier("pipeline_placed")
 
-    def _watch_stalls(self, module: DiffusionModule) -> None:
+    def _watch_stalls(self, module: DiffusionModel) -> None:
         """A ``StallWatch`` beaten at the start and end of every model call of the pipeline (a
         replica of several ranks waits on its peers in collectives inside those calls)."""
         watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self._drain_writers)
