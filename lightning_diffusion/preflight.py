@@ -68,7 +68,7 @@ def build_strategy(spec: Any) -> Optional[Any]:
 
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
+    from lightning_diffusion.strategies.base import DiffusionParallelStrategy
 
     if isinstance(spec, str):
         if spec not in StrategyRegistry and spec not in ("auto", "dp"):

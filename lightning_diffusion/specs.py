@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 @dataclass(frozen=True)
 class CFGBranches:
-    """How one pipeline feeds its two classifier-free-guidance branches (see ``strategies.cfg_split``).
+    """How one pipeline feeds its two classifier-free-guidance branches (see ``strategies.cfg_parallel_hooks``).
 
     ``kwargs``: the transformer arguments that differ between the branches, in the order of
     ``encode_prompt``'s outputs. ``one_call``: ``encode_prompt`` returns (positive, negative) in one

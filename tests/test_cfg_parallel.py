@@ -133,7 +133,7 @@ def test_the_split_is_a_named_removable_hook_outside_the_context_parallel_ones(t
 
     from lightning_diffusion import tiny
     from lightning_diffusion.specs import spec_for
-    from lightning_diffusion.strategies.cfg_split import HOOK_NAME, CFGSplit
+    from lightning_diffusion.strategies.cfg_parallel_hooks import HOOK_NAME, CFGSplit
 
     pipe = DiffusionPipeline.from_pretrained(tiny.resolve("tiny:qwenimage"))
     registry = HookRegistry.check_if_exists_or_initialize(pipe.transformer)

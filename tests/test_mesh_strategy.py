@@ -96,7 +96,7 @@ def _groups_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from lightning_diffusion.compat import collective_timeout
-    from lightning_diffusion.strategies.mesh import ParallelDims
+    from lightning_diffusion.strategies.parallel_dims import ParallelDims
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(minutes=5))

@@ -6,9 +6,9 @@ from lightning_diffusion.strategies.cfg_parallel import CFGParallelStrategy
 from lightning_diffusion.strategies.context_parallel import ContextParallelStrategy
 from lightning_diffusion.strategies.data_parallel import DataParallelStrategy
 from lightning_diffusion.strategies.device_map import DeviceMapStrategy
-from lightning_diffusion.strategies.mesh import MeshError, ParallelDims
+from lightning_diffusion.strategies.parallel_dims import MeshError, ParallelDims
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
-from lightning_diffusion.strategies.parallel import DiffusionParallelStrategy
+from lightning_diffusion.strategies.base import DiffusionParallelStrategy
 from lightning_diffusion.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["CFGParallelStrategy", "ContextParallelStrategy", "DataParallelStrategy", "DeviceMapStrategy",

@@ -7,13 +7,13 @@ from datetime import timedelta
 from typing import Optional, Union
 
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
-from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
+from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 
 
 class CFGParallelStrategy(MeshStrategy):
     """CFG parallelism: in each pair of processes one runs the conditional transformer pass and the
     other the unconditional one, and they exchange the noise prediction once per step (see
-    ``strategies.cfg_split``). The world size must be even; 4 processes are 2 replicas of a pair.
+    ``strategies.cfg_parallel_hooks``). The world size must be even; 4 processes are 2 replicas of a pair.
     ``MeshStrategy(cfg=2)``; combine with context or tensor parallelism through ``MeshStrategy``
     (``cfg: 2, ulysses: 2``).
 

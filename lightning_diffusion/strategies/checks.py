@@ -18,7 +18,7 @@ from lightning_diffusion import quantization
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.specs import cfg_supported, spec_for, with_plan
-from lightning_diffusion.strategies.mesh import ParallelDims
+from lightning_diffusion.strategies.parallel_dims import ParallelDims
 
 # from_pretrained options that diffusers cannot combine with a tensor-parallel load, and why.
 TP_INCOMPATIBLE_OPTIONS = {

@@ -6,7 +6,7 @@ from datetime import timedelta
 from typing import Optional, Union
 
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
-from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
+from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 
 
 class DataParallelStrategy(MeshStrategy):

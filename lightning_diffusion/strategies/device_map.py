@@ -19,7 +19,7 @@ from lightning_diffusion.validation import integer
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
-from lightning_diffusion.strategies.parallel import DEFAULT_TIMEOUT_S
+from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 
 
 # The model a pipeline's weights are mostly in; "auto" spreads this one over devices, CPU and disk.

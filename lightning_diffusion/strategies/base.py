@@ -38,7 +38,7 @@ from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, run_check, preflight_passed, raise_problems
 from lightning_diffusion.preemption import STOP
-from lightning_diffusion.strategies.mesh import ParallelDims, mesh_coordinate
+from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
 
 
@@ -55,7 +55,7 @@ BACKEND_GRACE = timedelta(seconds=60)
 
 class DiffusionParallelStrategy(ParallelStrategy):
     """Base of the project's strategies: one process per device, a ``("dp", "cfg", "ring", "ulysses",
-    "tp")`` mesh (``mesh.MESH_DIMS``), and prompts split over ``dp`` only.
+    "tp")`` mesh (``parallel_dims.MESH_DIMS``), and prompts split over ``dp`` only.
 
     Args:
         process_group_backend: ``nccl`` on CUDA and ``gloo`` on CPU when left ``None``.
