@@ -41,22 +41,14 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning_diffusion.background import WriterProcess, WriterThreads
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, WritingFailed, raise_problems
-from lightning_diffusion.files import (  # noqa: F401 (names of the writer's files, kept importable from here)
-    EXIF_DESCRIPTION,
+from lightning_diffusion.files import (
     FILES_PER_FOLDER,
-    FSYNC,
-    IMAGE_FORMATS,
     PNG_COMPRESS_LEVEL,
     SAMPLES_PER_SHARD,
-    VIDEO_FORMATS,
     OutputFiles,
-    size_text,
-    image_filename,
     resolve_layout,
-    slugify,
+    size_text,
     to_uint8,
-    write_animation,
-    write_mp4,
 )
 from lightning_diffusion.lock import OutputLock, busy_message
 from lightning_diffusion.validation import writer_problems
@@ -478,10 +470,6 @@ class ImageWriter(BasePredictionWriter):
             prediction = [{**item, "image": to_uint8(item["image"])} if "image" in item and item["image"].ndim == 4
                           else item for item in prediction]
         self._writers.put(prediction)  # blocks while the queue is full: memory stays bounded
-
-    def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
-        """Write one image or video (and its array) atomically; return its manifest line."""
-        return self.files.write_output(item)
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.predicting_at = time.time()

@@ -81,7 +81,7 @@ def test_resume_redoes_only_missing_videos(tmp_path):
 def test_animated_formats(fmt, tmp_path):
     writer = ImageWriter(str(tmp_path), video_format=fmt, fps=4)
     frames = np.linspace(0, 1, 5 * 16 * 16 * 3, dtype=np.float32).reshape(5, 16, 16, 3)
-    line = writer.write_output({"index": 3, "prompt": "a clip", "seed": 7, "image": frames, "params": {}})
+    line = writer.files.write_output({"index": 3, "prompt": "a clip", "seed": 7, "image": frames, "params": {}})
     assert line["file"] == f"000003-a-clip.{fmt}" and line["fps"] == 4
     with Image.open(tmp_path / line["file"]) as animation:
         assert animation.n_frames == 5

@@ -4,7 +4,7 @@ import pytest
 
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.writer import image_filename
+from lightning_diffusion.files import image_filename
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lightning_diffusion.writer import EXIF_DESCRIPTION
+from lightning_diffusion.files import EXIF_DESCRIPTION
 from tests.conftest import REPO, read_manifest_lines, run_here, tiny_args
 from tests.test_resume import finished_lines
 
