@@ -333,12 +333,19 @@ class DiffusionParallelStrategy(ParallelStrategy):
 
     def _watch_stalls(self, module: DiffusionModel) -> None:
         """A ``StallWatch`` beaten at the start and end of every model call of the pipeline (a
-        replica of several ranks waits on its peers in collectives inside those calls)."""
+        replica of several ranks waits on its peers in collectives inside those calls). The VAE's
+        and text encoders' direct submodules beat too (``vae.decode`` is not a forward: a long video
+        decode, tile by tile, would beat only through its decoder); the denoisers' do not, where a
+        compiled model would break its graph at each of them."""
         watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self._drain_writers)
         beat = torch.compiler.disable(watch.beat)  # a compiled model calls it outside its graphs
-        for component in getattr(module.pipeline, "components", {}).values():
-            if isinstance(component, torch.nn.Module):
-                self._beats += [component.register_forward_pre_hook(beat), component.register_forward_hook(beat)]
+        denoisers = getattr(module, "info", None)
+        denoisers = set(denoisers.denoisers()) if denoisers is not None else set()
+        for name, component in getattr(module.pipeline, "components", {}).items():
+            if not isinstance(component, torch.nn.Module):
+                continue
+            for part in [component] + ([] if name in denoisers else list(component.children())):
+                self._beats += [part.register_forward_pre_hook(beat), part.register_forward_hook(beat)]
         self._stall_watch = watch
         watch.start()
 
