@@ -10,6 +10,7 @@ exactly what ``predict`` will run.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import sys
 import warnings
@@ -25,7 +26,7 @@ from lightning_diffusion.accelerators import accelerator_for_job
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError, mark_preflight_passed, preflight_passed, raise_problems
 from lightning_diffusion.module import DiffusionModule
-from lightning_diffusion.preflight import preflight
+from lightning_diffusion.preflight import Verdict, preflight
 from lightning_diffusion.progress import ImageProgressBar
 from lightning_diffusion.writer import ImageWriter
 
@@ -121,8 +122,14 @@ class DiffusionCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self._parses_argv and preflight_passed():
             return  # checked by the process that started this rank, on the same command line
-        complete = check_config(self.config[self.subcommand] if self.subcommand else self.config)
-        if self._parses_argv and complete:
+        verdict = check_config(self.config[self.subcommand] if self.subcommand else self.config)
+        if verdict.nothing_left:
+            # A folder that holds every image: said before any weight loads (Lightning would load the
+            # model and then run an empty loop).
+            if all(os.environ.get(name, "0") == "0" for name in ("SLURM_PROCID", "RANK")):  # one task says it
+                print(f"lightning-diffusion: {verdict.nothing_left}", file=sys.stderr)
+            sys.exit(0)
+        if self._parses_argv and verdict.complete:
             mark_preflight_passed()
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
@@ -165,12 +172,12 @@ def read_config(config: str, overrides: Optional[list[str]] = None, check: bool 
     return parsed
 
 
-def check_config(config: Any, here: bool = True) -> bool:
+def check_config(config: Any, here: bool = True) -> Verdict:
     """Every weight-free check of a parsed config (``preflight``), reported in one ``ConfigError``;
-    returns whether they were complete (see ``preflight``)."""
-    problems, complete = preflight(config, here)
-    raise_problems(problems)
-    return complete
+    returns the verdict (whether the checks were complete, whether anything is left to make)."""
+    verdict = preflight(config, here)
+    raise_problems(verdict.problems)
+    return verdict
 
 
 def report_config_error(err: ValueError, prog: str) -> int:

@@ -10,6 +10,7 @@ on every rank when the Trainer is used from Python). The ranks the CLI starts tr
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -18,7 +19,7 @@ from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion import lora
 from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
-from lightning_diffusion.manifest import finished, settings_conflict, shard_size
+from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_conflict, shard_size
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
 from lightning_diffusion.files import FILES_PER_FOLDER, size_text
@@ -31,12 +32,15 @@ _PNG_RATIO = 0.5
 
 def disk_space_problems(
     info: PipelineInfo, named: dict[str, Any], records: Sequence[Any], per_prompt: int, output_dir: str,
-    num_shards: int = 1, shard_index: int = 0,
+    num_shards: int = 1, shard_index: int = 0, found: Optional[Finished] = None,
 ) -> list[str]:
-    """The outputs still to make need more space than the output folder's file system has free."""
+    """The outputs still to make need more space than the output folder's file system has free.
+    ``found``: the folder's finished images, when already read."""
     folder = Path(output_dir).expanduser()
     shard = (shard_index, num_shards) if num_shards > 1 else None
-    done = len(finished(folder).in_shard(shard)) if folder.is_dir() else 0
+    if found is None and folder.is_dir():
+        found = finished(folder)
+    done = len(found.in_shard(shard)) if found is not None else 0
     pending = max(0, shard_size(len(records) * per_prompt, shard) - done)
     default = info.spec.default_size or (1024, 1024)
     height, width = named.get("height") or default[0], named.get("width") or default[1]
@@ -146,14 +150,15 @@ def _rule(problems: list, reader: Any, *args: Any) -> Any:
         return None
 
 
-def preflight(config: Any, here: bool = True) -> tuple[list, bool]:
+def preflight(config: Any, here: bool = True) -> "Verdict":
     """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config.
-    Returns the problems and whether the checks were complete: the strategy's rules need the world
+    Returns the problems, whether the checks were complete (the strategy's rules need the world
     size, which a config with ``devices: auto`` (or a device list) leaves to the Trainer; then the
-    ranks must run them themselves. ``here``: the run is on this machine (``slurm`` and ``k8s``
+    ranks must run them themselves) and, ``here``, whether the folder already holds every image. ``here``: the run is on this machine (``slurm`` and ``k8s``
     render a job for others: this machine's GPUs are not asked about)."""
     model, data, writer = dict(config.model), dict(config.data), dict(config.writer)
     problems: list = []
+    nothing_left: Optional[str] = None
     records = _rule(problems, read_records, data["prompts"])
     num_images = (len(records) * data["num_images_per_prompt"]
                   if records is not None and is_int(data.get("num_images_per_prompt"), 1) else None)
@@ -196,8 +201,10 @@ def preflight(config: Any, here: bool = True) -> tuple[list, bool]:
     if not problems and is_int(data.get("num_shards", 1), 1) and is_int(data.get("shard_index", 0), 0):
         problems += busy_folder_problems(writer["output_dir"], data.get("num_shards", 1), data.get("shard_index", 0))
     if info is not None and records is not None and not problems:
+        folder = Path(writer["output_dir"]).expanduser()
+        found = finished(folder) if folder.is_dir() else None
         problems += disk_space_problems(info, call_args, records, data["num_images_per_prompt"], writer["output_dir"],
-              data.get("num_shards", 1), data.get("shard_index", 0))
+                                        data.get("num_shards", 1), data.get("shard_index", 0), found)
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
             settings = run_settings(
@@ -211,4 +218,33 @@ def preflight(config: Any, here: bool = True) -> tuple[list, bool]:
             conflict = settings_conflict(Path(writer["output_dir"]).expanduser(), settings)
             if conflict:
                 problems.append(conflict)
-    return problems, complete
+        if here and not problems and found is not None and num_images is not None:
+            nothing_left = nothing_to_make(folder, found, records, num_images, data.get("num_shards", 1),
+                                           data.get("shard_index", 0))
+    return Verdict(problems, complete, nothing_left)
+
+
+@dataclass
+class Verdict:
+    """``preflight``'s answer: the problems, whether the checks were complete (see ``preflight``),
+    and, for a folder that holds every image of the run already, the line that says so."""
+
+    problems: list
+    complete: bool
+    nothing_left: Optional[str] = None
+
+
+def nothing_to_make(folder: Path, found: Finished, records: Any, num_images: int, num_shards: int = 1,
+                    shard_index: int = 0) -> Optional[str]:
+    """The line that ends a run whose folder holds all of its images, before any process starts or
+    any weight loads; None where the run has something to do: an image not in the manifest (failed
+    records, rejected ones, a shard's others), lines a resume repairs, parts a resume merges, or
+    records with input files (the writer checks that they did not change)."""
+    shard = (shard_index, num_shards) if num_shards > 1 else None
+    expected = shard_size(num_images, shard)
+    if (not (folder / MANIFEST).is_file() or found.untidy or found.conflicted or records.summary.with_inputs
+            or any(folder.glob("manifest*.part-*.jsonl")) or len(found.in_shard(shard)) < expected):
+        return None
+    which = "" if shard is None else f" of shard {shard[0]} of {shard[1]}"
+    return (f"nothing to make: the {expected:,} images{which} of this prompt set are all in {folder / MANIFEST} "
+            "(a new prompt set, other settings or another folder makes more).")

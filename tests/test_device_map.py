@@ -126,6 +126,8 @@ def test_checks_that_need_the_world_size_are_left_to_the_ranks_when_devices_is_a
     from lightning_diffusion.config import read_config
     from lightning_diffusion.preflight import preflight
 
-    assert preflight(read_config("configs/tiny-ulysses.yaml", check=False)) == ([], True)
-    problems, complete = preflight(read_config("configs/tiny-ulysses.yaml", ["--trainer.devices", "auto"], check=False))
+    verdict = preflight(read_config("configs/tiny-ulysses.yaml", check=False))
+    assert (verdict.problems, verdict.complete) == ([], True)
+    verdict = preflight(read_config("configs/tiny-ulysses.yaml", ["--trainer.devices", "auto"], check=False))
+    problems, complete = verdict.problems, verdict.complete
     assert problems == [] and complete is False  # the ranks run the strategy's rules themselves

@@ -170,4 +170,23 @@ def test_other_settings_are_refused_before_any_process_starts_and_prompts_compar
     proc = cli_here(*tiny_args(out, "--data.prompts", str(copy), "--model.vae_tiling", "true"))
     assert proc.returncode == 2 and "(model.vae_tiling: None then, True now)" in proc.stderr, proc.stderr[-2000:]
     resumed = run_here(*tiny_args(out, "--data.prompts", str(copy), "--data.batch_size", "1"))
-    assert "resumed: 2 already in the manifest" in resumed.stdout + resumed.stderr
+    assert "nothing to make: the 2 images of this prompt set are all in" in resumed.stderr
+
+
+def test_a_complete_folder_says_so_before_anything_loads(tmp_path, cli_here):
+    """A rerun of a finished job (a scheduler's retry, a script run twice) ends at once with one
+    line, before weights or processes (Lightning would load the model and run an empty loop)."""
+    args = tiny_args(tmp_path, "--data.prompts", "[a red circle, a blue star]", "--model.num_inference_steps", "2")
+    run_here(*args)
+    manifest = (tmp_path / "manifest.jsonl").read_text()
+    again = cli_here(*args)
+    assert again.returncode == 0
+    assert (f"lightning-diffusion: nothing to make: the 2 images of this prompt set are all in {tmp_path}/manifest.jsonl"
+            in again.stderr), again.stderr
+    assert "Loading" not in again.stderr and "batch plan" not in again.stderr
+    assert (tmp_path / "manifest.jsonl").read_text() == manifest
+    # One image gone: the rerun makes it (and only it).
+    line = read_manifest_lines(tmp_path)[1]
+    (tmp_path / line["file"]).unlink()
+    assert "nothing to make" not in run_here(*args).stderr
+    assert sorted(line["index"] for line in read_manifest_lines(tmp_path)) == [0, 1]
