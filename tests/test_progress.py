@@ -60,7 +60,9 @@ def status(out) -> tuple[int, dict]:
 def test_status_while_running_after_a_kill_and_after_completion(tmp_path):
     out = tmp_path / "out"
     prompts = "[" + ", ".join(f"prompt {i}" for i in range(COUNT)) + "]"
-    args = tiny_args(out, "--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "10",
+    # 40 steps an image: the run must outlast the start-up of the status process below (seconds on a
+    # busy machine), which at 10 steps could find it finished.
+    args = tiny_args(out, "--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "40",
                      "--trainer.devices", "2")
     proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
