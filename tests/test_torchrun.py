@@ -101,7 +101,7 @@ def test_an_elastic_restart_after_a_lost_worker_resumes_every_image_once(tmp_pat
     port = free_port()
     out = tmp_path / "out"
     # Two restarts: on a busy 2-core machine the first restart's gloo group now and then fails to
-    # connect ("Connection refused"; seen before and after this round's changes), the next runs.
+    # connect ("Connection refused": a race of its connect at the restart), the next runs.
     nodes = [torchrun(tiny_args(out, *slow), port, max_restarts=2) for _ in range(2)]
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and len(list(out.glob("*.png"))) < 3:
