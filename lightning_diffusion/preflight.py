@@ -10,6 +10,8 @@ on every rank when the Trainer is used from Python). The ranks the CLI starts tr
 from __future__ import annotations
 
 import shutil
+
+import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -243,7 +245,8 @@ def nothing_to_make(folder: Path, found: Finished, records: Any, num_images: int
     shard = (shard_index, num_shards) if num_shards > 1 else None
     expected = shard_size(num_images, shard)
     if (not (folder / MANIFEST).is_file() or found.untidy or found.conflicted or records.summary.with_inputs
-            or any(folder.glob("manifest*.part-*.jsonl")) or len(found.in_shard(shard)) < expected):
+            or any(folder.glob("manifest*.part-*.jsonl")) or any(folder.glob("failed*.part-*.jsonl"))
+            or np.count_nonzero(found.in_shard(shard) < num_images) < expected):
         return None
     which = "" if shard is None else f" of shard {shard[0]} of {shard[1]}"
     return (f"nothing to make: the {expected:,} images{which} of this prompt set are all in {folder / MANIFEST} "
