@@ -154,10 +154,11 @@ def _rule(problems: list, reader: Any, *args: Any) -> Any:
 
 def preflight(config: Any, here: bool = True) -> "Verdict":
     """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config.
-    Returns the problems, whether the checks were complete (the strategy's rules need the world
-    size, which a config with ``devices: auto`` (or a device list) leaves to the Trainer; then the
-    ranks must run them themselves) and, ``here``, whether the folder already holds every image. ``here``: the run is on this machine (``slurm`` and ``k8s``
-    render a job for others: this machine's GPUs are not asked about)."""
+    Returns a ``Verdict``: the problems; whether the checks were complete (the strategy's rules need
+    the world size, which a config with ``devices: auto`` (or a device list) leaves to the Trainer;
+    then the ranks must run them themselves); and, ``here``, whether the folder already holds every
+    image. ``here``: the run is on this machine (``slurm`` and ``k8s`` render a job for others: this
+    machine's GPUs are not asked about)."""
     model, data, writer = dict(config.model), dict(config.data), dict(config.writer)
     problems: list = []
     nothing_left: Optional[str] = None

@@ -34,12 +34,15 @@ def add_json_option(parser: Any, what: str) -> None:
                         help=f"{what} as JSON: on stdout instead of the report (--json alone), or into FILE")
 
 
-def report(json_to: Optional[str], result: Any, human: Callable[[], None], default: Any = None) -> None:
+def report(json_to: Optional[str], result: Any, human: Callable[[], None], default: Any = None,
+           repeats_json: bool = False) -> None:
     """Print the human report (``human``) and the JSON as ``--json`` asks: on stdout alone (the
-    report then goes to stderr, so that stdout parses), or into a file."""
+    report then goes to stderr, so that stdout parses, or nowhere where it ``repeats_json``), or
+    into a file."""
     if json_to == "-":
-        with contextlib.redirect_stdout(sys.stderr):
-            human()
+        if not repeats_json:
+            with contextlib.redirect_stdout(sys.stderr):
+                human()
         print(json.dumps(result, indent=2, default=default))
         return
     human()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
-import json
 import math
 import sys
 from pathlib import Path
@@ -367,9 +366,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"lightning-diffusion eval: {err}", file=sys.stderr)
         return 2
-    if args.json == "-":  # the report would only repeat it, on stderr
-        print(json.dumps(_finite(result), indent=2, default=str))
-    else:
-        emit(args.json, _finite(result), lambda: print(report(result, args.per_image or len(result["images"]) <= 20)),
-             default=str)
+    emit(args.json, _finite(result), lambda: print(report(result, args.per_image or len(result["images"]) <= 20)),
+         default=str, repeats_json=True)
     return 0

@@ -259,8 +259,5 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"lightning-diffusion status: error: {err}", file=sys.stderr)
         return 2
-    if args.json == "-":  # the report would only repeat it, on stderr
-        print(json.dumps(status, indent=2))
-    else:
-        report(args.json, status, lambda: print(text(status)))
+    report(args.json, status, lambda: print(text(status)), repeats_json=True)
     return exit_code(status)
