@@ -26,7 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 RUNS = {
     "cfg=1": ["--trainer.strategy", "data_parallel", "--trainer.devices", "1"],
     "cfg=2": ["--trainer.strategy", "cfg_parallel", "--trainer.devices", "2"],

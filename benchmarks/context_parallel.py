@@ -7,9 +7,10 @@ For each mode, two runs with the same processes, prompts, seeds and sizes:
     pipeline, calls ``enable_parallelism(ContextParallelConfig(...))`` and loops over the prompts
     (what the diffusers guide shows);
 (b) ours: ``Trainer(strategy=ContextParallelStrategy(...)).predict`` with the writer.
-Runs alternate (a, b, a, b, ...) and the table gives medians. Each rank 0 reports the generation time (pipeline loaded, first image to last image) and its peak
-resident memory. Time / Iter is that time over images x steps, so it includes text encoding and
-decoding. On CPU both sides need the rehearsal patches of ``lightning_diffusion.compat``.
+Runs alternate (a, b, a, b, ...) and the table gives medians. Each rank 0 reports the generation
+time (pipeline loaded, first image to last image) and its peak resident memory. Time / Iter is that
+time over images x steps, so it includes text encoding and decoding. On CPU both sides need the
+rehearsal patches of ``lightning_diffusion.compat``.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def main() -> None:
     tokens = (args.size // 16) ** 2
     print(f"{args.images} images of {args.size}x{args.size} ({tokens} image tokens), {args.steps} steps, "
           f"{args.model}, CPU gloo, {os.cpu_count()} cores")
-    print("| CP Backend | Path | Time / Iter (ms) | range over runs | Steps / sec | Peak memory (GB, rank 0 RSS) | Shape | Ours / diffusers |")
+    print("| CP Backend | Path | Time / Iter (ms) | range over runs | Steps / sec | Peak memory (GB, rank 0 RSS) "
+          "| Shape | Ours / diffusers |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode in args.modes:
         runs: dict[str, list[dict]] = {"diffusers": [], "ours": []}
@@ -155,8 +157,9 @@ def main() -> None:
             per_step = seconds[kind] / (args.images * args.steps)
             peak = max(r["peak_gb"] for r in results)
             spread = [r["seconds"] / (args.images * args.steps) * 1000 for r in results]
-            print(f"| {mode} | {kind} | {per_step * 1000:.1f} | {min(spread):.1f}-{max(spread):.1f} | {1 / per_step:.2f} | {peak:.2f} | "
-                  f"{args.size}x{args.size} | {seconds[kind] / seconds['diffusers']:.2f} |")
+            print(f"| {mode} | {kind} | {per_step * 1000:.1f} | {min(spread):.1f}-{max(spread):.1f} | "
+                  f"{1 / per_step:.2f} | {peak:.2f} | {args.size}x{args.size} | "
+                  f"{seconds[kind] / seconds['diffusers']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(args[:3])} failed:\n{proc.stderr[-3000:]}")
     return proc
@@ -57,9 +58,10 @@ def main() -> None:
     quickstart_s = time.perf_counter() - start
 
     settings = [(int(s.split(":")[0]), float(s.split(":")[1])) for s in args.settings]
-    print(f"tiny:shapes: weights load in {load_s:.2f} s; quickstart (10 images, configs/tiny.yaml) {quickstart_s:.1f} s "
-          f"wall, process start included")
-    print("| steps | true CFG | colour adherence | shape adherence | position adherence | FID | KID | images/s (wall, start and load included) |")
+    print(f"tiny:shapes: weights load in {load_s:.2f} s; quickstart (10 images, configs/tiny.yaml) "
+          f"{quickstart_s:.1f} s wall, process start included")
+    print("| steps | true CFG | colour adherence | shape adherence | position adherence | FID | KID "
+          "| images/s (wall, start and load included) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for steps, cfg in settings:
         folder = out / f"steps{steps}-cfg{cfg:g}"
@@ -72,8 +74,8 @@ def main() -> None:
         summary = json.loads(cli("eval", str(folder), "--fid", "--json").stdout)["summary"]
         a, fid = summary["adherence"], summary["fid"]
         print(f"| {steps} | {cfg:g} | {100 * a['colour']['share']:.1f}% | {100 * a['shape']['share']:.1f}% | "
-              f"{100 * a['position']['share']:.1f}% of {a['position']['images']} | {fid['fid']:.2f} | {fid['kid']:.4f} | "
-              f"{args.count / seconds:.1f} |", flush=True)
+              f"{100 * a['position']['share']:.1f}% of {a['position']['images']} | {fid['fid']:.2f} | "
+              f"{fid['kid']:.4f} | {args.count / seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

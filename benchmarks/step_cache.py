@@ -65,7 +65,8 @@ def cli(*args: str, tries: int = 1) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, capture_output=True,
                           text=True, env=env)
     if proc.returncode != 0 and tries > 1:
-        print(f"WARNING: {' '.join(args[:3])} exited {proc.returncode}; once more:\n{proc.stderr[-600:]}", file=sys.stderr)
+        print(f"WARNING: {' '.join(args[:3])} exited {proc.returncode}; once more:\n{proc.stderr[-600:]}",
+              file=sys.stderr)
         shutil.rmtree(args[args.index("--writer.output_dir") + 1], ignore_errors=True)
         return cli(*args, tries=tries - 1)
     if proc.returncode != 0:
@@ -103,7 +104,8 @@ def main() -> None:
             reused[name] = f"{found.group(1)}%" if found else ""
             print(f"[{repeat + 1}/{args.repeats}] {name}: {times[name][-1]:.3f} s/image", file=sys.stderr)
     print(f"tiny:shapes, 64x64, {args.steps} steps, {args.images} held-out captions, batch 1, one core per process\n")
-    print("| setting | s/image | vs no cache | image steps reused | PSNR (dB) mean / min | SSIM mean | colour | position |")
+    print("| setting | s/image | vs no cache | image steps reused | PSNR (dB) mean / min | SSIM mean | colour "
+          "| position |")
     print("|---|---|---|---|---|---|---|---|")
     results = {}
     for name, baseline, _, cache in rows:

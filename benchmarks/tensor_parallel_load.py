@@ -81,7 +81,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", default=str(Path.home() / ".cache" / "lightning_diffusion" / "bench-flux-transformer"))
+    parser.add_argument("--folder",
+                        default=str(Path.home() / ".cache" / "lightning_diffusion" / "bench-flux-transformer"))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--single-layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=12)

@@ -5,11 +5,12 @@ dealt over a group of 2 ranks, against one process's tiled (and untiled) decode,
 
 Each process loads the pipeline, turns tiling on (``--tiles`` settings for the video VAEs), decodes
 one batch of random latents once untimed, then ``--repeats`` times timed. Memory: resident set size
-sampled every millisecond during the first decode, minus the size just before it. One core per process (``OMP_NUM_THREADS=1``), the CPU analogue of one GPU per rank. The
-group of 2 is ``group_work.GroupWork`` on a gloo group of two processes, as a Ulysses-2 or cfg-2 run
-installs it. ``--whole`` adds the time per image of whole runs (``lightning-diffusion benchmark``,
-one process against Ulysses 2, tiling on both, 4 prompts with the first untimed) of the same model,
-size and frames (``configs/tiny-NAME.yaml``).
+sampled every millisecond during the first decode, minus the size just before it. One core per
+process (``OMP_NUM_THREADS=1``), the CPU analogue of one GPU per rank. The group of 2 is
+``group_work.GroupWork`` on a gloo group of two processes, as a Ulysses-2 or cfg-2 run installs it.
+``--whole`` adds the time per image of whole runs (``lightning-diffusion benchmark``, one process
+against Ulysses 2, tiling on both, 4 prompts with the first untimed) of the same model, size and
+frames (``configs/tiny-NAME.yaml``).
 """
 
 from __future__ import annotations

@@ -24,13 +24,13 @@ images, so that the writing overlaps ours' next batch, as in a run of ours alone
 whole cycle (from the end of the previous bare batch: queueing, Lightning's loop, our step, the
 pipeline call while the writer writes) and the bare batch (saving the previous bare batch's
 images, then the pipeline call and its PIL images: each path's file calls come before its own
-next call, as in a run of it alone). The ratio is their summed times (marginal time per image: start-up and the final drain
-left out), with a 95% interval from the pairs' differences (within the run); the first pair is
-left out (warm-up). The same for the bare loop saving nothing against saving (``nothing``, the
-limit) and saving against itself (``position``: what the place in a pair alone does). Where the
-time goes, per image: inside the pipeline call (ours asks for arrays, the bare loop for PIL
-images) and on the prediction thread outside it; "the calls counted alike" is the ratio with the
-call's noise left out (both calls of a pair taken as the reference's), which leaves out any
+next call, as in a run of it alone). The ratio is their summed times (marginal time per image:
+start-up and the final drain left out), with a 95% interval from the pairs' differences (within the
+run); the first pair is left out (warm-up). The same for the bare loop saving nothing against saving
+(``nothing``, the limit) and saving against itself (``position``: what the place in a pair alone
+does). Where the time goes, per image: inside the pipeline call (ours asks for arrays, the bare loop
+for PIL images) and on the prediction thread outside it; "the calls counted alike" is the ratio with
+the call's noise left out (both calls of a pair taken as the reference's), which leaves out any
 slowing of ours' call as well. The writer process's CPU time is printed.
 Encoding: a tiny:shapes picture resized to each size, each format, median of 5 encodes.
 ``--second-core`` measures only whether the second core is free for the writer's work: the bare
@@ -64,13 +64,16 @@ from PIL import Image
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
 from lightning_diffusion.manifest import atomic_write
 from lightning_diffusion.pipelines import inspect_pipeline
+
 from writing_parts import EncodeFiles, HandOverFiles  # benchmarks/: importable by the writer process too
 
-FORMATS = {"png level 1": ("PNG", {"compress_level": 1}), "png level 6 (Pillow's default)": ("PNG", {"compress_level": 6}),
+FORMATS = {"png level 1": ("PNG", {"compress_level": 1}),
+           "png level 6 (Pillow's default)": ("PNG", {"compress_level": 6}),
            "webp q90": ("WEBP", {"quality": 90}), "jpeg q90": ("JPEG", {"quality": 90})}
 REFERENCE = "diffusers, PNG saved (level 1)"
 PATHS = {"nothing": "diffusers, nothing saved (the limit)",
-         "position": "diffusers, PNG saved, against itself (the position in a pair alone)", "process": "ours, writer process (default)",
+         "position": "diffusers, PNG saved, against itself (the position in a pair alone)",
+         "process": "ours, writer process (default)",
          "thread": "ours, writer threads (write_in: thread)",
          "sync": "ours, on the prediction thread (write_workers: 0)",
          "ipc": "ours, writer process that writes nothing (the hand-over alone)",

@@ -50,8 +50,8 @@ def _patch_resolve_parallel_config() -> None:
     node do not own GPUs 0..n-1 in rank order (``trainer.devices: [4, 5, 6, 7]``, SLURM's cyclic
     distribution). The strategies always pass their mesh: resolve on the mesh's device type and the
     rank's own device instead."""
-    from diffusers.models.modeling_utils import ModelMixin
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig, TensorParallelConfig
+    from diffusers.models.modeling_utils import ModelMixin
 
     original = ModelMixin._resolve_parallel_config
 

@@ -98,9 +98,15 @@ class _Parser(LightningArgumentParser):
 class DiffusionCLI(LightningCLI):
     """``LightningCLI`` with the prompt data module, the diffusion module and a top-level ``writer``."""
 
-    def __init__(self, args: Optional[list[str]] = None, run: bool = True) -> None:
+    def __init__(self, args: Optional[list[str]] = None, run: bool = True,
+                 exit_when_complete: Optional[bool] = None) -> None:
+        """``exit_when_complete``: whether an output folder that already holds every image ends the
+        process at once (exit 0, one line) instead of running an empty loop; by default only when
+        this parses the process's own command line (``lightning-diffusion predict`` passes True), so a
+        program calling ``DiffusionCLI(args=[...])`` is not ended."""
         # The ranks Lightning starts re-run this process's command line: they may trust its checks.
         self._parses_argv = args is None or list(args) == [w for w in sys.argv[1:] if w != "--verbose"]
+        self._exit_when_complete = self._parses_argv if exit_when_complete is None else exit_when_complete
         super().__init__(
             DiffusionModule,
             PromptDataModule,
@@ -123,7 +129,7 @@ class DiffusionCLI(LightningCLI):
         if self._parses_argv and preflight_passed():
             return  # checked by the process that started this rank, on the same command line
         verdict = check_config(self.config[self.subcommand] if self.subcommand else self.config)
-        if verdict.nothing_left:
+        if verdict.nothing_left and self._exit_when_complete:
             # A folder that holds every image: said before any weight loads (Lightning would load the
             # model and then run an empty loop).
             if all(os.environ.get(name, "0") == "0" for name in ("SLURM_PROCID", "RANK")):  # one task says it
@@ -144,7 +150,8 @@ class DiffusionCLI(LightningCLI):
                                                                per_task)}
         return super()._instantiate_trainer(config, callbacks)
 
-    def predict(self, model: DiffusionModule, datamodule: Any = None, return_predictions: Optional[bool] = None, **kwargs: Any):
+    def predict(self, model: DiffusionModule, datamodule: Any = None, return_predictions: Optional[bool] = None,
+                **kwargs: Any):
         # Returning predictions would keep every image of the run in memory; the writer has them.
         return self.trainer.predict(
             model, datamodule=datamodule, return_predictions=bool(return_predictions), **kwargs

@@ -13,14 +13,6 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 
 from __future__ import annotations
 
-from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, plan_batches
-from lightning_diffusion.console import log
-from lightning_diffusion.errors import raise_problems
-from lightning_diffusion.preemption import STOP
-from lightning_diffusion.inputs import record_inputs
-from lightning_diffusion.records import RecordVerdicts, Records, call_overrides, read_records, summarize_records  # noqa: F401
-from lightning_diffusion.validation import MAX_PIXELS, data_problems
-
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -28,6 +20,14 @@ import lightning.pytorch as pl
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+
+from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, plan_batches
+from lightning_diffusion.console import log
+from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.inputs import record_inputs
+from lightning_diffusion.preemption import STOP
+from lightning_diffusion.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
+from lightning_diffusion.validation import MAX_PIXELS, data_problems
 
 
 def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) -> int:

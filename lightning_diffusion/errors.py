@@ -23,7 +23,12 @@ class RecordFailure(RuntimeError):
 
 class WritingFailed(RuntimeError):
     """Outputs that could not be written (a full disk, a lost mount); the message says where and
-    what to do. The CLI prints it as one line and exits with 1."""
+    what to do. The CLI prints it as one line and exits with 1, after ``details`` where there are
+    some: the traceback of a failure that was not the file system's (a bug to report)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 def raise_problems(problems: list) -> None:

@@ -54,16 +54,26 @@ UNREACHABLE = "LIGHTNING_DIFFUSION_HUB_UNREACHABLE"
 @functools.lru_cache(maxsize=1)
 def reachable(timeout_s: float = 3.0) -> bool:
     """Whether the hub's endpoint answers a TCP connection within ``timeout_s`` (a name that does
-    not resolve fails at once). One probe a process."""
+    not resolve fails at once), or, where a proxy applies to it (``HTTPS_PROXY``, ``NO_PROXY``), the
+    proxy does: a network that reaches the hub only through a proxy is online. One probe a process."""
     import socket
+    import urllib.request
     from urllib.parse import urlparse
 
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
+        via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        if not via.hostname:
+            return True  # a proxy setting this cannot read: leave the answer to huggingface_hub
+        address = (via.hostname, via.port or (443 if via.scheme == "https" else 80))
+    else:
+        address = (url.hostname, port)
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=timeout_s).close()
+        socket.create_connection(address, timeout=timeout_s).close()
     except OSError:
         return False
     return True
@@ -90,7 +100,8 @@ NOT_CACHED = "is not in the Hugging Face cache"
 
 
 def offline_reason() -> str:
-    return "HF_HUB_OFFLINE=1 is set" if offline() and not os.environ.get(UNREACHABLE) else "the hub cannot be reached from here"
+    return ("HF_HUB_OFFLINE=1 is set" if offline() and not os.environ.get(UNREACHABLE)
+            else "the hub cannot be reached from here")
 
 
 def cache_folder(options: Optional[dict[str, Any]] = None) -> Path:
@@ -218,9 +229,7 @@ def plan(repo: str, options: Optional[dict[str, Any]] = None) -> Plan:
     are cached (needs the hub)."""
     from diffusers import DiffusionPipeline
     from huggingface_hub import hf_hub_download, model_info
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
-
-    from huggingface_hub.utils import are_progress_bars_disabled
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     options = hub_options(options)
     # diffusers reads a failed repository lookup as "offline"; ask first, so that each failure says what it is.

@@ -7,11 +7,12 @@
 Whole weights (data, context and CFG parallel, device map): diffusers' own ``load_lora_weights``,
 ``set_adapters`` with the scales, ``fuse_lora`` and ``unload_lora_weights``, so inference runs on
 plain layers at full speed. Weights a device map placed, and tensor-parallel shards: diffusers
-would re-place the first and refuses the second, so ``fuse_in_place`` adds to each rank's shard its own slice of every update, ``scale x alpha/r x
-B @ A`` cut exactly as the ``_tp_plan`` cuts the weight (rows of B for a colwise weight, columns of
-A for a rowwise one, block by block for packed projections): no rank builds a whole weight or a
-whole update. Both read the adapter through the pipeline class's ``lora_state_dict`` (which
-converts the community formats) and peft's rank and alpha rules.
+would re-place the first and refuses the second, so ``fuse_in_place`` adds to each rank's shard
+its own slice of every update, ``scale x alpha/r x B @ A`` cut exactly as the ``_tp_plan`` cuts
+the weight (rows of B for a colwise weight, columns of A for a rowwise one, block by block for
+packed projections): no rank builds a whole weight or a whole update. Both read the adapter
+through the pipeline class's ``lora_state_dict`` (which converts the community formats) and
+peft's rank and alpha rules.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def parse(spec: Any) -> list[Adapter]:
         if isinstance(item, str):
             item = {"path": item}
         if not isinstance(item, Mapping) or "path" not in item:
-            problems.append(f"{where} is a mapping such as {{path: loras/style.safetensors, scale: 0.8}}, not {item!r}.")
+            problems.append(f"{where} is a mapping such as {{path: loras/style.safetensors, scale: 0.8}}, "
+                            f"not {item!r}.")
             continue
         unknown = sorted(set(item) - set(ADAPTER_KEYS))
         if unknown:
@@ -157,8 +159,8 @@ def updates(pipeline_class: type, adapter: Adapter) -> dict[str, dict[str, tuple
             if key.endswith(".lora_A.weight"):
                 module = key[: -len(".lora_A.weight")]
                 a, b = pairs[key], pairs[f"{module}.lora_B.weight"]
-                rank = config.get("rank_pattern", {}).get(get_pattern_key(config.get("rank_pattern", {}).keys(), module),
-                                                          config.get("r", a.shape[0]))
+                rank = config.get("rank_pattern", {}).get(
+                    get_pattern_key(config.get("rank_pattern", {}).keys(), module), config.get("r", a.shape[0]))
                 alpha = config.get("alpha_pattern", {}).get(
                     get_pattern_key(config.get("alpha_pattern", {}).keys(), module), config.get("lora_alpha", rank))
                 factor = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

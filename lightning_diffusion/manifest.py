@@ -306,7 +306,8 @@ def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: 
         ok[row] = _inside(looked.folder, text) and _finished(looked.prefix + text, int(size[row]))
     for row in np.flatnonzero(~ok).tolist():
         text = name[row].decode()
-        why = "is outside the output folder" if not _inside(looked.folder, text) else "is missing or not the size recorded"
+        why = ("is outside the output folder" if not _inside(looked.folder, text)
+               else "is missing or not the size recorded")
         problems.append(f"{where}:{first + row}: {text!r} {why}")
     indices.extend(index[ok].tolist())
 

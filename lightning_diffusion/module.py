@@ -11,18 +11,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_diffusion import compat, quantization
 from lightning_diffusion.batching import SetFacts, call_key
 from lightning_diffusion.cache import CacheStats, StepCache, install
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion import compat, quantization
 from lightning_diffusion.errors import ConfigError, RecordFailure, preflight_passed, raise_problems
-from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.inputs import INPUT_FIELDS, record_inputs
-from lightning_diffusion.records import RecordVerdicts, Records, check_records
+from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
+from lightning_diffusion.records import Records, RecordVerdicts, check_records
 from lightning_diffusion.validation import MODEL_CALL_ARGS, model_cache_problems, model_problems, pixel_problems
-
 
 # The module's options that change pictures (float rounding, seams): recorded in run.json and in
 # each image's metadata, so that a folder is not resumed with other values.
@@ -331,7 +330,8 @@ class DiffusionModule(pl.LightningModule):
         self.fetch_weights()
         quantized = self.quantization_configs()
         self.load_pipeline(**{
-            name: load(self.info, self.dtype_, **({"quantization_config": quantized[name]} if name in quantized else {}))
+            name: load(self.info, self.dtype_,
+                       **({"quantization_config": quantized[name]} if name in quantized else {}))
             for name, load in self.load_plan.components.items()
         })
 
@@ -508,7 +508,9 @@ class DiffusionModule(pl.LightningModule):
 
     # ----------------------------------------------------------------- one pipeline call, and its failures
 
-    def run_call(self, samples: list[dict[str, Any]]) -> list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]]:
+    def run_call(
+        self, samples: list[dict[str, Any]]
+    ) -> list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]]:
         """(image, params, None) for each sample of one pipeline call, or (None, None, reason) for
         a sample whose call failed or whose image is not finite. With ``on_error: fail`` a failure
         raises ``RecordFailure`` naming its records; with ``skip`` the ranks of the replica agree on

@@ -19,7 +19,6 @@ import torch
 from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.specs import PipelineSpec, spec_for
 
-
 # Arguments the project sets itself for every call; users must not pass them in call_kwargs. (A
 # ``negative_prompt`` there is the default of the records that have none of their own.)
 RESERVED_CALL_ARGS = (
@@ -152,7 +151,8 @@ class PipelineInfo:
                 found[name] = cls
         return found
 
-    def sequence_lengths(self, height: Optional[int], width: Optional[int], call_args: dict[str, Any]) -> dict[str, int]:
+    def sequence_lengths(self, height: Optional[int], width: Optional[int],
+                         call_args: dict[str, Any]) -> dict[str, int]:
         """Token counts the transformer sees (``image``, and ``text`` when it is fixed), where known."""
         spec, lengths = self.spec, {}
         default = spec.default_size or (None, None)
@@ -224,7 +224,8 @@ class PipelineInfo:
         for name, value in values.items():
             parameter = parameters.get(name)
             if parameter is not None and matches_annotation(parameter.annotation, value) is False:
-                wrong.append(f"{name}={value!r} is not {describe_annotation(parameter.annotation)} ({self.class_name}).")
+                wrong.append(f"{name}={value!r} is not {describe_annotation(parameter.annotation)} "
+                             f"({self.class_name}).")
         return wrong
 
     def call_argument_problems(self, names: set[str], where: str) -> list[str]:
@@ -378,9 +379,9 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
         missing = hub.missing_from_cache(path, options)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise PipelineError(f"{path}: {len(missing)} file(s) its from_pretrained reads are missing from the Hugging "
-                                f"Face cache ({hub.cache_folder(options)}) and {hub.offline_reason()}: {shown}. Fetch "
-                                f"them on a machine with network: {hub.download_command(None)}.")
+            raise PipelineError(f"{path}: {len(missing)} file(s) its from_pretrained reads are missing from the "
+                                f"Hugging Face cache ({hub.cache_folder(options)}) and {hub.offline_reason()}: "
+                                f"{shown}. Fetch them on a machine with network: {hub.download_command(None)}.")
     recommended = (_read_json(path, RECOMMENDED_FILE, local) or {}).get("call_defaults", {}) if local else {}
     cls = diffusers_pipeline
     if pipeline_class is not None and pipeline_class != class_name:
@@ -395,7 +396,8 @@ def task_pipeline(name: Any, weights_class: str, model_index: dict[str, Any]) ->
 
     cls = getattr(diffusers, str(name), None)
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
-        raise PipelineError(f"model.pipeline_class {name!r} is not a pipeline class of diffusers {diffusers.__version__}.")
+        raise PipelineError(f"model.pipeline_class {name!r} is not a pipeline class of diffusers "
+                            f"{diffusers.__version__}.")
     optional = set(getattr(cls, "_optional_components", []) or [])
     needed = [p.name for p in inspect.signature(cls.__init__).parameters.values()
               if p.name != "self" and p.default is inspect.Parameter.empty and p.name not in optional

@@ -6,8 +6,8 @@ records it. At each batch boundary the ranks of every group that works on the sa
 on it, finish the batch in flight, end the prompt loader and so the prediction loop normally: the
 writer flushes and merges the manifest as after a complete run. Then ``finish_job`` (called by the
 CLI after ``predict``; call it yourself after ``Trainer.predict`` in a script of your own) has
-global rank 0 run ``scontrol requeue``, and the requeued job resumes from the manifest. No checkpoint is written: the manifest is the whole state
-of an inference job.
+global rank 0 run ``scontrol requeue``, and the requeued job resumes from the manifest. No
+checkpoint is written: the manifest is the whole state of an inference job.
 
 ``SIGTERM`` (``scancel``, or a preemption without ``PreemptParameters=send_user_signal``) comes
 ``KillWait`` seconds (30 by default) or the preemption grace time before ``SIGKILL``. While the
@@ -234,7 +234,8 @@ class StopController:
         """After ``predict``, on every rank (a collective): whether any replica stopped early, the
         images made by this run over all replicas (counted by their writing ranks), and whether any
         rank received ``SIGTERM``, and whether any received ``SIGINT``."""
-        mine = [int(self.stopped_early), self.images_made, int(self.terminated.is_set()), int(self.interrupted.is_set())]
+        mine = [int(self.stopped_early), self.images_made, int(self.terminated.is_set()),
+                int(self.interrupted.is_set())]
         if dist.is_available() and dist.is_initialized():
             counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -279,7 +280,8 @@ def _requeue(made: int, terminated: bool) -> int:
     if terminated:
         log.info(
             f"lightning-diffusion: stopped on SIGTERM after {made} images in this run; not requeueing (a preempted "
-            "job is requeued by SLURM, a cancelled one resumes when submitted again with the same output folder).", extra=_ALL
+            "job is requeued by SLURM, a cancelled one resumes when submitted again with the same output folder).",
+            extra=_ALL,
         )
         return 0
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -287,7 +289,8 @@ def _requeue(made: int, terminated: bool) -> int:
     if made == 0:
         log.info(
             "lightning-diffusion: stopped early without finishing an image in this run; not requeueing, "
-            "which would repeat forever. Give the job more time (--time) or more warning (--signal-seconds).", extra=_ALL
+            "which would repeat forever. Give the job more time (--time) or more warning (--signal-seconds).",
+            extra=_ALL,
         )
         return REQUEUE_EXIT_CODE
     if not re.fullmatch(r"[0-9_]+", job):

@@ -10,22 +10,22 @@ on every rank when the Trainer is used from Python). The ranks the CLI starts tr
 from __future__ import annotations
 
 import shutil
-
-import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
+from lightning_diffusion import lora
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError, is_int
-from lightning_diffusion import lora
-from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
-from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
-from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_conflict, shard_size
-from lightning_diffusion.records import RecordVerdicts, check_records, read_records
-from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
 from lightning_diffusion.files import FILES_PER_FOLDER, size_text
 from lightning_diffusion.lock import OutputLock, busy_message
+from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_conflict, shard_size
+from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
+from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
+from lightning_diffusion.records import RecordVerdicts, check_records, read_records
+from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
 from lightning_diffusion.writer import run_settings, storage_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.

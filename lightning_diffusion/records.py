@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion import validation
+from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.inputs import INPUT_FIELDS, file_problems
 from lightning_diffusion.validation import SEED_MAX, non_finite
 

@@ -219,7 +219,8 @@ for _task, _inputs in (("FluxImg2ImgPipeline", ("image",)), ("FluxInpaintPipelin
                      inputs=_inputs, record_args=(*RECORD_ARGS, "strength")))
 register(replace(SPECS["FluxPipeline"], class_name="FluxFillPipeline", cfg=None, stages=None, published={},
                  record_args=(*RECORD_ARGS, "strength"),
-                 inputs=("image", "mask_image"), tiny="flux-fill", tiny_builder="lightning_diffusion.tiny:build_flux_fill"))
+                 inputs=("image", "mask_image"), tiny="flux-fill",
+                 tiny_builder="lightning_diffusion.tiny:build_flux_fill"))
 # Kontext edits an optional reference image (its tokens join the sequence; every input of a call is
 # resized to the first one's size); true CFG as FLUX.1's.
 register(replace(SPECS["FluxPipeline"], class_name="FluxKontextPipeline", stages=None,

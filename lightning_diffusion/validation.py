@@ -553,6 +553,15 @@ def mount_of(path: Path) -> Optional[tuple[str, str]]:
     return best
 
 
+def _read_only(path: Path) -> bool:
+    """Whether ``path`` is on a read-only file system; False where statvfs cannot tell (a stale
+    network mount answers the write checks that follow instead)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def output_dir_problems(path: Path) -> list[str]:
     """``writer.output_dir``: a folder (or one that can be made) on a writable file system that
     stores files: not below a file, not read-only, not a kernel pseudo file system (/proc, /sys)."""
@@ -565,7 +574,7 @@ def output_dir_problems(path: Path) -> list[str]:
     if mount is not None and mount[1] in PSEUDO_FILE_SYSTEMS:
         return [f"writer.output_dir {str(path)!r} is on {mount[0]}, a {mount[1]} file system of the kernel that "
                 "stores no files: choose a folder on a disk."]
-    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+    if hasattr(os, "statvfs") and _read_only(existing):
         where = f" ({mount[0]})" if mount is not None else ""
         return [f"writer.output_dir {str(path)!r} is on a read-only file system{where}: choose a writable folder."]
     if not os.access(existing, os.W_OK):
@@ -578,8 +587,15 @@ def output_dir_problems(path: Path) -> list[str]:
 def writer_problems(settings: Mapping[str, Any]) -> list[str]:
     """``ImageWriter``'s arguments by name (absent ones take its defaults)."""
     from lightning_diffusion.background import WRITE_IN
-    from lightning_diffusion.files import (FILES_PER_FOLDER, FORMATS, FSYNC, IMAGE_FORMATS, LAYOUTS,
-                                           SAMPLES_PER_SHARD, VIDEO_FORMATS)
+    from lightning_diffusion.files import (
+        FILES_PER_FOLDER,
+        FORMATS,
+        FSYNC,
+        IMAGE_FORMATS,
+        LAYOUTS,
+        SAMPLES_PER_SHARD,
+        VIDEO_FORMATS,
+    )
 
     problems: list[str] = output_dir_problems(Path(str(settings.get("output_dir", "outputs"))).expanduser())
     problems += one_of(settings.get("video_format", "mp4"), "writer.video_format", VIDEO_FORMATS)

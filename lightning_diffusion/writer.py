@@ -26,11 +26,13 @@ queue before the manifest parts are merged. The files themselves are ``files.Out
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import re
 import shutil
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -51,31 +53,31 @@ from lightning_diffusion.files import (
     to_uint8,
 )
 from lightning_diffusion.lock import OutputLock, busy_message
-from lightning_diffusion.validation import writer_problems
-from lightning_diffusion.preemption import STOP
 from lightning_diffusion.manifest import (
     FAILED,
     MANIFEST,
-    REJECTED,
     PART_GLOB,
     PROMPTS_HASH,
+    REJECTED,
     RUN_FILE,
     RUN_META,
     atomic_write,
+    finished,
     in_shard,
     merge_failures,
     merge_lock,
     merge_manifest,
-    repair_manifest,
     part_counts,
     part_name,
     parts_glob,
     prompts_hash,
-    finished,
+    repair_manifest,
     settings_conflict,
     shard_name,
     shard_size,
 )
+from lightning_diffusion.preemption import STOP
+from lightning_diffusion.validation import writer_problems
 
 
 def storage_settings(layout: str, files_per_folder: int, format: str, expected: Optional[int]) -> dict[str, Any]:
@@ -123,8 +125,9 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
                    if summary.get(key))
     if summary.get("padded"):
         left += f", {summary['padded']:,} padded images computed"
-    return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume{left}; {summary['in_manifest']:,}"
-            f"{expected} in {manifest}; wall {summary['wall_s']:.1f} s, load {summary['load_s']:.1f} s; "
+    return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume{left}; "
+            f"{summary['in_manifest']:,}{expected} in {manifest}; wall {summary['wall_s']:.1f} s, "
+            f"load {summary['load_s']:.1f} s; "
             f"images/s per writing rank: {pace}")
 
 
@@ -132,9 +135,24 @@ def summary_text(summary: dict[str, Any], manifest: Path) -> str:
 _NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded|\[Errno (28|122)\]|\d+ requested and \d+ written")
 
 
-def writing_failed(error: str, folder: Path, rank: Optional[int] = None) -> WritingFailed:
-    """The one-line failure of a write (``error``: what the writer raised), on ``rank`` when it is
-    another rank's; a full file system is said in words, with the folder and its free space."""
+def _bug_details(cause: Optional[BaseException]) -> str:
+    """The traceback of a writer's failure that was not the file system's (an OSError says all in
+    its message; anything else is a bug, and its traceback is what a report needs)."""
+    if cause is None:
+        return ""
+    kind = getattr(cause, "kind", type(cause).__name__)  # background.WriteFailed names the writer's error
+    error_type = getattr(builtins, kind, None)
+    if isinstance(error_type, type) and issubclass(error_type, OSError):
+        return ""
+    details = getattr(cause, "details", "")
+    return details or "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+
+
+def writing_failed(error: str, folder: Path, rank: Optional[int] = None,
+                   cause: Optional[BaseException] = None) -> WritingFailed:
+    """The one-line failure of a write (``error``: what the writer raised, ``cause`` the exception
+    where this rank has it), on ``rank`` when it is another rank's; a full file system is said in
+    words, with the folder and its free space."""
     where = "" if rank is None else f" on rank {rank}"
     if _NO_SPACE.search(error):
         try:
@@ -143,7 +161,9 @@ def writing_failed(error: str, folder: Path, rank: Optional[int] = None) -> Writ
             free = ""
         return WritingFailed(f"writing images failed{where}: no space left on the file system of {folder}{free}; the "
                              "images recorded are kept: free some space and run the same command to resume.")
-    return WritingFailed(f"writing images failed{where}: {error} (the images recorded are kept: a rerun makes the rest)")
+    return WritingFailed(f"writing images failed{where}: {error} (the images recorded are kept: a rerun makes the "
+                         "rest)",
+                         _bug_details(cause))
 
 
 def _cause(failed: Optional[BaseException]) -> Optional[str]:
@@ -434,7 +454,7 @@ class ImageWriter(BasePredictionWriter):
             try:
                 self._files.finish()
             except Exception as err:
-                raise writing_failed(f"{type(err).__name__}: {err}", self.output_dir) from err
+                raise writing_failed(f"{type(err).__name__}: {err}", self.output_dir, cause=err) from err
 
     def drain_on_stall(self) -> None:
         """From the stall watch's thread, while the prediction thread waits in a collective that will
@@ -444,7 +464,7 @@ class ImageWriter(BasePredictionWriter):
     def _raise_error(self, writers: Optional[WriterProcess | WriterThreads]) -> None:
         error = writers.take_error() if writers is not None else None
         if error is not None:
-            raise writing_failed(str(error), self.output_dir) from error
+            raise writing_failed(str(error), self.output_dir, cause=error) from error
 
     def write_on_batch_end(
         self,

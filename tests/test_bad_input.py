@@ -20,7 +20,8 @@ OPENED: list[str] = []
 
 
 def _audit(event, args):
-    if event == "open" and args and isinstance(args[0], (str, Path)) and str(args[0]).endswith((".safetensors", ".bin")):
+    if (event == "open" and args and isinstance(args[0], (str, Path))
+            and str(args[0]).endswith((".safetensors", ".bin"))):
         OPENED.append(str(args[0]))
 
 
@@ -80,14 +81,16 @@ I2I = ["--model.pipeline_class", "FluxImg2ImgPipeline"]
 CASES = [
     ("record guidance NaN", ["--data.prompts", "{d}/nan.jsonl"],
      "nan.jsonl:2: guidance_scale is not a finite number (NaN and Infinity are refused)"),
-    ("record true_cfg_scale Infinity", ["--data.prompts", "{d}/inf.jsonl"], "inf.jsonl:2: true_cfg_scale is not a finite"),
+    ("record true_cfg_scale Infinity", ["--data.prompts", "{d}/inf.jsonl"],
+     "inf.jsonl:2: true_cfg_scale is not a finite"),
     ("record seed 10**30", ["--data.prompts", "{d}/bigseed.jsonl"],
      "bigseed.jsonl:2: 'seed' must be an integer from 0 to 2**64 - 1"),
     ("record seed 2**64", ["--data.prompts", "{d}/seed64.jsonl"], "seed64.jsonl:2: 'seed' must be an integer from 0"),
     ("data.seed 10**29", ["--data.seed", str(10 ** 29)], "data.seed must be an integer from 0 to 2**64 - 1"),
     ("data.seed at the generator's end", ["--data.seed", str(2 ** 64 - 5)],
      "data.seed 18446744073709551611 + the 10 images of the prompt set passes the generator's largest seed"),
-    ("config guidance NaN", ["--model.guidance_scale", "nan"], "model.guidance_scale: expected float or null, got 'nan'"),
+    ("config guidance NaN", ["--model.guidance_scale", "nan"],
+     "model.guidance_scale: expected float or null, got 'nan'"),
     ("config true_cfg_scale NaN", ["--model.call_kwargs", '{"true_cfg_scale": .nan}'],
      "model.call_kwargs.true_cfg_scale must be a finite number, got nan"),
     ("record steps 0", ["--data.prompts", "{d}/steps0.jsonl"],
@@ -95,10 +98,13 @@ CASES = [
     ("record steps -3", ["--data.prompts", "{d}/steps-3.jsonl"], "steps-3.jsonl:2: num_inference_steps must be"),
     ("record text length", ["--data.prompts", "{d}/text.jsonl"],
      "text.jsonl:2: max_sequence_length must be an integer from 1 to 512, got 100000"),
-    ("record callback", ["--data.prompts", "{d}/callback.jsonl"], "callback.jsonl:2: callback_on_step_end: not something "
+    ("record callback", ["--data.prompts", "{d}/callback.jsonl"],
+     "callback.jsonl:2: callback_on_step_end: not something "
      "a record may set; a FluxPipeline record may have prompt, seed, negative_prompt, height, width"),
-    ("record latents", ["--data.prompts", "{d}/latents.jsonl"], "latents.jsonl:2: latents: not something a record may"),
-    ("record output_type", ["--data.prompts", "{d}/output.jsonl"], "output.jsonl:2: output_type: not something a record"),
+    ("record latents", ["--data.prompts", "{d}/latents.jsonl"],
+     "latents.jsonl:2: latents: not something a record may"),
+    ("record output_type", ["--data.prompts", "{d}/output.jsonl"],
+     "output.jsonl:2: output_type: not something a record"),
     ("record of 10000x10000", ["--data.prompts", "{d}/huge.jsonl"],
      "huge.jsonl:2: 10000x10000 is 100,000,000 pixels, over data.max_pixels 16,777,216 (raise it if you mean it)"),
     ("input image of 10000x10000", ["--data.prompts", "{d}/hugeimage.jsonl", *I2I],
@@ -111,7 +117,8 @@ CASES = [
      "data_parallel"),
     ("GPUs asked for on a machine without", ["--trainer.accelerator", "gpu"],
      "trainer.accelerator gpu: torch sees no CUDA GPU on this machine"),
-    ("files_per_folder 0", ["--writer.files_per_folder", "0"], "writer.files_per_folder must be an integer >= 1, got 0"),
+    ("files_per_folder 0", ["--writer.files_per_folder", "0"],
+     "writer.files_per_folder must be an integer >= 1, got 0"),
     ("unknown layout", ["--writer.layout", "nested"], "writer.layout must be one of auto, flat, sharded, got 'nested'"),
     ("unknown format", ["--writer.format", "parquet"], "writer.format must be one of files, webdataset, got 'parquet'"),
     ("override of the wrong type", ["--data.prompts", "{d}/typed.jsonl"],
@@ -122,44 +129,58 @@ CASES = [
     ("empty prompt file", ["--data.prompts", "{d}/empty.txt"], "No prompts found"),
     ("jsonl line not JSON", ["--data.prompts", "{d}/bad.jsonl"], "bad.jsonl:2: not valid JSON"),
     ("jsonl line without prompt", ["--data.prompts", "{d}/noprompt.jsonl"], "noprompt.jsonl:1: no 'prompt'"),
-    ("seed not an integer", ["--data.prompts", "{d}/seed.jsonl"], "seed.jsonl:1: 'seed' must be an integer from 0 to 2**64 - 1, got 'seven'"),
+    ("seed not an integer", ["--data.prompts", "{d}/seed.jsonl"],
+     "seed.jsonl:1: 'seed' must be an integer from 0 to 2**64 - 1, got 'seven'"),
     ("unknown prompt file type", ["--data.prompts", "{d}/p.parquet"], "use one of .txt, .jsonl, .csv"),
     ("batch size 0", ["--data.batch_size", "0"], "data.batch_size must be an integer >= 1"),
-    ("images per prompt 0", ["--data.num_images_per_prompt", "0"], "data.num_images_per_prompt must be an integer >= 1"),
+    ("images per prompt 0", ["--data.num_images_per_prompt", "0"],
+     "data.num_images_per_prompt must be an integer >= 1"),
     ("negative seed", ["--data.seed", "-1"], "data.seed must be an integer from 0 to 2**64 - 1, got -1"),
     ("model path missing", ["--model.pretrained_model_name_or_path", "{d}/nothing"], "does not exist"),
-    ("folder without model_index.json", ["--model.pretrained_model_name_or_path", "{d}/notpipe"], "is not a diffusers pipeline"),
-    ("unknown pipeline class", ["--model.pretrained_model_name_or_path", "{d}/unknown"], "'NoSuchPipeline', which is not a pipeline class"),
+    ("folder without model_index.json", ["--model.pretrained_model_name_or_path", "{d}/notpipe"],
+     "is not a diffusers pipeline"),
+    ("unknown pipeline class", ["--model.pretrained_model_name_or_path", "{d}/unknown"],
+     "'NoSuchPipeline', which is not a pipeline class"),
     ("unknown tiny pipeline", ["--model.pretrained_model_name_or_path", "tiny:sd"], "Unknown tiny pipeline 'tiny:sd'"),
     ("height not a multiple of 16", ["--model.height", "50"], "height=50 cannot be made by FluxPipeline"),
     ("width 0", ["--model.width", "0"], "width=0 cannot be made by FluxPipeline"),
-    ("steps 0", ["--model.num_inference_steps", "0"], "model.num_inference_steps must be an integer from 1 to 1,000, got 0"),
+    ("steps 0", ["--model.num_inference_steps", "0"],
+     "model.num_inference_steps must be an integer from 1 to 1,000, got 0"),
     ("unknown dtype", ["--model.torch_dtype", "float8"], "torch_dtype 'float8'"),
-    ("call argument the pipeline lacks", ["--model.call_kwargs", '{"strength": 0.5}'], "FluxPipeline does not accept strength"),
-    ("reserved call argument", ["--model.call_kwargs", '{"generator": 1}'], "sets generator, which lightning-diffusion sets"),
-    ("record override the pipeline lacks", ["--data.prompts", "{d}/eta.jsonl"], "eta.jsonl:1: eta: not something a record may set; a FluxPipeline record may have prompt, seed"),
+    ("call argument the pipeline lacks", ["--model.call_kwargs", '{"strength": 0.5}'],
+     "FluxPipeline does not accept strength"),
+    ("reserved call argument", ["--model.call_kwargs", '{"generator": 1}'],
+     "sets generator, which lightning-diffusion sets"),
+    ("record override the pipeline lacks", ["--data.prompts", "{d}/eta.jsonl"],
+     "eta.jsonl:1: eta: not something a record may set; a FluxPipeline record may have prompt, seed"),
     ("frames for an image pipeline", ["--model.num_frames", "9"], "FluxPipeline makes images, not videos"),
     ("output folder is a file", ["--writer.output_dir", "{d}/afile"], "is a file, not a folder"),
     ("output folder below a file", ["--writer.output_dir", "{d}/afile/out"], "which is a file"),
     ("unknown video format", ["--writer.video_format", "avi"], "writer.video_format must be one of mp4, webp, gif"),
     ("fps 0", ["--writer.fps", "0"], "writer.fps must be an integer >= 1"),
     ("mesh does not fit the world", ["--trainer.devices", "3", "--trainer.strategy.class_path",
-                                     "lightning_diffusion.strategies.MeshStrategy", "--trainer.strategy.init_args.dp", "2"],
+                                     "lightning_diffusion.strategies.MeshStrategy",
+                                     "--trainer.strategy.init_args.dp", "2"],
      "= 2 processes, but the world size is 3"),
-    ("context parallel of degree 1", ["--trainer.strategy.class_path", CP, "--trainer.strategy.init_args.ulysses_degree", "1"],
+    ("context parallel of degree 1", ["--trainer.strategy.class_path", CP,
+                                      "--trainer.strategy.init_args.ulysses_degree", "1"],
      "needs ulysses_degree > 1 or ring_degree > 1"),
-    ("backend without context parallelism", ["--trainer.strategy.class_path", CP, "--trainer.strategy.init_args.ulysses_degree",
-                                             "2", "--trainer.strategy.init_args.attention_backend", "flex"],
+    ("backend without context parallelism", ["--trainer.strategy.class_path", CP,
+                                             "--trainer.strategy.init_args.ulysses_degree", "2",
+                                             "--trainer.strategy.init_args.attention_backend", "flex"],
      "'flex' cannot do context parallelism"),
     ("negative timeout", ["--trainer.strategy.class_path", "lightning_diffusion.strategies.DataParallelStrategy",
-                          "--trainer.strategy.init_args.timeout", "-1"], "timeout must be a positive number of seconds"),
-    ("unknown device map", ["--trainer.strategy.class_path", DM, "--trainer.strategy.init_args.device_map", "sequential"],
+                          "--trainer.strategy.init_args.timeout", "-1"],
+     "timeout must be a positive number of seconds"),
+    ("unknown device map", ["--trainer.strategy.class_path", DM,
+                            "--trainer.strategy.init_args.device_map", "sequential"],
      "device_map must be 'auto', 'balanced'"),
     ("output folder on /proc", ["--writer.output_dir", "/proc/lightning-diffusion-test/out"],
      "writer.output_dir '/proc/lightning-diffusion-test/out' is on /proc, a proc file system of the kernel that "
      "stores no files: choose a folder on a disk."),
     ("output folder in use", ["--writer.output_dir", "{d}/busy"],
-     "{d}/busy is being written by another run (pid %d on %s); wait for it to end" % (os.getpid(), socket.gethostname())),
+     "{d}/busy is being written by another run (pid %d on %s); wait for it to end"
+     % (os.getpid(), socket.gethostname())),
     ("offload folder not writable", ["--trainer.strategy.class_path", DM, "--trainer.strategy.init_args.offload_folder",
                                      "{d}/afile/offload"], "is not a writable folder"),
 ]
@@ -192,7 +213,8 @@ def test_every_problem_is_reported_at_once(files, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "4 problems:" in err
-    for part in ("height=50 cannot be made", "data.batch_size must be", "bad.jsonl:2: not valid JSON", "writer.fps must be"):
+    for part in ("height=50 cannot be made", "data.batch_size must be", "bad.jsonl:2: not valid JSON",
+                 "writer.fps must be"):
         assert part in err
 
 

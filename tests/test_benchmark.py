@@ -14,7 +14,8 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     # tiny:shapes with true CFG against the config's default negative prompt: the bare loop passes it too
     proc = run_here("benchmark", "--config", "configs/tiny.yaml", "--data.prompts", "[a, b, c, d, e, f]",
                    "--data.batch_size", "2", "--compare-diffusers", "--json", str(report))
-    assert "| Strategy | Time / Iter (ms) | Steps / sec | Peak memory (GB) | Shape | Images / sec | Load (s) |" in proc.stdout
+    assert ("| Strategy | Time / Iter (ms) | Steps / sec | Peak memory (GB) | Shape | Images / sec | Load (s) |"
+            in proc.stdout)
     result = json.loads(report.read_text())
     assert result["strategy"] == "DataParallelStrategy" and result["shape"] == "64x64"
     assert result["timed_batches"] == 2  # 3 batches, the first one is warm-up
@@ -28,12 +29,15 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
 @pytest.mark.slow
 def test_benchmark_reports_the_cache_and_times_diffusers_with_its_own(tmp_path):
     report = tmp_path / "bench.json"
-    proc = run_here("benchmark", "--config", "configs/tiny.yaml", "--data.prompts", "[a red circle on a blue background, "
-                    "a green square on a white background]", "--data.batch_size", "1", "--model.num_inference_steps", "8",
-                    "--model.cache", "{type: first_block, threshold: 0.2}", "--compare-diffusers", "--json", str(report))
+    proc = run_here("benchmark", "--config", "configs/tiny.yaml", "--data.prompts",
+                    "[a red circle on a blue background, a green square on a white background]",
+                    "--data.batch_size", "1", "--model.num_inference_steps", "8",
+                    "--model.cache", "{type: first_block, threshold: 0.2}", "--compare-diffusers",
+                    "--json", str(report))
     result = json.loads(report.read_text())
     cache = result["cache"]
     # 2 images x 8 steps x 2 guidance passes, every image step counted once
     assert cache["type"] == "first_block" and cache["image_steps"] == 32 and cache["calls"] == 32
-    assert 0 < cache["reused_image_steps"] < 32 and cache["reused_fraction"] == round(cache["reused_image_steps"] / 32, 4)
+    assert (0 < cache["reused_image_steps"] < 32
+            and cache["reused_fraction"] == round(cache["reused_image_steps"] / 32, 4))
     assert result["time_ratio_vs_diffusers"] > 0, proc.stdout

@@ -25,7 +25,8 @@ from tests.conftest import SHAPES_ARGS, load_arrays, run_cli, run_here, tiny_arg
 
 ATOL = 1e-5
 FBC = ["--model.cache", "{type: first_block, threshold: 0.2}", "--model.num_inference_steps", "8"]
-STATS = re.compile(r"first-block cache: \d+% of image steps reused \((\d+) of (\d+)\); (\d+) of (\d+) transformer calls")
+STATS = re.compile(r"first-block cache: \d+% of image steps reused \((\d+) of (\d+)\); "
+                   r"(\d+) of (\d+) transformer calls")
 STRATEGIES = {
     "ulysses": ["ContextParallelStrategy", "--trainer.strategy.init_args.ulysses_degree", "2"],
     "ring": ["ContextParallelStrategy", "--trainer.strategy.init_args.ring_degree", "2"],
@@ -77,7 +78,8 @@ def _generate(cache, batch_size, steps=12, count=4, compile=None, **call):
     prompts = [caption(scene) for scene in held_out_scenes()[:count]]
     images = []
     for first in range(0, count, batch_size):
-        batch = [{"index": i, "prompt": prompts[i], "seed": i, "overrides": {}} for i in range(first, first + batch_size)]
+        batch = [{"index": i, "prompt": prompts[i], "seed": i, "overrides": {}}
+                 for i in range(first, first + batch_size)]
         images += [out["image"] for out in module.predict_step(batch)]
     return np.stack(images), module.step_cache
 
@@ -149,7 +151,8 @@ def test_bad_cache_settings_are_refused_together(cli_here, tmp_path):
                     "--model.cache", "{type: first_block, threshold: 2, treshold: 0.1}")
     assert proc.returncode == 2
     assert "model.cache: first_block takes no 'treshold' (did you mean threshold?)" in proc.stderr
-    assert "model.cache.threshold (relative change of the first block's residual) must be a number in (0, 1]" in proc.stderr
+    assert ("model.cache.threshold (relative change of the first block's residual) must be a number in (0, 1]"
+            in proc.stderr)
     assert not (tmp_path / "o").exists()
 
 
@@ -162,7 +165,8 @@ def test_bad_cache_settings_are_refused_together(cli_here, tmp_path):
     ("{type: faster_cache, is_guidance_distilled: false}", "would split each batch into guidance halves"),
     ("{type: pyramid_attention_broadcast, spatial_attention_block_skip_range: 2}",
      "pyramid_attention_broadcast keeps one state for both guidance passes"),
-    ("{type: magcache, calibrate: true, num_inference_steps: 4}", "model.cache.num_inference_steps is set from the pipeline"),
+    ("{type: magcache, calibrate: true, num_inference_steps: 4}",
+     "model.cache.num_inference_steps is set from the pipeline"),
     ("{type: magcache, mag_ratios: FLUX_MAG_RATIOS}", "model.cache.mag_ratios must be a list of numbers"),
     ("{type: taylorseer, cache_interval: 0}", "model.cache.cache_interval must be an integer >= 1, got 0."),
     ("{type: taylorseer, taylor_factors_dtype: float33}", "model.cache.taylor_factors_dtype:"),
@@ -170,7 +174,8 @@ def test_bad_cache_settings_are_refused_together(cli_here, tmp_path):
      "model.cache.spatial_attention_timestep_skip_range must be two timesteps [low, high], got [100]."),
 ])
 def test_bad_cache(cli_here, tmp_path, cache, message):
-    proc = cli_here("predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(tmp_path), "--model.cache", cache)
+    proc = cli_here("predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(tmp_path),
+                    "--model.cache", cache)
     assert proc.returncode == 2
     assert message in proc.stderr
 
@@ -179,20 +184,25 @@ def test_shared_state_caches_are_refused_only_with_a_negative_pass():
     no_cfg = DiffusionModule("tiny:shapes", call_kwargs={"true_cfg_scale": 1.0},
                              cache={"type": "pyramid_attention_broadcast"})
     assert no_cfg.cache["type"] == "pyramid_attention_broadcast"
-    raise_problems(model_cache_problems(no_cfg.info, no_cfg.cache, no_cfg.call_args, summarize_records([{"prompt": "x"}])))
+    raise_problems(model_cache_problems(no_cfg.info, no_cfg.cache, no_cfg.call_args,
+                                        summarize_records([{"prompt": "x"}])))
     # A record's own negative prompt, or its own scale above 1, turns the negative pass on.
     module = DiffusionModule("tiny:flux", call_kwargs={"true_cfg_scale": 2.0}, cache={"type": "faster_cache"})
     with pytest.raises(Exception, match="faster_cache keeps one state for both guidance passes"):
-        raise_problems(model_cache_problems(module.info, module.cache, module.call_args, summarize_records([{"prompt": "x", "negative_prompt": "blurry"}])))
+        raise_problems(model_cache_problems(module.info, module.cache, module.call_args,
+                                            summarize_records([{"prompt": "x", "negative_prompt": "blurry"}])))
     with pytest.raises(Exception, match="pyramid_attention_broadcast keeps one state for both guidance passes"):
-        raise_problems(model_cache_problems(no_cfg.info, no_cfg.cache, no_cfg.call_args, summarize_records([{"prompt": "x", "negative_prompt": "", "true_cfg_scale": 4.0}])))
+        raise_problems(model_cache_problems(no_cfg.info, no_cfg.cache, no_cfg.call_args, summarize_records(
+            [{"prompt": "x", "negative_prompt": "", "true_cfg_scale": 4.0}])))
 
 
 def test_magcache_refuses_records_with_their_own_step_count():
     module = DiffusionModule("tiny:shapes", num_inference_steps=12, cache={"type": "magcache", "calibrate": True})
-    raise_problems(model_cache_problems(module.info, module.cache, module.call_args, summarize_records([{"prompt": "x", "num_inference_steps": 12}])))
+    raise_problems(model_cache_problems(module.info, module.cache, module.call_args,
+                                        summarize_records([{"prompt": "x", "num_inference_steps": 12}])))
     with pytest.raises(Exception, match=r"prompt records set num_inference_steps \[20\]"):
-        raise_problems(model_cache_problems(module.info, module.cache, module.call_args, summarize_records([{"prompt": "x", "num_inference_steps": 20}])))
+        raise_problems(model_cache_problems(module.info, module.cache, module.call_args,
+                                            summarize_records([{"prompt": "x", "num_inference_steps": 20}])))
 
 
 def test_a_transformer_without_cache_support_is_refused():

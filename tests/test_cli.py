@@ -1,8 +1,8 @@
 """The CLI end to end on configs/tiny-flux.yaml, and make-tiny."""
 
 import ast
-import os
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from lightning_diffusion.cli import main
-from tests.conftest import load_arrays, read_manifest_lines, REPO, run_here, tiny_args
+from tests.conftest import REPO, load_arrays, read_manifest_lines, run_here, tiny_args
 
 
 def test_tiny_config_writes_images_manifest_and_png_metadata(tmp_path):
@@ -89,8 +89,8 @@ def test_one_config_reader_takes_equals_and_nested_overrides(tmp_path):
 
     prompts = tmp_path / "other.txt"
     prompts.write_text("a fox\n")
-    config = read_config("configs/tiny-flux.yaml", [f"--data.prompts={prompts}", "--model.call_kwargs.max_sequence_length=32",
-                                               "--trainer.devices", "2"])
+    config = read_config("configs/tiny-flux.yaml", [f"--data.prompts={prompts}",
+                                               "--model.call_kwargs.max_sequence_length=32", "--trainer.devices", "2"])
     assert config.data.prompts == str(prompts)
     assert config.model.call_kwargs == {"max_sequence_length": 32}
     assert str(config.trainer.devices) == "2"
@@ -106,7 +106,8 @@ def _imports(module: str, tree: ast.AST, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
     return {name for name in found if name in modules}
@@ -157,9 +158,11 @@ def test_gpu_check_rehearsal_runs_every_one_gpu_check_on_the_cpu(tmp_path):
     rows = {row["check"]: row for row in json.loads(report.read_text())}
     assert {"data-parallel-vs-diffusers", "device-map-auto", "device-map-balanced", "staged", "compile-regional",
             "quantization-fp8", "quantization-int8", "first-block-cache", "ulysses-cuda", "ring-bf16-cuda",
-            "tensor-parallel-cuda", "cfg-parallel-cuda", "mesh-cuda", "one-gpu-per-task", "cpu-tensor-parallel-on-a-gpu-machine",
+            "tensor-parallel-cuda", "cfg-parallel-cuda", "mesh-cuda", "one-gpu-per-task",
+            "cpu-tensor-parallel-on-a-gpu-machine",
             "device-map-own-gpus", "cuda-pipeline", "compile-ulysses-cuda", "compile-tp-cuda",
-            "tile-parallel-decode-cuda", "tile-parallel-decode-cfg-cuda", "quantized-ulysses-cuda", "ulysses-whole-work-cuda", "tp-whole-work-cuda",
+            "tile-parallel-decode-cuda", "tile-parallel-decode-cfg-cuda", "quantized-ulysses-cuda",
+            "ulysses-whole-work-cuda", "tp-whole-work-cuda",
             "first-block-cache-ulysses-cuda", "first-block-cache-tp-cuda", "lora-tensor-parallel-cuda",
             "communicator-memory", "stuck-peer-nccl"} <= set(rows)
     ran = {name for name, row in rows.items() if row["result"] == "PASS"}
@@ -172,8 +175,8 @@ def test_call_kwargs_negative_prompt_is_the_default_of_records_without_one(tmp_p
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a cat", "negative_prompt": "blurry"}\n{"prompt": "a cat"}\n')
     out = tmp_path / "out"
-    args = tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "2", "--model.call_kwargs.true_cfg_scale",
-                     "2.0")
+    args = tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "2",
+                     "--model.call_kwargs.true_cfg_scale", "2.0")
     run_here(*args, "--model.call_kwargs.negative_prompt", "ugly")
     first, second = read_manifest_lines(out)
     assert (first["negative_prompt"], second["negative_prompt"]) == ("blurry", "ugly")
@@ -231,5 +234,9 @@ def test_every_subcommand_takes_json_alone_for_stdout_and_json_file_for_a_file(t
     assert "complete" in to_file.stdout and not to_file.stdout.lstrip().startswith("{")
     alone = cli_here("eval", str(out), "--json")
     assert json.loads(alone.stdout)["images"]
+    before = cli_here("status", "--json", str(out))  # the folder after --json is still the folder
+    assert json.loads(before.stdout)["complete"] is True and not (tmp_path / "-").exists()
+    cli_here("status", "--json", str(tmp_path / "named.json"), str(out))
+    assert json.loads((tmp_path / "named.json").read_text())["complete"] is True
     cli_here("eval", str(out), f"--json={tmp_path / 'eval.json'}")
     assert json.loads((tmp_path / "eval.json").read_text())["images"]

@@ -15,7 +15,7 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import ContextParallelStrategy, MeshError
-from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
 CP = "lightning_diffusion.strategies.ContextParallelStrategy"
@@ -78,7 +78,8 @@ def cpu_trainer(devices, **kwargs):
     [
         (3, dict(ulysses_degree=2), MeshError, "world size 3 is not divisible by ring 1 x ulysses 2 x tp 1 = 2"),
         (2, dict(ulysses_degree=2, ring_degree=2), MeshError, "world size 2 is not divisible by ring 2 x ulysses 2"),
-        (2, dict(ulysses_degree=2, ring_anything=True), ConfigError, "ring_degree must be greater than 1 for ring_anything"),
+        (2, dict(ulysses_degree=2, ring_anything=True), ConfigError,
+         "ring_degree must be greater than 1 for ring_anything"),
         (4, dict(ulysses_degree=2, ring_degree=2, ulysses_anything=True), ConfigError,
          "ulysses_anything cannot be enabled when ring_degree > 1"),
         (1, dict(ulysses_degree=-1), ConfigError, "leaves a group of 1"),
@@ -108,8 +109,8 @@ def test_heads_not_divisible_by_ulysses_degree():
     heads are fewer than the 2 per rank, so it is not suggested, and refused when asked for."""
     module = DiffusionModule("tiny:flux", height=64, width=64)
     for kwargs in (dict(ulysses_degree=3), dict(ulysses_degree=3, ulysses_anything=True)):
-        with pytest.raises(ConfigError, match="4 attention heads, not divisible by ulysses_degree=3, and ulysses_anything "
-                                              r"cannot split them either.*divides 4 \(2, 4\)"):
+        with pytest.raises(ConfigError, match="4 attention heads, not divisible by ulysses_degree=3, and "
+                                              r"ulysses_anything cannot split them either.*divides 4 \(2, 4\)"):
             check_model(cpu_trainer(3, **kwargs).strategy, module)
 
 
@@ -124,9 +125,9 @@ def test_ulysses_anything_is_suggested_only_where_it_can_split_the_heads(tmp_pat
     config = json.loads((folder / "transformer" / "config.json").read_text())
     (folder / "transformer" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 30}))
     module = DiffusionModule(str(folder), height=64, width=64)
-    with pytest.raises(ConfigError, match=r"30 attention heads, not divisible by ulysses_degree=8: set ulysses_anything: "
-                                          r"true \(strategy name: ulysses_anything\), or a ulysses_degree that divides "
-                                          r"30 \(2, 3, 5, 6, 10, 15, 30\)"):
+    with pytest.raises(ConfigError, match=r"30 attention heads, not divisible by ulysses_degree=8: set "
+                                          r"ulysses_anything: true \(strategy name: ulysses_anything\), or a "
+                                          r"ulysses_degree that divides 30 \(2, 3, 5, 6, 10, 15, 30\)"):
         check_model(cpu_trainer(8, ulysses_degree=8).strategy, module)
     check_model(cpu_trainer(8, ulysses_degree=8, ulysses_anything=True).strategy, module)
     # the short name the message offers takes the flag with it
@@ -138,16 +139,19 @@ def test_ulysses_anything_is_suggested_only_where_it_can_split_the_heads(tmp_pat
 def test_text_length_not_divisible(tmp_path):
     trainer = cpu_trainer(2, ring_degree=2)
     module = DiffusionModule("tiny:flux", height=64, width=64, call_kwargs={"max_sequence_length": 63})
-    with pytest.raises(ConfigError, match="max_sequence_length=63 text tokens are not divisible .* set ring_anything: true"):
+    with pytest.raises(ConfigError,
+                       match="max_sequence_length=63 text tokens are not divisible .* set ring_anything: true"):
         check_model(trainer.strategy, module)
 
 
-@pytest.mark.parametrize("kwargs", [dict(ulysses_degree=2), dict(ring_degree=2), dict(ring_degree=2, ring_anything=True)])
+@pytest.mark.parametrize("kwargs", [dict(ulysses_degree=2), dict(ring_degree=2),
+                                    dict(ring_degree=2, ring_anything=True)])
 def test_prompt_length_text_needs_ulysses_anything(kwargs):
     # Qwen-Image does not pad its text to a fixed length, so most prompts would not split evenly; ring's
     # anything-mode rejects its attention mask (measured: ValueError from TemplatedRingAnythingAttention).
     module = DiffusionModule("tiny:qwenimage", height=64, width=64)
-    with pytest.raises(ConfigError, match="QwenImagePipeline's text tokens have each prompt's own length.*ulysses_anything: true"):
+    with pytest.raises(ConfigError,
+                       match="QwenImagePipeline's text tokens have each prompt's own length.*ulysses_anything: true"):
         check_model(cpu_trainer(2, **kwargs).strategy, module)
     check_model(cpu_trainer(2, ulysses_degree=2, ulysses_anything=True).strategy, module)
 

@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-
 import pytest
 
 from lightning_diffusion.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset

@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import DeviceMapStrategy, TensorParallelStrategy
-from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5
 DM = "lightning_diffusion.strategies.DeviceMapStrategy"

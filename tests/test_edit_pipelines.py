@@ -5,8 +5,8 @@ offline (``tiny:flux-kontext``, ``tiny:flux-fill``, ``tiny:qwenimage-edit``, ``t
 Parity: each against one process with batch size 1, within ATOL = 1e-5 (measured at most 2.6e-6),
 under data parallel 2 and model-parallel modes: Kontext under Ulysses 2 with the anything-mode on
 images of mixed sizes (one record's tokens odd), tp 2 and cfg 2 (true CFG); Fill under tp 2;
-Qwen-Image-Edit under cfg 2; Wan image-to-video under Ulysses 2 and cfg 2. Kontext resizes every input of a call to its first one's size, so a
-batch of mixed sizes must equal batch size 1 too.
+Qwen-Image-Edit under cfg 2; Wan image-to-video under Ulysses 2 and cfg 2. Kontext resizes every
+input of a call to its first one's size, so a batch of mixed sizes must equal batch size 1 too.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ PIPELINES = {"kontext": KONTEXT, "fill": FILL, "qwen-edit": QWEN_EDIT, "wan-i2v"
              "kontext-true-cfg": [*KONTEXT, "--model.call_kwargs.true_cfg_scale", "2.0",
                                   "--model.call_kwargs.negative_prompt", "blurry"]}
 # Each pipeline's base config (sizes, steps, guidance); the strategy's flags come after it.
-CONFIGS = {"kontext": "configs/tiny-flux.yaml", "fill": "configs/tiny-flux.yaml", "qwen-edit": "configs/tiny-qwenimage.yaml",
-           "wan-i2v": "configs/tiny-wan.yaml", "kontext-true-cfg": "configs/tiny-flux.yaml"}
+CONFIGS = {"kontext": "configs/tiny-flux.yaml", "fill": "configs/tiny-flux.yaml",
+           "qwen-edit": "configs/tiny-qwenimage.yaml", "wan-i2v": "configs/tiny-wan.yaml",
+           "kontext-true-cfg": "configs/tiny-flux.yaml"}
 
 
 def edit_args(out: Path, name: str, prompts: Path, *extra: str) -> list[str]:
@@ -48,7 +49,8 @@ def write_inputs(folder: Path) -> dict[str, Path]:
     for name, (w, h) in {"a": (64, 64), "b": (64, 64), "c": (96, 80), "d": (80, 48)}.items():
         Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(folder / "in" / f"{name}.png")
     Image.fromarray(((rng.random((64, 64)) > 0.5) * 255).astype("uint8")).save(folder / "in" / "mask.png")
-    edits = [{"prompt": "a red fox", "image": "in/a.png", "seed": 7}, {"prompt": "a red fox", "image": "in/c.png", "seed": 7},
+    edits = [{"prompt": "a red fox", "image": "in/a.png", "seed": 7},
+             {"prompt": "a red fox", "image": "in/c.png", "seed": 7},
              {"prompt": "a lighthouse", "image": "in/d.png"}, {"prompt": "a bowl of ramen", "image": "in/b.png"}]
     fills = [{"prompt": "a red fox", "image": "in/a.png", "mask_image": "in/mask.png"},
              {"prompt": "a lighthouse", "image": "in/b.png", "mask_image": "in/mask.png", "strength": 0.9}]
@@ -91,7 +93,8 @@ def test_each_pipeline_makes_pictures_from_its_records_inputs(edits, tmp_path):
         images = reference(name)
         expected = (5, 32, 32, 3) if name == "wan-i2v" else (64, 64, 3)
         assert all(image.shape == expected for image in images.values()), (name, [i.shape for i in images.values()])
-        if name not in ("fill", "kontext-true-cfg"):  # (random tiny weights: Qwen-Image-Edit's reference moves pixels by about 5e-4)
+        # (random tiny weights: Qwen-Image-Edit's reference moves pixels by about 5e-4)
+        if name not in ("fill", "kontext-true-cfg"):
             change = float(np.abs(images[0] - images[1]).max())
             assert change > 10 * ATOL, f"{name}: another input image changed the picture by only {change:.2g}"
     lines = read_manifest_lines(prompts["kontext"].parent / "reference-kontext")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import read_manifest_lines, REPO
+from tests.conftest import REPO, read_manifest_lines
 
 
 def stats_lines(out):

@@ -147,7 +147,8 @@ def test_a_rank_whose_launcher_died_before_its_watchdog_started_exits_at_once(tm
     """The launching process is killed as soon as its child exists, while the child still imports:
     the child's parent is then init, alive, so only the launcher's pid (from the environment) shows
     the child it is orphaned; without it the child waited at the rendezvous for 5 minutes."""
-    proc, _ = start(tmp_path / "out", ["--trainer.strategy.class_path", "lightning_diffusion.strategies.DataParallelStrategy"])
+    proc, _ = start(tmp_path / "out",
+                    ["--trainer.strategy.class_path", "lightning_diffusion.strategies.DataParallelStrategy"])
     deadline = time.monotonic() + 120
     while not children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -27,8 +27,7 @@ from lightning_diffusion import DiffusionModule, group_work
 from lightning_diffusion.cli import end_process
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.group_work import GroupWork, _one_hidden_state, exchange
-from tests.conftest import (FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args,
-                            tiny_flux_with)
+from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args, tiny_flux_with
 
 ATOL = 1e-5
 SMALL_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32,

@@ -162,3 +162,36 @@ def test_slurm_fetches_before_submitting_and_the_job_runs_offline(cluster, hub, 
     script = (out / "lightning-diffusion.sbatch").read_text()
     assert "export HF_HUB_OFFLINE=1" in script and f"export HF_HUB_CACHE={home / 'hub'}" in script
     assert "5 of 5 outputs" in proc.stdout
+
+
+def test_the_hub_probe_goes_through_a_proxy_where_one_applies(monkeypatch):
+    """A network that reaches the hub only through HTTPS_PROXY is online: the probe connects to the
+    proxy (a name that resolves nowhere is unreachable without one); NO_PROXY sends it direct."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from lightning_diffusion import hub
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    for name in ("HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    listening = socket.create_server(("127.0.0.1", 0))
+    try:
+        cases = [({}, False),
+                 ({"HTTPS_PROXY": f"http://127.0.0.1:{listening.getsockname()[1]}"}, True),
+                 ({"HTTPS_PROXY": f"127.0.0.1:{listening.getsockname()[1]}"}, True),
+                 ({"HTTPS_PROXY": f"http://127.0.0.1:{listening.getsockname()[1]}", "NO_PROXY": "hub.invalid"}, False)]
+        closed = socket.create_server(("127.0.0.1", 0))
+        cases.append(({"HTTPS_PROXY": f"http://127.0.0.1:{closed.getsockname()[1]}"}, False))
+        closed.close()
+        for env, expected in cases:
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            hub.reachable.cache_clear()
+            assert hub.reachable(timeout_s=2.0) is expected, env
+            for name in env:
+                monkeypatch.delenv(name)
+    finally:
+        listening.close()
+        hub.reachable.cache_clear()

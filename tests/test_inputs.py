@@ -142,8 +142,8 @@ def test_a_strength_that_runs_no_step_is_refused(tmp_path, cli_here):
     prompts = write_inputs(tmp_path)
     proc = cli_here(*tiny_args(tmp_path / "out", "--data.prompts", str(prompts), *IMG2IMG,
                                "--model.call_kwargs.strength", "0.2"))
-    assert proc.returncode == 2 and ("model.call_kwargs: strength 0.2 of num_inference_steps 4 runs no step (the pipeline runs "
-                                     "int(steps x strength) = 0 of them)") in proc.stderr
+    assert proc.returncode == 2 and ("model.call_kwargs: strength 0.2 of num_inference_steps 4 runs no step (the "
+                                     "pipeline runs int(steps x strength) = 0 of them)") in proc.stderr
 
 
 def test_a_resume_whose_input_file_changed_is_refused_naming_the_output(tmp_path):

@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import MeshError, MeshStrategy
-from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
 # dp x ulysses and dp x tp are run by test_context_parallel.py (dp2-ulysses2) and

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from lightning_diffusion.cli import main
-from lightning_diffusion.pipelines import safetensors_bytes
 from lightning_diffusion.commands.plan import ModelFacts, choose, facts_for, runner_up
+from lightning_diffusion.pipelines import safetensors_bytes
 from lightning_diffusion.specs import all_published
 
 FLUX1, FLUX2 = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.2-dev"
@@ -85,8 +85,8 @@ def test_plan_gives_expected_throughput_of_its_choice_and_why_the_runner_up_lost
               "--prompts", "100000"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
-    assert "  1. data_parallel (8 replicas): 8.0x\n  2. ContextParallelStrategy (ulysses_degree 8): 4.9x, not chosen: " \
-           "fewer images per hour" in out, out
+    assert "  1. data_parallel (8 replicas): 8.0x\n  2. ContextParallelStrategy (ulysses_degree 8): 4.9x, " \
+           "not chosen: fewer images per hour" in out, out
 
 
 def test_plan_writes_a_config_the_cli_accepts(tmp_path, capsys):
@@ -117,7 +117,8 @@ def test_local_pipeline_sizes_come_from_safetensors_headers(tiny_cache):
 @pytest.mark.parametrize(
     "model, expected",
     [
-        ("Qwen/Qwen-Image", "cfg parallel: QwenImagePipeline runs two transformer passes per step with true_cfg_scale > 1"),
+        ("Qwen/Qwen-Image",
+         "cfg parallel: QwenImagePipeline runs two transformer passes per step with true_cfg_scale > 1"),
         ("black-forest-labs/FLUX.1-dev", "cfg parallel: FluxPipeline runs two transformer passes"),
         ("black-forest-labs/FLUX.2-dev", "cfg parallel: not available for Flux2Pipeline (supported: FluxPipeline"),
         ("tiny:wan", "cfg parallel: WanPipeline runs two transformer passes per step with guidance_scale > 1;"),

@@ -79,7 +79,8 @@ def test_int8_weights_with_a_step_cache_under_ulysses_match_one_process(quantize
 
 @pytest.mark.parametrize("spec, message", [
     ({"backend": "torchao"}, "model.quantization with torchao needs quant_type: one of int8wo"),
-    ({"backend": "torchao", "quant_type": "int3"}, "model.quantization.quant_type 'int3' is not a torchao quantization"),
+    ({"backend": "torchao", "quant_type": "int3"},
+     "model.quantization.quant_type 'int3' is not a torchao quantization"),
     ({"backend": "torchao", "quant_type": "int8wo", "group_sz": 32},
      "torchao's Int8WeightOnlyConfig takes group_size, granularity"),
     ({"backend": "gguf"}, "model.quantization.backend 'gguf' loads checkpoints that are already quantized"),

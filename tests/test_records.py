@@ -97,7 +97,8 @@ def test_skipped_records_keep_the_others_indices_and_are_not_retried_on_resume(t
     clean = tmp_path / "clean.jsonl"
     clean.write_text("\n".join(['{"prompt": "a fox"}', '{"prompt": "x"}', '{"prompt": "x"}', '{"prompt": "a dog"}',
                                 '{"prompt": "x"}']) + "\n")
-    run_here(*tiny_args(tmp_path / "clean", "--data.prompts", str(clean), "--model.height", "64", "--model.width", "64"))
+    run_here(*tiny_args(tmp_path / "clean", "--data.prompts", str(clean), "--model.height", "64",
+                        "--model.width", "64"))
     ours, ref = load_arrays(out), load_arrays(tmp_path / "clean")
     assert all(np.array_equal(ours[i], ref[i]) for i in (0, 3))
     status = run_here("status", str(out))
@@ -303,7 +304,8 @@ def test_a_manifest_is_checked_when_it_is_read(tmp_path):
     found = finished(tmp_path)  # the compact reading of resume and status: the same verdicts
     assert found.indices.tolist() == [0]
     assert found.problems[:3] == problems[:3]
-    assert found.problems[3] == "manifest.jsonl:4: image 2 is also in manifest.jsonl:3 with another file; neither counts"
+    assert found.problems[3] == ("manifest.jsonl:4: image 2 is also in manifest.jsonl:3 with another file; "
+                                 "neither counts")
     status = run_here("status", str(tmp_path), check=False)
     assert "not counted: manifest.jsonl:4: image 2 is also in manifest.jsonl:3 with another file" in status.stdout
     assert "not counted: manifest.jsonl:5: '../outside.png' is outside the output folder" in status.stdout

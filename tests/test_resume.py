@@ -11,7 +11,7 @@ import time
 import pytest
 from PIL import Image
 
-from tests.conftest import read_manifest_lines, REPO, run_cli, run_here, tiny_args
+from tests.conftest import REPO, read_manifest_lines, run_cli, run_here, tiny_args
 
 COUNT = 40
 
@@ -181,9 +181,19 @@ def test_a_complete_folder_says_so_before_anything_loads(tmp_path, cli_here):
     manifest = (tmp_path / "manifest.jsonl").read_text()
     again = cli_here(*args)
     assert again.returncode == 0
-    assert (f"lightning-diffusion: nothing to make: the 2 images of this prompt set are all in {tmp_path}/manifest.jsonl"
-            in again.stderr), again.stderr
+    assert (f"lightning-diffusion: nothing to make: the 2 images of this prompt set are all in "
+            f"{tmp_path}/manifest.jsonl" in again.stderr), again.stderr
     assert "Loading" not in again.stderr and "batch plan" not in again.stderr
+    assert (tmp_path / "manifest.jsonl").read_text() == manifest
+    # A program that calls DiffusionCLI itself is not ended: it returns after an empty loop.
+    from lightning_diffusion.config import DiffusionCLI
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        DiffusionCLI(args=["predict", *args[1:]])
+    finally:
+        os.chdir(cwd)
     assert (tmp_path / "manifest.jsonl").read_text() == manifest
     # One image gone: the rerun makes it (and only it).
     line = read_manifest_lines(tmp_path)[1]

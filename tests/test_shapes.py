@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lightning_diffusion import shapes, tiny
-from tests.conftest import load_arrays, read_manifest_lines, REPO, run_cli, run_here, SHAPES_ARGS, tiny_args
+from tests.conftest import REPO, SHAPES_ARGS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 QUICKSTART_PROMPTS = [line for line in (REPO / "configs/prompts/shapes.txt").read_text().splitlines() if line]
 
@@ -106,7 +106,8 @@ def test_quickstart_draws_what_it_is_asked(quickstart, cli_here):
     rows = {row["index"]: row for row in result["images"]}
     assert rows[0]["prompt"] == QUICKSTART_PROMPTS[0] and "detected" in rows[0]
     table = cli_here("eval", str(quickstart)).stdout
-    assert "| Image | Detected | Colours | Shape | Prompt |" in table and "prompt adherence (shapes captions): colour" in table
+    assert ("| Image | Detected | Colours | Shape | Prompt |" in table
+            and "prompt adherence (shapes captions): colour" in table)
 
 
 @pytest.mark.slow
@@ -203,7 +204,8 @@ PARITY = {
     "dp2": ["--trainer.devices", "2"],
     "ulysses2": ["--trainer.devices", "2", "--trainer.strategy.class_path", CP,
                  "--trainer.strategy.init_args.ulysses_degree", "2"],
-    "tp2": ["--trainer.devices", "2", "--trainer.strategy.class_path", TP, "--trainer.strategy.init_args.tp_degree", "2"],
+    "tp2": ["--trainer.devices", "2", "--trainer.strategy.class_path", TP,
+            "--trainer.strategy.init_args.tp_degree", "2"],
 }
 
 

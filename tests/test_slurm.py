@@ -177,8 +177,8 @@ def test_a_device_map_job_asks_for_every_gpu_its_processes_span(slurm_here, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     options = [line[len("#SBATCH "):] for line in proc.stdout.splitlines() if line.startswith("#SBATCH")]
     assert {"--ntasks-per-node=2", "--gpus-per-node=4", "--cpus-per-task=8"} <= set(options)
-    proc = slurm_here("--config", str(config), "--gpus-per-node", "2", "--", "--writer.output_dir", str(tmp_path / "out"),
-                 cwd=tmp_path)
+    proc = slurm_here("--config", str(config), "--gpus-per-node", "2", "--",
+                      "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path)
     assert proc.returncode == 2 and "devices_per_process 2 (4 GPUs per node)" in proc.stderr
 
 

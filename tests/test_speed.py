@@ -15,8 +15,7 @@ import pytest
 
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
-from tests.conftest import (FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args,
-                            tiny_flux_with)
+from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args, tiny_flux_with
 
 COMPILED_ATOL = 1e-4
 
@@ -139,7 +138,8 @@ def test_half_precision_backends_in_float32_are_refused_before_loading(backend):
     for dtype, refused in (("float32", True), ("bfloat16", False)):
         request = DiffusionModule("tiny:flux", height=64, width=64, torch_dtype=dtype).request()
         problems = " ".join(map(str, strategy.check_request(request, world_size=2, device_type="cuda")))
-        assert (f"the strategy's attention_backend {backend!r} needs bfloat16 or float16" in problems) is refused, problems
+        assert (f"the strategy's attention_backend {backend!r} needs bfloat16 or float16" in problems) is refused, \
+            problems
 
 
 def test_a_model_backend_in_float32_is_refused_with_the_module():

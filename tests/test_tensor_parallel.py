@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from lightning_diffusion import DiffusionModule, tiny
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.strategies import TensorParallelStrategy
-from tests.conftest import check_model, FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, tiny_args
+from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, tiny_args
 
 ATOL = 1e-5
 PIPELINES = {

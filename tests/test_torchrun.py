@@ -93,7 +93,9 @@ def test_a_node_that_does_not_see_the_output_folder_is_refused_before_any_image(
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="torchrun's restarted gloo group fails to connect or hangs in connectFullMesh on the 2-core CI machine, at the commit before this round too (issue note); the restart path is exercised by hand")
+@pytest.mark.skip(reason="torchrun's restarted gloo group fails to connect or hangs in connectFullMesh on the 2-core "
+                         "CI machine, at the commit before this round too (issue note); the restart path is exercised "
+                         "by hand")
 def test_an_elastic_restart_after_a_lost_worker_resumes_every_image_once(tmp_path):
     slow = [*ARGS, "--data.batch_size", "1", "--model.num_inference_steps", "12"]
     reference_out = tmp_path / "reference"

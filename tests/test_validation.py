@@ -5,8 +5,8 @@ import json
 import pytest
 
 from lightning_diffusion import DiffusionModule, ImageWriter
-from lightning_diffusion.records import check_records, read_records
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.records import check_records, read_records
 from lightning_diffusion.strategies import MeshError, ParallelDims
 from lightning_diffusion.strategies.checks import check_cfg
 

@@ -6,6 +6,7 @@ import pytest
 
 from tests.conftest import run_here
 
+
 @pytest.mark.slow
 def test_verify_passes_a_correct_plan_and_reads_overrides_given_with_equals(tmp_path):
     """One passing plan here (every strategy's parity with one device is tested in its own file);

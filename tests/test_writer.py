@@ -28,3 +28,22 @@ def test_prompt_file_that_is_not_utf8_is_refused(tmp_path):
     path.write_bytes(b"fine\n\xff\xfe broken\n")
     with pytest.raises(ConfigError, match=r"p.txt:2: not valid UTF-8"):
         PromptDataModule(str(path))
+
+
+def test_a_writers_bug_keeps_its_traceback_and_a_file_system_error_is_one_line(tmp_path):
+    """A full disk or a lost mount is said in one line (the message is all); anything else that a
+    writer raises is a bug, and the CLI prints its traceback above that line for the report."""
+    from lightning_diffusion.background import WriteFailed
+    from lightning_diffusion.writer import writing_failed
+
+    bug = writing_failed("TypeError: bad operand", tmp_path,
+                         cause=WriteFailed("TypeError", "bad operand", "Traceback (most recent call last):\n  ...\n"))
+    assert bug.details.startswith("Traceback") and "bad operand" in str(bug)
+    for kind in ("PermissionError", "OSError", "FileNotFoundError"):
+        assert writing_failed(f"{kind}: x", tmp_path, cause=WriteFailed(kind, "x", "Traceback ...")).details == ""
+    try:
+        raise ValueError("made here")
+    except ValueError as err:
+        here = writing_failed("ValueError: made here", tmp_path, cause=err)
+    assert "raise ValueError" in here.details
+    assert writing_failed("something", tmp_path).details == ""  # another rank's: only its text came

@@ -369,7 +369,8 @@ def small_file_system(tmp_path):
     """A tmpfs of 400 kB (needs CAP_SYS_ADMIN: root here and in CI); grown with ``grow()``."""
     folder = tmp_path / "small"
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)],
+                      capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield folder
@@ -387,8 +388,8 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_loses_nothing(small_file
     prompts.write_text("".join(f"a red circle number {i}\n" for i in range(60)))
     args = ["predict", "--config", "configs/tiny.yaml", "--data.prompts", str(prompts), "--writer.output_dir", str(out),
             "--trainer.enable_progress_bar", "false"]
-    proc = subprocess.run([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(

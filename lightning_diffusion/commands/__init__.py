@@ -15,23 +15,40 @@ from typing import Any, Callable, Optional
 COMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("lightning_diffusion.commands.predict", "make the images of a config (the main job)"),
     "verify": ("lightning_diffusion.commands.verify", "compare a parallel config's images with one device's"),
-    "benchmark": ("lightning_diffusion.commands.benchmark", "time a config, optionally against diffusers called directly"),
+    "benchmark": ("lightning_diffusion.commands.benchmark",
+                  "time a config, optionally against diffusers called directly"),
     "plan": ("lightning_diffusion.commands.plan", "recommend a strategy and write its config for a model and GPUs"),
     "slurm": ("lightning_diffusion.commands.slurm", "render, submit and follow a SLURM batch job for a config"),
     "k8s": ("lightning_diffusion.commands.k8s", "render a Kubernetes job of torchrun nodes for a config (no operator)"),
-    "download": ("lightning_diffusion.commands.download", "fetch a config's hub weights ahead of a job (offline nodes)"),
+    "download": ("lightning_diffusion.commands.download",
+                 "fetch a config's hub weights ahead of a job (offline nodes)"),
     "status": ("lightning_diffusion.commands.status", "how far the run writing an output folder is (read-only)"),
-    "eval": ("lightning_diffusion.commands.eval", "metrics of an output folder: against a reference, prompt adherence, FID/KID"),
+    "eval": ("lightning_diffusion.commands.eval",
+             "metrics of an output folder: against a reference, prompt adherence, FID/KID"),
     "make-tiny": ("lightning_diffusion.commands.make_tiny", "write a tiny random pipeline (no download)"),
 }
 
 
 def add_json_option(parser: Any, what: str) -> None:
     """Every subcommand's ``--json``: alone, ``what`` as JSON on stdout instead of the human
-    report; ``--json FILE``, written to FILE beside the report (``--json=FILE`` before a
-    positional argument)."""
-    parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                        help=f"{what} as JSON: on stdout instead of the report (--json alone), or into FILE")
+    report; ``--json FILE.json`` (or ``--json=FILE`` for any name), written to FILE beside the
+    report. Parse with ``json_argv(argv)`` so that ``status --json DIR`` keeps DIR positional."""
+    parser.add_argument("--json", nargs="?", const="-", metavar="FILE.json",
+                        help=f"{what} as JSON: on stdout instead of the report (--json alone), or into "
+                             "FILE.json (--json=FILE for a name not ending in .json)")
+
+
+def json_argv(argv: Optional[list[str]]) -> Optional[list[str]]:
+    """``argv`` with a bare ``--json`` that is followed by a word not ending in ``.json`` made
+    ``--json=-`` (stdout), so ``status --json outputs/run`` reads the folder as the folder, not as
+    the file to write."""
+    if argv is None:
+        argv = sys.argv[1:]
+    out = list(argv)
+    for i, word in enumerate(out[:-1]):
+        if word == "--json" and not out[i + 1].lower().endswith(".json"):
+            out[i] = "--json=-"
+    return out
 
 
 def report(json_to: Optional[str], result: Any, human: Callable[[], None], default: Any = None,

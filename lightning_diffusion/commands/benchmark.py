@@ -27,12 +27,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_diffusion.commands import add_json_option, report as emit
+from lightning_diffusion.commands import add_json_option, json_argv
+from lightning_diffusion.commands import report as emit
 from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.data import PromptDataset
 from lightning_diffusion.inputs import record_inputs
-from lightning_diffusion.records import read_records
 from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
+from lightning_diffusion.records import read_records
 
 
 class StepTimer(Callback):
@@ -196,7 +197,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="batches not timed (default 1)")
     parser.add_argument("--compare-diffusers", action="store_true")
     add_json_option(parser, "the report")
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(json_argv(argv))
     try:
         cfg = read_config(args.config, extra)
     except ValueError as err:

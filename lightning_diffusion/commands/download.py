@@ -33,9 +33,9 @@ def fetch_for(config: Any, config_path: Optional[str], dry_run: bool = False, ou
         missing = hub.missing_from_cache(repo, options)
         if missing is None or missing:
             what = "is not in the cache" if missing is None else f"lacks {', '.join(missing[:5])} in the cache"
-            raise ConfigError(f"{repo} {what} ({hub.cache_folder(options)}) and HF_HUB_OFFLINE=1 is set, so nothing can "
-                              "be fetched from here: unset it on a machine with network, or set HF_HOME to a cache "
-                              "that holds the weights.")
+            raise ConfigError(f"{repo} {what} ({hub.cache_folder(options)}) and HF_HUB_OFFLINE=1 is set, so nothing "
+                              "can be fetched from here: unset it on a machine with network, or set HF_HOME to a "
+                              "cache that holds the weights.")
         folder = hub.snapshot_of(repo, options)
         print(f"{repo}: every file from_pretrained reads is in the cache at {folder} (HF_HUB_OFFLINE=1: nothing "
               "fetched)", file=out)

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_diffusion.commands import add_json_option, report as emit
+from lightning_diffusion.commands import add_json_option, json_argv
+from lightning_diffusion.commands import report as emit
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.manifest import MANIFEST, PART_GLOB, read_output, scan_manifest
 
@@ -69,7 +70,8 @@ def match_reference(ours: dict[int, dict[str, Any]], ref: dict[int, dict[str, An
     common = sorted(set(ours) & set(ref))
     if not common:
         raise ConfigError("the reference folder holds none of the output's image indices.")
-    differ = [i for i in common if ours[i].get("prompt") != ref[i].get("prompt") or ours[i].get("seed") != ref[i].get("seed")]
+    differ = [i for i in common
+              if ours[i].get("prompt") != ref[i].get("prompt") or ours[i].get("seed") != ref[i].get("seed")]
     if differ:
         raise ConfigError(f"the reference was made with other prompts or seeds: indices {_indices(differ)} differ.")
     return common
@@ -83,7 +85,8 @@ def _check_sizes(images: dict[int, Any], refs: dict[int, Any], one_size: bool) -
                               f"{ref.shape[2]}x{ref.shape[1]} in the reference: compare images of one size.")
     sizes = {tuple(image.shape) for image in images.values()}
     if one_size and len(sizes) > 1:
-        raise ConfigError(f"the output holds images of different sizes ({', '.join('x'.join(map(str, s[1:][::-1])) for s in sorted(sizes))}).")
+        raise ConfigError("the output holds images of different sizes "
+                          f"({', '.join('x'.join(map(str, s[1:][::-1])) for s in sorted(sizes))}).")
 
 
 class VAEFeatures:
@@ -125,7 +128,8 @@ def _feature_module(args):
     if args.features == "inception":
         if importlib.util.find_spec("torch_fidelity") is None:
             raise ConfigError("--features inception needs the torch-fidelity package (pip install torch-fidelity) and "
-                              "its Inception weights offline (--inception-weights FILE); or use --features tiny:shapes.")
+                              "its Inception weights offline (--inception-weights FILE); or use --features "
+                              "tiny:shapes.")
         if not args.inception_weights or not Path(args.inception_weights).is_file():
             raise ConfigError("--features inception needs --inception-weights FILE (torch-fidelity's "
                               "pt_inception-2015-12-05 weights): nothing is downloaded.")
@@ -161,11 +165,11 @@ FEW_IMAGES = 100
 
 
 def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
+    import warnings
+
     import torch
     from torchmetrics.image.fid import FrechetInceptionDistance
     from torchmetrics.image.kid import KernelInceptionDistance
-
-    import warnings
 
     warnings.filterwarnings("ignore", message=".*will save all extracted features in buffer.*")
     subset = min(50, len(real), len(fake))
@@ -180,7 +184,8 @@ def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
     result = {"fid": float(fid.compute()), "kid": float(kid_mean), "kid_std": float(kid_std), "fid_images": len(fake)}
     if len(fake) < FEW_IMAGES:
         result["warning"] = (f"FID and KID from {len(fake)} images are noisy estimates (KID can come out below 0, and "
-                             f"FID is biased upwards): compare runs of the same image count, or use {FEW_IMAGES} or more")
+                             f"FID is biased upwards): compare runs of the same image count, or use {FEW_IMAGES} or "
+                             "more")
     return result
 
 
@@ -195,7 +200,8 @@ def evaluate(args) -> dict[str, Any]:
     refs = _entries(ref_folder, "reference") if ref_folder else {}
     compared = match_reference(ours, refs) if ref_folder else []
     if args.clip and not (Path(args.clip) / "config.json").is_file():
-        raise ConfigError(f"--clip {args.clip} is not a local CLIP model folder (no config.json); nothing is downloaded.")
+        raise ConfigError(f"--clip {args.clip} is not a local CLIP model folder (no config.json); nothing is "
+                          "downloaded.")
     scenes = {i: shapes.parse_caption(str(ours[i].get("prompt", ""))) for i in indices}
     shape_captions = all(scene is not None for scene in scenes.values())
     if args.fid and not ref_folder and not shape_captions:
@@ -279,7 +285,8 @@ def _clip_score(model_dir: str, images: list, prompts: list[str]) -> float:
     scores = []
     with torch.no_grad():
         for start in range(0, len(images), 32):
-            batch = [(image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy() for image in images[start:start + 32]]
+            batch = [(image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+                     for image in images[start:start + 32]]
             inputs = processor(text=prompts[start:start + 32], images=batch, return_tensors="pt", padding=True,
                                truncation=True, max_length=model.config.text_config.max_position_embeddings)
             output = model(**inputs)
@@ -360,7 +367,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--clip", help="a local CLIP model folder for the CLIP score")
     parser.add_argument("--per-image", action="store_true", help="print every image's row (--json always has them)")
     add_json_option(parser, "the result (every image's row included)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(json_argv(argv))
     try:
         result = evaluate(args)
     except ConfigError as err:

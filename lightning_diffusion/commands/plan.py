@@ -128,7 +128,8 @@ class Plan:
     def config(self, facts: ModelFacts, height: int, width: int, frames: Optional[int]) -> dict:
         strategy = self.strategy if not self.init_args else {
             "class_path": f"lightning_diffusion.strategies.{self.strategy}", "init_args": self.init_args}
-        model = {"pretrained_model_name_or_path": facts.name, "torch_dtype": "bfloat16", "height": height, "width": width}
+        model = {"pretrained_model_name_or_path": facts.name, "torch_dtype": "bfloat16", "height": height,
+                 "width": width}
         if frames:
             model["num_frames"] = frames
         return {"trainer": {"accelerator": "gpu", "devices": self.devices, "strategy": strategy}, "model": model,

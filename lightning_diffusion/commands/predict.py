@@ -13,7 +13,6 @@ from lightning_diffusion import preemption
 from lightning_diffusion.config import DiffusionCLI, config_error
 from lightning_diffusion.errors import ConfigError, NodeConfigError
 
-
 SILENT_EXIT_DELAY = 2.0  # seconds a process that does not print a refusal waits before it exits
 
 
@@ -58,8 +57,8 @@ INFERENCE_TRAINER_KEYS = ("accelerator", "strategy", "devices", "num_nodes", "ca
 SECTIONS = (("--model", "model: the pipeline and how it is called (DiffusionModule)"),
             ("--data", "data: the prompt records (PromptDataModule)"),
             ("--writer", "writer: the output folder, formats and manifest (ImageWriter)"),
-            ("--trainer", "trainer: processes, devices and strategy (Lightning's Trainer; --help-all shows its training "
-                          "options too)"))
+            ("--trainer", "trainer: processes, devices and strategy (Lightning's Trainer; --help-all shows its "
+                          "training options too)"))
 
 
 def short_help(full: str) -> str:
@@ -121,7 +120,7 @@ def main(argv: list[str]) -> int:
     if preemption.in_slurm_job():
         preemption.STOP.install()  # before the weights load: SIGUSR1's default action kills the process
     try:
-        DiffusionCLI(args=["predict", *argv])
+        DiffusionCLI(args=["predict", *argv], exit_when_complete=True)
         # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
         return preemption.STOP.finish_job()
     except SystemExit as exit_info:

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_diffusion.config import check_config, read_config, report_config_error
-from lightning_diffusion.preflight import build_strategy
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.preflight import build_strategy
 
 DEFAULT_SIGNAL_SECONDS = 300
 DEFAULT_CPUS_PER_TASK = 8
@@ -196,7 +196,8 @@ def render(
         sbatch.append(f"--gpus-per-node={res['gpus_per_node']}")
     # Tokenizers, image encoding and NCCL's proxy thread need more than the 1 core a task gets
     # by default; a GPU job gets DEFAULT_CPUS_PER_TASK unless --cpus-per-task says otherwise.
-    cpus = args.cpus_per_task if args.cpus_per_task is not None else (DEFAULT_CPUS_PER_TASK if res["gpus_per_node"] else None)
+    cpus = (args.cpus_per_task if args.cpus_per_task is not None
+            else (DEFAULT_CPUS_PER_TASK if res["gpus_per_node"] else None))
     if cpus is not None:
         sbatch.append(f"--cpus-per-task={cpus}")
     for flag in ("mem", "time", "partition", "account"):
@@ -239,7 +240,8 @@ def render(
         "# Every node must write into the same folder: the manifest is merged from all of them.",
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
         "'mkdir -p \"$1\" && : > \"$1/.node-check-$SLURM_JOB_ID-$SLURM_NODEID\"' _ \"$OUT\" || {",
-        '    echo "lightning-diffusion: error: a node of $SLURM_JOB_NODELIST cannot create files in $OUT (see above)." >&2',
+        '    echo "lightning-diffusion: error: a node of $SLURM_JOB_NODELIST cannot create files in $OUT'
+        ' (see above)." >&2',
         "    exit 2",
         "}",
         "for _ in $(seq 60); do  # network filesystems may show other nodes' files after a delay",
@@ -281,12 +283,14 @@ def weights_lines(weights: dict[str, str]) -> list[str]:
     checking that every node sees that cache."""
     q = shlex.quote
     return [
-        "# The weights were fetched on the login node: the nodes read them from that cache and never touch the network.",
+        "# The weights were fetched on the login node: the nodes read them from that cache and never touch the"
+        " network.",
         f"export HF_HUB_CACHE={q(weights['cache'])}",
         "export HF_HUB_OFFLINE=1",
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'test -f \"$1/model_index.json\" || {",
-        f'    echo "lightning-diffusion: error: node $SLURMD_NODENAME does not see the weights of {weights["repo"]} in $1:'
-        ' the Hugging Face cache must be on a file system the nodes share (set HF_HOME to one, then submit again)." >&2',
+        f'    echo "lightning-diffusion: error: node $SLURMD_NODENAME does not see the weights of {weights["repo"]}'
+        ' in $1: the Hugging Face cache must be on a file system the nodes share (set HF_HOME to one, then submit'
+        ' again)." >&2',
         "    exit 2",
         f"}}' _ {q(weights['snapshot'])} || exit 2",
         "",
@@ -495,7 +499,8 @@ def main(argv: list[str]) -> int:
                 return 0
             config.data.num_shards, config.data.shard_index = res["array"]["num_shards"], res["array"]["shards"][0]
         try:
-            check_config(config, here=False)  # predict's checks, on the config as the job runs it (on the cluster's GPUs)
+            # predict's checks, on the config as the job runs it (on the cluster's GPUs)
+            check_config(config, here=False)
         except ConfigError as err:
             if args.submit or args.script or not _only_not_cached(err):
                 raise

@@ -20,11 +20,23 @@ from typing import Any, Optional
 
 import numpy as np
 
-from lightning_diffusion.commands import add_json_option, report
+from lightning_diffusion.commands import add_json_option, json_argv, report
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.lock import OutputLock, live_locks
-from lightning_diffusion.manifest import (FAILED, FAILURES_GLOB, MANIFEST, REJECTED, RUN_FILE, count_lines, finished,
-                                         in_shard, part_counts, recent_written, rejected_images, shard_size)
+from lightning_diffusion.manifest import (
+    FAILED,
+    FAILURES_GLOB,
+    MANIFEST,
+    REJECTED,
+    RUN_FILE,
+    count_lines,
+    finished,
+    in_shard,
+    part_counts,
+    recent_written,
+    rejected_images,
+    shard_size,
+)
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -217,15 +229,17 @@ def text(status: dict[str, Any]) -> str:
         lines.append(f"  failed: {status['failed']:,} images whose pipeline call failed ({FAILED}; a rerun retries "
                      "them)")
     if status["by_rank"]:
-        lines.append("  this run, by writing rank: " + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))
+        lines.append("  this run, by writing rank: "
+                     + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))
     if status["rate_per_s"]:
         eta = f"; ETA {datetime.timedelta(seconds=int(status['eta_s']))}" if status["eta_s"] is not None else ""
-        lines.append(f"  rate: {status['rate_per_s']:.2f} outputs/s over the last {RATE_WINDOW_S / 60:.0f} minutes{eta}")
+        lines.append(f"  rate: {status['rate_per_s']:.2f} outputs/s over the last {RATE_WINDOW_S / 60:.0f} "
+                     f"minutes{eta}")
     lock = status["lock"]
     if lock:
         live = "live" if lock["live"] else "stale: its run is gone"
-        lines.append(f"  lock: pid {lock.get('pid')} on {lock.get('host')}, heartbeat {lock['heartbeat_age_s']:.0f} s ago "
-                     f"({live})")
+        lines.append(f"  lock: pid {lock.get('pid')} on {lock.get('host')}, heartbeat {lock['heartbeat_age_s']:.0f} "
+                     f"s ago ({live})")
     if status["slurm_job"]:
         lines.append(f"  SLURM job {status['slurm_job']}")
     for shard in status.get("shards") or []:
@@ -253,7 +267,7 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output_dir")
     add_json_option(parser, "the status")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(json_argv(argv))
     try:
         status = folder_status(Path(args.output_dir).expanduser())
     except ConfigError as err:

@@ -23,10 +23,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from lightning_diffusion.commands import add_json_option, report
+from lightning_diffusion.commands import add_json_option, json_argv, report
 from lightning_diffusion.config import read_config, report_config_error
-from lightning_diffusion.records import read_records
 from lightning_diffusion.pipelines import dtype_name
+from lightning_diffusion.records import read_records
 
 # (max abs difference, min PSNR dB, min SSIM) on decoded images in [0, 1], by dtype. float32 runs
 # differ by rounding only (measured up to 2e-6); half-precision kernels reorder sums more freely.
@@ -89,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--num-prompts", type=int, default=4)
     add_json_option(parser, "the comparison")
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(json_argv(argv))
     if args.num_prompts < 1:
         parser.error("--num-prompts must be at least 1")
 
@@ -121,7 +121,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         }
         for name, proc in runs.items():
             if proc.returncode != 0:
-                print(f"verify: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", file=sys.stderr)
+                print(f"verify: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
+                      file=sys.stderr)
                 return 2
         rows = []
         for index in range(len(records)):

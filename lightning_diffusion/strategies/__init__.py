@@ -2,13 +2,13 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_diffusion.strategies.base import DiffusionParallelStrategy
 from lightning_diffusion.strategies.cfg_parallel import CFGParallelStrategy
 from lightning_diffusion.strategies.context_parallel import ContextParallelStrategy
 from lightning_diffusion.strategies.data_parallel import DataParallelStrategy
 from lightning_diffusion.strategies.device_map import DeviceMapStrategy
-from lightning_diffusion.strategies.parallel_dims import MeshError, ParallelDims
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
-from lightning_diffusion.strategies.base import DiffusionParallelStrategy
+from lightning_diffusion.strategies.parallel_dims import MeshError, ParallelDims
 from lightning_diffusion.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["CFGParallelStrategy", "ContextParallelStrategy", "DataParallelStrategy", "DeviceMapStrategy",
@@ -24,7 +24,8 @@ _REGISTRY = {
                          {"ulysses_degree": -1, "ulysses_anything": True}),
     "ring_anything": (ContextParallelStrategy, "Ring attention over all processes, any token count.",
                       {"ring_degree": -1, "ring_anything": True}),
-    "cfg_parallel": (CFGParallelStrategy, "Conditional and unconditional guidance passes on two processes at once.", {}),
+    "cfg_parallel": (CFGParallelStrategy, "Conditional and unconditional guidance passes on two processes at once.",
+                     {}),
     "device_map": (DeviceMapStrategy, "One pipeline spread over a process's GPUs, CPU and disk.", {}),
     "tensor_parallel": (TensorParallelStrategy, "Transformer weights sharded over all processes.", {"tp_degree": -1}),
 }

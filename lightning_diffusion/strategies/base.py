@@ -36,11 +36,10 @@ from typing_extensions import override
 from lightning_diffusion import compat, quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, run_check, preflight_passed, raise_problems
+from lightning_diffusion.errors import ConfigError, preflight_passed, raise_problems, run_check
 from lightning_diffusion.preemption import STOP
 from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
-
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
 DEFAULT_TIMEOUT_S = 600.0

@@ -21,12 +21,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-
 from diffusers.hooks import HookRegistry, ModelHook
 
 from lightning_diffusion.console import log
 from lightning_diffusion.specs import CFGBranches
-
 
 HOOK_NAME = "lightning_diffusion.cfg_split"
 
@@ -109,7 +107,8 @@ class CFGSplit:
             # No negative branch in this call (or a call the table does not describe): compute it here.
             self.plain_calls += 1
             if self.plain_calls == 1:
-                log.warning("cfg parallel: a transformer call without a negative branch runs on both ranks of the pair.")
+                log.warning("cfg parallel: a transformer call without a negative branch runs on both ranks of the "
+                            "pair.")
             return inner(*args, **kwargs)
         if self.branch == 1:
             kwargs = {**kwargs, **dict(zip(names, branches[1]))}

@@ -8,8 +8,8 @@ read and no collective runs, so the CLI's preflight and every rank run them alik
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -73,7 +73,8 @@ def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str
         )
     scale = call_args.get(entry.scale_arg, default(entry.scale_arg))
     if not isinstance(scale, (int, float)) or scale <= 1:
-        where = "model.guidance_scale" if entry.scale_arg == "guidance_scale" else f"model.call_kwargs.{entry.scale_arg}"
+        where = ("model.guidance_scale" if entry.scale_arg == "guidance_scale"
+                 else f"model.call_kwargs.{entry.scale_arg}")
         raise ConfigError(
             f"cfg=2 splits classifier-free guidance, but {class_name} runs it only with {entry.scale_arg} > 1 "
             f"(got {scale!r}): set {where} above 1, or use cfg=1."
@@ -234,7 +235,8 @@ def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
     options = request.from_pretrained_kwargs
     for option, reason in TP_INCOMPATIBLE_OPTIONS.items():
         if options.get(option) is not None:
-            raise ConfigError(f"model.from_pretrained_kwargs.{option} cannot be used with tensor parallelism: {reason}.")
+            raise ConfigError(f"model.from_pretrained_kwargs.{option} cannot be used with tensor parallelism: "
+                              f"{reason}.")
     sharded_and_quantized = [name for name in quantization.quantized(request.quantization, tuple(info.denoisers()))
                              if name in planned]
     if sharded_and_quantized:

@@ -7,9 +7,9 @@ from datetime import timedelta
 from typing import Optional, Union
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.strategies.parallel_dims import ParallelDims
-from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
+from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+from lightning_diffusion.strategies.parallel_dims import ParallelDims
 
 
 class ContextParallelStrategy(MeshStrategy):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional, Union
 
-from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
+from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 
 
 class DataParallelStrategy(MeshStrategy):

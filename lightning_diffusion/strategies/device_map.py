@@ -15,12 +15,11 @@ from lightning_diffusion import quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems
-from lightning_diffusion.validation import integer
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
-from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
-
+from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+from lightning_diffusion.validation import integer
 
 # The model a pipeline's weights are mostly in; "auto" spreads this one over devices, CPU and disk.
 DENOISERS = ("transformer", "unet")
@@ -32,7 +31,8 @@ def size_in_bytes(value: Union[int, str]) -> int:
     try:
         return int(convert_file_size_to_int(value))
     except (ValueError, TypeError):
-        raise ConfigError(f"max_memory value {value!r} is not a size such as '16GB', '500MB' or a number of bytes.") from None
+        raise ConfigError(f"max_memory value {value!r} is not a size such as '16GB', '500MB' or a number of "
+                          "bytes.") from None
 
 
 def process_max_memory(user: dict[Union[int, str], int], gpus: list[int], free: dict[int, int],
@@ -211,7 +211,8 @@ class DeviceMapStrategy(MeshStrategy):
                 where = "this task sees"
             else:
                 needed = self.num_processes * self.devices_per_process
-                what = f"{self.num_processes} processes x devices_per_process {self.devices_per_process} = {needed} GPUs"
+                what = (f"{self.num_processes} processes x devices_per_process {self.devices_per_process} = "
+                        f"{needed} GPUs")
                 where = "this node has"
             if needed > torch.cuda.device_count():
                 return [NodeConfigError(f"{what}, but {where} {torch.cuda.device_count()}.")]
@@ -314,5 +315,6 @@ class DeviceMapStrategy(MeshStrategy):
         log.info(f"rank {self.global_rank} device map: " + "; ".join(placement), extra={"all_ranks": True})
         if not self.staged:
             return pipeline
-        log.info(f"staged: encode, denoise, decode per batch; encoders and VAE on {self.root_device} only in their stage")
+        log.info(f"staged: encode, denoise, decode per batch; encoders and VAE on {self.root_device} only in their "
+                 "stage")
         return StagedPipeline(pipeline, self.root_device)

@@ -25,6 +25,7 @@ from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, run_check
 from lightning_diffusion.specs import spec_for
+from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.cfg_parallel_hooks import CFGSplit
 from lightning_diffusion.strategies.checks import (
     check_attention_backend,
@@ -36,7 +37,6 @@ from lightning_diffusion.strategies.checks import (
 )
 from lightning_diffusion.strategies.context_parallel_hooks import enable_context_parallel, mode_name
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
-from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sharded
 from lightning_diffusion.validation import backend_dtype_problems
 

@@ -62,7 +62,8 @@ class ParallelDims:
         if inferred:
             if self.world_size % known:
                 raise MeshError(
-                    f"The world size {self.world_size} is not divisible by {self._describe(skip=inferred[0])} = {known}; "
+                    f"The world size {self.world_size} is not divisible by {self._describe(skip=inferred[0])} = "
+                    f"{known}; "
                     f"launch a multiple of {known} processes (devices x num_nodes) or lower the degrees."
                 )
             setattr(self, inferred[0], self.world_size // known)

@@ -240,8 +240,9 @@ class StallWatch:
             if waited is None:
                 continue
             log.error(f"lightning-diffusion: rank {self.rank} made no progress for {self.timeout_s:.0f} s inside a "
-                      "batch (the strategy's timeout): a rank it waits on in a collective is gone or stuck. Ending this "
-                      "rank; the images written so far are kept, and rerunning the command makes the rest.", extra=_ALL)
+                      "batch (the strategy's timeout): a rank it waits on in a collective is gone or stuck. Ending "
+                      "this rank; the images written so far are kept, and rerunning the command makes the rest.",
+                      extra=_ALL)
             writer = threading.Thread(target=self._drain, name="lightning-diffusion-stall-drain", daemon=True)
             writer.start()
             writer.join(timeout=60)
