@@ -182,9 +182,9 @@ def _word_tokenizer(model_max_length: int):
     )
 
 
-def shapes_architecture():
+def shapes_architecture(latent_channels: int = 8):
     """The untrained ``tiny:shapes`` pipeline (``scripts/train_shapes.py`` trains it): FLUX.1
-    architecture with a 4x VAE (64x64 images are 16x16x4 latents, 64 image tokens), a transformer of
+    architecture with a 4x VAE (64x64 images are 16x16x8 latents, 64 image tokens), a transformer of
     two double and two single blocks with 4 heads of 32 (Ulysses 2 and 4 and tp=2 still shard it),
     no guidance embedding, and word-level CLIP and T5 towers."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -194,7 +194,7 @@ def shapes_architecture():
     vocab_size = len(tokenizer)
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
+        patch_size=1, in_channels=4 * latent_channels, num_layers=2, num_single_layers=2, attention_head_dim=32,
         num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=False,
         axes_dims_rope=(8, 12, 12),
     )
@@ -202,7 +202,7 @@ def shapes_architecture():
     vae = AutoencoderKL(
         in_channels=3, out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(16, 32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        block_out_channels=(16, 32, 64), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
         sample_size=64, scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False,
     )
     torch.manual_seed(2)
@@ -418,7 +418,12 @@ def build_qwenimage_edit(directory: str | os.PathLike) -> Path:
     (4 image tokens in the prompt per input image). Edit pipelines use true CFG (negative prompt,
     ``true_cfg_scale`` > 1)."""
     from diffusers import QwenImageEditPlusPipeline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+    )
 
     compat.apply_pipeline_patches()
     components = qwenimage_pipeline().components
@@ -508,8 +513,9 @@ def resolve(name: str) -> str:
     kind = name[len(TINY_PREFIX) :]
     if kind in SHIPPED:
         if not (SHIPPED[kind] / "model_index.json").is_file():
-            raise ConfigError(f"{name}'s weights are missing from {SHIPPED[kind]}: reinstall lightning-diffusion, or in a "
-                              "source checkout train them with scripts/train_shapes.py; tiny:flux needs no weights.")
+            raise ConfigError(f"{name}'s weights are missing from {SHIPPED[kind]}: reinstall lightning-diffusion, or "
+                              "in a source checkout train them with scripts/train_shapes.py; tiny:flux needs no "
+                              "weights.")
         return str(SHIPPED[kind])
     builder = specs.tiny_builder(kind)
     if builder is None:
