@@ -24,10 +24,11 @@ import lightning_diffusion.strategies  # noqa: F401  (registers the strategy nam
 from lightning_diffusion import console
 from lightning_diffusion.accelerators import accelerator_for_job
 from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion.errors import ConfigError, mark_preflight_passed, preflight_passed, raise_problems
+from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preflight import Verdict, preflight
 from lightning_diffusion.progress import ImageProgressBar
+from lightning_diffusion.run_context import RunContext, checked_by_launcher
 from lightning_diffusion.writer import ImageWriter
 
 console.quiet_lightning()
@@ -99,14 +100,18 @@ class DiffusionCLI(LightningCLI):
     """``LightningCLI`` with the prompt data module, the diffusion module and a top-level ``writer``."""
 
     def __init__(self, args: Optional[list[str]] = None, run: bool = True,
-                 exit_when_complete: Optional[bool] = None) -> None:
+                 exit_when_complete: Optional[bool] = None, run_context: Optional[RunContext] = None) -> None:
         """``exit_when_complete``: whether an output folder that already holds every image ends the
         process at once (exit 0, one line) instead of running an empty loop; by default only when
         this parses the process's own command line (``lightning-diffusion predict`` passes True), so a
-        program calling ``DiffusionCLI(args=[...])`` is not ended."""
+        program calling ``DiffusionCLI(args=[...])`` is not ended. ``run_context``: the run's shared
+        state (``run_context``), handed to the strategy it builds; a new one by default."""
         # The ranks Lightning starts re-run this process's command line: they may trust its checks.
         self._parses_argv = args is None or list(args) == [w for w in sys.argv[1:] if w != "--verbose"]
         self._exit_when_complete = self._parses_argv if exit_when_complete is None else exit_when_complete
+        self.run_context = run_context if run_context is not None else RunContext()
+        if self._parses_argv and checked_by_launcher():
+            self.run_context.checked = True
         super().__init__(
             DiffusionModule,
             PromptDataModule,
@@ -126,7 +131,7 @@ class DiffusionCLI(LightningCLI):
         parser.add_lightning_class_args(ImageWriter, "writer")
 
     def before_instantiate_classes(self) -> None:
-        if self._parses_argv and preflight_passed():
+        if self.run_context.checked:
             return  # checked by the process that started this rank, on the same command line
         verdict = check_config(self.config[self.subcommand] if self.subcommand else self.config)
         if verdict.nothing_left and self._exit_when_complete:
@@ -136,7 +141,13 @@ class DiffusionCLI(LightningCLI):
                 print(f"lightning-diffusion: {verdict.nothing_left}", file=sys.stderr)
             sys.exit(0)
         if self._parses_argv and verdict.complete:
-            mark_preflight_passed()
+            self.run_context.mark_checked()
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "run_context"):  # one of ours: the run's stop, counts and checks are this CLI's
+            strategy.run_context = self.run_context
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         configured = list(config.get("callbacks") or []) + list(callbacks)

@@ -13,6 +13,7 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -25,7 +26,6 @@ from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, plan_
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.inputs import record_inputs
-from lightning_diffusion.preemption import STOP
 from lightning_diffusion.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
 from lightning_diffusion.validation import MAX_PIXELS, data_problems
 
@@ -94,17 +94,20 @@ class BatchDataset(Dataset):
 class PlanSampler(DistributedSampler):
     """This replica's batches of a ``BatchPlan`` (``BatchPlan.deal``): no duplicate, no drop, and a
     replica with nothing to do gets none (Lightning's own predict sampler asserts instead). A
-    stopped job ends the loader instead of skipping every batch."""
+    stopped job (``stopping``: the run's ``StopController.stopping``) ends the loader instead of
+    skipping every batch."""
 
-    def __init__(self, dataset: BatchDataset, num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(self, dataset: BatchDataset, num_replicas: int = 1, rank: int = 0,
+                 stopping: Optional[threading.Event] = None) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.stopping = stopping if stopping is not None else threading.Event()
         self.positions = dataset.plan.deal(num_replicas)[rank].tolist() if len(dataset) else []
         self.num_samples = len(self.positions)
         self.total_size = len(dataset)
 
     def __iter__(self) -> Iterator[int]:
         for position in self.positions:
-            if STOP.stopping.is_set():
+            if self.stopping.is_set():
                 return
             yield position
 
@@ -260,7 +263,9 @@ class PromptDataModule(pl.LightningDataModule):
         if len(pending) and (self.trainer is None or self.trainer.is_global_zero):
             log.info(self.plan.describe(kwargs["num_replicas"]))
         dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
-        sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"])
+        context = getattr(self.trainer.strategy, "run_context", None) if self.trainer is not None else None
+        sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"],
+                              stopping=context.stop.stopping if context is not None else None)
         # One plan batch a loader batch: Lightning keeps its index tracking for batch size 1.
         return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
                           collate_fn=collate_batch)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Optional
 
 
@@ -54,24 +52,3 @@ def run_check(problems: list, check, *args, **kwargs):
 def is_int(value: Any, minimum: Optional[int] = None) -> bool:
     """An ``int`` (not a ``bool``), at least ``minimum`` when given: the one integer test of configs."""
     return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
-
-
-# The CLI's launching process checks the whole config before it starts the other ranks, which run
-# the same command line; they trust that check instead of repeating it (``preflight_passed``).
-_PREFLIGHT_ENV = "LIGHTNING_DIFFUSION_PREFLIGHT_PASSED"
-
-
-def _command_token() -> str:
-    import hashlib
-
-    return hashlib.sha1("\0".join(sys.argv[1:]).encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
-
-
-def mark_preflight_passed() -> None:
-    """Record, for the ranks this process starts, that this command line passed every check."""
-    os.environ[_PREFLIGHT_ENV] = _command_token()
-
-
-def preflight_passed() -> bool:
-    """Whether this process runs a command line whose checks passed in the process that started it."""
-    return os.environ.get(_PREFLIGHT_ENV) == _command_token()

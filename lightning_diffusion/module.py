@@ -17,7 +17,7 @@ from lightning_diffusion.cache import CacheStats, StepCache, install
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion.errors import ConfigError, RecordFailure, preflight_passed, raise_problems
+from lightning_diffusion.errors import ConfigError, RecordFailure, raise_problems
 from lightning_diffusion.inputs import INPUT_FIELDS, record_inputs
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.records import Records, RecordVerdicts, check_records
@@ -308,9 +308,10 @@ class DiffusionModule(pl.LightningModule):
         """``record_verdicts`` as global rank 0 finds them (it reads each input file once for the
         job), on every rank; raises its problems on every rank. Ranks started by the CLI, whose
         launching process checked the same command line, skip it when bad records refuse the run."""
-        if preflight_passed() and data.on_bad_record == "fail":
-            return RecordVerdicts()  # none, or the launching process would have refused
         strategy = self._trainer.strategy if self._trainer is not None else None
+        context = getattr(strategy, "run_context", None)
+        if context is not None and context.checked and data.on_bad_record == "fail":
+            return RecordVerdicts()  # none, or the launching process would have refused
         outcome: tuple[Optional[RecordVerdicts], list[str]] = (None, [])
         if strategy is None or strategy.global_rank == 0:
             outcome = self.record_verdicts(data)

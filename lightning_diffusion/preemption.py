@@ -25,9 +25,10 @@ with 130 (128 + SIGINT) or, outside SLURM, 143 (128 + SIGTERM). A signal that re
 only reaches every rank through the job's store (``_share_stops``). A second Ctrl-C stops at once
 (Lightning's shutdown; every file is still whole, being written under a temporary name).
 
-All of it is one object, ``STOP`` (a ``StopController``; signals are per process, so there is one
-per process): the strategies enable it in every run (SLURM's SIGUSR1 only in SLURM jobs) and ask
-it at every batch, the prompt sampler ends when it says so, and the CLI asks it whether to requeue.
+All of it is one ``StopController`` a run, held by the run's ``RunContext`` (``run_context``): the
+strategy enables it in every run (SLURM's SIGUSR1 only in SLURM jobs) and asks it at every batch,
+the prompt sampler ends when it says so, and the CLI asks it whether to requeue. Its handlers are
+installed while its run goes and given back at the strategy's teardown.
 """
 
 from __future__ import annotations
@@ -313,6 +314,3 @@ def _requeue(made: int, terminated: bool) -> int:
         return REQUEUE_EXIT_CODE
     return 0
 
-
-# One per process: signal handlers are per process.
-STOP = StopController()

@@ -76,7 +76,6 @@ from lightning_diffusion.manifest import (
     shard_name,
     shard_size,
 )
-from lightning_diffusion.preemption import STOP
 from lightning_diffusion.validation import writer_problems
 
 
@@ -556,7 +555,9 @@ class ImageWriter(BasePredictionWriter):
             if self.progress_listener is not None:
                 self.progress_listener.finish(self.summary["made"], self.pending)
             log.info(summary_text(self.summary, self.output_dir / MANIFEST))
-            STOP.totals = (total, self.expected)
+            context = getattr(trainer.strategy, "run_context", None)
+            if context is not None:  # for the run's last line ("stopped after 8 of 40 images")
+                context.stop.totals = (total, self.expected)
             if self._lock is not None:
                 self._lock.release()
 

@@ -52,3 +52,44 @@ def test_sigterm_stops_every_rank_after_the_images_in_flight(target, tmp_path):
     again = run_cli(*args)
     assert f"resumed: {made} already in the manifest" in again.stdout + again.stderr
     assert sorted(line["index"] for line in read_manifest_lines(out)) == list(range(COUNT))
+
+
+def test_each_run_has_its_own_context_handed_from_the_cli_to_the_strategy_and_the_sampler():
+    """No module global: a strategy makes its run's context, the CLI hands its own over (so the
+    SIGUSR1 handler it installed before loading and its check verdict are the run's), and the prompt
+    sampler ends when that context's replica agreed to stop."""
+    import warnings
+
+    import numpy as np
+
+    from lightning_diffusion.config import DiffusionCLI
+    from lightning_diffusion.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset
+    from lightning_diffusion.run_context import RunContext
+    from lightning_diffusion.strategies import DataParallelStrategy
+
+    first, second = DataParallelStrategy(), DataParallelStrategy()
+    assert first.run_context is not second.run_context
+    assert first.run_context.stop is not second.run_context.stop
+
+    mine = RunContext()
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cli = DiffusionCLI(args=["--config", "configs/tiny-flux.yaml"], run=False, run_context=mine)
+    finally:
+        os.chdir(cwd)
+    assert cli.trainer.strategy.run_context is mine
+
+    data = PromptDataModule(prompts=[f"prompt {n}" for n in range(6)], batch_size=1)
+    data.setup("predict")
+    plan = data.batch_plan(np.arange(6))
+    dataset = BatchDataset(PromptDataset(data.records, data.seed, data.num_images_per_prompt, np.arange(6)), plan)
+    sampler = PlanSampler(dataset, stopping=mine.stop.stopping)
+    taken = []
+    for position in sampler:
+        taken.append(position)
+        if len(taken) == 2:
+            mine.stop.stopping.set()  # the replica agreed to stop: the loader ends, no batch is skipped
+    assert len(taken) == 2 and len(list(PlanSampler(dataset))) == 6

@@ -12,6 +12,7 @@ from typing import Optional
 from lightning_diffusion import preemption
 from lightning_diffusion.config import DiffusionCLI, config_error
 from lightning_diffusion.errors import ConfigError, NodeConfigError
+from lightning_diffusion.run_context import RunContext
 
 SILENT_EXIT_DELAY = 2.0  # seconds a process that does not print a refusal waits before it exits
 
@@ -117,16 +118,16 @@ def print_help(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     if any(word in ("-h", "--help", "--help-all") for word in argv):
         return print_help(argv)
+    context = RunContext()
     if preemption.in_slurm_job():
-        preemption.STOP.install()  # before the weights load: SIGUSR1's default action kills the process
+        context.stop.install()  # before the weights load: SIGUSR1's default action kills the process
     try:
-        DiffusionCLI(args=["predict", *argv], exit_when_complete=True)
+        DiffusionCLI(args=["predict", *argv], exit_when_complete=True, run_context=context)
         # Stopped on SLURM's signal with images left: requeue the job (global rank 0).
-        return preemption.STOP.finish_job()
+        return context.finish_job()
     except SystemExit as exit_info:
         # A second Ctrl-C: Lightning's shutdown exits with 1; the shell's convention is 128 + SIGINT.
         if isinstance(exit_info.__context__, KeyboardInterrupt):
-            preemption.STOP.interrupted.clear()
             return preemption.INTERRUPT_EXIT_CODE
         raise
     except ValueError as err:

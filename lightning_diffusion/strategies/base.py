@@ -3,8 +3,9 @@
 Process group start-up with an inference-sized timeout, one named device mesh built by
 ``ParallelDims``, the data-parallel split for the sampler, the module contract (``contract``: checks
 before the process group starts, the load plan, the pipeline set-up after placement), collectives,
-the stop on SLURM's signals (``preemption.STOP``) and a teardown that leaves (possibly sharded)
-models where they are. Concrete strategies choose the degrees and implement the contract.
+the run's stop on signals (``run_context``: its ``StopController``, asked at every batch) and a
+teardown that leaves (possibly sharded) models where they are. Concrete strategies choose the
+degrees and implement the contract.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from typing_extensions import override
 from lightning_diffusion import compat, quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, preflight_passed, raise_problems, run_check
-from lightning_diffusion.preemption import STOP
+from lightning_diffusion.errors import ConfigError, raise_problems, run_check
+from lightning_diffusion.run_context import RunContext
 from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
 
@@ -97,6 +98,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         # Stop on SLURM's signals (see ``preemption``), in SLURM jobs.
         self._stop_on_signal = False
+        # The run's stop, counts and checks (``run_context``); the CLI hands over its own.
+        self.run_context = RunContext()
 
     # ----------------------------------------------------------------- what the strategy is
 
@@ -211,7 +214,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         # Every rank checks before the process group starts, so a problem cannot hang a rank;
         # ranks started by the CLI trust the check their launching process made on the config.
         problems = self.check_devices()
-        if request is not None and not preflight_passed():
+        if request is not None and not self.run_context.checked:
             problems += self.check_request(request)
         raise_problems(problems)
         super().setup_environment()
@@ -250,7 +253,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         log.info(f"{type(self).__name__}: {self._parallel_dims.describe()}")
         self._warn_groups_across_nodes()
         # Every run stops cleanly on Ctrl-C; SLURM jobs also on SLURM's signals, and requeue.
-        STOP.enable(self._replica_group, self.root_device, self.global_rank, slurm=self._stop_on_signal)
+        self.run_context.stop.enable(self._replica_group, self.root_device, self.global_rank,
+                                     slurm=self._stop_on_signal)
         if request is not None:
             self.lightning_module.use_load_plan(self.load_plan(request))
 
@@ -275,7 +279,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             watch.batch_ended()
 
     def _predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if STOP.should_stop():
+        if self.run_context.stop.should_stop():
             if self.writes_outputs and not getattr(self, "_said_stopped", False):
                 self._said_stopped = True
                 log.info(f"[rank {self.global_rank}] stopped on the signal; the remaining images are left to the next "
@@ -284,7 +288,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         with self._call_context():
             outputs = super().predict_step(*args, **kwargs)
         if self.writes_outputs and isinstance(outputs, list):
-            STOP.count(len(outputs))
+            self.run_context.stop.count(len(outputs))
         return outputs
 
     def _call_context(self) -> Any:
@@ -307,7 +311,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def on_predict_start(self) -> None:
         super().on_predict_start()
         # After Lightning's handler, which it registers just before the loop (see preemption).
-        STOP.watch_terminate()
+        self.run_context.stop.watch_terminate()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -435,7 +439,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         for handle in self._beats:
             handle.remove()
         self._beats = []
-        STOP.release_interrupt()
-        STOP.release_terminate()
+        self.run_context.stop.release_interrupt()
+        self.run_context.stop.release_terminate()
         # The idle group stays: Lightning tears the strategy down before the callbacks, and the
         # writer's teardown still waits on it; destroy_process_group() at the end ends every group.

@@ -1,0 +1,54 @@
+"""``RunContext``: the state one run shares between its parts, passed where it is used.
+
+A strategy makes one for each run it drives (``DiffusionParallelStrategy.run_context``), and the CLI
+hands its own to the strategy it instantiates. It holds:
+
+- ``stop``, the run's ``preemption.StopController``: the stop signals, the per-batch agreement of a
+  replica's ranks, the images this run made and the folder's totals, and the requeue decision
+  (``finish_job``). The strategy asks it at every batch, the prompt sampler ends when it says so,
+  the writer records the totals in it;
+- ``checked``: whether this rank's config passed every weight-free check in the process that
+  started it (the CLI's launching process checks the whole command line before Lightning re-runs
+  it for the other ranks), so the strategy and the module skip repeating those checks.
+
+The launching process tells the ranks it starts through their environment: a token that names the
+exact command line (``mark_checked``). Only the CLI reads it (``checked_by_launcher``), once per
+process, into its context; the strategy and the module read ``checked``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from lightning_diffusion.preemption import StopController
+
+# Set by a launching process whose command line passed preflight, for the ranks it starts.
+_CHECKED_ENV = "LIGHTNING_DIFFUSION_PREFLIGHT_PASSED"
+
+
+def _command_token() -> str:
+    return hashlib.sha1("\0".join(sys.argv[1:]).encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
+
+
+def checked_by_launcher() -> bool:
+    """Whether the process that started this one checked this process's command line."""
+    return os.environ.get(_CHECKED_ENV) == _command_token()
+
+
+@dataclass
+class RunContext:
+    stop: StopController = field(default_factory=StopController)
+    checked: bool = False
+
+    def mark_checked(self) -> None:
+        """This command line passed every check: the ranks this process starts trust it."""
+        self.checked = True
+        os.environ[_CHECKED_ENV] = _command_token()
+
+    def finish_job(self) -> int:
+        """After ``predict`` returned on every rank: the process's exit code, requeueing a SLURM job
+        that stopped early (``StopController.finish_job``)."""
+        return self.stop.finish_job()
