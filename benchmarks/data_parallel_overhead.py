@@ -23,26 +23,19 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule, bare
 from lightning_diffusion.pipelines import inspect_pipeline
 
 
 def run_diffusers(path: str, prompts: list[str], batch_size: int, size: int, steps: int, out: Path) -> float:
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = bare.load(path)
     start = time.perf_counter()
-    with torch.inference_mode():
-        for first in range(0, len(prompts), batch_size):
-            chunk = prompts[first : first + batch_size]
-            generators = [torch.Generator("cpu").manual_seed(first + i) for i in range(len(chunk))]
-            images = pipe(
-                chunk, height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
-                generator=generators, max_sequence_length=64,
-            ).images
-            for i, image in enumerate(images):
-                image.save(out / f"{first + i:06d}.png")
+    for first in range(0, len(prompts), batch_size):
+        chunk = prompts[first : first + batch_size]
+        images = bare.call(pipe, chunk, range(first, first + len(chunk)), height=size, width=size,
+                           num_inference_steps=steps, guidance_scale=3.5, max_sequence_length=64).images
+        for i, image in enumerate(images):
+            image.save(out / f"{first + i:06d}.png")
     return time.perf_counter() - start
 
 

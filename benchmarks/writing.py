@@ -61,7 +61,7 @@ import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer
 from PIL import Image
 
-from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule, bare
 from lightning_diffusion.manifest import atomic_write
 from lightning_diffusion.pipelines import inspect_pipeline
 
@@ -109,10 +109,7 @@ class Bare:
     file calls on its own next call, whatever runs between two bare batches."""
 
     def __init__(self, path: str, size: int, steps: int, out: Path, save: bool) -> None:
-        from diffusers import DiffusionPipeline
-
-        self.pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-        self.pipe.set_progress_bar_config(disable=True)
+        self.pipe = bare.load(path)
         self.size, self.steps, self.out, self.save = size, steps, out, save
         self.pending: list = []  # (index, PIL image) of the previous batch
 
@@ -121,10 +118,8 @@ class Bare:
         if self.save:
             for index, image in self.pending:
                 image.save(self.out / f"{index:06d}.png", compress_level=1)
-        with torch.inference_mode():
-            images = self.pipe(prompts(k), height=self.size, width=self.size, num_inference_steps=self.steps,
-                               guidance_scale=3.5, max_sequence_length=64,
-                               generator=[torch.Generator("cpu").manual_seed(4 * k + i) for i in range(4)]).images
+        images = bare.call(self.pipe, prompts(k), range(4 * k, 4 * k + 4), height=self.size, width=self.size,
+                           num_inference_steps=self.steps, guidance_scale=3.5, max_sequence_length=64).images
         self.pending = [(4 * k + i, image) for i, image in enumerate(images)]
         return time.perf_counter() - start, CALLS[id(self.pipe)][-1]
 

@@ -27,12 +27,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_diffusion import bare
 from lightning_diffusion.commands import add_json_option, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.data import PromptDataset
 from lightning_diffusion.inputs import record_inputs
-from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
+from lightning_diffusion.pipelines import inspect_pipeline
 from lightning_diffusion.records import read_records
 
 
@@ -158,35 +159,33 @@ def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int,
     """A bare diffusers loop on the same prompts, seeds and batch size, timed like StepTimer; with
     ``cache``, diffusers' own cache of that type (its batch-wide first-block decision included)."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    info = inspect_pipeline(model, pipeline_class)
-    pipe = info.pipeline_class.from_pretrained(info.path, dtype=resolve_dtype(dtype)).to(device)
+    pipe = bare.load(model, dtype, device, pipeline_class)
     if cache:
         from lightning_diffusion.cache import build_config
 
-        config = build_config(cache, pipe, call_args.get("num_inference_steps"), info.spec.cfg is not None)
+        has_cfg = inspect_pipeline(model, pipeline_class).spec.cfg is not None
+        config = build_config(cache, pipe, call_args.get("num_inference_steps"), has_cfg)
         for component in pipe.components.values():
             if hasattr(component, "enable_cache"):
                 component.enable_cache(config)
-    pipe.set_progress_bar_config(disable=True)
     dataset = PromptDataset(records, seed=seed)
     call_args = dict(call_args)
     default_negative = call_args.pop("negative_prompt", None)  # the records' default, as in DiffusionModule
     times, images = [], 0
-    with torch.inference_mode():
-        for number, first in enumerate(range(0, len(dataset), batch_size)):
-            samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
-            negatives = [s["negative_prompt"] if s["negative_prompt"] is not None else default_negative
-                         for s in samples]
-            # The same work as ours: negative prompts (the second CFG pass) where the records give them.
-            extra = {"negative_prompt": [n or "" for n in negatives]} if any(n is not None for n in negatives) else {}
-            start = time.perf_counter()
-            pipe(prompt=[s["prompt"] for s in samples], output_type="np",
-                 generator=[torch.Generator("cpu").manual_seed(s["seed"]) for s in samples], **call_args, **extra)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if number >= warmup:
-                times.append(time.perf_counter() - start)
-                images += len(samples)
+    for number, first in enumerate(range(0, len(dataset), batch_size)):
+        samples = [dataset[i] for i in range(first, min(first + batch_size, len(dataset)))]
+        negatives = [s["negative_prompt"] if s["negative_prompt"] is not None else default_negative
+                     for s in samples]
+        # The same work as ours: negative prompts (the second CFG pass) where the records give them.
+        extra = {"negative_prompt": [n or "" for n in negatives]} if any(n is not None for n in negatives) else {}
+        start = time.perf_counter()
+        bare.call(pipe, [s["prompt"] for s in samples], [s["seed"] for s in samples], output_type="np",
+                  **call_args, **extra)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if number >= warmup:
+            times.append(time.perf_counter() - start)
+            images += len(samples)
     return {"seconds": sum(times), "images": images}
 
 
