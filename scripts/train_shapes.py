@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--vae-steps", type=int, default=1500)
     parser.add_argument("--vae-finetune-steps", type=int, default=1000)
     parser.add_argument("--vae-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=12000)
+    parser.add_argument("--steps", type=int, default=9000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--flow-lr", type=float, default=1e-3)

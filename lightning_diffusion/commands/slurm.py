@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -222,79 +223,45 @@ def render(
         *command_prefix(), "predict", "--config", str(config_path), *predict_args,
         "--trainer.num_nodes", str(res["nodes"]), "--trainer.devices", str(res["tasks_per_node"]),
     ]
-    # Task t of the array makes shard t (SLURM sets SLURM_ARRAY_TASK_ID in each task's environment).
-    shard_flags = (f' --data.num_shards {array["num_shards"]} --data.shard_index "$SLURM_ARRAY_TASK_ID"'
-                   if array is not None else "")
-    lines = [
-        "#!/bin/bash",
-        f"# Rendered by `lightning-diffusion slurm` from {config_path} on {datetime.date.today()}.",
-        "# Edit the config and render again rather than editing this file.",
-        *(f"#SBATCH {option}" for option in sbatch),
-        "",
-        "set -u",
-        f"OUT={q(str(output_dir))}",
-        'echo "lightning-diffusion: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, start $((${SLURM_RESTART_COUNT:-0} + 1))'
-        + (' (array task $SLURM_ARRAY_TASK_ID: shard $SLURM_ARRAY_TASK_ID of ' + str(array["num_shards"]) + ')"'
-           if array is not None else '"'),
-        "",
-        "# Every node must write into the same folder: the manifest is merged from all of them.",
-        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
-        "'mkdir -p \"$1\" && : > \"$1/.node-check-$SLURM_JOB_ID-$SLURM_NODEID\"' _ \"$OUT\" || {",
-        '    echo "lightning-diffusion: error: a node of $SLURM_JOB_NODELIST cannot create files in $OUT'
-        ' (see above)." >&2',
-        "    exit 2",
-        "}",
-        "for _ in $(seq 60); do  # network filesystems may show other nodes' files after a delay",
-        '    seen=$(ls "$OUT"/.node-check-"$SLURM_JOB_ID"-* 2>/dev/null | wc -l)',
-        '    [ "$seen" -ge "$SLURM_JOB_NUM_NODES" ] && break',
-        "    sleep 1",
-        "done",
-        'rm -f "$OUT"/.node-check-"$SLURM_JOB_ID"-*',
-        'if [ "$seen" -lt "$SLURM_JOB_NUM_NODES" ]; then',
-        '    echo "lightning-diffusion: error: $OUT is not one folder shared by the nodes: this node sees the files of'
-        ' $seen of $SLURM_JOB_NUM_NODES. Put writer.output_dir on a shared filesystem, not node-local storage." >&2',
-        "    exit 2",
-        "fi",
-        "",
-        *(weights_lines(res["weights"]) if res.get("weights") else []),
-        *(["# srun of Slurm 22.05-23.02 does not take --cpus-per-task from the allocation without this.",
-           'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"'] if cpus is not None else []),
-        # Every task sees all the node's GPUs and Lightning gives each its own (by local rank);
-        # where a site binds one GPU per task by default, Lightning would find 1 of trainer.devices.
-        f"srun --kill-on-bad-exit=1 {'--gpu-bind=none ' if res['gpus_per_node'] else ''}"
-        f"{' '.join(q(word) for word in predict)}{shard_flags} &",
-        "step=$!",
-        "# A signal sent to this shell only (scancel --signal=USR1 --batch) goes on to the tasks. On the",
-        "# signal they finish the images in flight, merge the manifest and rank 0 requeues this job.",
-        "trap 'kill -USR1 $step 2>/dev/null' USR1",
-        "while :; do",
-        "    wait $step",
-        "    rc=$?",
-        "    kill -0 $step 2>/dev/null || break  # still running: the wait was cut short by the trap",
-        "done",
-        "exit $rc",
-        "",
-    ]
+    return fill_template("slurm_job.sh", {
+        "CONFIG": str(config_path),
+        "DATE": str(datetime.date.today()),
+        "SBATCH": "\n".join(f"#SBATCH {option}" for option in sbatch),
+        "OUT": q(str(output_dir)),
+        "ARRAY_NOTE": (f" (array task $SLURM_ARRAY_TASK_ID: shard $SLURM_ARRAY_TASK_ID of {array['num_shards']})"
+                       if array is not None else ""),
+        "WEIGHTS": weights_lines(res["weights"]) if res.get("weights") else "",
+        "CPUS": ("# srun of Slurm 22.05-23.02 does not take --cpus-per-task from the allocation without this.\n"
+                 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"') if cpus is not None else "",
+        # Every task sees all the node's GPUs and Lightning gives each its own (by local rank); where a
+        # site binds one GPU per task by default, Lightning would find 1 of trainer.devices.
+        "GPU_BIND": "--gpu-bind=none " if res["gpus_per_node"] else "",
+        "PREDICT": " ".join(q(word) for word in predict),
+        # Task t of the array makes shard t (SLURM sets SLURM_ARRAY_TASK_ID in each task's environment).
+        "SHARD_FLAGS": (f' --data.num_shards {array["num_shards"]} --data.shard_index "$SLURM_ARRAY_TASK_ID"'
+                        if array is not None else ""),
+    })
+
+
+def fill_template(name: str, values: dict[str, str]) -> str:
+    """The bash template ``name`` (beside this module) with each ``@KEY@`` replaced by its value; a
+    line that holds only a placeholder whose value is empty is left out."""
+    text = (Path(__file__).parent / name).read_text()
+    lines = []
+    for line in text.split("\n"):
+        key = line.strip()
+        if key.startswith("@") and key.endswith("@") and key[1:-1] in values and not values[key[1:-1]]:
+            continue
+        lines.append(re.sub(r"@([A-Z_]+)@", lambda found: values.get(found[1], found[0]), line))
     return "\n".join(lines)
 
 
-def weights_lines(weights: dict[str, str]) -> list[str]:
+def weights_lines(weights: dict[str, str]) -> str:
     """The job reads the hub weights fetched on the login node from their cache, offline, after
     checking that every node sees that cache."""
     q = shlex.quote
-    return [
-        "# The weights were fetched on the login node: the nodes read them from that cache and never touch the"
-        " network.",
-        f"export HF_HUB_CACHE={q(weights['cache'])}",
-        "export HF_HUB_OFFLINE=1",
-        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'test -f \"$1/model_index.json\" || {",
-        f'    echo "lightning-diffusion: error: node $SLURMD_NODENAME does not see the weights of {weights["repo"]}'
-        ' in $1: the Hugging Face cache must be on a file system the nodes share (set HF_HOME to one, then submit'
-        ' again)." >&2',
-        "    exit 2",
-        f"}}' _ {q(weights['snapshot'])} || exit 2",
-        "",
-    ]
+    return fill_template("slurm_weights.sh", {"CACHE": q(weights["cache"]), "REPO": weights["repo"],
+                                              "SNAPSHOT": q(weights["snapshot"])}).rstrip("\n") + "\n"
 
 
 # ----------------------------------------------------------------------------- sbatch and scontrol
