@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -70,6 +70,32 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_timestep_range(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_number(v) for v in value)
+
+
+def _is_number_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(map(_is_number, value))
+
+
+# One rule an option's value: (the test, the message; {name}, {value!r}, {kind} and {what} filled).
+# Each applies wherever the option is set (a name the cache type does not take is reported apart).
+_VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{name: (_is_positive_int, "model.cache.{name} must be an integer >= 1, got {value!r}.")
+       for name in _POSITIVE_INTS},
+    **{name: (_is_timestep_range, "model.cache.{name} must be two timesteps [low, high], got {value!r}.")
+       for name in _RANGES},
+    "mag_ratios": (_is_number_list, "model.cache.mag_ratios must be a list of numbers, got {value!r}."),
+}
+_THRESHOLD_RULE = (lambda v: _is_number(v) and 0 < v <= 1,
+                   "model.cache.threshold ({what}) must be a number in (0, 1], got {value!r}; larger reuses more "
+                   "steps (typical: 0.05 to 0.3).")
+
+
 def check_cache(
     cache: Any,
     transformers: Mapping[str, Optional[type]],
@@ -92,9 +118,21 @@ def check_cache(
         close = difflib.get_close_matches(str(kind), list(CACHE_TYPES), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         return [f"model.cache.type {kind!r} is not a cache type{hint}; valid: {valid}."]
-    problems: list[str] = []
     options = {k: v for k, v in cache.items() if k != "type"}
+    problems = [*_name_problems(kind, options), *_value_problems(kind, options),
+                *_pipeline_problems(kind, options, transformers, class_name, negative_branch, separate_passes)]
+    if not problems:
+        try:  # diffusers' own validation of the values, with a stand-in for the pipeline
+            build_config(cache, _NoPipeline(), 28, separate_passes)
+        except (TypeError, ValueError) as err:
+            problems.append(f"model.cache: diffusers refuses this {kind} config: {err}")
+    return problems
+
+
+def _name_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
+    """Options the cache type does not take, or that a config cannot give."""
     fields = [f.name for f in dataclasses.fields(_config_class(kind)) if f.name not in _FILLED | _CALLABLES]
+    problems = []
     for name in options:
         if name in _FILLED:
             problems.append(f"model.cache.{name} is set from the pipeline ({kind}); leave it out.")
@@ -105,35 +143,35 @@ def check_cache(
             close = difflib.get_close_matches(name, fields, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"model.cache: {kind} takes no {name!r}{hint}; it takes {', '.join(fields)}.")
-    if kind in _THRESHOLDS and "threshold" in options:
-        threshold = options["threshold"]
-        if not _is_number(threshold) or not 0 < threshold <= 1:
-            problems.append(f"model.cache.threshold ({_THRESHOLDS[kind]}) must be a number in (0, 1], "
-                            f"got {threshold!r}; larger reuses more steps (typical: 0.05 to 0.3).")
-    for name in _POSITIVE_INTS:
-        value = options.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            problems.append(f"model.cache.{name} must be an integer >= 1, got {value!r}.")
-    for name in _RANGES:
-        value = options.get(name)
-        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 2
-                                      and all(_is_number(v) for v in value)):
-            problems.append(f"model.cache.{name} must be two timesteps [low, high], got {value!r}.")
-    ratios = options.get("mag_ratios")
-    if kind == "magcache" and ratios is None and not options.get("calibrate"):
-        problems.append("model.cache: magcache needs mag_ratios, a list of per-step magnitude ratios of this "
-                        "checkpoint (FLUX.1-dev's published list is diffusers.hooks.mag_cache.FLUX_MAG_RATIOS; "
-                        "copy its numbers), or calibrate: true to print them.")
-    elif ratios is not None and not (isinstance(ratios, (list, tuple)) and ratios and all(map(_is_number, ratios))):
-        problems.append(f"model.cache.mag_ratios must be a list of numbers, got {ratios!r}.")
-    dtype = options.get("taylor_factors_dtype")
-    if dtype is not None:
+    return problems
+
+
+def _value_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
+    """Option values against ``_VALUE_RULES`` (and the threshold of the caches that have one)."""
+    rules = dict(_VALUE_RULES, **({"threshold": _THRESHOLD_RULE} if kind in _THRESHOLDS else {}))
+    problems = [message.format(name=name, value=options[name], kind=kind, what=_THRESHOLDS.get(kind))
+                for name, (valid, message) in rules.items()
+                if options.get(name) is not None and not valid(options[name])]
+    if options.get("taylor_factors_dtype") is not None:
         from lightning_diffusion.pipelines import resolve_dtype
 
         try:
-            resolve_dtype(dtype)
-        except ValueError as err:
+            resolve_dtype(options["taylor_factors_dtype"])
+        except ValueError as err:  # its message lists the dtypes
             problems.append(f"model.cache.taylor_factors_dtype: {err}")
+    if kind == "magcache" and options.get("mag_ratios") is None and not options.get("calibrate"):
+        problems.append("model.cache: magcache needs mag_ratios, a list of per-step magnitude ratios of this "
+                        "checkpoint (FLUX.1-dev's published list is diffusers.hooks.mag_cache.FLUX_MAG_RATIOS; "
+                        "copy its numbers), or calibrate: true to print them.")
+    return problems
+
+
+def _pipeline_problems(kind: str, options: Mapping[str, Any], transformers: Mapping[str, Optional[type]],
+                       class_name: str, negative_branch: bool, separate_passes: bool) -> list[str]:
+    """What the pipeline's guidance passes and denoiser classes allow of this cache."""
+    from diffusers.models.cache_utils import CacheMixin
+
+    problems = []
     if kind == "faster_cache" and options.get("is_guidance_distilled") is False and separate_passes:
         problems.append("model.cache.is_guidance_distilled: false would split each batch into guidance halves; "
                         f"{class_name} runs its guidance passes one after the other, so leave it out.")
@@ -143,8 +181,6 @@ def check_cache(
             "here (true CFG with a negative prompt): the negative pass would reuse the positive one's attention. "
             "Use first_block, taylorseer or magcache with CFG."
         )
-    from diffusers.models.cache_utils import CacheMixin
-
     if not transformers:
         problems.append(f"model.cache: {class_name} has no transformer component to cache.")
     for name, cls in transformers.items():
@@ -153,11 +189,6 @@ def check_cache(
         elif kind == "first_block" and cls is not None and cls.__name__ not in FIRST_BLOCK_TRANSFORMERS:
             problems.append(f"model.cache: first_block is verified on {', '.join(FIRST_BLOCK_TRANSFORMERS)}, not on "
                             f"{class_name}'s {cls.__name__}; use taylorseer or magcache for it.")
-    if not problems:
-        try:  # diffusers' own validation of the values, with a stand-in for the pipeline
-            build_config(cache, _NoPipeline(), 28, separate_passes)
-        except (TypeError, ValueError) as err:
-            problems.append(f"model.cache: diffusers refuses this {kind} config: {err}")
     return problems
 
 
