@@ -6,7 +6,9 @@ captions drawn exactly, the time to load the shipped weights and the quickstart'
 
 Each setting runs ``lightning-diffusion predict --config configs/tiny.yaml`` on the held-out
 captions (``lightning_diffusion.shapes.held_out_scenes()``, never trained on) and reads the folder
-with ``lightning-diffusion eval --fid --json``; the table is printed in Markdown.
+with ``lightning-diffusion eval --fid --json``; the table is printed in Markdown. Then ``--pairs``
+two-shape captions (``shapes.held_out_pairs()``) at the recommended settings: the share whose both
+shapes' colours are drawn (``both_colours``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["20:1", "20:3", "12:3"],
                         help="STEPS:TRUE_CFG_SCALE pairs (1: no guidance; else against the empty prompt)")
     parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--pairs", type=int, default=200,
+                        help="two-shape captions (shapes.held_out_pairs) drawn at the recommended settings; 0: none")
     parser.add_argument("--out", default="/tmp/shapes-quality")
     args = parser.parse_args()
 
@@ -76,6 +80,17 @@ def main() -> None:
         print(f"| {steps} | {cfg:g} | {100 * a['colour']['share']:.1f}% | {100 * a['shape']['share']:.1f}% | "
               f"{100 * a['position']['share']:.1f}% of {a['position']['images']} | {fid['fid']:.2f} | "
               f"{fid['kid']:.4f} | {args.count / seconds:.1f} |", flush=True)
+    if args.pairs:
+        pairs = out / "pairs.txt"
+        pairs.write_text("".join(shapes.caption(s) + "\n" for s in shapes.held_out_pairs(args.pairs)))
+        folder = out / "pairs"
+        shutil.rmtree(folder, ignore_errors=True)
+        cli("predict", "--config", "configs/tiny.yaml", "--data.prompts", str(pairs), "--writer.output_dir",
+            str(folder))
+        a = json.loads(cli("eval", str(folder), "--json").stdout)["summary"]["adherence"]
+        print(f"two-shape captions ({args.pairs}, the recommended settings): both shapes' colours and the background "
+              f"right in {100 * a['both_colours']['share']:.1f}%; the detector's main shape's colour and the "
+              f"background in {100 * a['colour']['share']:.1f}%", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ time as long (a stalled network file system hangs the writers' file calls, and w
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, BinaryIO, Optional
+from typing import IO, Any, Optional, cast
 
 from lightning_diffusion.console import log
 from lightning_diffusion.files import OutputFiles
@@ -162,7 +163,7 @@ def frame(value: Any) -> tuple[bytes, list[memoryview]]:
     return data, [buffer.raw() for buffer in buffers]
 
 
-def write_frame(stream: BinaryIO, data: bytes, views: list[memoryview]) -> None:
+def write_frame(stream: IO[bytes], data: bytes, views: list[memoryview]) -> None:
     stream.write(struct.pack(f"<QI{len(views)}Q", len(data), len(views), *(view.nbytes for view in views)))
     stream.write(data)
     for view in views:  # written straight from the arrays' memory, without the GIL
@@ -170,11 +171,11 @@ def write_frame(stream: BinaryIO, data: bytes, views: list[memoryview]) -> None:
     stream.flush()
 
 
-def send(stream: BinaryIO, value: Any) -> None:
+def send(stream: IO[bytes], value: Any) -> None:
     write_frame(stream, *frame(value))
 
 
-def _read_exactly(stream: BinaryIO, size: int) -> Optional[bytearray]:
+def _read_exactly(stream: io.BufferedIOBase, size: int) -> Optional[bytearray]:
     data = bytearray(size)
     view, got = memoryview(data), 0
     while got < size:
@@ -185,7 +186,7 @@ def _read_exactly(stream: BinaryIO, size: int) -> Optional[bytearray]:
     return data
 
 
-def receive(stream: BinaryIO) -> Any:
+def receive(stream: io.BufferedIOBase) -> Any:
     """The next value, or ``EOFError`` when the other end closed (between frames or inside one)."""
     head = _read_exactly(stream, 12)
     if head is None:
@@ -336,7 +337,7 @@ def child_main(argv: list[str]) -> None:
     _die_with_parent(parent)  # the stop signals were ignored by _CHILD: the rank stops the writing
     acks = os.fdopen(acks_fd, "wb")
     ack_lock = threading.Lock()
-    stdin = sys.stdin.buffer
+    stdin = cast(io.BufferedReader, sys.stdin.buffer)  # typed BinaryIO, which has no readinto
     try:
         files = receive(stdin)
     except BaseException as err:  # e.g. an OutputFiles subclass that cannot be imported here

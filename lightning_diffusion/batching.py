@@ -37,7 +37,8 @@ class SetFacts:
     def from_summary(cls, summary: Any) -> "SetFacts":
         """Without the pipeline: sets with the same overrides and input fields share a bucket, and
         each image costs its pixels x steps where the record gives them (1 where it does not)."""
-        keys, bucket, cost = {}, [], []
+        keys: dict[str, int] = {}
+        bucket, cost = [], []
         for entry in summary.sets:
             key = call_key(entry.overrides, sorted(entry.with_inputs))
             bucket.append(keys.setdefault(key, len(keys)))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -247,7 +247,7 @@ class StepCache:
     agree (``None``: this process holds whole tensors). Only rank 0 of a group counts statistics,
     so that summing over all processes counts each image step once."""
 
-    def __init__(self, kind: str, threshold: Optional[float]) -> None:
+    def __init__(self, kind: str, threshold: float) -> None:
         self.kind = kind
         self.threshold = threshold
         self.group: Any = None
@@ -288,14 +288,15 @@ def install(cache: Mapping[str, Any], pipeline: Any, num_inference_steps: Option
     from diffusers.models.cache_utils import CacheMixin
 
     kind = cache["type"]
-    step_cache = StepCache(kind, cache.get("threshold", 0.05))
+    threshold = cache.get("threshold")  # null (which the checks let pass, as for every option): the default
+    step_cache = StepCache(kind, 0.05 if threshold is None else threshold)
     for component in pipeline.components.values():
         if not isinstance(component, CacheMixin):
             continue
         if kind == "first_block":
             from lightning_diffusion.first_block_cache import install_first_block
 
-            install_first_block(component, step_cache)
+            install_first_block(cast(torch.nn.Module, component), step_cache)  # a diffusers model
         else:
             component.enable_cache(build_config(cache, pipeline, num_inference_steps, separate_passes))
     return step_cache

@@ -72,8 +72,9 @@ def run() -> None:
         from lightning_diffusion.errors import RecordFailure, WritingFailed
 
         if isinstance(err, (RecordFailure, WritingFailed)):  # the message says it all: a traceback adds nothing
-            if getattr(err, "details", ""):  # a writer's bug, not the file system: its traceback, for a report
-                print(err.details.rstrip(), file=sys.stderr)
+            details = getattr(err, "details", "")
+            if details:  # a writer's bug, not the file system: its traceback, for a report
+                print(details.rstrip(), file=sys.stderr)
             print(f"lightning-diffusion: error: {err}", file=sys.stderr)
         elif isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the run's own handling (imports, loading)
             print("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "

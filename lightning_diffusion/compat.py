@@ -69,7 +69,8 @@ def _patch_resolve_parallel_config() -> None:
         self._parallel_config = config
         return config
 
-    ModelMixin._resolve_parallel_config = _resolve_parallel_config
+    # (a method: a plain = is refused by mypy)
+    setattr(ModelMixin, "_resolve_parallel_config", _resolve_parallel_config)
 
 
 @_once("native_lse_on_cpu")
@@ -132,7 +133,8 @@ def _patch_tensor_parallel_devices() -> None:
     from diffusers.hooks import tensor_parallel
 
     if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
-        tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
+        # (setattr: diffusers' typing fixes the tuple at its four devices)
+        setattr(tensor_parallel, "_SUPPORTED_TP_DEVICES", (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu"))
 
 
 @contextlib.contextmanager
@@ -174,7 +176,8 @@ def _patch_qwen_vl_processor_without_torchvision() -> None:
         return
     from transformers import Qwen2VLProcessor
 
-    Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+    # (a method: a plain = is refused by mypy)
+    setattr(Qwen2VLProcessor, "get_attributes", classmethod(lambda cls: ["image_processor", "tokenizer"]))
 
 
 @_once("wan_i2v_without_ftfy")

@@ -49,7 +49,7 @@ class PromptDataset(Dataset):
         records: Sequence[dict[str, Any]],
         seed: int = 0,
         num_images_per_prompt: int = 1,
-        indices: Optional[Sequence[int]] = None,
+        indices: Optional[Union[Sequence[int], np.ndarray]] = None,
     ) -> None:
         self.records = records
         self.seed = seed

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 
 class ConfigError(ValueError):
@@ -49,6 +49,6 @@ def run_check(problems: list, check, *args, **kwargs):
         return None
 
 
-def is_int(value: Any, minimum: Optional[int] = None) -> bool:
+def is_int(value: Any, minimum: Optional[int] = None) -> TypeGuard[int]:
     """An ``int`` (not a ``bool``), at least ``minimum`` when given: the one integer test of configs."""
     return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)

@@ -45,7 +45,7 @@ def install_first_block(model: torch.nn.Module, step_cache: Any) -> None:
               for block in child]
     if len(blocks) < 2:
         raise ValueError(f"first_block cache needs at least two transformer blocks in {type(model).__name__}.")
-    manager = StateManager(FirstBlockState)
+    manager = StateManager(FirstBlockState)  # type: ignore[arg-type]  # diffusers types the class as an instance
     HookRegistry.check_if_exists_or_initialize(blocks[0]).register_hook(_HeadHook(manager, step_cache), HEAD_HOOK)
     for block in blocks[1:]:
         is_tail = block is blocks[-1]
@@ -69,7 +69,7 @@ class _Block:
     def outputs(self, output: Any) -> tuple:
         if not isinstance(output, tuple):
             return (output,)
-        parts = (output[self.meta.return_hidden_states_index],)
+        parts: tuple = (output[self.meta.return_hidden_states_index],)
         if self.meta.return_encoder_hidden_states_index is not None:
             parts += (output[self.meta.return_encoder_hidden_states_index],)
         return parts
@@ -93,6 +93,8 @@ def _select(keep: list[bool], computed: tuple, reused: tuple) -> tuple:
 class _FirstBlockHook(ModelHook):
     """What both hooks share: the state manager of the transformer's blocks, and the block's
     (hidden, encoder) layout, read when the hook is registered."""
+
+    fn_ref: Any  # diffusers' HookFunctionReference, whose original_forward it types as None (its initial value)
 
     def __init__(self, state_manager: Any) -> None:
         super().__init__()

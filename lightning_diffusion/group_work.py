@@ -39,6 +39,7 @@ import inspect
 import math
 import sys
 import textwrap
+from types import FrameType
 from typing import Any, Callable, Optional
 
 import torch
@@ -139,6 +140,8 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 class _Hook(ModelHook):
     """A module's forward handed to ``route(original_forward, args, kwargs)``."""
 
+    fn_ref: Any  # diffusers' HookFunctionReference, whose original_forward it types as None (its initial value)
+
     def __init__(self, route: Callable[[Callable, tuple, dict], Any]) -> None:
         super().__init__()
         self.route = route
@@ -165,7 +168,7 @@ class GroupWork:
         # The pipeline's methods whose encoder call is read for one hidden state only (code -> what
         # ``_one_hidden_state`` found): such a call gathers only that state.
         self.readers = self._hidden_state_readers({name for name, _ in named})
-        self.vae = getattr(pipeline, "vae", None)
+        self.vae: Any = getattr(pipeline, "vae", None)
         self.tiles = False
         self.mode = "off"  # decoder calls: "off" (pass through), "collect" (pass one), "replay" (pass two)
         self.calls: list[int] = []  # tile of each decoder call of the current pass
@@ -176,11 +179,12 @@ class GroupWork:
         self.encoder_splits = self.decode_splits = self.tiles_seen = self.tiles_decoded = 0
         self.bytes_received = 0  # by this rank's exchanges, its own share included
         if isinstance(self.vae, torch.nn.Module) and callable(getattr(self.vae, "decode", None)):
-            self._original_decode = self.vae.decode
-            self.vae.decode = self.decode
-            if type(self.vae).__name__ in TILE_PARALLEL and getattr(self.vae, "use_tiling", False):
+            vae: Any = self.vae  # a diffusers VAE: its methods are not nn.Module's attributes
+            self._original_decode: Callable[..., Any] = vae.decode
+            vae.decode = self.decode
+            if type(vae).__name__ in TILE_PARALLEL and getattr(vae, "use_tiling", False):
                 self.tiles = True
-                self._wrap_tiling(self.vae)
+                self._wrap_tiling(vae)
 
     @property
     def description(self) -> str:
@@ -267,10 +271,12 @@ class GroupWork:
     def _read_index(self, encoder: str) -> Optional[int]:
         """The one hidden state that the caller of this ``encoder`` call reads, where it is a reader
         (``self.readers``) of this pipeline calling it from the call site that was checked, else None."""
-        frame = sys._getframe(1)
+        frame: Optional[FrameType] = sys._getframe(1)
         while frame is not None and str(frame.f_globals.get("__name__")).startswith(_CALL_MACHINERY):
             frame = frame.f_back  # nn.Module.__call__, the hooks' forwards, this module
-        found = self.readers.get(frame.f_code) if frame is not None else None
+        if frame is None:
+            return None
+        found = self.readers.get(frame.f_code)
         if found is None or found[0] != encoder or not found[2] <= frame.f_lineno <= found[3] \
                 or frame.f_locals.get("self") is not self.pipeline:
             return None
@@ -324,7 +330,7 @@ class GroupWork:
         tiles = len(range(0, height, max(stride_h, 1))) * len(range(0, width, max(stride_w, 1)))
         return (width > limit_w or height > limit_h) and tiles >= 2
 
-    def _wrap_tiling(self, vae: torch.nn.Module) -> None:
+    def _wrap_tiling(self, vae: Any) -> None:
         HookRegistry.check_if_exists_or_initialize(vae.decoder).register_hook(_Hook(self.decoder_call), HOOK_NAME)
         self.counts_tiles_by_cache = callable(getattr(vae, "clear_cache", None))
         if self.counts_tiles_by_cache:
@@ -473,11 +479,13 @@ def _one_hidden_state(function: Callable) -> Optional[tuple[str, int, int, int]]
         return None
     call = calls[0]
     encoder = self_attribute(call.func)
+    call_end = call.end_lineno
+    assert encoder is not None and call_end is not None  # a text_encoder* call, parsed (with its end line)
     if not any(k.arg == "output_hidden_states" and isinstance(k.value, ast.Constant) and k.value.value is True
                for k in call.keywords):
         return None
-    if any(isinstance(node, ast.Call) and node is not call and node.lineno <= call.end_lineno
-           and node.end_lineno >= call.lineno for node in nodes):
+    if any(isinstance(node, ast.Call) and node is not call and node.lineno <= call_end
+           and (node.end_lineno or node.lineno) >= call.lineno for node in nodes):
         return None  # another call on the encoder call's lines (in its arguments or beside it)
     assignment = parents.get(call)
     if not (isinstance(assignment, ast.Assign) and assignment.value is call and len(assignment.targets) == 1
@@ -497,7 +505,7 @@ def _one_hidden_state(function: Callable) -> Optional[tuple[str, int, int, int]]
         if not isinstance(node, ast.Name) or node.id != out.id or node is out:
             continue
         attribute = parents.get(node)
-        subscript = parents.get(attribute)
+        subscript = parents.get(attribute) if attribute is not None else None
         if not (isinstance(node.ctx, ast.Load) and isinstance(attribute, ast.Attribute)
                 and attribute.attr == "hidden_states" and isinstance(subscript, ast.Subscript)
                 and subscript.value is attribute and isinstance(subscript.ctx, ast.Load)):
@@ -511,7 +519,7 @@ def _one_hidden_state(function: Callable) -> Optional[tuple[str, int, int, int]]
         indices.add(index)
     if len(indices) != 1:
         return None
-    return encoder, indices.pop(), first + call.lineno - 1, first + call.end_lineno - 1
+    return encoder, indices.pop(), first + call.lineno - 1, first + call_end - 1
 
 
 def _sample(output: Any) -> torch.Tensor:

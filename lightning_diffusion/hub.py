@@ -63,6 +63,8 @@ def reachable(timeout_s: float = 3.0) -> bool:
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
+    if not url.hostname:
+        return True  # an endpoint this cannot read (no scheme): leave the answer to huggingface_hub
     port = url.port or (443 if url.scheme == "https" else 80)
     proxy = urllib.request.getproxies().get(url.scheme)
     if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
@@ -128,7 +130,8 @@ def message(err: BaseException, repo: str, options: Optional[dict[str, Any]] = N
     )
 
     revision = (options or {}).get("revision") or "main"
-    chain, current = [], err
+    chain: list[BaseException] = []
+    current: Optional[BaseException] = err
     while current is not None and current not in chain:
         chain.append(current)
         current = current.__cause__ or current.__context__

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,7 +14,7 @@ from typing import Any, Optional
 INPUT_FIELDS = ("image", "mask_image", "last_image")
 
 
-def record_inputs(record: dict[str, Any]) -> dict[str, Any]:
+def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:
     """The record's input files by field (``image``: a path or a list of paths)."""
     return {name: record[name] for name in INPUT_FIELDS if record.get(name) is not None}
 

@@ -178,11 +178,11 @@ class DiffusionModule(pl.LightningModule):
 
     @property
     def model_path(self) -> str:
-        return self.hparams.pretrained_model_name_or_path
+        return self.hparams["pretrained_model_name_or_path"]
 
     def image_settings(self) -> dict[str, Any]:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
-        return image_settings(self.model_path, dtype_name(self.hparams.torch_dtype), self.call_args,
+        return image_settings(self.model_path, dtype_name(self.hparams["torch_dtype"]), self.call_args,
                               self.from_pretrained_kwargs, self.cache, self.options)
 
     @property
@@ -213,7 +213,7 @@ class DiffusionModule(pl.LightningModule):
     def needs_shard_group(self) -> bool:
         """Whether decisions inside the transformer depend on the data (a first-block cache), so
         that the ranks sharing one transformer call must agree on them (``use_shard_group``)."""
-        return bool(self.cache) and self.cache.get("type") == "first_block"
+        return self.cache is not None and self.cache.get("type") == "first_block"
 
     def use_shard_group(self, group: Any) -> None:
         """The process group of the ranks that hold pieces of the same transformer call (ring x
@@ -308,7 +308,8 @@ class DiffusionModule(pl.LightningModule):
         """``record_verdicts`` as global rank 0 finds them (it reads each input file once for the
         job), on every rank; raises its problems on every rank. Ranks started by the CLI, whose
         launching process checked the same command line, skip it when bad records refuse the run."""
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        # Any: Lightning's Strategy does not declare the ranks its subclasses have
+        strategy: Any = self._trainer.strategy if self._trainer is not None else None
         context = getattr(strategy, "run_context", None)
         if context is not None and context.checked and data.on_bad_record == "fail":
             return RecordVerdicts()  # none, or the launching process would have refused
@@ -344,7 +345,7 @@ class DiffusionModule(pl.LightningModule):
 
         if not hub.is_hub_id(self.info.path) or hub.offline() or self.from_pretrained_kwargs.get("local_files_only"):
             return
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy: Any = self._trainer.strategy if self._trainer is not None else None  # (Any: as above)
         if strategy is None or strategy.local_rank == 0:
             try:
                 folder = hub.fetch(self.info.path, self.from_pretrained_kwargs, progress=self.global_rank == 0)
@@ -448,8 +449,9 @@ class DiffusionModule(pl.LightningModule):
         if self.global_rank == 0:
             log.info(f"model.compile: {mode} on {', '.join(modules)}; the first batch of each shape compiles")
 
-    def denoiser_modules(self) -> dict[str, nn.Module]:
-        """The pipeline's denoisers that are loaded (Wan 2.1 lists an empty ``transformer_2``)."""
+    def denoiser_modules(self) -> dict[str, Any]:
+        """The pipeline's denoisers that are loaded (Wan 2.1 lists an empty ``transformer_2``): diffusers
+        models (``Any``: their methods, such as ``set_attention_backend``, are not nn.Module's)."""
         found = {name: getattr(self.pipeline, name, None) for name in self.info.denoisers()}
         return {name: module for name, module in found.items() if isinstance(module, nn.Module)}
 
@@ -534,7 +536,8 @@ class DiffusionModule(pl.LightningModule):
                 _free_memory()
                 return [outcome for sample in samples for outcome in self._run_alone(sample)]
             return [(None, None, failure)] * len(samples)
-        outcomes = []
+        assert images is not None and params is not None  # the call returned them (no failure)
+        outcomes: list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]] = []
         for sample, image, param in zip(samples, images, params):
             if np.isfinite(image).all():
                 outcomes.append((image, param, None))

@@ -90,7 +90,7 @@ class PipelineInfo:
 
     path: str
     class_name: str
-    pipeline_class: type
+    pipeline_class: type[Any]
     model_index: dict[str, Any]
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Call arguments the model folder recommends (its ``lightning_diffusion.json``, "call_defaults"):
@@ -368,6 +368,7 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
             f"{path!r}: model_index.json names {class_name!r}, which is not a pipeline class of "
             f"diffusers {diffusers.__version__}."
         )
+    class_name = str(class_name)  # it named a pipeline class of diffusers
     configs = {}
     for name, spec in model_index.items():
         if name.startswith("_") or not isinstance(spec, list):
@@ -390,7 +391,7 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
     return PipelineInfo(path, class_name, cls, model_index, configs, dict(recommended))
 
 
-def task_pipeline(name: Any, weights_class: str, model_index: dict[str, Any]) -> type:
+def task_pipeline(name: Any, weights_class: str, model_index: dict[str, Any]) -> type[Any]:
     """``model.pipeline_class``: a diffusers pipeline class that the folder's components can build."""
     import diffusers
 

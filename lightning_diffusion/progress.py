@@ -64,7 +64,7 @@ class ImageProgressBar(ProgressBar):
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not (trainer.is_global_zero and self._enabled):
             return
-        writer = next((c for c in trainer.callbacks if isinstance(c, ImageWriter)), None)
+        writer = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, ImageWriter)), None)
         if writer is None:
             return  # nothing counts images: no bar
         self._writer = writer
@@ -105,7 +105,7 @@ class ImageProgressBar(ProgressBar):
             eta = f", ETA {_clock((self.total - done) / rate)}" if self.total and rate > 0 else ""
             slowest = ""
             if len(counts) > 1:
-                rank = min(counts, key=counts.get)
+                rank = min(counts, key=lambda r: counts[r])
                 slowest = f"; slowest writing rank {rank}: {counts[rank]:,}"
             log.info(f"progress: {done:,}{of} images, {rate:.2f}/s{eta}{slowest}")
 

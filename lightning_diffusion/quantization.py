@@ -158,7 +158,7 @@ def _backend_class(backend: str, library: str) -> type:
     return AUTO_QUANTIZATION_CONFIG_MAPPING[backend]
 
 
-def _arguments(cls: type) -> list[str]:
+def _arguments(cls: type[Any]) -> list[str]:
     return [n for n, p in inspect.signature(cls.__init__).parameters.items()
             if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 

@@ -265,7 +265,7 @@ class LineRecords(Records):
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def __getitem__(self, position):  # type: ignore[override]
+    def __getitem__(self, position):
         if isinstance(position, slice):
             return [self[i] for i in range(*position.indices(len(self)))]
         if self._file is None or self._pid != os.getpid():  # one handle per process (DataLoader workers)
@@ -301,7 +301,7 @@ class ListRecords(Records):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, position):  # type: ignore[override]
+    def __getitem__(self, position):
         if isinstance(position, slice):
             return [self[i] for i in range(*position.indices(len(self)))]
         record = self.items[position]

@@ -160,7 +160,7 @@ def with_cfg() -> dict[str, PipelineSpec]:
 
 def cfg_supported() -> str:
     """The pipelines CFG parallel can split, with the argument that turns their CFG on."""
-    return ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in with_cfg().items())
+    return ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in SPECS.items() if spec.cfg is not None)
 
 
 def with_plan(attribute: str) -> list[str]:

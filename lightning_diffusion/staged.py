@@ -63,7 +63,7 @@ class FluxStages:
 
 
 
-def stages_for(class_name: str) -> type:
+def stages_for(class_name: str) -> type[Any]:
     """The staged encode/decode class of a pipeline (``PipelineSpec.stages``), or a ConfigError."""
     from lightning_diffusion.specs import spec_for, with_stages
 

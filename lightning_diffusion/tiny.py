@@ -212,7 +212,7 @@ def shapes_architecture(latent_channels: int = 8):
         eos_token_id=1,
     ))
     torch.manual_seed(3)
-    text_encoder_2 = T5EncoderModel(T5Config(
+    text_encoder_2 = T5EncoderModel(T5Config(  # type: ignore[call-arg]  # PretrainedConfig takes it as a kwarg
         vocab_size=vocab_size, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0,
         pad_token_id=0, eos_token_id=1,
     ))

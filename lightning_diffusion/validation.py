@@ -94,7 +94,7 @@ def finite(value: Any, name: str) -> list[str]:
             for p in places]
 
 
-def defaults(cls: type) -> dict[str, Any]:
+def defaults(cls: type[Any]) -> dict[str, Any]:
     """The keyword arguments of ``cls.__init__`` and their defaults: the one declaration of a
     section's options, which the parser (jsonargparse) reads too."""
     return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
@@ -255,7 +255,7 @@ def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
         problems.append("model.quantization and model.from_pretrained_kwargs.quantization_config both quantize: keep "
                         "model.quantization.")
     try:
-        info = inspect_pipeline(settings.get("pretrained_model_name_or_path"), settings.get("pipeline_class"),
+        info = inspect_pipeline(settings["pretrained_model_name_or_path"], settings.get("pipeline_class"),
                                 from_pretrained_kwargs)
     except ConfigError as err:
         # The path is wrong: still report what needs no pipeline.
@@ -475,7 +475,7 @@ def negative_branch(info: Any, call_args: Mapping[str, Any], summary: Optional[A
     return summary is not None and summary.first_negative is not None
 
 
-def _vae_has(vae: Optional[type], config: dict[str, Any], attribute: str) -> bool:
+def _vae_has(vae: Optional[type[Any]], config: dict[str, Any], attribute: str) -> bool:
     """Whether a VAE class decodes by tiles (``use_tiling``) or by sample (``use_slicing``):
     diffusers' VAEs say so by an attribute set in ``__init__``, so the class is built from its
     config on the meta device (no memory)."""

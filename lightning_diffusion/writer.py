@@ -299,7 +299,7 @@ class ImageWriter(BasePredictionWriter):
     def run_settings(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """What decides the pictures of this folder: model, call arguments, seeds, prompts."""
         describe = getattr(pl_module, "image_settings", None)
-        data = trainer.datamodule
+        data = getattr(trainer, "datamodule", None)
         return run_settings(describe() if callable(describe) else {}, getattr(data, "seed", None),
                             getattr(data, "num_images_per_prompt", None), getattr(data, "prompts", None),
                             self.video_format, self.fps, self.image_format, self.quality,
@@ -376,6 +376,7 @@ class ImageWriter(BasePredictionWriter):
         if token is not None:
             (self.output_dir / token).write_bytes(b"")
         token = trainer.strategy.broadcast(token)
+        assert token is not None  # rank 0's, on every rank
         sees = (self.output_dir / token).exists() if trainer.local_rank == 0 else None
         node = f"node {trainer.node_rank} ({socket.gethostname()})"
         seen = [entry for entry in _gather_idle(trainer.strategy, (node, sees)) if entry[1] is not None]
@@ -400,7 +401,7 @@ class ImageWriter(BasePredictionWriter):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.started_at = time.time()
         self.predicting_at: Optional[float] = None
-        data = trainer.datamodule
+        data = getattr(trainer, "datamodule", None)
         total = getattr(data, "num_images", None)
         self.total = total  # the prompt set's images (every shard's): layout auto decides by it
         self.shard = getattr(data, "shard", None)
@@ -419,7 +420,7 @@ class ImageWriter(BasePredictionWriter):
         if len(self.done):
             todo = f", {self.pending:,} to make" if self.pending is not None else ""
             log.info(f"resumed: {len(self.done):,} already in the manifest of {self.output_dir}{todo}.")
-        skip = getattr(trainer.datamodule, "skip_indices", None)
+        skip = getattr(getattr(trainer, "datamodule", None), "skip_indices", None)
         if callable(skip):
             skip(self.done)
         self._part = self.output_dir / part_name(self.shard, trainer.global_rank)
@@ -498,7 +499,7 @@ class ImageWriter(BasePredictionWriter):
     @staticmethod
     def _rejected_images(trainer: pl.Trainer) -> int:
         """This run's images of rejected records (known once the module checked the records)."""
-        data = trainer.datamodule
+        data: Any = getattr(trainer, "datamodule", None)
         return len(data.rejected_images()) if getattr(data, "rejected", None) else 0
 
     def _write_rejected(self, data: Any) -> None:
@@ -538,17 +539,17 @@ class ImageWriter(BasePredictionWriter):
                 self._lock.release()
             raise failed
         if trainer.is_global_zero:
-            self._plan = getattr(trainer.datamodule, "plan", None)
+            self._plan = getattr(getattr(trainer, "datamodule", None), "plan", None)
             self.rejected = self._rejected_images(trainer)
             if self.rejected or (self.output_dir / REJECTED).exists():
-                self._write_rejected(trainer.datamodule)
+                self._write_rejected(getattr(trainer, "datamodule", None))
             parts = part_counts(self.output_dir, self.parts_glob)
             merged = merge_manifest(self.output_dir, self.shard)
             new = merged if self.shard is None else merged[merged % self.shard[1] == self.shard[0]]
             done = np.union1d(self.done, new)
-            failed = merge_failures(self.output_dir, self.shard, done)
+            failures = merge_failures(self.output_dir, self.shard, done)
             total = len(done)
-            self.summary = self._summary(parts, total, failed)
+            self.summary = self._summary(parts, total, failures)
             self._history.append(self.summary)
             settings = json.loads(self.record_file.read_text())
             self._write_run_file({k: v for k, v in settings.items() if k not in RUN_META})

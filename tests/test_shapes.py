@@ -222,3 +222,20 @@ def test_strategies_on_tiny_shapes_match_one_process(mode, reference, tmp_path):
             assert np.array_equal(ours[i], ref[i]), f"image {i}"
         else:
             np.testing.assert_allclose(ours[i], ref[i], rtol=0, atol=1e-5, err_msg=f"image {i}")
+
+
+def test_both_colours_of_a_two_shape_caption_are_read_from_exact_drawings():
+    """The two-shape measure: each shape's colour drawn (eroded, so blended edge pixels between two
+    colours do not pass as a third name), and a caption naming a colour the picture lacks fails."""
+    import dataclasses
+
+    scenes = shapes.held_out_pairs(60)
+    assert all(len(s.shapes) == 2 for s in scenes) and len({shapes.caption(s) for s in scenes}) == 60
+    drawn = [shapes.render(s, seed=i) for i, s in enumerate(scenes)]
+    assert all(shapes.adherence(image, s)["both_colours"] for image, s in zip(drawn, scenes))
+    for image, scene in zip(drawn, scenes):
+        used = {scene.background} | {s.colour for s in scene.shapes}
+        absent = next(c for c in shapes.COLOURS if c not in used)
+        second = dataclasses.replace(scene.shapes[1], colour=absent)
+        wrong = dataclasses.replace(scene, shapes=(scene.shapes[0], second))
+        assert not shapes.adherence(image, wrong)["both_colours"], shapes.caption(wrong)

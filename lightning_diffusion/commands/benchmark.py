@@ -45,6 +45,7 @@ class StepTimer(Callback):
         self.warmup = warmup
         self.times: list[float] = []
         self.images = 0
+        self._start: Any = None  # the batch's start: a CUDA event, or perf_counter seconds on the CPU
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.setup_at = time.perf_counter()
@@ -145,7 +146,7 @@ def _gather_busy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str
 
 def _plan_report(trainer: pl.Trainer, busy: dict[str, float]) -> dict[str, Any]:
     """The batch plan (``batching``): buckets, padded images and each replica's busy seconds."""
-    plan = getattr(trainer.datamodule, "plan", None)
+    plan = getattr(getattr(trainer, "datamodule", None), "plan", None)
     if plan is None:
         return {}
     computed = plan.images + plan.padded
@@ -224,9 +225,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_diffusion.validation import MODEL_CALL_ARGS
 
         named = {k: model.get(k) for k in MODEL_CALL_ARGS}
-        base, extra = inspect_pipeline(model.pretrained_model_name_or_path).effective_call_args(
+        base, more = inspect_pipeline(model.pretrained_model_name_or_path).effective_call_args(
             named, model.get("call_kwargs"))
-        call_args = {**base, **extra}  # what predict calls the pipeline with, the model's recommendations included
+        call_args = {**base, **more}  # what predict calls the pipeline with, the model's recommendations included
         records = [r for _, r in read_records(data.prompts).accepted()]
         bare = diffusers_loop(model.pretrained_model_name_or_path, model.torch_dtype, records, int(data.batch_size),
                               call_args, int(data.seed), args.warmup, model.get("cache"), model.get("pipeline_class"))

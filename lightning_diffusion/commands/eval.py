@@ -5,11 +5,12 @@ Metrics of an output folder, read through its manifest (only finished images cou
 * against a reference folder made with the same prompts and seeds (``--reference``): per image and
   overall max absolute difference, PSNR and SSIM (torchmetrics), on the images both folders hold;
 * prompt adherence, for prompts that are ``tiny:shapes`` captions: the share of images whose
-  background and shape colours (and, stated separately, shape and position) match the caption,
-  read by the analytic detector of ``lightning_diffusion.shapes`` (no learned model);
+  background and shape colours (and, stated separately, shape and position; for two-shape captions,
+  ``both_colours``: each shape's colour drawn) match the caption, read by the analytic detector of
+  ``lightning_diffusion.shapes`` (no learned model);
 * ``--fid``: FID and KID (torchmetrics) against the reference folder, or, for shapes captions without
   one, against the captions drawn exactly by ``shapes.render``. Features come from a VAE encoder
-  (``--features``; for shapes captions ``tiny:shapes`` by default: its latents pooled to 4x4x4) or from Inception
+  (``--features``; for shapes captions ``tiny:shapes`` by default: its latents pooled to 4x4) or from Inception
   (``--features inception``, which needs the torch-fidelity package and ``--inception-weights``);
 * ``--clip DIR``: CLIP score (torchmetrics' definition) with a local CLIP model folder.
 
@@ -181,7 +182,8 @@ def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
         for start in range(0, len(fake), 64):
             metric.update(torch.stack(fake[start:start + 64]), real=False)
     kid_mean, kid_std = kid.compute()
-    result = {"fid": float(fid.compute()), "kid": float(kid_mean), "kid_std": float(kid_std), "fid_images": len(fake)}
+    result: dict[str, Any] = {"fid": float(fid.compute()), "kid": float(kid_mean), "kid_std": float(kid_std),
+                              "fid_images": len(fake)}
     if len(fake) < FEW_IMAGES:
         result["warning"] = (f"FID and KID from {len(fake)} images are noisy estimates (KID can come out below 0, and "
                              f"FID is biased upwards): compare runs of the same image count, or use {FEW_IMAGES} or "
@@ -214,7 +216,7 @@ def evaluate(args) -> dict[str, Any]:
     feature = _feature_module(args) if args.fid else None
 
     images = {i: _load(folder, ours[i]) for i in indices}
-    ref_images = {i: _load(ref_folder, refs[i]) for i in compared}
+    ref_images = {i: _load(ref_folder, refs[i]) for i in compared} if ref_folder else {}
     if ref_folder or args.fid:  # pixel metrics compare pairs of one size; FID images of one size
         _check_sizes(images, ref_images, one_size=args.fid)
     if args.fid and not ref_folder and images[indices[0]].shape[-1] != images[indices[0]].shape[-2]:
@@ -227,11 +229,12 @@ def evaluate(args) -> dict[str, Any]:
             a = images[i].permute(1, 2, 0).numpy()
             b = ref_images[i].permute(1, 2, 0).numpy()
             row.update(compare(a, b))
-        if scenes[i] is not None:
+        scene = scenes[i]
+        if scene is not None:
             found = shapes.detect(images[i])
             row["detected"] = {"background": found.background, "colour": found.colour, "shape": found.kind,
                                "position": found.position}
-            row["adherence"] = shapes.adherence(images[i], scenes[i])
+            row["adherence"] = shapes.adherence(images[i], scene)
         rows.append(row)
 
     summary: dict[str, Any] = {"images": len(indices), "folder": str(folder)}
@@ -247,7 +250,7 @@ def evaluate(args) -> dict[str, Any]:
     if judged:
         summary["adherence"] = {
             key: {"share": sum(r["adherence"][key] for r in with_key) / len(with_key), "images": len(with_key)}
-            for key in ("colour", "shape", "position")
+            for key in ("colour", "shape", "position", "both_colours")
             if (with_key := [r for r in judged if key in r["adherence"]])
         }
     if args.fid:
@@ -257,7 +260,9 @@ def evaluate(args) -> dict[str, Any]:
             against = str(ref_folder)
         else:
             side = images[indices[0]].shape[-1]
-            real = [shapes.render(scenes[i], size=side, seed=int(ours[i].get("seed") or 0)) for i in indices]
+            # every caption is one (checked above): --fid without a reference draws them
+            real = [shapes.render(scene, size=side, seed=int(ours[i].get("seed") or 0))
+                    for i in indices if (scene := scenes[i]) is not None]
             fake = [images[i] for i in indices]
             against = "the captions drawn by shapes.render"
         if len(real) < 2:

@@ -159,7 +159,11 @@ def resources(trainer: Any, nodes: Optional[int], gpus_per_node: Optional[int],
             problems.append("say how many GPUs each node has: --gpus-per-node G, or trainer.devices: G in the config.")
     if problems:
         raise ConfigError("\n".join(problems))
-    tasks = devices if devices is not None else gpus_per_node // per
+    if devices is not None:
+        tasks = devices
+    else:
+        assert gpus_per_node is not None  # neither given was refused above
+        tasks = gpus_per_node // per
     return {"nodes": node_count, "tasks_per_node": tasks, "gpus_per_node": None if on_cpu else tasks * per}
 
 

@@ -1,5 +1,7 @@
 """The project's strategies, one a file, registered with Lightning under short names."""
 
+from typing import Any
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_diffusion.strategies.base import DiffusionParallelStrategy
@@ -14,7 +16,7 @@ from lightning_diffusion.strategies.tensor_parallel import TensorParallelStrateg
 __all__ = ["CFGParallelStrategy", "ContextParallelStrategy", "DataParallelStrategy", "DeviceMapStrategy",
            "DiffusionParallelStrategy", "MeshError", "MeshStrategy", "ParallelDims", "TensorParallelStrategy"]
 
-_REGISTRY = {
+_REGISTRY: dict[str, tuple[type, str, dict[str, Any]]] = {
     "mesh": (MeshStrategy, "dp x cfg x ring x ulysses x tp on one device mesh (default: data parallel).", {}),
     "data_parallel": (DataParallelStrategy, "One pipeline per process; prompts split across replicas.", {}),
     "context_parallel": (ContextParallelStrategy, "Ulysses over all processes.", {"ulysses_degree": -1}),

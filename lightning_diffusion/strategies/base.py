@@ -255,8 +255,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         # Every run stops cleanly on Ctrl-C; SLURM jobs also on SLURM's signals, and requeue.
         self.run_context.stop.enable(self._replica_group, self.root_device, self.global_rank,
                                      slurm=self._stop_on_signal)
-        if request is not None:
-            self.lightning_module.use_load_plan(self.load_plan(request))
+        if request is not None and isinstance(module, DiffusionModel):  # (a request comes from one only)
+            module.use_load_plan(self.load_plan(request))
 
     def _warn_groups_across_nodes(self) -> None:
         size = self._parallel_dims.model_parallel_size if self._parallel_dims is not None else 1
@@ -317,7 +317,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        # Lightning sets the attribute on its function the same way (typed without it)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

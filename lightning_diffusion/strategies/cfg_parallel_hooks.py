@@ -33,6 +33,8 @@ class _SplitHook(ModelHook):
     """The CFG split on a transformer's forward, as a named diffusers hook. Registered after the
     context-parallel hooks, so it is the outermost: it sees (and swaps) whole, unsplit inputs."""
 
+    fn_ref: Any  # diffusers' HookFunctionReference, whose original_forward it types as None (its initial value)
+
     def __init__(self, split: "CFGSplit") -> None:
         super().__init__()
         self.split = split

@@ -93,7 +93,7 @@ def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str
             )
 
 
-def planned_models(request: ModelRequest, plan: str, kind: str, instead: str) -> dict[str, type]:
+def planned_models(request: ModelRequest, plan: str, kind: str, instead: str) -> dict[str, type[Any]]:
     """The pipeline's diffusers models with ``plan`` (``_cp_plan``, ``_tp_plan``), or a ConfigError."""
     planned = request.info.models_with(plan)
     if not planned:
@@ -162,7 +162,9 @@ def check_reference_sequences(request: ModelRequest, dims: ParallelDims, most: i
     from lightning_diffusion.inputs import upright_size
     from lightning_diffusion.specs import _load
 
-    tokens_of = _load(request.info.spec.reference_tokens)
+    reference_tokens = request.info.spec.reference_tokens
+    assert reference_tokens is not None  # called for such pipelines only (check_context_parallel)
+    tokens_of = _load(reference_tokens)
     mode = "ulysses_anything" if dims.ring == 1 else "ring_anything"
     bad = []
     for number, record in enumerate(request.records or [{}], start=1):
@@ -206,13 +208,14 @@ def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[st
                 f"the context-parallel degree {degree}: {fix} whose token count is divisible by {degree}."
             )
         arg = info.spec.text_length_arg
+        assert arg is not None  # a text length is known only through it (PipelineInfo.sequence_lengths)
         raise ConfigError(
             f"{arg}={length} text tokens are not divisible by the context-parallel degree {degree}: "
             f"{fix.replace('sizes', 'a ' + arg)} divisible by {degree}."
         )
 
 
-def check_shardable(cls: type, config: dict[str, Any], tp_degree: int, name: str) -> None:
+def check_shardable(cls: type[Any], config: dict[str, Any], tp_degree: int, name: str) -> None:
     """Heads and every (packed) block of the plan must divide by ``tp_degree``; checked on an empty
     (meta) model built from the config alone, so no weight is read."""
     from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
@@ -262,7 +265,7 @@ def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
         check_shardable(cls, info.configs.get(name, {}), dims.tp, name)
 
 
-def check_adapter_shardable(request: ModelRequest, adapter: Any, planned: dict[str, type]) -> None:
+def check_adapter_shardable(request: ModelRequest, adapter: Any, planned: dict[str, type[Any]]) -> None:
     """An adapter whose update has another shape than its layer's weight (a control LoRA that widens
     an input) cannot be cut as the weight is cut; DoRA and biased adapters are refused by ``updates``."""
     from lightning_diffusion import lora

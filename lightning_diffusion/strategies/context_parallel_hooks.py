@@ -19,18 +19,18 @@ def enable_context_parallel(component: torch.nn.Module, cp_mesh: Any, ring: int,
                             ulysses_anything: bool, ring_anything: bool, backend: Optional[str],
                             rank: int, world_size: int, device: torch.device) -> None:
     """Split ``component``'s sequence over ``cp_mesh`` (``ring`` x ``ulysses`` ranks)."""
-    from diffusers import ContextParallelConfig
     from diffusers.hooks.context_parallel import apply_context_parallel
-    from diffusers.models._modeling_parallel import ParallelConfig
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
+    model: Any = component  # a diffusers model: its parallel methods and plan are not nn.Module's
     if backend is not None:
-        component.set_attention_backend(backend)
+        model.set_attention_backend(backend)
     cp_config = ContextParallelConfig(
         ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=ulysses_anything, ring_anything=ring_anything,
         mesh=cp_mesh,
     )
     if getattr(component, "_parallel_config", None) is None:
-        component.enable_parallelism(config=cp_config)
+        model.enable_parallelism(config=cp_config)
     else:
         config = ParallelConfig(context_parallel_config=cp_config)
         config.setup(rank, world_size, device, mesh=cp_mesh)
@@ -38,7 +38,7 @@ def enable_context_parallel(component: torch.nn.Module, cp_mesh: Any, ring: int,
             processor = getattr(module, "processor", None)
             if processor is not None and hasattr(processor, "_parallel_config"):
                 processor._parallel_config = config
-        apply_context_parallel(component, cp_config, component._cp_plan)
+        apply_context_parallel(component, cp_config, model._cp_plan)
 
 
 def mode_name(ring: int, ulysses: int, anything: bool) -> str:

@@ -101,7 +101,9 @@ class DeviceMapStrategy(MeshStrategy):
             if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
                 problems.append(f"offload_folder {str(folder)!r} is not a writable folder.")
         raise_problems(problems)
-        self.max_memory = {self._memory_key(k): size_in_bytes(v) for k, v in (max_memory or {}).items()}
+        # (no key is None: those were refused above)
+        self.max_memory = {key: size_in_bytes(v) for k, v in (max_memory or {}).items()
+                           if (key := self._memory_key(k)) is not None}
         self.device_map = device_map
         self.offload_folder = str(Path(offload_folder).expanduser()) if offload_folder else None
         self.staged = staged
@@ -261,11 +263,11 @@ class DeviceMapStrategy(MeshStrategy):
             plan.pipeline_kwargs.update(device_map="balanced", max_memory=self.accelerate_max_memory())
             self._placed.update(k for k in info.model_index if not k.startswith("_"))
             return plan
-        if self.device_map == "auto":
+        if isinstance(self.device_map, dict):
+            placements = dict(self.device_map)
+        else:  # "auto"
             names = [n for n in DENOISERS if n in info.model_index][:1]
             placements = {name: "auto" for name in names}
-        else:
-            placements = dict(self.device_map)
         for name, target in placements.items():
             cls = info.component_class(name)
             if cls is None:
@@ -273,7 +275,7 @@ class DeviceMapStrategy(MeshStrategy):
             plan.components[name] = partial(self._load_placed, name, cls, target)
         return plan
 
-    def _load_placed(self, name: str, cls: type, target: str, info: Any, dtype: torch.dtype,
+    def _load_placed(self, name: str, cls: type[Any], target: str, info: Any, dtype: torch.dtype,
                      **from_pretrained: Any) -> torch.nn.Module:
         kwargs: dict[str, Any] = dict(from_pretrained)  # quantization_config
         if target == "auto":
@@ -298,6 +300,7 @@ class DeviceMapStrategy(MeshStrategy):
         return target
 
     def model_to_device(self) -> None:
+        assert self.lightning_module is not None
         pipeline_class = type(self.lightning_module.pipeline).__name__
         stage_resident = set(stages_for(pipeline_class).encoders) | {"vae"} if self.staged else set()
         for name, component in getattr(self.lightning_module, "components", {}).items():

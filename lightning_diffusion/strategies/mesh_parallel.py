@@ -185,7 +185,7 @@ class MeshStrategy(DiffusionParallelStrategy):
                                               self.tp_degree) for name in self._sharded}
         lora.fuse_in_place(pipeline, adapters, specs, self.device_mesh["tp"])
 
-    def _load_sharded(self, name: str, cls: type, options: dict, info: Any, dtype: torch.dtype) -> torch.nn.Module:
+    def _load_sharded(self, name: str, cls: type[Any], options: dict, info: Any, dtype: torch.dtype) -> torch.nn.Module:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
         model = load_sharded(cls, info.path, name, dtype, self.device_mesh["tp"], **options)
@@ -200,8 +200,8 @@ class MeshStrategy(DiffusionParallelStrategy):
                 compat.apply_cpu_rehearsal_patches()
             for component in pipeline.components.values():
                 if isinstance(component, torch.nn.Module) and getattr(component, "_cp_plan", None) is not None:
-                    backend = resolved_attention_backend(self._configured_backend, self.root_device, dims,
-                                                         component.dtype)
+                    model: Any = component  # a diffusers model (its dtype is not nn.Module's)
+                    backend = resolved_attention_backend(self._configured_backend, self.root_device, dims, model.dtype)
                     enable_context_parallel(
                         component, self.device_mesh["ring", "ulysses"], dims.ring, dims.ulysses,
                         self.ulysses_anything, self.ring_anything, backend, self.global_rank, self.world_size,
@@ -216,6 +216,7 @@ class MeshStrategy(DiffusionParallelStrategy):
             # After the context-parallel hooks, so that the split wraps them: each branch sees whole inputs.
             pair = self.device_mesh["cfg"]
             entry = spec_for(type(pipeline).__name__).cfg
+            assert entry is not None  # check_cfg refused a pipeline without one before loading
             self._cfg_split = CFGSplit(pipeline, entry, pair.get_group(), pair.get_local_rank())
             log.info(f"cfg parallel: {type(pipeline).__name__}'s cond and uncond passes on the two ranks of each pair")
         return pipeline

@@ -16,7 +16,7 @@ from lightning_diffusion.console import log
 PASSED_OPTIONS = ("revision", "variant", "token", "cache_dir")
 
 
-def load_sharded(cls: type, path: str, subfolder: Optional[str], dtype: torch.dtype, tp_mesh: Any, **options: Any):
+def load_sharded(cls: type[Any], path: str, subfolder: Optional[str], dtype: torch.dtype, tp_mesh: Any, **options: Any):
     """Create ``cls`` from ``path/subfolder`` with this rank's shard of every planned weight."""
     from diffusers import TensorParallelConfig
 
