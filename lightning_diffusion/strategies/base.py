@@ -341,7 +341,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         and text encoders' direct submodules beat too (``vae.decode`` is not a forward: a long video
         decode, tile by tile, would beat only through its decoder); the denoisers' do not, where a
         compiled model would break its graph at each of them."""
-        watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self._drain_writers)
+        watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self._drain_writers,
+                           writes=self.writes_outputs)
         beat = torch.compiler.disable(watch.beat)  # a compiled model calls it outside its graphs
         denoisers = getattr(module, "info", None)
         denoisers = set(denoisers.denoisers()) if denoisers is not None else set()

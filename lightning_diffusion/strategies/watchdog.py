@@ -181,6 +181,9 @@ class Watchdog:
             pass
 
 
+DRAIN_S = 60  # the most a stalled rank waits for its writer to finish the images queued
+
+
 class StallWatch:
     """Ends a rank whose batch makes no progress for ``timeout`` seconds, with a message, before the
     process-group backend's own timeout (which the strategy sets ``BACKEND_GRACE`` later).
@@ -197,10 +200,15 @@ class StallWatch:
     longer than one model call.
     """
 
-    def __init__(self, timeout_s: float, rank: int, drain: Callable[[], None], poll_s: float = 1.0) -> None:
+    def __init__(self, timeout_s: float, rank: int, drain: Callable[[], None], poll_s: float = 1.0,
+                 writes: bool = True) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
         self.drain = drain
+        # A rank that writes no image has nothing to drain: it waits the drain's bound before ending, or
+        # its exit would get the replica's writing rank killed (the launcher ends the node's ranks when
+        # one fails) before that rank has written what it queued.
+        self.writes = writes
         self.poll_s = poll_s
         self._last = time.monotonic()
         self._batches = 0
@@ -243,9 +251,12 @@ class StallWatch:
                       "batch (the strategy's timeout): a rank it waits on in a collective is gone or stuck. Ending "
                       "this rank; the images written so far are kept, and rerunning the command makes the rest.",
                       extra=_ALL)
-            writer = threading.Thread(target=self._drain, name="lightning-diffusion-stall-drain", daemon=True)
-            writer.start()
-            writer.join(timeout=60)
+            if self.writes:
+                writer = threading.Thread(target=self._drain, name="lightning-diffusion-stall-drain", daemon=True)
+                writer.start()
+                writer.join(timeout=DRAIN_S)
+            else:
+                time.sleep(DRAIN_S)
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
