@@ -305,26 +305,24 @@ HELD_OUT_SEED = 20_261_201
 PAIRS_SEED = 20_261_202
 
 
-def held_out_scenes(n: int = 200) -> list[Scene]:
-    """The ``n`` single-shape scenes (distinct captions) that ``tiny:shapes`` never saw in training:
-    the adherence numbers are measured on them."""
+def _distinct_scenes(seed: int, n: int, two_shapes: float) -> list[Scene]:
+    """The first ``n`` scenes of distinct captions drawn from ``seed`` on."""
     seen: dict[str, Scene] = {}
-    seed = HELD_OUT_SEED
     while len(seen) < n:
-        for scene in sample_scenes(seed, n, two_shapes=0.0):
+        for scene in sample_scenes(seed, n, two_shapes=two_shapes):
             seen.setdefault(caption(scene), scene)
         seed += 1
     return list(seen.values())[:n]
+
+
+def held_out_scenes(n: int = 200) -> list[Scene]:
+    """The ``n`` single-shape scenes (distinct captions) that ``tiny:shapes`` never saw in training:
+    the adherence numbers are measured on them."""
+    return _distinct_scenes(HELD_OUT_SEED, n, two_shapes=0.0)
 
 
 def held_out_pairs(n: int = 200) -> list[Scene]:
     """``n`` two-shape scenes (distinct captions) for the two-shape measure, drawn from their own seed.
     Training does not exclude them by name, but two-shape captions are drawn from over 10^7, so a
     training run sees few of them (docs/shapes.md says how many the shipped weights saw)."""
-    seen: dict[str, Scene] = {}
-    seed = PAIRS_SEED
-    while len(seen) < n:
-        for scene in sample_scenes(seed, n, two_shapes=1.0):
-            seen.setdefault(caption(scene), scene)
-        seed += 1
-    return list(seen.values())[:n]
+    return _distinct_scenes(PAIRS_SEED, n, two_shapes=1.0)
