@@ -149,9 +149,11 @@ def _name_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
 def _value_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
     """Option values against ``_VALUE_RULES`` (and the threshold of the caches that have one)."""
     rules = dict(_VALUE_RULES, **({"threshold": _THRESHOLD_RULE} if kind in _THRESHOLDS else {}))
+    # A threshold given is checked even when null (it has no "unset" meaning); other options' null is unset.
     problems = [message.format(name=name, value=options[name], kind=kind, what=_THRESHOLDS.get(kind))
                 for name, (valid, message) in rules.items()
-                if options.get(name) is not None and not valid(options[name])]
+                if name in options and (options[name] is not None or name == "threshold")
+                and not valid(options[name])]
     if options.get("taylor_factors_dtype") is not None:
         from lightning_diffusion.pipelines import resolve_dtype
 

@@ -169,6 +169,8 @@ def test_bad_cache_settings_are_refused_together(cli_here, tmp_path):
      "model.cache.num_inference_steps is set from the pipeline"),
     ("{type: magcache, mag_ratios: FLUX_MAG_RATIOS}", "model.cache.mag_ratios must be a list of numbers"),
     ("{type: taylorseer, cache_interval: 0}", "model.cache.cache_interval must be an integer >= 1, got 0."),
+    ("{type: first_block, threshold: null}", "model.cache.threshold (relative change of the first block's residual) "
+                                             "must be a number in (0, 1], got None"),
     ("{type: taylorseer, taylor_factors_dtype: float33}", "model.cache.taylor_factors_dtype:"),
     ("{type: faster_cache, spatial_attention_timestep_skip_range: [100]}",
      "model.cache.spatial_attention_timestep_skip_range must be two timesteps [low, high], got [100]."),
