@@ -290,7 +290,9 @@ def test_scancel_finishes_the_images_in_flight_and_a_new_job_resumes(cluster, tm
     # the image in flight, merge the manifest and exit on their own, without requeueing the job.
     count = 12
     prompts = "[" + ", ".join(f"cancelled prompt {i}" for i in range(count)) + "]"
-    slow = ("--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "30")
+    # 200 steps an image (about 0.7 s on an idle core): with 30, an idle machine finished all 12 images
+    # between two looks at the manifest parts, before the cancel.
+    slow = ("--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps", "200")
     out = tmp_path / "out"
     args = ("--config", TINY, "--nodes", "2", "--submit")
     job = submitted_job(slurm(*args, "--", *tiny_args(out, *slow)[3:], cwd=tmp_path))
