@@ -182,9 +182,9 @@ def _word_tokenizer(model_max_length: int):
     )
 
 
-def shapes_architecture(latent_channels: int = 8):
+def shapes_architecture(latent_channels: int = 4):
     """The untrained ``tiny:shapes`` pipeline (``scripts/train_shapes.py`` trains it): FLUX.1
-    architecture with a 4x VAE (64x64 images are 16x16x8 latents, 64 image tokens), a transformer of
+    architecture with a 4x VAE (64x64 images are 16x16x4 latents, 64 image tokens), a transformer of
     two double and two single blocks with 4 heads of 32 (Ulysses 2 and 4 and tp=2 still shard it),
     no guidance embedding, and word-level CLIP and T5 towers."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
