@@ -63,17 +63,12 @@ def reachable(timeout_s: float = 3.0) -> bool:
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
-    if not url.hostname:
-        return True  # an endpoint this cannot read (no scheme): leave the answer to huggingface_hub
-    port = url.port or (443 if url.scheme == "https" else 80)
     proxy = urllib.request.getproxies().get(url.scheme)
-    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
-        via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
-        if not via.hostname:
-            return True  # a proxy setting this cannot read: leave the answer to huggingface_hub
-        address = (via.hostname, via.port or (443 if via.scheme == "https" else 80))
-    else:
-        address = (url.hostname, port)
+    if proxy and url.hostname and not urllib.request.proxy_bypass(url.hostname):
+        url = urlparse(proxy if "://" in proxy else f"http://{proxy}")  # the hub is reached through it
+    if not url.hostname:
+        return True  # an endpoint or proxy this cannot read (no scheme): leave the answer to huggingface_hub
+    address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
     try:
         socket.create_connection(address, timeout=timeout_s).close()
     except OSError:
