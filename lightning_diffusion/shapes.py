@@ -270,12 +270,9 @@ def colour_areas(image: torch.Tensor, tolerance: float = 0.15) -> dict[str, int]
     image = image.float().clamp(0, 1)
     distance = ((image.unsqueeze(0) - _PALETTE.view(-1, 3, 1, 1)) ** 2).sum(1).sqrt()  # (colours, H, W)
     nearest, which = distance.min(0)
-    areas = {}
-    for index, name in enumerate(_NAMES):
-        mask = ((which == index) & (nearest < tolerance)).float()[None, None]
-        core = -torch.nn.functional.max_pool2d(-mask, 3, stride=1, padding=1)
-        areas[name] = int(core.sum())
-    return areas
+    masks = ((which == torch.arange(len(_NAMES)).view(-1, 1, 1)) & (nearest < tolerance)).float()  # (colours, H, W)
+    core = -torch.nn.functional.max_pool2d(-masks[:, None], 3, stride=1, padding=1)
+    return {name: int(count) for name, count in zip(_NAMES, core.sum((1, 2, 3)).tolist())}
 
 
 MIN_AREA = 8  # pixels of a shape's colour, past the erosion, for it to count as drawn (a small star keeps ~20)
