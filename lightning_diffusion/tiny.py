@@ -182,11 +182,15 @@ def _word_tokenizer(model_max_length: int):
     )
 
 
-def shapes_architecture(latent_channels: int = 4):
+def shapes_architecture(latent_channels: int = 4, downsampling: int = 4):
     """The untrained ``tiny:shapes`` pipeline (``scripts/train_shapes.py`` trains it): FLUX.1
-    architecture with a 4x VAE (64x64 images are 16x16x4 latents, 64 image tokens), a transformer of
-    two double and two single blocks with 4 heads of 32 (Ulysses 2 and 4 and tp=2 still shard it),
-    no guidance embedding, and word-level CLIP and T5 towers."""
+    architecture with a 4x VAE (64x64 images are 16x16x4 latents, 64 image tokens of 8x8 pixels;
+    ``downsampling=2`` gives 32x32x4 latents, 256 tokens of 4x4 pixels, so a shape's outline runs
+    across tokens rather than inside one), a transformer of two double and two single blocks with 4
+    heads of 32 (Ulysses 2 and 4 and tp=2 still shard it), no guidance embedding, and word-level CLIP
+    and T5 towers."""
+    if downsampling not in (2, 4):
+        raise ValueError(f"downsampling is 2 or 4, not {downsampling}")
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -199,11 +203,14 @@ def shapes_architecture(latent_channels: int = 4):
         axes_dims_rope=(8, 12, 12),
     )
     torch.manual_seed(1)
+    # 2x: no attention in the VAE's middle block (1024 positions; a shape is local, the convolutions see it)
+    blocks = (16, 32) if downsampling == 2 else (16, 32, 64)
     vae = AutoencoderKL(
         in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(16, 32, 64), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * len(blocks), up_block_types=("UpDecoderBlock2D",) * len(blocks),
+        block_out_channels=blocks, layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
         sample_size=64, scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False,
+        mid_block_add_attention=downsampling == 4,
     )
     torch.manual_seed(2)
     text_encoder = CLIPTextModel(CLIPTextConfig(

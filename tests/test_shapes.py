@@ -239,3 +239,31 @@ def test_both_colours_of_a_two_shape_caption_are_read_from_exact_drawings():
         second = dataclasses.replace(scene.shapes[1], colour=absent)
         wrong = dataclasses.replace(scene, shapes=(scene.shapes[0], second))
         assert not shapes.adherence(image, wrong)["both_colours"], shapes.caption(wrong)
+
+
+# ----------------------------------------------------------------------------- the training script
+
+
+def test_training_script_decoder_pass_keeps_the_latents(tmp_path):
+    """scripts/train_shapes.py's last stage trains the VAE's decoder alone, after the flow model has
+    learned the encoder's latents: the encoder stays bit for bit, the decoder moves. The 2x
+    architecture it can train packs a 64x64 picture into 256 image tokens (32x32 latents)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("train_shapes", REPO / "scripts" / "train_shapes.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    pipe = tiny.shapes_architecture(downsampling=2)
+    assert pipe.vae_scale_factor == 2
+    assert pipe.vae.encode(torch.zeros(1, 3, 64, 64)).latent_dist.mean.shape == (1, 4, 32, 32)
+    encoder = {k: v.clone() for k, v in pipe.vae.encoder.state_dict().items()}
+    decoder = {k: v.clone() for k, v in pipe.vae.decoder.state_dict().items()}
+    ckpt = train.Checkpoint(tmp_path, 1000, lambda line: None)
+    train.train_vae(pipe, "decoder", 2, 2, 0, set(), lambda line: None, ckpt, [], shape_weight=train.SHAPE_WEIGHT,
+                    edge_weight=train.EDGE_WEIGHT, decoder_only=True)
+    assert all(torch.equal(v, pipe.vae.encoder.state_dict()[k]) for k, v in encoder.items())
+    assert any(not torch.equal(v, pipe.vae.decoder.state_dict()[k]) for k, v in decoder.items())
+    with pytest.raises(ValueError, match="downsampling is 2 or 4, not 8"):
+        tiny.shapes_architecture(downsampling=8)
