@@ -3,7 +3,7 @@
 
     OMP_NUM_THREADS=2 python scripts/train_shapes.py --out lightning_diffusion/models/shapes
 
-Three stages, all with diffusers' and transformers' own classes, so the result loads with
+Two stages and an optional third, all with diffusers' and transformers' own classes, so the result loads with
 ``FluxPipeline.from_pretrained`` and every strategy runs it unchanged:
 
 1. the VAE (``AutoencoderKL``, ``--downsampling`` 4, ``--latent-channels`` 4) learns to reconstruct
@@ -18,7 +18,7 @@ Three stages, all with diffusers' and transformers' own classes, so the result l
    and an exponential moving average of the weights kept (that average is what is saved). One
    caption in ten is dropped (empty prompt), so ``true_cfg_scale`` with ``negative_prompt=""`` works
    too;
-3. the VAE's decoder alone (``--decoder-steps``), shapes and outlines weighted again: the encoder is
+3. optionally (``--decoder-steps``), the decoder alone, shapes and outlines weighted again: the encoder is
    frozen, so the latents the flow model learned do not move while the decoder draws them sharper.
 
 docs/shapes.md measures what these options did.
@@ -278,7 +278,7 @@ def main() -> None:
                         help="the VAE's: 2 gives 256 image tokens of 4x4 pixels, 4 gives 64 of 8x8")
     parser.add_argument("--vae-steps", type=int, default=1500)
     parser.add_argument("--vae-finetune-steps", type=int, default=1000)
-    parser.add_argument("--decoder-steps", type=int, default=1500,
+    parser.add_argument("--decoder-steps", type=int, default=0,
                         help="after the flow: the VAE's decoder alone, shapes and outlines weighted (0: none)")
     parser.add_argument("--vae-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6000)
