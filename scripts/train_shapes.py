@@ -358,12 +358,11 @@ def main() -> None:
                               log, ckpt, finished, args.flow_lr, args.ema_decay, args.flow_shape_weight,
                               args.flow_edge_weight)
         finished.append("flow")
-        ckpt.save("decoder-start", 0, finished, vae=pipe.vae.state_dict(),
-                  averages={n: m.state_dict() for n, m in averages.items()})
+        ckpt.save("decoder-start", 0, finished, averages={n: m.state_dict() for n, m in averages.items()})
         timed("flow", began)
-    for name, module in averages.items():
-        setattr(pipe, name, module)
-    pipe.register_modules(**averages)
+        for name, module in averages.items():
+            setattr(pipe, name, module)
+        pipe.register_modules(**averages)
     encoder_round_trip = kept
     if args.decoder_steps and "decoder" not in finished:
         # The decoder alone, on the flow's finished latents: sharper outlines without moving the latents.
@@ -375,8 +374,7 @@ def main() -> None:
         finished.append("decoder")
         ckpt.save("done", 0, finished, vae=pipe.vae.state_dict(), decoder_round_trip=kept)
         timed("decoder", began)
-    elif "decoder" in finished:
-        pipe.vae.load_state_dict(ckpt.state["vae"])
+    elif "decoder" in finished:  # its VAE is the checkpoint's, loaded above
         kept = ckpt.state["decoder_round_trip"]
     pipe.vae.eval()
     for module in pipe.components.values():
