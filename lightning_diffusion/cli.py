@@ -75,7 +75,15 @@ def run() -> None:
             details = getattr(err, "details", "")
             if details:  # a writer's bug, not the file system: its traceback, for a report
                 print(details.rstrip(), file=sys.stderr)
+            cause = err.__cause__ if isinstance(err, RecordFailure) else None
+            if cause is not None and console.verbose():  # the pipeline's own traceback, to debug it
+                import traceback
+
+                traceback.print_exception(cause, file=sys.stderr)
             print(f"lightning-diffusion: error: {err}", file=sys.stderr)
+            if cause is not None and not console.verbose():
+                print("lightning-diffusion: the traceback of the failed call: run again with --verbose "
+                      "(lightning-diffusion --verbose predict ...) or LIGHTNING_DIFFUSION_VERBOSE=1.", file=sys.stderr)
         elif isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the run's own handling (imports, loading)
             print("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
                   "resumes.", file=sys.stderr)

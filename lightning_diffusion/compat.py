@@ -1,10 +1,11 @@
 """Workarounds for other libraries' versions, in one place, each with the version and the reason.
 
-One of them (``apply_parallel_patches``) corrects where diffusers puts a rank's parallel model, on
-every device type. The others are for running diffusers' own context- and tensor-parallel code on
-CPU with gloo ("CPU rehearsal"); on CUDA with NCCL none of them changes anything. Both entry points
-are idempotent; the strategies call them before they make a model parallel. Delete an
-entry once the pinned diffusers release no longer needs it (checked against diffusers 0.42.1).
+Two of them (``apply_parallel_patches``) apply on every device type: where diffusers puts a rank's
+parallel model, and a per-head attention mask under Ulysses. The others are for running diffusers'
+own context- and tensor-parallel code on CPU with gloo ("CPU rehearsal"); on CUDA with NCCL none of
+them changes anything. Both entry points are idempotent; the strategies call them before they make
+a model parallel. Delete an entry once the pinned diffusers release no longer needs it (checked
+against diffusers 0.42.1).
 """
 
 from __future__ import annotations
@@ -125,6 +126,36 @@ def _patch_all_gather_anything_for_gloo() -> None:
     context_parallel._all_gather_anything = _all_gather_anything
 
 
+@_once("ulysses_per_head_mask")
+def _patch_ulysses_per_head_mask() -> None:
+    """diffusers 0.42.1 ``TemplatedUlyssesAttention`` gathers a sequence-split attention mask along
+    the keys but not its heads: a per-head mask (LTX's and LTX-2's text mask, (B, H, 1, S)) meets
+    the H/W heads a rank holds after the all-to-all and fails ("The size of tensor a (2) must match
+    the size of tensor b (4)"; diffusers issue 14316). After the all-to-all, Ulysses rank r holds
+    the contiguous heads [r*H/W, (r+1)*H/W): give the attention op those heads of the mask. A mask
+    with one head (broadcast) is left as it is. On every device type."""
+    from diffusers.models.attention_dispatch import TemplatedUlyssesAttention
+
+    original = TemplatedUlyssesAttention.forward
+
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                forward_op, backward_op, _parallel_config=None):
+        if attn_mask is None or attn_mask.ndim != 4 or attn_mask.shape[1] == 1:
+            return original(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                            forward_op, backward_op, _parallel_config)
+        rank = _parallel_config.context_parallel_config._ulysses_local_rank
+
+        def local_heads_op(op_ctx, q, k, v, mask, *args, **kwargs):
+            if mask is not None and mask.ndim == 4 and mask.shape[1] not in (1, q.shape[2]):
+                mask = mask[:, rank * q.shape[2]:(rank + 1) * q.shape[2]]
+            return forward_op(op_ctx, q, k, v, mask, *args, **kwargs)
+
+        return original(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                        local_heads_op, backward_op, _parallel_config)
+
+    setattr(TemplatedUlyssesAttention, "forward", staticmethod(forward))
+
+
 @_once("tensor_parallel_on_cpu")
 def _patch_tensor_parallel_devices() -> None:
     """diffusers 0.42.1 ``apply_tensor_parallel`` refuses meshes whose device type is not in
@@ -223,13 +254,14 @@ def collective_timeout(group: Any) -> Optional[timedelta]:
 
 def apply_parallel_patches() -> None:
     """Before any model is made parallel, on every device type: resolve each rank's device from
-    the mesh it is given."""
+    the mesh it is given, and split a per-head text mask with the heads under Ulysses."""
     _patch_resolve_parallel_config()
+    _patch_ulysses_per_head_mask()
 
 
 def apply_cpu_rehearsal_patches() -> None:
     """Make diffusers' context and tensor parallelism run on CPU with gloo (no effect on CUDA paths)."""
-    _patch_resolve_parallel_config()
+    apply_parallel_patches()
     _patch_native_attention_lse_on_cpu()
     _patch_all_gather_anything_for_gloo()
     _patch_tensor_parallel_devices()

@@ -57,6 +57,11 @@ def configure() -> None:
 _VERBOSE_ENV = "LIGHTNING_DIFFUSION_VERBOSE"
 
 
+def verbose() -> bool:
+    """``--verbose`` or ``LIGHTNING_DIFFUSION_VERBOSE=1``: third-party messages and full tracebacks."""
+    return os.environ.get(_VERBOSE_ENV) == "1"
+
+
 def quiet(verbose: bool = False) -> None:
     """Hide third-party start-up noise for a command-line run (nothing when ``verbose``). Call it
     before transformers, diffusers and Lightning are imported; the ranks a run starts inherit it."""

@@ -527,6 +527,7 @@ class DiffusionModule(pl.LightningModule):
         except Exception as err:
             if not skip:
                 raise RecordFailure(f"{_which(samples)} failed: {_last_line(err)}") from err
+            _log_traceback(samples, err)
             failure = _last_line(err)  # one rank, no group: nothing to agree
         if failure is not None:
             padded = self.pad_batches and min(self.batch_size or 1, self.info.spec.call_batch or 1 << 30) > 1
@@ -591,7 +592,7 @@ class DiffusionModule(pl.LightningModule):
             output_type="np",
             **kwargs,
         ))
-        images = np.asarray(getattr(output, self.info.spec.output), dtype=np.float32)
+        images = np.asarray(getattr(output, self.info.spec.output or "images"), dtype=np.float32)
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt", *INPUT_FIELDS)}
         options = {k: v for k, v in self.options.items() if v not in (None, False)}
         params = {"model": self.model_path, **self.info.call_defaults, **recorded, **options}
@@ -609,6 +610,7 @@ class DiffusionModule(pl.LightningModule):
         try:
             result = step(*args)
         except Exception as err:
+            _log_traceback(None, err)
             self._agree(err)
             raise  # _agree raised (with one rank, too): not reached
         self._agree(None)
@@ -655,6 +657,16 @@ def _last_line(err: BaseException) -> str:
     text = str(err).strip()
     line = text.splitlines()[0 if isinstance(err, torch.OutOfMemoryError) else -1] if text else ""
     return f"{type(err).__name__}: {line}" if line else type(err).__name__
+
+
+def _log_traceback(samples: Optional[list[dict[str, Any]]], err: BaseException) -> None:
+    """With ``--verbose``, a failed call's full traceback on the rank where it failed (the record
+    and the run go on as ``on_error`` says; without it, one line names the exception)."""
+    from lightning_diffusion import console
+
+    if console.verbose():
+        where = _which(samples) if samples else "a pipeline call"
+        log.warning(f"{where} failed:", exc_info=err, extra={"all_ranks": True})
 
 
 def _which(samples: list[dict[str, Any]]) -> str:

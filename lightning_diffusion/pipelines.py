@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_diffusion.errors import ConfigError, is_int
+from lightning_diffusion.pipeline_facts import PipelineFacts, derive
 from lightning_diffusion.specs import PipelineSpec, spec_for
 
 # Arguments the project sets itself for every call; users must not pass them in call_kwargs. (A
@@ -96,10 +97,22 @@ class PipelineInfo:
     # Call arguments the model folder recommends (its ``lightning_diffusion.json``, "call_defaults"):
     # used where the config sets nothing, e.g. tiny:shapes' size, steps and text length.
     recommended: dict[str, Any] = field(default_factory=dict)
+    _facts: Optional[PipelineFacts] = field(default=None, init=False, repr=False, compare=False)
+    _spec: Optional[PipelineSpec] = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def facts(self) -> PipelineFacts:
+        """What the pipeline class and its configs say of it (``pipeline_facts.derive``)."""
+        if self._facts is None:
+            self._facts = derive(self.pipeline_class, self.model_index, self.configs)
+        return self._facts
 
     @property
     def spec(self) -> PipelineSpec:
-        return spec_for(self.class_name)
+        """The registry's entry for this class, its unset facts read from the pipeline itself."""
+        if self._spec is None:
+            self._spec = spec_for(self.class_name).resolved(self.facts)
+        return self._spec
 
     @property
     def call_parameters(self) -> set[str]:
@@ -118,14 +131,7 @@ class PipelineInfo:
     @property
     def size_multiple(self) -> int:
         """Height and width must be multiples of this (VAE downsampling times token packing)."""
-        vae = self.configs.get("vae", {})
-        if "block_out_channels" in vae:
-            scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        elif "temperal_downsample" in vae:
-            scale = 2 ** len(vae["temperal_downsample"])
-        else:
-            scale = self.spec.vae_scale
-        return scale * self.spec.patch
+        return self.spec.pixels_per_token
 
     def component_class(self, name: str) -> Optional[type]:
         """The class a component of ``model_index.json`` names, if diffusers or transformers has it."""
@@ -153,14 +159,15 @@ class PipelineInfo:
 
     def sequence_lengths(self, height: Optional[int], width: Optional[int],
                          call_args: dict[str, Any]) -> dict[str, int]:
-        """Token counts the transformer sees (``image``, and ``text`` when it is fixed), where known."""
+        """Token counts context parallelism splits: ``image``, and ``text`` when it has a fixed length
+        and the ``_cp_plan`` splits it (Wan's cross-attention keeps the whole text on every rank)."""
         spec, lengths = self.spec, {}
         default = spec.default_size or (None, None)
         height, width = height or default[0], width or default[1]
         if height and width:
             frames = call_args.get(spec.frames_arg) if spec.frames_arg else None
             lengths["image"] = spec.image_tokens(height, width, frames, self.size_multiple)
-        if spec.text_length_arg:
+        if spec.text_length_arg and self.facts.text_split:
             text = call_args.get(spec.text_length_arg, self.call_default(spec.text_length_arg))
             if isinstance(text, int):
                 lengths["text"] = text
@@ -208,7 +215,7 @@ class PipelineInfo:
             return []
         if spec.frames_arg is None:
             return [f"{self.class_name} makes images, not videos; drop num_frames."]
-        scale = spec.temporal_scale
+        scale = spec.temporal_scale or 1
         if not is_int(frames, 1) or (frames - 1) % scale:
             example = max(1, round(((frames if is_int(frames) else 1) - 1) / scale)) * scale + 1
             return [f"num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "

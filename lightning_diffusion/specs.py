@@ -1,22 +1,27 @@
-"""Per-pipeline facts: one ``PipelineSpec`` per diffusers pipeline class, in one registry.
+"""What cannot be read from a pipeline itself: one ``PipelineSpec`` per diffusers pipeline class
+that needs more than its class and configs say.
 
-Everything the project knows about a pipeline before its weights load lives here: its token
-geometry (for context-parallel checks and ``plan``), the call argument that fixes its text length,
-its default size and output attribute, how its two classifier-free-guidance branches are fed (for
-CFG parallel), how it runs as staged encode / denoise / decode (for ``DeviceMapStrategy``), the
-published sizes of its well-known checkpoints (for ``plan``) and which tiny builder makes an offline
-copy of it (``tiny:NAME``). Every other module asks ``spec_for(class_name)``.
+``pipeline_facts.derive`` reads the geometry, output, frames and plans of any pipeline from its
+class and saved configs; an entry here adds what cannot be read (how the two classifier-free-guidance
+branches are fed, for CFG parallel; a staged encode / denoise / decode, for ``DeviceMapStrategy``;
+the published sizes of well-known checkpoints, for ``plan`` without weights; a prompt-length text;
+the input images its records carry; the tiny builder of ``tiny:NAME``) and may override a derived
+fact. ``PipelineInfo.spec`` is the entry resolved against the derived facts; the tests hold every
+fact an entry sets equal to the derived one where both exist.
 
-Adding a pipeline is one ``register(PipelineSpec(...))`` call here, plus a tiny builder in
-``tiny.py`` if the tests should run it. Nothing here imports diffusers' model code or the tiny
-builders at import time: the inspection path stays light.
+Adding a pipeline that needs more than its class says is one ``register(PipelineSpec(...))`` call
+here. Nothing here imports diffusers' model code or the tiny builders at import time: the
+inspection path stays light.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from lightning_diffusion.pipeline_facts import PipelineFacts
 
 
 @dataclass(frozen=True)
@@ -83,17 +88,20 @@ class PipelineSpec:
     ``text_length_max``: the most text tokens its ``text_length_arg`` may ask for (the pipeline's own
     limit, which it checks only after loading). ``record_args``: the call arguments a prompt record
     may set (typed and bounded by ``validation.CALL_ARGS``; those its ``__call__`` lacks are dropped).
+    ``cp_mask_modes``: the context-parallel modes verified equal to one process when the
+    transformer's ``_cp_plan`` splits a text attention mask with the sequence (plain Ulysses, with
+    ``compat``'s per-head fix; Qwen-Image's broadcast mask also under Ulysses-anything of degree 2).
     """
 
     class_name: str
-    patch: int = 1
-    vae_scale: int = 8
+    patch: Optional[int] = None
+    vae_scale: Optional[int] = None
     text_length_arg: Optional[str] = None
     prompt_length_text: bool = False
     default_size: Optional[tuple[int, int]] = None
-    output: str = "images"
+    output: Optional[str] = None
     frames_arg: Optional[str] = None
-    temporal_scale: int = 1
+    temporal_scale: Optional[int] = None
     default_frames: Optional[int] = None
     transformer_class: Optional[str] = None
     cfg: Optional[CFGBranches] = None
@@ -108,6 +116,36 @@ class PipelineSpec:
     input_if_config: Optional[tuple[str, str]] = None
     text_length_max: Optional[int] = None
     record_args: tuple[str, ...] = RECORD_ARGS
+    cp_mask_modes: tuple[str, ...] = ("ulysses",)
+
+    def resolved(self, facts: Optional["PipelineFacts"] = None) -> "PipelineSpec":
+        """This entry with every fact it leaves unset read from the pipeline (``pipeline_facts``),
+        and the remaining unknowns at their neutral values (1 token a latent pixel, an 8x VAE,
+        ``images``)."""
+        def pick(name: str, derived: Any, neutral: Any) -> Any:
+            own = getattr(self, name)
+            return own if own is not None else (derived if derived is not None else neutral)
+
+        f = facts
+        text_arg = None if self.prompt_length_text else pick("text_length_arg", f and f.text_length_arg, None)
+        return replace(
+            self,
+            patch=pick("patch", f and f.patch, 1),
+            vae_scale=pick("vae_scale", f and f.spatial, 8),
+            output=pick("output", f and f.output, "images"),
+            frames_arg=pick("frames_arg", f and f.frames_arg, None),
+            temporal_scale=pick("temporal_scale", f and f.temporal, 1),
+            default_frames=pick("default_frames", f and f.default_frames, None),
+            default_size=pick("default_size", f and f.default_size, None),
+            text_length_arg=text_arg,
+            text_length_max=pick("text_length_max", f and f.text_length_max, None),
+            record_args=(*self.record_args, f.frames_arg) if f is not None and f.frames_arg and self.frames_arg is None
+            and f.frames_arg not in self.record_args else self.record_args,
+        )
+
+    @property
+    def pixels_per_token(self) -> int:
+        return (self.vae_scale or 8) * (self.patch or 1)
 
     @property
     def is_video(self) -> bool:
@@ -118,7 +156,7 @@ class PipelineSpec:
         if not self.is_video:
             return 1
         frames = frames or self.default_frames or 1
-        return (frames - 1) // self.temporal_scale + 1
+        return (frames - 1) // (self.temporal_scale or 1) + 1
 
     def image_tokens(self, height: int, width: int, frames: Optional[int], pixels_per_token: int) -> int:
         """Image (or video) tokens of one sample: the only place this product is computed."""
@@ -154,18 +192,9 @@ def spec_for(class_name: str) -> PipelineSpec:
     return SPECS.get(class_name) or PipelineSpec(class_name)
 
 
-def with_cfg() -> dict[str, PipelineSpec]:
-    return {name: spec for name, spec in SPECS.items() if spec.cfg is not None}
-
-
 def cfg_supported() -> str:
     """The pipelines CFG parallel can split, with the argument that turns their CFG on."""
     return ", ".join(f"{name} ({spec.cfg.scale_arg} > 1)" for name, spec in SPECS.items() if spec.cfg is not None)
-
-
-def with_plan(attribute: str) -> list[str]:
-    """Registered pipelines whose denoiser has a diffusers ``_cp_plan`` or ``_tp_plan``."""
-    return [name for name, spec in SPECS.items() if spec.has_plan(attribute)]
 
 
 def with_stages() -> list[str]:
@@ -256,6 +285,7 @@ register(PipelineSpec(
 ))
 register(PipelineSpec(
     "QwenImagePipeline", patch=2, prompt_length_text=True, default_size=(1024, 1024), text_length_max=1024,
+    cp_mask_modes=("ulysses", "ulysses_anything"),
     transformer_class="QwenImageTransformer2DModel",
     cfg=CFGBranches(("encoder_hidden_states", "encoder_hidden_states_mask"), "true_cfg_scale"),
     published={"Qwen/Qwen-Image": PublishedModel(

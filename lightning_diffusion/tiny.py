@@ -504,10 +504,13 @@ def is_tiny(name: str) -> bool:
 SHIPPED = {"shapes": Path(__file__).parent / "models" / "shapes"}
 
 
+# Tiny copies of pipelines the registry does not describe (``tiny_zoo.py``), by builder path.
+ZOO = {name: f"lightning_diffusion.tiny_zoo:build_{name}" for name in ("sdxl", "sd3", "flux2", "ltx", "cogvideox")}
+
+
 def names() -> list[str]:
     from lightning_diffusion import specs
-
-    return [TINY_PREFIX + k for k in [*SHIPPED, *specs.tiny_names()]]
+    return [TINY_PREFIX + k for k in [*SHIPPED, *specs.tiny_names(), *ZOO]]
 
 
 def resolve(name: str) -> str:
@@ -524,7 +527,7 @@ def resolve(name: str) -> str:
                               "in a source checkout train them with scripts/train_shapes.py; tiny:flux needs no "
                               "weights.")
         return str(SHIPPED[kind])
-    builder = specs.tiny_builder(kind)
+    builder = specs.tiny_builder(kind) or (specs._load(ZOO[kind]) if kind in ZOO else None)
     if builder is None:
         raise ConfigError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join(names())}")
     target = cache_root() / f"tiny-{kind}-v{_BUILD_VERSION}"

@@ -42,7 +42,7 @@ def test_real_model_config_degrees_fit_its_devices_and_model(config):
     if dims.tp * dims.ulysses > 1 and not getattr(strategy, "ulysses_anything", False):
         assert sizes.heads % (dims.tp * dims.ulysses) == 0, (sizes.heads, dims)
     if dims.cp > 1 and not anything:
-        pixels = spec.vae_scale * spec.patch
+        pixels = spec.pixels_per_token
         height, width = cfg.model.height or spec.default_size[0], cfg.model.width or spec.default_size[1]
         assert spec.image_tokens(height, width, cfg.model.num_frames, pixels) % dims.cp == 0
         assert sizes.text_tokens % dims.cp == 0 or spec.prompt_length_text

@@ -30,7 +30,7 @@ from typing import Optional
 import yaml
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.specs import PipelineSpec, all_published, cfg_supported, published, spec_for
+from lightning_diffusion.specs import PipelineSpec, all_published, cfg_supported, published
 
 # Beyond this many tokens per image one GPU spends most of its time in attention and its
 # activations grow large: split the sequence (the guide's "long sequences").
@@ -45,7 +45,9 @@ GROUP_EFFICIENCY = {"nvlink": 0.85, "pcie": 0.6}
 @dataclass
 class ModelFacts:
     """Sizes ``plan`` decides on: components in GB, the transformer's heads, hidden size and layers,
-    pixels per token side, text tokens, and the pipeline's spec (token geometry, CFG)."""
+    pixels per token side, text tokens, the pipeline's resolved spec (token geometry, CFG), and the
+    model-parallel modes ``predict`` runs it with (``context``: a subset of ulysses and ring;
+    ``tensor``), so that no plan recommends a layout ``predict`` refuses."""
 
     name: str
     components: dict[str, float]
@@ -55,10 +57,10 @@ class ModelFacts:
     pixels_per_token: int = 16
     text_tokens: int = 512
     pipeline: str = ""
-
-    @property
-    def spec(self) -> PipelineSpec:
-        return spec_for(self.pipeline)
+    spec: PipelineSpec = field(default_factory=lambda: PipelineSpec(""))
+    context: tuple[str, ...] = ()
+    tensor: bool = False
+    cp_plan: bool = False
 
     @property
     def total_gb(self) -> float:
@@ -70,12 +72,16 @@ class ModelFacts:
 
 
 def facts_for(model: str) -> ModelFacts:
+    from lightning_diffusion.strategies.checks import context_modes
+
     known = published(model)
     if known is not None:
-        spec, sizes = known
+        entry, sizes = known
+        spec = entry.resolved()
         return ModelFacts(model, dict(sizes.components), sizes.heads, sizes.hidden, sizes.layers,
-                          pixels_per_token=spec.vae_scale * spec.patch, text_tokens=sizes.text_tokens,
-                          pipeline=spec.class_name)
+                          pixels_per_token=spec.pixels_per_token, text_tokens=sizes.text_tokens,
+                          pipeline=spec.class_name, spec=spec, context=context_modes(spec, None),
+                          tensor=spec.has_plan("_tp_plan"), cp_plan=spec.has_plan("_cp_plan"))
     from lightning_diffusion.pipelines import component_bytes, inspect_pipeline
 
     info = inspect_pipeline(model)
@@ -87,8 +93,21 @@ def facts_for(model: str) -> ModelFacts:
     heads = int(config.get("num_attention_heads", 1))
     hidden = heads * int(config.get("attention_head_dim", 64))
     layers = int(config.get("num_layers", 1)) + int(config.get("num_single_layers", 0))
+    text = info.sequence_lengths(1, 1, {}).get("text", 512) if info.spec.text_length_arg else 512
     return ModelFacts(model, components, heads, hidden, layers, pixels_per_token=info.size_multiple,
-                      pipeline=info.class_name)
+                      text_tokens=text, pipeline=info.class_name, spec=info.spec,
+                      context=context_modes(info.spec, info.facts), tensor=bool(info.facts.tp_plan),
+                      cp_plan=bool(info.facts.cp_plan))
+
+
+def context_note(facts: ModelFacts) -> str:
+    """Why context parallelism is limited or absent for this pipeline, in a few words."""
+    if not facts.cp_plan:
+        return "its transformer has no _cp_plan in diffusers"
+    if not facts.context:
+        return "its text attention mask is split with the sequence, which diffusers' attention does not follow"
+    return (f"Ulysses only, its text mask rules out ring, and {facts.heads} heads allow Ulysses degrees that "
+            "divide them")
 
 
 def cfg_note(facts: ModelFacts) -> str:
@@ -157,8 +176,15 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
     fits_whole = facts.total_gb + act <= usable
     fits_denoiser = facts.denoiser_gb + act <= usable
 
-    def cp_degrees(group: int) -> dict:
-        ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % d == 0)
+    def cp_degrees(group: int) -> Optional[dict]:
+        """Ulysses while the heads divide, ring for the rest; None when the pipeline's context
+        parallelism (``facts.context``) cannot split the group that way."""
+        if "ulysses" not in facts.context and "ring" not in facts.context:
+            return None
+        ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % d == 0
+                      and (d == 1 or "ulysses" in facts.context))
+        if group // ulysses > 1 and "ring" not in facts.context:
+            return None
         return {"ulysses_degree": ulysses, "ring_degree": group // ulysses}
 
     throughput = goal == "throughput" and prompts >= gpus
@@ -168,22 +194,28 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
             "(--goal latency splits each image over the GPUs instead)")
         return Plan("data_parallel", devices=gpus, group=1, replicas=gpus, reasons=[
             numbers, f"the whole pipeline fits on one GPU: {gpus} replicas split the {prompts:,} prompts{why}"])
-    if fits_denoiser and long:
+    degrees = cp_degrees(gpus) if fits_denoiser and long else None
+    if degrees is not None:
         group = gpus
-        degrees = cp_degrees(group)
         mode = "Ulysses" if degrees["ring_degree"] == 1 else "Unified (ring x Ulysses)"
         return Plan("ContextParallelStrategy", degrees, devices=gpus, group=group, reasons=[
             numbers, f"the sequence is long: split it over {group} GPUs with {mode}; "
                      f"{facts.heads} heads allow Ulysses up to {degrees['ulysses_degree']}"])
-    if fits_denoiser and not fits_whole:
+    if fits_whole:  # a long sequence this pipeline's context parallelism cannot split
+        return Plan("data_parallel", devices=gpus, group=1, replicas=gpus, reasons=[
+            numbers, f"the sequence is long, but {facts.pipeline}'s context parallelism cannot split it over "
+                     f"{gpus} GPUs ({context_note(facts)}): {gpus} replicas, one image per GPU"])
+    staged = facts.spec.stages is not None  # encode / denoise / decode as stages where the spec knows them
+    if fits_denoiser:
         # Each component fits, not all together: move whole components, no per-layer traffic.
-        return Plan("DeviceMapStrategy", {"device_map": "balanced", "staged": True,
+        return Plan("DeviceMapStrategy", {"device_map": "balanced", "staged": staged,
                                           "devices_per_process": min(gpus, 2)},
                     devices=max(1, gpus // 2), group=min(gpus, 2), replicas=max(1, gpus // 2), reasons=[
             numbers, "each component fits on a GPU but not all of them together: place whole components "
-                     "(device_map balanced, staged encode/denoise/decode), replicas on the other GPUs"])
+                     "(device_map balanced" + (", staged encode/denoise/decode" if staged else "")
+                     + "), replicas on the other GPUs"])
     # The transformer itself does not fit on one GPU.
-    shards = next((t for t in (2, 4, 8) if t <= gpus and facts.denoiser_gb / t + act <= usable
+    shards = next((t for t in (2, 4, 8) if facts.tensor and t <= gpus and facts.denoiser_gb / t + act <= usable
                    and facts.heads % t == 0), None)
     if interconnect == "pcie" or shards is None:
         # The fewest GPUs whose memory holds the model, a divisor of the count so that none idles: the
@@ -191,14 +223,14 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
         per = next((k for k in range(2, gpus + 1) if gpus % k == 0 and facts.total_gb / k + act <= usable), gpus)
         per = per if throughput else gpus
         replicas = gpus // per
-        return Plan("DeviceMapStrategy", {"device_map": "auto", "staged": True, "devices_per_process": per},
+        return Plan("DeviceMapStrategy", {"device_map": "auto", "staged": staged, "devices_per_process": per},
                     devices=replicas, group=per, replicas=replicas, reasons=[
             numbers, "the transformer does not fit on one GPU and "
                      + ("PCIe is too slow for per-layer tensor-parallel traffic" if interconnect == "pcie"
                         else "no tensor-parallel degree makes it fit")
                      + f": spread it with device_map auto over {per} GPUs"
                      + (f", {replicas} replicas" if replicas > 1 else "")])
-    if long and gpus // shards > 1:
+    if long and gpus // shards > 1 and "ulysses" in facts.context and "ring" in facts.context:
         group = gpus // shards
         ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % (d * shards) == 0)
         return Plan("MeshStrategy", {"dp": 1, "tp": shards, "ulysses": ulysses, "ring": group // ulysses},

@@ -17,7 +17,7 @@ import torch
 from lightning_diffusion import quantization
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.specs import cfg_supported, spec_for, with_plan
+from lightning_diffusion.specs import cfg_supported, spec_for
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
 
 # from_pretrained options that diffusers cannot combine with a tensor-parallel load, and why.
@@ -93,15 +93,28 @@ def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str
             )
 
 
-def planned_models(request: ModelRequest, plan: str, kind: str, instead: str) -> dict[str, type[Any]]:
-    """The pipeline's diffusers models with ``plan`` (``_cp_plan``, ``_tp_plan``), or a ConfigError."""
+def planned_models(request: ModelRequest, plan: str, kind: str) -> dict[str, type[Any]]:
+    """The pipeline's diffusers models with ``plan`` (``_cp_plan``, ``_tp_plan``), or a ConfigError
+    that names what the pipeline can run instead and the diffusers models that have the plan."""
+    from lightning_diffusion.pipeline_facts import models_with_plan
+
     planned = request.info.models_with(plan)
     if not planned:
+        other = request.info.facts.tp_plan if plan == "_cp_plan" else request.info.facts.cp_plan
+        instead = "data_parallel" + (" or " + ("tensor" if plan == "_cp_plan" else "context") + " parallelism"
+                                     if other else "")
         raise ConfigError(
-            f"{request.info.class_name} has no model with a {kind}-parallel plan ({plan}) in diffusers; {instead}, "
-            f"or a pipeline whose transformer has one ({', '.join(with_plan(plan))})."
+            f"{request.info.class_name} has no model with a {kind}-parallel plan ({plan}) in diffusers "
+            f"{_diffusers_version()}: use {instead}, or a pipeline whose transformer has one "
+            f"({', '.join(models_with_plan(plan))})."
         )
     return planned
+
+
+def _diffusers_version() -> str:
+    import diffusers
+
+    return diffusers.__version__
 
 
 def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_anything: bool,
@@ -109,7 +122,7 @@ def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_an
     """The pipeline has a ``_cp_plan``, heads divide the Ulysses degree, and the token counts of
     every kind of image (per-record sizes included) divide the context-parallel degree."""
     info = request.info
-    planned = planned_models(request, "_cp_plan", "context", "use data_parallel")
+    planned = planned_models(request, "_cp_plan", "context")
     split = dims.ulysses * dims.tp
     for name in planned:
         heads = info.configs.get(name, {}).get("num_attention_heads")
@@ -147,12 +160,57 @@ def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_an
             "Ulysses alone with ulysses_anything: true (ring_anything rejects its attention mask; tp with an "
             "anything-mode is not verified here)."
         )
+    mask = context_mask_problem(info.class_name, info.spec, info.facts, dims, ulysses_anything or ring_anything)
+    if mask:
+        raise ConfigError(mask)
     if ulysses_anything or ring_anything:
         return
     for call_args in request.call_arg_sets():
         check_sequence(request, dims, call_args)
     if info.spec.reference_tokens:
         check_reference_sequences(request, dims)
+
+
+def context_mask_problem(class_name: str, spec: Any, facts: Any, dims: ParallelDims, anything: bool
+                         ) -> Optional[str]:
+    """A transformer whose ``_cp_plan`` splits a text attention mask with the sequence gets the wrong
+    mask under some of diffusers 0.42.1's context-parallel attentions: ring applies each rank's
+    mask to every key/value block it receives (``TemplatedRingAttention``: plausible, wrong
+    pictures), ring-anything refuses any mask after the weights load, Unified neither gathers nor
+    splits it, and Ulysses-anything of degree 3 or more trims the gathered mask at the wrong places
+    when the ranks' text shards differ in length. Returns why, or None."""
+    masks = facts.split_masks()
+    if not masks or dims.cp == 1:
+        return None
+    named = ", ".join(f"{name}.{'/'.join(args)}" for name, args in masks.items())
+    mode = ("ring" if dims.ulysses == 1 else "unified") if dims.ring > 1 else "ulysses"
+    mode += "_anything" if anything and dims.ring * dims.ulysses > 1 else ""
+    allowed = spec.cp_mask_modes
+    if mode in allowed and not (anything and dims.ulysses >= 3):
+        return None
+    reason = {
+        "ring": "ring attention applies each rank's mask to every key/value block (wrong pictures)",
+        "unified": "Unified attention neither gathers the mask nor splits it with the heads",
+        "ring_anything": "ring_anything refuses an attention mask",
+        "unified_anything": "ring_anything refuses an attention mask",
+        "ulysses_anything": "Ulysses-anything trims the gathered mask at the wrong places for 3 or more ranks",
+    }.get(mode, "this mode is not verified with a split text mask")
+    fix = " or ".join(m.replace("_", "-") + (" of degree 2" if m.endswith("anything") else "") for m in allowed)
+    return (f"{class_name}: its transformer's _cp_plan splits the text attention mask ({named}) with the sequence, "
+            f"and in diffusers {_diffusers_version()} {reason}: use {fix}, or data_parallel.")
+
+
+def context_modes(spec: Any, facts: Any) -> tuple[str, ...]:
+    """The context-parallel attentions (``ulysses``, ``ring``) predict runs for this pipeline: none
+    without a ``_cp_plan``; Ulysses alone when its plan splits a text mask (``context_mask_problem``).
+    ``facts``: the pipeline's ``PipelineFacts``, or None to read the registry's transformer class."""
+    if facts is None:
+        from lightning_diffusion.pipeline_facts import denoiser_facts
+
+        facts = denoiser_facts(spec.class_name, spec.transformer_class)
+    if not facts.cp_plan:
+        return ()
+    return ("ulysses",) if facts.split_masks() else ("ulysses", "ring")
 
 
 def check_reference_sequences(request: ModelRequest, dims: ParallelDims, most: int = 3) -> None:
@@ -234,7 +292,7 @@ def check_shardable(cls: type[Any], config: dict[str, Any], tp_degree: int, name
 def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
     """A ``_tp_plan``, loading options diffusers can shard, safetensors weights, divisible blocks."""
     info = request.info
-    planned = planned_models(request, "_tp_plan", "tensor", "use data_parallel or context parallelism")
+    planned = planned_models(request, "_tp_plan", "tensor")
     options = request.from_pretrained_kwargs
     for option, reason in TP_INCOMPATIBLE_OPTIONS.items():
         if options.get(option) is not None:

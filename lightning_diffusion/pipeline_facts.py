@@ -1,0 +1,297 @@
+"""What a diffusers pipeline is, read from its class and its saved configs (no weight is read).
+
+Any pipeline a user brings is described here the way diffusers' own ``from_pretrained`` reads
+``model_index.json``: the output attribute from the class its ``__call__`` returns, a video's frame
+argument from ``__call__``'s signature, the VAE's spatial and temporal compression from the VAE
+class built on the meta device from its config, the transformer's token packing from its config,
+the text-length argument and the limit the pipeline itself checks, and which components have a
+diffusers ``_cp_plan`` / ``_tp_plan``. ``specs.py`` keeps only what cannot be read this way and may
+override a derived fact (``PipelineSpec.resolved``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Output attributes the writer can encode: still images, or videos of frames.
+OUTPUT_ATTRIBUTES = ("images", "frames", "image")
+FRAMES_ARG = "num_frames"
+TEXT_LENGTH_ARG = "max_sequence_length"
+# Arguments of a denoiser's ``forward`` that carry the text's attention mask (padding of the prompt).
+TEXT_MASK_ARGS = ("encoder_attention_mask", "encoder_hidden_states_mask")
+# The denoiser components a pipeline calls in its loop, in the order they are looked for.
+DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """Facts of one pipeline class read from the class and its configs (``derive``).
+
+    ``output``: the attribute of the call's output that holds the pictures (``images``, ``frames``),
+    or ``None`` with ``why_not`` when it makes something else (audio, embeddings). ``frames_arg`` and
+    ``default_frames``: a video pipeline's frame-count argument and its default. ``spatial`` /
+    ``temporal``: the VAE's compression (pixels per latent pixel, frames per latent frame).
+    ``patch`` / ``patch_t``: latent pixels (frames) packed into one token. ``text_length_arg``:
+    the call argument that pads the text to a fixed token count; ``text_length_max``: the most it
+    may ask for, as the pipeline checks it. ``default_size``: (height, width) when the call gives
+    none, where the class or a config says. ``cp_plan`` / ``tp_plan``: components with a diffusers
+    context-/tensor-parallel plan. ``text_masks``: per denoiser, the text-mask arguments its
+    ``forward`` takes; ``cp_splits``: per component with a ``_cp_plan``, the ``forward`` inputs it
+    splits over the context-parallel ranks (the text too when ``encoder_hidden_states`` is one)."""
+
+    @property
+    def text_split(self) -> bool:
+        """Context parallelism splits the text tokens, so their count must divide the degree."""
+        return any("encoder_hidden_states" in inputs for inputs in self.cp_splits.values())
+
+    def split_masks(self) -> dict[str, tuple[str, ...]]:
+        """Per denoiser, the text masks its ``_cp_plan`` splits with the sequence."""
+        found = {name: tuple(a for a in self.text_masks.get(name, ()) if a in inputs)
+                 for name, inputs in self.cp_splits.items()}
+        return {name: masks for name, masks in found.items() if masks}
+
+    class_name: str
+    output: Optional[str] = None
+    frames_arg: Optional[str] = None
+    default_frames: Optional[int] = None
+    spatial: Optional[int] = None
+    temporal: int = 1
+    patch: Optional[int] = None
+    patch_t: int = 1
+    text_length_arg: Optional[str] = None
+    text_length_max: Optional[int] = None
+    default_size: Optional[tuple[int, int]] = None
+    cp_plan: tuple[str, ...] = ()
+    tp_plan: tuple[str, ...] = ()
+    text_masks: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    cp_splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    why_not: Optional[str] = None
+
+    @property
+    def size_multiple(self) -> Optional[int]:
+        """Height and width must be multiples of this: VAE compression times token packing."""
+        return self.spatial * (self.patch or 1) if self.spatial else None
+
+
+def output_attribute(pipeline_class: type) -> tuple[Optional[str], Optional[str]]:
+    """(attribute, None), or (None, why) for a pipeline whose output holds no pictures: read from the
+    dataclass its ``__call__`` returns (``return FluxPipelineOutput(images=...)``)."""
+    try:
+        source = inspect.getsource(pipeline_class.__call__)
+    except (OSError, TypeError):
+        return None, "its __call__ has no readable source"
+    names = sorted(set(re.findall(r"return\s+(\w+Output)\(", source)))
+    if not names:
+        return None, "its __call__ returns no diffusers output class (a combined pipeline calls others)"
+    module = sys.modules.get(pipeline_class.__call__.__module__)
+    fields: list[str] = []
+    for name in names:
+        output_class = getattr(module, name, None)
+        if dataclasses.is_dataclass(output_class):
+            fields += [f.name for f in dataclasses.fields(output_class)]
+    found = next((name for name in OUTPUT_ATTRIBUTES if name in fields), None)
+    if found is None:
+        held = ", ".join(fields) or "nothing known"
+        return None, f"its output ({', '.join(names)}) holds {held}, not images or frames"
+    return found, None
+
+
+def _meta_model(cls: Any, config: dict[str, Any]) -> Any:
+    """The model a config describes, built on the meta device (no memory, no weight), or None."""
+    import torch
+
+    quiet = logging.getLogger("diffusers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with torch.device("meta"):
+            return cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    except Exception:  # a config this class cannot build: the facts are then read from the config alone
+        return None
+    finally:
+        quiet.setLevel(level)
+
+
+def vae_compression(cls: Optional[type], config: dict[str, Any]) -> tuple[Optional[int], int]:
+    """(spatial, temporal) compression of a VAE: the config's own factors where it states them, else
+    the attributes diffusers' video VAEs compute in ``__init__`` (``spatial_compression_ratio``,
+    ``temporal_compression_ratio``: LTX's from its patch and scaling blocks), read from the class
+    built on the meta device, else its down blocks."""
+    spatial = config.get("scale_factor_spatial") or config.get("spatial_compression_ratio")
+    temporal = config.get("scale_factor_temporal") or config.get("temporal_compression_ratio")
+    if (spatial is None or temporal is None) and cls is not None and "spatio_temporal_scaling" in config:
+        model = _meta_model(cls, config)
+        spatial = spatial or getattr(model, "spatial_compression_ratio", None)
+        temporal = temporal or getattr(model, "temporal_compression_ratio", None)
+    if spatial is None and "temperal_downsample" in config:  # Wan-family VAEs
+        spatial = 2 ** len(config["temperal_downsample"])
+        temporal = temporal or 2 ** sum(bool(t) for t in config["temperal_downsample"])
+    if spatial is None and isinstance(config.get("block_out_channels"), list):
+        spatial = 2 ** (len(config["block_out_channels"]) - 1)
+    return (int(spatial) if isinstance(spatial, (int, float)) else None,
+            int(temporal) if isinstance(temporal, (int, float)) else 1)
+
+
+def latent_channels(config: dict[str, Any]) -> Optional[int]:
+    for key in ("latent_channels", "z_dim", "out_channels_latent"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def token_patch(denoiser: dict[str, Any], latent: Optional[int]) -> tuple[int, int]:
+    """(spatial, temporal) latent pixels per token of a denoiser config. A patch embedding declares
+    its ``patch_size`` (2, or (t, h, w)); a transformer that takes pre-packed latents through a linear
+    layer (FLUX.1, Chroma, FLUX.2) declares 1 and takes ``p x p x latent channels`` inputs instead."""
+    size, size_t = denoiser.get("patch_size"), denoiser.get("patch_size_t")
+    if isinstance(size, (list, tuple)):
+        size_t, size = (size[0], size[-1]) if len(size) == 3 else (size_t, size[-1])
+    spatial = size if isinstance(size, int) and size > 0 else 1
+    temporal = size_t if isinstance(size_t, int) and size_t > 0 else 1
+    if spatial == 1 and latent:
+        packed = denoiser.get("out_channels") or denoiser.get("in_channels")
+        if isinstance(packed, int) and packed % latent == 0:
+            root = math.isqrt(packed // latent)
+            if root > 1 and root * root == packed // latent:
+                spatial = root
+    return spatial, temporal
+
+
+def text_length_limit(pipeline_class: type) -> Optional[int]:
+    """The most text tokens the pipeline's own ``check_inputs`` allows for ``max_sequence_length``
+    (``if max_sequence_length > 512: raise``), which it checks only after its weights load."""
+    check = getattr(pipeline_class, "check_inputs", None)
+    try:
+        source = inspect.getsource(check) if check is not None else ""
+    except (OSError, TypeError):
+        return None
+    found = re.findall(rf"{TEXT_LENGTH_ARG}\s*>\s*(\d+)", source)
+    return int(found[0]) if len(set(found)) == 1 else None
+
+
+def plan_inputs(plan: dict[str, Any]) -> tuple[str, ...]:
+    """The named ``forward`` inputs a diffusers ``_cp_plan`` splits (its dict entries' keys)."""
+    names: list[str] = []
+    for entry in plan.values():
+        if isinstance(entry, dict):
+            names += [key for key in entry if isinstance(key, str)]
+    return tuple(dict.fromkeys(names))
+
+
+def models_with_plan(attribute: str) -> list[str]:
+    """The diffusers model classes whose ``attribute`` (``_cp_plan``, ``_tp_plan``) is set."""
+    import diffusers
+    from diffusers import ModelMixin
+
+    found = []
+    for name in dir(diffusers):
+        try:
+            cls = getattr(diffusers, name)
+        except Exception:  # an optional backend that cannot import here
+            continue
+        if isinstance(cls, type) and issubclass(cls, ModelMixin) and getattr(cls, attribute, None):
+            found.append(name)
+    return sorted(found)
+
+
+def _call_default(parameters: Any, name: str) -> Any:
+    parameter = parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def _component_class(model_index: dict[str, Any], name: str) -> Optional[type]:
+    import importlib
+
+    entry = model_index.get(name)
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] and entry[1]):
+        return None
+    try:
+        found = getattr(importlib.import_module(entry[0]), entry[1], None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
+
+
+def denoiser_facts(class_name: str, transformer_class: Optional[str]) -> PipelineFacts:
+    """The plans and split text masks of a pipeline known only by its denoiser's diffusers class
+    name (``plan`` on a published model without its configs)."""
+    import diffusers
+
+    cls: Any = getattr(diffusers, transformer_class, None) if transformer_class else None
+    if not isinstance(cls, type) or not hasattr(cls, "forward"):
+        return PipelineFacts(class_name)
+    cp = getattr(cls, "_cp_plan", None)
+    forward = inspect.signature(cls.forward).parameters
+    return PipelineFacts(
+        class_name, cp_plan=("transformer",) if cp else (),
+        tp_plan=("transformer",) if getattr(cls, "_tp_plan", None) else (),
+        text_masks={"transformer": tuple(a for a in TEXT_MASK_ARGS if a in forward)},
+        cp_splits={"transformer": plan_inputs(cp)} if cp else {},
+    )
+
+
+def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str, dict[str, Any]]) -> PipelineFacts:
+    """Every fact of ``PipelineFacts`` that the class and its configs say."""
+    from diffusers import ModelMixin
+
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    output, why_not = output_attribute(pipeline_class)
+    frames_arg = FRAMES_ARG if FRAMES_ARG in parameters and output == "frames" else None
+    vae_config = configs.get("vae", {})
+    spatial, temporal = vae_compression(_component_class(model_index, "vae"), vae_config) if vae_config else (None, 1)
+    denoiser = next((name for name in DENOISERS if name in configs), None)
+    patch, patch_t = token_patch(configs[denoiser], latent_channels(vae_config)) if denoiser else (None, 1)
+    height, width = _call_default(parameters, "height"), _call_default(parameters, "width")
+    default_size: Optional[tuple[int, int]] = None
+    if isinstance(height, int) and isinstance(width, int):
+        default_size = (height, width)
+    elif denoiser and spatial and isinstance(configs[denoiser].get("sample_size"), int):
+        side = configs[denoiser]["sample_size"] * spatial  # SDXL's, SD3's and PixArt's default_sample_size
+        default_size = (side, side)
+    elif denoiser and spatial and isinstance(configs[denoiser].get("sample_height"), int):  # CogVideoX
+        config = configs[denoiser]
+        width = config.get("sample_width", config["sample_height"])
+        default_size = (config["sample_height"] * spatial, width * spatial)
+    plans: dict[str, list[str]] = {"_cp_plan": [], "_tp_plan": []}
+    masks: dict[str, tuple[str, ...]] = {}
+    splits: dict[str, tuple[str, ...]] = {}
+    for name in model_index:
+        cls = None if name.startswith("_") else _component_class(model_index, name)
+        if not (cls is not None and issubclass(cls, ModelMixin)):
+            continue
+        for attribute, found in plans.items():
+            if getattr(cls, attribute, None) is not None:
+                found.append(name)
+        if getattr(cls, "_cp_plan", None):
+            splits[name] = plan_inputs(cls._cp_plan)
+        if name in DENOISERS:
+            forward = inspect.signature(cls.forward).parameters
+            taken = tuple(arg for arg in TEXT_MASK_ARGS if arg in forward)
+            if taken:
+                masks[name] = taken
+    frames = _call_default(parameters, FRAMES_ARG) if frames_arg else None
+    return PipelineFacts(
+        class_name=pipeline_class.__name__,
+        output=output,
+        frames_arg=frames_arg,
+        default_frames=frames if isinstance(frames, int) else None,
+        spatial=spatial,
+        temporal=temporal if frames_arg else 1,
+        patch=patch,
+        patch_t=patch_t,
+        text_length_arg=TEXT_LENGTH_ARG if TEXT_LENGTH_ARG in parameters else None,
+        text_length_max=text_length_limit(pipeline_class) if TEXT_LENGTH_ARG in parameters else None,
+        default_size=default_size,
+        cp_plan=tuple(plans["_cp_plan"]),
+        tp_plan=tuple(plans["_tp_plan"]),
+        text_masks=masks,
+        cp_splits=splits,
+        why_not=why_not,
+    )

@@ -1,0 +1,241 @@
+"""Pipelines the registry does not describe run on what is read from their classes and configs.
+
+Tiny random copies of StableDiffusionXL, StableDiffusion3, FLUX.2, LTX-Video and CogVideoX
+(``tiny_zoo``): one process byte-identical to diffusers called directly with the manifest's seeds;
+2 replicas byte-identical to one process; each context- or tensor-parallel mode that the
+transformer's diffusers plans allow equal to one process within ATOL, or refused before any weight
+loads with the reason. Every pipeline class diffusers exports is derived without weights.
+
+Each outcome is appended to ``$LIGHTNING_DIFFUSION_PIPELINE_RESULTS`` (a JSON-lines file) when it
+is set; ``scripts/pipeline-table`` turns that file into the table of docs/pipelines.md.
+
+Tolerance: ATOL 1e-5 on decoded float images (0..1), as the other context-parallel tests (their
+measured differences are about 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here
+
+ATOL = 1e-5
+PROMPTS = "[a cat on a mat, a lighthouse in a storm]"
+# Per tiny pipeline: its size (and frames), a shorter text where the default pads far, and the
+# model-parallel modes its transformer's plans allow ("parity") or that are refused ("refused").
+PIPELINES = {
+    "sdxl": {"args": ["--model.height", "32", "--model.width", "32"], "class": "StableDiffusionXLPipeline",
+             "refused": {"ulysses": "has no model with a context-parallel plan",
+                         "tensor_parallel": "has no model with a tensor-parallel plan"}},
+    "sd3": {"args": ["--model.height", "32", "--model.width", "32"], "class": "StableDiffusion3Pipeline",
+            "refused": {"ulysses": "has no model with a context-parallel plan",
+                        "tensor_parallel": "has no model with a tensor-parallel plan"}},
+    "flux2": {"args": ["--model.height", "32", "--model.width", "32", "--model.call_kwargs.max_sequence_length",
+                       "32"], "class": "Flux2Pipeline", "parity": ["ulysses", "ring", "tensor_parallel"]},
+    "ltx": {"args": ["--model.height", "32", "--model.width", "32", "--model.num_frames", "5"],
+            "class": "LTXPipeline", "parity": ["ulysses"],
+            "refused": {"ring": "ring attention applies each rank's mask to every key/value block",
+                        "tensor_parallel": "has no model with a tensor-parallel plan"}},
+    "cogvideox": {"args": ["--model.height", "32", "--model.width", "32", "--model.num_frames", "5",
+                           "--model.call_kwargs.max_sequence_length", "16"],
+                  "class": "CogVideoXPipeline",
+                  "refused": {"ulysses": "has no model with a context-parallel plan",
+                              "tensor_parallel": "has no model with a tensor-parallel plan"}},
+}
+# A size each pipeline cannot take, and the multiple its refusal names.
+BAD_SIZES = {"sdxl": ("34", "4"), "sd3": ("40", "16"), "flux2": ("40", "16"), "ltx": ("34", "4"),
+             "cogvideox": ("40", "16")}
+
+
+def record(pipeline: str, strategy: str, outcome: str, detail: str = "") -> None:
+    """Append one tested outcome for ``scripts/pipeline-table``."""
+    target = os.environ.get("LIGHTNING_DIFFUSION_PIPELINE_RESULTS")
+    if target:
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"pipeline": PIPELINES[pipeline]["class"], "tiny": f"tiny:{pipeline}",
+                                "strategy": strategy, "outcome": outcome, "detail": detail}) + "\n")
+
+
+def predict_args(name: str, out: Path, *extra: str) -> list[str]:
+    return ["predict", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+            "--model.pretrained_model_name_or_path", f"tiny:{name}", "--model.num_inference_steps", "2",
+            *PIPELINES[name]["args"], "--data.prompts", PROMPTS,
+            "--data.batch_size", "1", "--writer.output_dir", str(out), "--writer.save_arrays", "true",
+            "--trainer.enable_progress_bar", "false", *extra]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One-process runs of every tiny pipeline, made once for the module."""
+    made = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"{name}-one-process")
+            run_here(*predict_args(name, out))
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_one_process_equals_diffusers_called_directly(name, references):
+    from lightning_diffusion import bare
+
+    out = references(name)
+    lines = read_manifest_lines(out)
+    arrays = load_arrays(out)
+    pipe = bare.load(f"tiny:{name}")
+    args = PIPELINES[name]["args"]
+    call = {"height": 32, "width": 32, "num_inference_steps": 2, "output_type": "np"}
+    if "--model.num_frames" in args:
+        call["num_frames"] = 5
+    if "--model.call_kwargs.max_sequence_length" in args:
+        call["max_sequence_length"] = int(args[args.index("--model.call_kwargs.max_sequence_length") + 1])
+    for line in lines:
+        output = bare.call(pipe, [line["prompt"]], [line["seed"]], **call)
+        direct = np.asarray(output.frames if "num_frames" in call else output.images, dtype=np.float32)[0]
+        assert np.array_equal(direct, arrays[line["index"]]), f"{name} image {line['index']}"
+    kind = "video" if "num_frames" in call else "image"
+    assert all(line["file"].endswith(".mp4" if kind == "video" else ".png") for line in lines)
+    if kind == "video":  # the frames the pipeline made (CogVideoX's VAE makes its own count), recorded as made
+        assert all(line["num_frames"] == arrays[line["index"]].shape[0] > 1 for line in lines)
+    record(name, "one process", "equal", "byte-identical to diffusers called directly")
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_a_size_the_pipeline_cannot_take_is_refused_before_weights(name, tmp_path):
+    size, multiple = BAD_SIZES[name]
+    proc = run_here(*predict_args(name, tmp_path / "out", "--model.height", size), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"height={size} cannot be made by {PIPELINES[name]['class']}: use a positive multiple of {multiple}" in (
+        proc.stdout + proc.stderr)
+    assert not (tmp_path / "out" / "manifest.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_two_replicas_equal_one_process(name, references, tmp_path):
+    reference = load_arrays(references(name))
+    run_cli(*predict_args(name, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "data_parallel"))
+    arrays = load_arrays(tmp_path)
+    assert arrays.keys() == reference.keys()
+    for index in reference:
+        assert np.array_equal(arrays[index], reference[index]), f"{name} image {index}"
+    record(name, "data_parallel 2", "equal", "byte-identical to one process")
+
+
+MODEL_PARALLEL = [(name, mode, "parity") for name, spec in PIPELINES.items() for mode in spec.get("parity", [])] + [
+    (name, mode, "refused") for name, spec in PIPELINES.items() for mode in spec.get("refused", {})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, mode, expected", MODEL_PARALLEL,
+                         ids=[f"{name}-{mode}" for name, mode, _ in MODEL_PARALLEL])
+def test_each_plan_runs_with_parity_or_is_refused_before_weights(name, mode, expected, references, tmp_path):
+    strategy = ["--trainer.devices", "2", "--trainer.strategy", mode]
+    if expected == "refused":
+        proc = run_cli(*predict_args(name, tmp_path, *strategy), check=False)
+        text = proc.stdout + proc.stderr
+        reason = PIPELINES[name]["refused"][mode]
+        assert proc.returncode == 2 and reason in text, text[-3000:]
+        assert "Loading" not in text and not (tmp_path / "manifest.jsonl").exists()  # before any weight
+        line = next(line for line in text.splitlines() if reason in line)
+        record(name, f"{mode} 2", "refused", line.split(": ", 2)[-1].strip())
+        return
+    reference = load_arrays(references(name))
+    run_cli(*predict_args(name, tmp_path, *strategy))
+    arrays = load_arrays(tmp_path)
+    assert arrays.keys() == reference.keys()
+    worst = max(float(np.abs(arrays[i] - reference[i]).max()) for i in reference)
+    assert worst <= ATOL, f"{name} under {mode}: {worst}"
+    record(name, f"{mode} 2", "equal", f"max difference {worst:.1e} (tolerance {ATOL:.0e})")
+
+
+def test_every_diffusers_pipeline_class_is_derived_without_weights():
+    """Each pipeline class diffusers exports says what it outputs (pictures or frames), or why it is
+    not a pipeline of pictures (audio, embeddings, a combined pipeline that calls others)."""
+    import diffusers
+
+    from lightning_diffusion.pipeline_facts import derive
+
+    classes = sorted({cls for name in dir(diffusers) if "Pipeline" in name
+                      for cls in [getattr(diffusers, name)]
+                      if isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)
+                      and cls is not diffusers.DiffusionPipeline}, key=lambda c: c.__name__)
+    assert len(classes) > 200
+    outputs = {}
+    for cls in classes:
+        facts = derive(cls, {}, {})
+        assert (facts.output in ("images", "frames", "image")) != (facts.why_not is not None), cls.__name__
+        outputs[cls.__name__] = facts
+    assert outputs["LTXPipeline"].output == "frames" and outputs["LTXPipeline"].frames_arg == "num_frames"
+    assert outputs["StableDiffusion3Pipeline"].output == "images"
+    assert outputs["FluxPipeline"].text_length_max == 512 and outputs["QwenImagePipeline"].text_length_max == 1024
+    assert "audios" in outputs["AudioLDMPipeline"].why_not
+    assert sum(f.output is not None for f in outputs.values()) > 0.85 * len(classes)  # 260 of 293 in 0.42.1
+
+
+def test_derived_facts_agree_with_the_registry():
+    """A fact a registry entry sets must be the one the pipeline itself says, where it says one."""
+    from lightning_diffusion import specs, tiny
+    from lightning_diffusion.pipelines import inspect_pipeline
+
+    checked = 0
+    for name in [n for n in tiny.names() if n != "tiny:shapes"]:
+        info = inspect_pipeline(name)
+        entry, facts = specs.spec_for(info.class_name), info.facts
+        pairs = {"patch": (entry.patch, facts.patch), "vae_scale": (entry.vae_scale, facts.spatial),
+                 "output": (entry.output, facts.output), "frames_arg": (entry.frames_arg, facts.frames_arg),
+                 "temporal_scale": (entry.temporal_scale, facts.temporal if facts.frames_arg else None),
+                 "default_frames": (entry.default_frames, facts.default_frames),
+                 "text_length_max": (entry.text_length_max, facts.text_length_max)}
+        for fact, (registered, derived) in pairs.items():
+            if registered is not None and derived is not None:
+                assert registered == derived, f"{info.class_name}.{fact}: registry {registered}, derived {derived}"
+                checked += 1
+    assert checked >= 20
+
+
+def test_plan_counts_tokens_from_the_derived_geometry_and_recommends_what_predict_runs(tiny_cache):
+    from lightning_diffusion import tiny
+    from lightning_diffusion.commands.plan import choose, facts_for, tokens
+
+    sd3 = facts_for(tiny.resolve("tiny:sd3"))
+    assert tokens(sd3, 1024, 1024, None) - sd3.text_tokens == 64 * 64  # 8x VAE, 2x2 patches: 4,096 tokens
+    ltx = facts_for(tiny.resolve("tiny:ltx"))
+    assert ltx.context == ("ulysses",) and not ltx.tensor
+    assert sd3.context == () and not sd3.tensor
+    # A long sequence with the latency goal: context parallelism only where predict runs it.
+    for facts in (sd3, ltx):
+        plan = choose(facts, 4, 80, "nvlink", 4096, 4096, None, 1, "latency")
+        if facts is sd3:
+            assert plan.strategy == "data_parallel", plan
+        else:
+            assert plan.strategy == "ContextParallelStrategy" and plan.init_args["ring_degree"] == 1, plan
+    # Over 8 GPUs LTX's 4 heads would need ring for the rest, which its text mask rules out.
+    assert choose(ltx, 8, 80, "nvlink", 4096, 4096, None, 1, "latency").strategy == "data_parallel"
+
+
+@pytest.mark.slow
+def test_a_failed_pipeline_call_is_one_line_and_its_traceback_with_verbose(tmp_path):
+    """tiny:cogvideox's positional table holds 16 text tokens; CogVideoX pads the text to 226 by
+    default, which fails inside the transformer after the weights load."""
+    args = [a for a in predict_args("cogvideox", tmp_path / "a") if a not in ("--model.call_kwargs.max_sequence_length",
+                                                                              "16")]
+    proc = run_cli(*args, check=False)
+    assert proc.returncode == 1
+    assert "lightning-diffusion: error: image 0 (inline prompts:1) failed: RuntimeError: The size of tensor a" in (
+        proc.stderr)
+    assert "Traceback" not in proc.stderr and "run again with --verbose" in proc.stderr
+    args[args.index(str(tmp_path / "a"))] = str(tmp_path / "b")
+    proc = run_cli("--verbose", *args, check=False)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and "cogvideox_transformer_3d.py" in proc.stderr
+    assert "lightning-diffusion: error: image 0 (inline prompts:1) failed: RuntimeError" in proc.stderr
