@@ -46,6 +46,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         print(f"lightning-diffusion: error: unknown command {words[0]!r}.{hint}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
+    from lightning_diffusion.config_guard import words_problems
+
+    problems = words_problems(words[1:])  # before any parser quotes a file or imports a class_path
+    if problems:
+        text = problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)
+        print(f"lightning-diffusion: error: {text}", file=sys.stderr)
+        sys.exit(2)
     command = importlib.import_module(COMMANDS[words[0]][0])
     sys.exit(command.main(words[1:]))
 

@@ -22,7 +22,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.manifest import atomic_write, failures_part
+from lightning_diffusion.manifest import atomic_write, failures_part, in_shard
 
 
 def slugify(prompt: str, max_length: int = 40) -> str:
@@ -61,6 +61,30 @@ def shard_name(first_index: int) -> str:
     """A tar shard, named by the first image it holds: unique (an image is in one finished shard,
     and a resume never makes it again) and the same whatever the layout of the run."""
     return f"shard-{first_index:09d}.tar"
+
+
+# The temporary names ``atomic_write`` and the tar writer give a file while it is written:
+# ``.NAME.tmp-PID-RANDOM``. The NAME's index (an output's, an array's, a tar shard's first image)
+# says which shard of a job array wrote it.
+_TEMPORARY = re.compile(r"^\.(?:shard-)?(\d{6,})?[^/]*\.tmp-\d+-[0-9a-f]{12}$")
+
+
+def stale_temporaries(folder: Path, shard: Optional[tuple[int, int]]) -> list[Path]:
+    """Files an earlier run of this folder (of this shard, for a job-array task) left half-written
+    when it was killed: only this project's temporary names, only in the folder and its numbered
+    subfolders. Called with the folder's lock held, so no live run of the same images writes them."""
+    found = []
+    folders = [folder] + [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)
+                          and re.fullmatch(r"\d{5}", e.name)]
+    for where in folders:
+        for entry in os.scandir(where):
+            match = _TEMPORARY.match(entry.name) if entry.name.startswith(".") else None
+            if match is None or not entry.is_file(follow_symlinks=False):
+                continue
+            index = match.group(1)
+            if shard is None or (index is not None and in_shard(int(index), shard)):
+                found.append(Path(entry.path))
+    return found
 
 
 VIDEO_FORMATS = ("mp4", "webp", "gif")

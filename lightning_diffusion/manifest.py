@@ -86,6 +86,23 @@ def _inside(folder: Path, name: str) -> bool:
     return bool(name) and not name.startswith(("/", "\\")) and ".." not in name.replace("\\", "/").split("/")
 
 
+# The names the writer gives an output: ``000123-a-red-fox.png`` (in a numbered subfolder in the
+# sharded layout), or member ``000000123.png`` of tar shard ``shard-000000100.tar``; the number is
+# the output's own index. A manifest line naming anything else (``run.json``, ``../x``) is not an output.
+_OUTPUT_FILE = re.compile(r"(?:\d{5}/)?(\d{6,})-[a-z0-9-]*\.(?:png|webp|jpg|mp4|gif)")
+_SHARD_FILE = re.compile(r"shard-\d{9}\.tar")
+_SHARD_MEMBER = re.compile(r"(\d{9,})\.(?:png|webp|jpg|mp4|gif)")
+
+
+def writer_name(index: int, name: str, member: Optional[str]) -> bool:
+    """``name`` (and ``member``) are what the writer names output ``index``."""
+    if member is None:
+        found = _OUTPUT_FILE.fullmatch(name)
+        return found is not None and int(found.group(1)) == index
+    found = _SHARD_MEMBER.fullmatch(member)
+    return _SHARD_FILE.fullmatch(name) is not None and found is not None and int(found.group(1)) == index
+
+
 def _finished(file: Path | str, size: Optional[int], sizes: Optional[dict[str, Optional[int]]] = None) -> bool:
     """The file of a manifest line is there and whole (its size is recorded, so a truncated file is
     caught with a stat, without reading every image on resume). ``sizes``: files already looked at
@@ -95,7 +112,7 @@ def _finished(file: Path | str, size: Optional[int], sizes: Optional[dict[str, O
         found = sizes[path]
     else:
         try:
-            stat = os.stat(path)
+            stat = os.lstat(path)  # a link, even to a file of the recorded size, is not an output
             found = stat.st_size if (stat.st_mode & 0o170000) == 0o100000 else None  # a regular file
         except OSError:
             found = None
@@ -176,7 +193,7 @@ _SHARD_BYTES = re.compile(rb'"shard_bytes": (\d+)')
 
 def _parse(raw: bytes) -> Optional[tuple[int, str, Optional[str], Optional[int]]]:
     """(index, file, tar member, size to check) of a manifest line; None for one that is not."""
-    match = _LINE.match(raw)
+    match = _LINE.match(raw) if raw.endswith(b"}\n") else None  # a line cut short keeps no closing brace
     if match is not None:
         index, name, member, size = match.groups()
         if member is None:
@@ -219,6 +236,10 @@ def _check_lines(looked: _Looked, where: str, lines: Any, trusted: bool, keep: A
             problems.append(f"{where}:{number}: not a manifest line")
             continue
         index, name, member, size = parsed
+        if _inside(looked.folder, name) and not writer_name(index, name, member):
+            shown = name + (f" member {member}" if member is not None else "")
+            problems.append(f"{where}:{number}: {shown!r} is not what the writer names output {index}")
+            continue
         if member is not None and looked.shard_ok(name, size, trusted):
             keep(index, (name, member), raw, where, number)
         elif not _inside(looked.folder, name):
@@ -283,17 +304,22 @@ def _block_columns(block: bytes, count: int) -> Optional[tuple]:
     """The columns of a block whose ``count`` lines all have the writer's shape, else None."""
     columns = {key: _BLOCK_KEYS[key].findall(block) for key in ("index", "file", "bytes", "member", "shard_bytes")}
     if not (len(columns["index"]) == len(columns["file"]) == len(columns["bytes"]) == count
-            and len(columns["member"]) == len(columns["shard_bytes"]) in (0, count)):
+            and len(columns["member"]) == len(columns["shard_bytes"]) in (0, count)
+            and block.count(b"}\n") == count):  # every line whole: a line cut short is read line by line
         return None
     members = np.full(count, bool(columns["member"]))
     shard_size = np.asarray(columns["shard_bytes"]).astype(np.int64) if columns["member"] else np.zeros(count, np.int64)
+    member_names = np.asarray(columns["member"]) if columns["member"] else np.full(count, b"")
     return (np.asarray(columns["index"]).astype(np.int64), np.asarray(columns["file"]), members,
-            np.asarray(columns["bytes"]).astype(np.int64), shard_size)
+            np.asarray(columns["bytes"]).astype(np.int64), shard_size, member_names)
 
 
 def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: array, problems: list[str]) -> None:
-    index, name, members, size, shard_size = found
+    index, name, members, size, shard_size, member_names = found
     ok = np.zeros(len(index), dtype=bool)
+    named = np.array([writer_name(i, n.decode(), m.decode() if is_member else None)
+                      for i, n, m, is_member in zip(index.tolist(), name.tolist(), member_names.tolist(),
+                                                    members.tolist())], dtype=bool)
     if members.any():  # one verdict per shard (and recorded size)
         names, inverse = np.unique(name[members], return_inverse=True)
         for n, value in enumerate(names.tolist()):
@@ -304,9 +330,11 @@ def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: 
     for row in np.flatnonzero(~members).tolist():  # loose files: one look each
         text = name[row].decode()
         ok[row] = _inside(looked.folder, text) and _finished(looked.prefix + text, int(size[row]))
+    ok &= named
     for row in np.flatnonzero(~ok).tolist():
-        text = name[row].decode()
+        text = name[row].decode() + (f" member {member_names[row].decode()}" if members[row] else "")
         why = ("is outside the output folder" if not _inside(looked.folder, text)
+               else f"is not what the writer names output {index[row]}" if not named[row]
                else "is missing or not the size recorded")
         problems.append(f"{where}:{first + row}: {text!r} {why}")
     indices.extend(index[ok].tolist())
@@ -331,15 +359,22 @@ def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = N
     keys: dict[int, tuple[tuple[str, Optional[str]], str]] = {}
     conflicts: list[tuple[int, str, str]] = []
 
+    unreadable: list[str] = []
+
     def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
         where = f"{name}:{number}"
+        try:
+            entry = json.loads(raw)
+        except ValueError:  # its fields where a reader looks for them, cut or garbled elsewhere
+            unreadable.append(f"{where}: not a manifest line")
+            return
         if index in keys and keys[index][0] != key:
             conflicts.append((index, where, keys[index][1]))
             return
         keys[index] = (key, where)
-        entries[index] = json.loads(raw)
+        entries[index] = entry
 
-    problems = _scan(folder, _files(folder, parts), trust_manifest, keep)
+    problems = _scan(folder, _files(folder, parts), trust_manifest, keep) + unreadable
     for index, where, first in conflicts:
         problems.append(f"{where}: image {index} is also {keys[index][0][0]!r} ({first}); neither counts")
         entries.pop(index, None)

@@ -50,6 +50,7 @@ from lightning_diffusion.files import (
     OutputFiles,
     resolve_layout,
     size_text,
+    stale_temporaries,
     to_uint8,
 )
 from lightning_diffusion.lock import OutputLock, busy_message
@@ -326,6 +327,12 @@ class ImageWriter(BasePredictionWriter):
             return busy, []  # the lock is the other run's
         if busy is not None:
             return self._refuse(busy)
+        stale = stale_temporaries(self.output_dir, self.shard)
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            log.info("%s: removed %d half-written temporary file%s of an earlier run that was stopped.",
+                     self.output_dir, len(stale), "" if len(stale) == 1 else "s")
         run_file = self.output_dir / RUN_FILE
         if run_file.is_file():
             conflict = None if self.allow_config_change else settings_conflict(self.output_dir, settings)

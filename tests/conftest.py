@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 # each of two ranks half). CPU kernels split their sums by thread count, so a reference made with 2
 # threads differs from 1-thread ranks by about 1e-6, and bit-identity tests need equal threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The deliberately broken strategies of tests/broken_plans.py are named by class_path in configs;
+# a config may name classes of the packages this variable lists (config_guard).
+os.environ.setdefault("LIGHTNING_DIFFUSION_CLASS_MODULES", "tests")
 
 
 @pytest.fixture(scope="session", autouse=True)

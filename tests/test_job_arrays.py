@@ -134,8 +134,8 @@ def _folder_with_shards(tmp_path: Path, done: list[int]) -> Path:
     out.mkdir()
     lines = []
     for index in done:
-        (out / f"{index:06d}.png").write_bytes(b"png")
-        lines.append(json.dumps({"index": index, "file": f"{index:06d}.png", "bytes": 3}) + "\n")
+        (out / f"{index:06d}-x.png").write_bytes(b"png")
+        lines.append(json.dumps({"index": index, "file": f"{index:06d}-x.png", "bytes": 3}) + "\n")
     (out / "manifest.jsonl").write_text("".join(lines))
     (out / "run.json").write_text(json.dumps({"expected": 5}))
     (out / "run.shard-0-of-4.json").write_text(json.dumps({"shard": [0, 4], "history": []}))

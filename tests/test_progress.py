@@ -97,9 +97,9 @@ def test_status_refuses_what_is_not_an_output_folder(tmp_path, cli_here):
 
 
 def test_status_names_a_corrupt_manifest_line_and_changes_nothing(tmp_path, cli_here):
-    (tmp_path / "a.png").write_bytes(b"x" * 10)
+    (tmp_path / "000000-a.png").write_bytes(b"x" * 10)
     manifest = tmp_path / "manifest.jsonl"
-    manifest.write_text('{"index": 0, "file": "a.png", "bytes": 10}\n{"index": 1, "fi\n')
+    manifest.write_text('{"index": 0, "file": "000000-a.png", "bytes": 10}\n{"index": 1, "fi\n')
     (tmp_path / "run.json").write_text(json.dumps({"model": "tiny:flux", "expected": 3, "history": []}))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     proc = cli_here("status", str(tmp_path))

@@ -200,6 +200,49 @@ def test_an_output_folder_that_cannot_be_created_is_refused(slurm_here, tmp_path
     assert not (tmp_path / "job.sbatch").exists()
 
 
+def test_a_control_character_in_any_value_of_the_script_is_refused(slurm_here, tmp_path):
+    """A newline would end an ``#SBATCH`` line (or the header comment) and run the rest as a command."""
+    payload = "x\ntouch pwned\n#"
+    proc = slurm_here("--config", TINY, "--job-name", payload, "--partition", payload, "--time", payload,
+                      f"--extra-sbatch=--qos={payload}", "--script", str(tmp_path / "job.sbatch"), "--",
+                      "--data.prompts", FIVE_PROMPTS, "--writer.output_dir", str(tmp_path / payload), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    for name in ("--job-name", "--partition", "--time", "--extra-sbatch 1", "writer.output_dir"):
+        assert f"{name} holds a control character" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "job.sbatch").exists() and not (tmp_path / "pwned").exists()
+    assert list(tmp_path.iterdir()) == []  # --script renders only: not even the output folder is made
+
+
+def test_a_rendered_script_with_shell_words_in_every_value_runs_none_of_them(slurm_here, tmp_path):
+    """Values full of shell syntax are allowed where they are only words, and the script, run with a
+    stand-in ``srun`` on PATH, executes none of them."""
+    work = tmp_path / "work"
+    work.mkdir()
+    config = write_config(work / "c$(touch pwned-config).yaml")
+    out = work / "out$(touch pwned-out);`touch pwned-tick`"
+    proc = slurm_here("--config", str(config), "--job-name", "j$(touch${IFS}pwned-name)", "--partition", "p;touch",
+                      "--extra-sbatch=--comment=$(touch${IFS}pwned-extra)", "--script", str(work / "job.sbatch"),
+                      "--",
+                      "--data.prompts", FIVE_PROMPTS, "--writer.output_dir", str(out), cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "srun-calls"
+    (bin_dir / "srun").write_text(  # runs the node check (bash -c ...), records the predict step
+        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+        f'if [ "$1" = bash ]; then exec "$@"; fi\nprintf "%s\\n" "$@" > {shlex.quote(str(calls))}\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}
+    run = subprocess.run(["bash", str(work / "job.sbatch")], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert not list(work.glob("pwned*")) and not list(tmp_path.glob("pwned*"))
+    words = calls.read_text().splitlines()
+    assert str(out) in words and str(config) in words  # passed on as the very words given
+
+
 @pytest.mark.slow
 def test_slurms_own_error_is_passed_through(cluster, tmp_path):
     proc = slurm("--config", TINY, "--partition", "no-such-partition", "--submit", "--", "--data.prompts", FIVE_PROMPTS,

@@ -56,8 +56,13 @@ def _load(folder: Path, entry: dict[str, Any]):
     import torch
     from PIL import Image
 
-    with Image.open(io.BytesIO(read_output(folder, entry))) as image:  # a file, or a tar shard's member
-        array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    try:
+        with Image.open(io.BytesIO(read_output(folder, entry))) as image:  # a file, or a tar shard's member
+            array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    except (OSError, ValueError, KeyError) as err:  # recorded as finished, but not an image eval can read
+        where = str(entry["file"]) + (f" member {entry['member']}" if entry.get("member") else "")
+        raise ConfigError(f"{folder / where} (image {entry['index']}) is not a readable image: "
+                          f"{type(err).__name__}: {err}") from None
     return torch.from_numpy(array).permute(2, 0, 1)
 
 

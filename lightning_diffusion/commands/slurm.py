@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_diffusion.config import check_config, read_config, report_config_error
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.preflight import build_strategy
 
 DEFAULT_SIGNAL_SECONDS = 300
@@ -167,8 +167,16 @@ def resources(trainer: Any, nodes: Optional[int], gpus_per_node: Optional[int],
     return {"nodes": node_count, "tasks_per_node": tasks, "gpus_per_node": None if on_cpu else tasks * per}
 
 
-def check_output_folder(output_dir: Path) -> None:
-    """The folder (for the images and the job's log) can be created and written from here."""
+def check_output_folder(output_dir: Path, create: bool) -> None:
+    """The folder (for the images and the job's log) can be created and written from here. Without
+    ``create`` (``--script``: the script is only written) nothing is made: the nearest folder that
+    exists must be one this user can write into."""
+    if not create:
+        existing = next((p for p in [output_dir, *output_dir.parents] if p.exists()), Path("/"))
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            why = "is not a folder" if not existing.is_dir() else "is not writable by this user"
+            raise ConfigError(f"cannot write the output folder {output_dir}: {existing} {why}.")
+        return
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / f".write-check-{os.getpid()}"
@@ -176,6 +184,31 @@ def check_output_folder(output_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise ConfigError(f"cannot write the output folder {output_dir}: {err.strerror or err}.") from None
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def script_value_problems(args: argparse.Namespace, config_path: Path, predict_args: list[str],
+                          output_dir: Path) -> list[str]:
+    """Values that reach the rendered script's ``#SBATCH`` lines or comments, where a newline or
+    another control character would end the line and run the rest as a command: refused. (Words
+    of the ``srun`` command line are quoted for the shell; ``#SBATCH`` lines cannot be quoted.)"""
+    values = {"--job-name": args.job_name, "--partition": args.partition, "--account": args.account,
+              "--time": args.time, "--mem": args.mem, "--config": str(config_path),
+              "writer.output_dir": str(output_dir), "the working folder": str(Path.cwd()),
+              **{f"--extra-sbatch {i + 1}": value for i, value in enumerate(args.extra_sbatch)},
+              **{f"predict argument {i + 1}": word for i, word in enumerate(predict_args)}}
+    problems = [f"{name} holds a control character (a newline, tab or escape), which would end the script's "
+                f"line: {value!r}" for name, value in values.items() if value is not None and _CONTROL.search(value)]
+    for value in args.extra_sbatch:
+        if not value.startswith("--") or " " in value.strip():
+            problems.append(f"--extra-sbatch takes one sbatch option such as --qos=high, got {value!r}.")
+    for name, value in (("--job-name", args.job_name), ("--partition", args.partition), ("--account", args.account),
+                        ("--time", args.time), ("--mem", args.mem)):
+        if value is not None and (not value.strip() or " " in value):
+            problems.append(f"{name} must be one word without spaces, got {value!r}.")
+    return problems
 
 
 # ----------------------------------------------------------------------------- the script
@@ -451,7 +484,7 @@ def main(argv: list[str]) -> int:
     try:
         config_path = Path(args.config).expanduser().resolve()
         if not config_path.is_file():
-            raise ConfigError(f"no config file at {args.config}.")
+            raise ConfigError(f"no config file at {args.config!r}.")
         # One parse; the checks run once the job's node and device counts are known.
         config = read_config(str(config_path), predict_args, check=False)
         strategy = build_strategy(config.trainer.get("strategy"))
@@ -462,6 +495,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
         config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
         output_dir = Path(config.writer.output_dir).expanduser().resolve()
+        raise_problems(script_value_problems(args, config_path, predict_args, output_dir))
         expected = expected_images(config)
         if args.array is not None or args.resubmit:
             res["array"] = plan_array(args, config, output_dir, expected)
@@ -480,7 +514,7 @@ def main(argv: list[str]) -> int:
         if args.submit and not args.no_download:  # after the checks: a job that cannot run fetches nothing
             res["weights"] = fetch_weights(config, str(config_path))
         if args.submit or args.script:
-            check_output_folder(output_dir)
+            check_output_folder(output_dir, create=args.submit)
         text = render(args, config_path, predict_args, output_dir, res)
         script = Path(args.script).expanduser() if args.script else (output_dir / SCRIPT_NAME if args.submit else None)
         if script is None:

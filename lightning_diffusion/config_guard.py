@@ -1,0 +1,137 @@
+"""What a config file and the command's words must be before any parser reads them.
+
+The parser (jsonargparse) quotes what it cannot read and imports the module a ``class_path`` names
+before it finds that the class does not fit, so a wrong ``--config`` (``/etc/shadow``) would print
+the file's content and a ``class_path`` would run a module's import-time code. Here, first: the
+file's size, that it is YAML whose aliases expand to a bounded size, that its top level is a
+mapping, and that every ``class_path`` names a module of this project, of Lightning or of torch
+(or one that ``LIGHTNING_DIFFUSION_CLASS_MODULES`` adds). Messages name the file, a line and keys,
+never the content. Nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+MAX_CONFIG_BYTES = 1 << 20  # a config of this project is a few kB; a MiB leaves room for long inline lists
+MAX_EXPANDED_NODES = 100_000  # YAML nodes after alias expansion (a "billion laughs" file has 10^9)
+CLASS_MODULES = ("lightning_diffusion", "lightning", "pytorch_lightning", "lightning_fabric", "torch")
+CLASS_MODULES_ENV = "LIGHTNING_DIFFUSION_CLASS_MODULES"
+
+
+def allowed_modules() -> tuple[str, ...]:
+    extra = [m.strip() for m in os.environ.get(CLASS_MODULES_ENV, "").split(",") if m.strip()]
+    return (*CLASS_MODULES, *extra)
+
+
+def class_path_problem(value: Any, where: str) -> Optional[str]:
+    """A ``class_path`` outside the allowed modules (checked before anything imports it)."""
+    if not isinstance(value, str):
+        return f"{where} must be a dotted class name, not {type(value).__name__}."
+    module = value.rpartition(".")[0]
+    if not module:
+        return None  # a bare class name: the parser looks it up among the registered classes
+    if any(module == m or module.startswith(m + ".") for m in allowed_modules()):
+        return None
+    return (f"{where} names a class of module {module!r}, which is not imported for a config: classes come from "
+            f"{', '.join(CLASS_MODULES)} (add your own package to {CLASS_MODULES_ENV}, comma-separated, to use "
+            "its classes).")
+
+
+def _class_paths(data: Any, where: str) -> list[str]:
+    problems = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            name = f"{where}.{key}" if where else str(key)
+            if key == "class_path":
+                problem = class_path_problem(value, name)
+                if problem:
+                    problems.append(problem)
+            else:
+                problems += _class_paths(value, name)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            problems += _class_paths(value, f"{where}[{i}]")
+    return problems
+
+
+def _expanded_size(node: Any, memo: dict[int, int]) -> int:
+    """Nodes of a composed YAML document once its aliases are expanded (an alias shares its node)."""
+    import yaml
+
+    known = memo.get(id(node))
+    if known is not None:
+        return known
+    memo[id(node)] = 1  # a recursive alias counts once
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, memo) for v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size
+    return size
+
+
+def config_file_problems(path: str) -> list[str]:
+    """Why ``path`` cannot be read as a config, naming the file and a line, never its content."""
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        return []  # the reader says the file is missing, as it does today
+    size = file.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        return [f"{path} is {size:,} bytes; a config is at most {MAX_CONFIG_BYTES:,} (put long prompt lists in a "
+                "prompt file: data.prompts)."]
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        return [f"{path} cannot be read as UTF-8 text ({type(err).__name__})."]
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "not YAML"
+        return [f"{path} is not valid YAML{at}: {problem}."]
+    if node is None:
+        return []
+    if _expanded_size(node, {}) > MAX_EXPANDED_NODES:
+        return [f"{path}: its YAML aliases expand to more than {MAX_EXPANDED_NODES:,} values; write the values out "
+                "instead of nesting aliases."]
+    not_keys = [] if not isinstance(node, yaml.MappingNode) else [
+        key.start_mark.line + 1 for key, _ in node.value
+        if not (isinstance(key, yaml.ScalarNode) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(key.value)))]
+    if not isinstance(node, yaml.MappingNode) or not_keys:
+        at = f" (line {not_keys[0]} is not a key)" if not_keys else ""
+        return [f"{path} is not a config: its top level is not a mapping of keys (trainer:, model:, data:, "
+                f"writer:){at}, as in configs/tiny.yaml."]
+    return _class_paths(yaml.safe_load(text), "")
+
+
+def words_problems(words: list[str]) -> list[str]:
+    """Problems of the ``--config`` files and of the ``class_path`` values among a command's words."""
+    import yaml
+
+    problems = []
+    for i, word in enumerate(words):
+        name, _, value = word.partition("=")
+        if not value and i + 1 < len(words):
+            value = words[i + 1]
+        if name == "--config":
+            problems += config_file_problems(value)
+        elif name.startswith("--") and name.endswith(".class_path"):
+            problem = class_path_problem(value, name[2:])
+            if problem:
+                problems.append(problem)
+        elif name.startswith("--") and "class_path" in value and value.lstrip().startswith("{"):
+            try:
+                data = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue  # the parser reports it
+            problems += _class_paths(data, name[2:])
+    return problems
