@@ -27,7 +27,7 @@ from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.inputs import record_inputs
 from lightning_diffusion.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
-from lightning_diffusion.validation import MAX_PIXELS, data_problems
+from lightning_diffusion.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
 
 
 def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) -> int:
@@ -145,6 +145,8 @@ class PromptDataModule(pl.LightningDataModule):
             array, each its own shard, writing into one output folder.
         max_pixels: the most pixels of one image or video frame a record (or the config) may ask
             for, input images included (checked from their headers, before they are decoded).
+        max_prompt_chars: the most characters of a record's prompt or negative prompt (20,000 by
+            default); a longer one is a bad record (``on_bad_record``).
         on_bad_record: ``fail`` (default): a record that cannot be made (a key it may not set, a
             value out of bounds, a missing input file...) refuses the run before anything loads,
             naming every such record; ``skip``: the others are made, and those are listed in the
@@ -169,6 +171,7 @@ class PromptDataModule(pl.LightningDataModule):
         num_shards: int = 1,
         shard_index: int = 0,
         max_pixels: int = MAX_PIXELS,
+        max_prompt_chars: int = MAX_PROMPT_CHARS,
         on_bad_record: str = "fail",
         on_error: str = "fail",
         bucket: bool = True,
@@ -176,7 +179,8 @@ class PromptDataModule(pl.LightningDataModule):
         super().__init__()
         settings = {"batch_size": batch_size, "seed": seed, "num_images_per_prompt": num_images_per_prompt,
                     "inputs_root": inputs_root, "num_shards": num_shards, "shard_index": shard_index,
-                    "max_pixels": max_pixels, "on_bad_record": on_bad_record, "on_error": on_error}
+                    "max_pixels": max_pixels, "max_prompt_chars": max_prompt_chars, "on_bad_record": on_bad_record,
+                    "on_error": on_error}
         raise_problems(data_problems(settings))
         self.prompts = prompts
         self.batch_size = batch_size
@@ -187,6 +191,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.num_shards = num_shards
         self.shard_index = shard_index
         self.max_pixels = max_pixels
+        self.max_prompt_chars = max_prompt_chars
         self.on_bad_record = on_bad_record
         self.on_error = on_error
         self.bucket = bucket
@@ -195,7 +200,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.bucket_of_position: Optional[dict[int, int]] = None
         self.plan: Optional[BatchPlan] = None
         # Read now so that a bad prompt file fails before any process starts or weights load.
-        self.records: Records = read_records(prompts)
+        self.records: Records = read_records(prompts, max_prompt_chars)
         problems = data_problems(settings, self.num_images)
         if self.records.bad and on_bad_record == "fail":
             problems.append(RecordVerdicts(dict(self.records.bad)).report())

@@ -44,7 +44,9 @@ class PipelineFacts:
     none, where the class or a config says. ``cp_plan`` / ``tp_plan``: components with a diffusers
     context-/tensor-parallel plan. ``text_masks``: per denoiser, the text-mask arguments its
     ``forward`` takes; ``cp_splits``: per component with a ``_cp_plan``, the ``forward`` inputs it
-    splits over the context-parallel ranks (the text too when ``encoder_hidden_states`` is one)."""
+    splits over the context-parallel ranks (the text too when ``encoder_hidden_states`` is one).
+    ``max_side``: the most pixels per side its denoiser's position table reaches, where it has one
+    (SD3's ``pos_embed_max_size``)."""
 
     @property
     def text_split(self) -> bool:
@@ -72,6 +74,7 @@ class PipelineFacts:
     tp_plan: tuple[str, ...] = ()
     text_masks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     cp_splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    max_side: Optional[int] = None
     why_not: Optional[str] = None
 
     @property
@@ -277,6 +280,8 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
             if taken:
                 masks[name] = taken
     frames = _call_default(parameters, FRAMES_ARG) if frames_arg else None
+    positions = configs[denoiser].get("pos_embed_max_size") if denoiser else None
+    max_side = positions * (patch or 1) * spatial if isinstance(positions, int) and spatial else None
     return PipelineFacts(
         class_name=pipeline_class.__name__,
         output=output,
@@ -293,5 +298,6 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
         tp_plan=tuple(plans["_tp_plan"]),
         text_masks=masks,
         cp_splits=splits,
+        max_side=max_side,
         why_not=why_not,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,9 +231,16 @@ class PipelineInfo:
         wrong = []
         for name, value in values.items():
             parameter = parameters.get(name)
-            if parameter is not None and matches_annotation(parameter.annotation, value) is False:
+            if parameter is None:
+                continue
+            verdict = matches_annotation(parameter.annotation, value)
+            if verdict is False:
                 wrong.append(f"{name}={value!r} is not {describe_annotation(parameter.annotation)} "
                              f"({self.class_name}).")
+            code_only = _NOT_FROM_A_CONFIG.search(str(parameter.annotation)) if verdict is None else None
+            if code_only is not None and value is not None:
+                wrong.append(f"{name} takes {code_only[0]} objects, which a config cannot give ({self.class_name}); "
+                             "leave it out.")
         return wrong
 
     def call_argument_problems(self, names: set[str], where: str) -> list[str]:
@@ -256,6 +264,10 @@ class PipelineInfo:
             )
         return problems
 
+
+# Argument types that only Python code can pass (tensors, callables, images, generators): a config
+# value for one would fail in the first denoising step, after the weights load.
+_NOT_FROM_A_CONFIG = re.compile(r"Tensor|Callable|PipelineCallback|Generator|PIL|ndarray|Image")
 
 _TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string", list: "a list",
                tuple: "a list", dict: "a mapping", type(None): "null"}

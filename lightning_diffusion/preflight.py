@@ -25,7 +25,13 @@ from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_
 from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
-from lightning_diffusion.validation import MODEL_CALL_ARGS, data_problems, model_problems, writer_problems
+from lightning_diffusion.validation import (
+    MAX_PROMPT_CHARS,
+    MODEL_CALL_ARGS,
+    data_problems,
+    model_problems,
+    writer_problems,
+)
 from lightning_diffusion.writer import run_settings, storage_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
@@ -162,7 +168,8 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     model, data, writer = dict(config.model), dict(config.data), dict(config.writer)
     problems: list = []
     nothing_left: Optional[str] = None
-    records = _rule(problems, read_records, data["prompts"])
+    chars = data.get("max_prompt_chars", MAX_PROMPT_CHARS)
+    records = _rule(problems, read_records, data["prompts"], chars if is_int(chars, 1) else MAX_PROMPT_CHARS)
     num_images = (len(records) * data["num_images_per_prompt"]
                   if records is not None and is_int(data.get("num_images_per_prompt"), 1) else None)
     problems += data_problems(data, num_images)

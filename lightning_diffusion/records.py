@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 from lightning_diffusion import validation
 from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.inputs import INPUT_FIELDS, file_problems
-from lightning_diffusion.validation import SEED_MAX, non_finite
+from lightning_diffusion.validation import MAX_PROMPT_CHARS, SEED_MAX, non_finite
 
 # Fields of a record that are not pipeline-call arguments.
 RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)
@@ -172,7 +172,8 @@ class Records(Sequence):
 
     where = "records"
 
-    def __init__(self) -> None:
+    def __init__(self, max_chars: int = MAX_PROMPT_CHARS) -> None:
+        self.max_chars = max_chars
         self.summary = RecordSummary()
         self.bad: dict[int, tuple[str, str]] = {}  # position -> (file:line, reason)
         self.verdicts: Optional[RecordVerdicts] = None  # the last ``check_records`` outcome
@@ -186,7 +187,7 @@ class Records(Sequence):
         """Check one parsed item; a bad one is kept as a rejected position (``constants``: it may
         hold a NaN or Infinity)."""
         try:
-            record = check_record(item, self.source(position), self.base, constants)
+            record = check_record(item, self.source(position), self.base, constants, self.max_chars)
         except PromptFileError as err:
             self._reject(position, err)
             return None
@@ -213,8 +214,8 @@ class LineRecords(Records):
     """Records of a ``.txt`` or ``.jsonl`` file: every line checked once at start, then read on
     demand through an index of byte offsets (an ``array`` of 8 bytes a record)."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__()
+    def __init__(self, path: Path, max_chars: int = MAX_PROMPT_CHARS) -> None:
+        super().__init__(max_chars)
         self.path = path
         self.where = str(path)
         self.jsonl = path.suffix.lower() == ".jsonl"
@@ -272,7 +273,7 @@ class LineRecords(Records):
             self._file, self._pid = self.path.open("rb"), os.getpid()
         self._file.seek(self.offsets[position])
         item, constants = self._parse(self._file.readline(), position)
-        return check_record(item, self.source(position), self._base, constants)
+        return check_record(item, self.source(position), self._base, constants, self.max_chars)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_file": None, "_pid": None}
@@ -282,8 +283,8 @@ class ListRecords(Records):
     """Records held in memory: a ``.csv`` file's rows (with their line numbers) or an inline list."""
 
     def __init__(self, items: Sequence[Any], where: str, lines: Optional[Sequence[int]] = None,
-                 base: Optional[Path] = None) -> None:
-        super().__init__()
+                 base: Optional[Path] = None, max_chars: int = MAX_PROMPT_CHARS) -> None:
+        super().__init__(max_chars)
         self.where = where
         self.lines = list(lines) if lines is not None else None
         self._base = base or Path.cwd()
@@ -316,7 +317,7 @@ class ListRecords(Records):
 _READ: dict[tuple, Records] = {}
 
 
-def read_records(prompts: Union[str, os.PathLike, Sequence[Any]]) -> Records:
+def read_records(prompts: Union[str, os.PathLike, Sequence[Any]], max_chars: int = MAX_PROMPT_CHARS) -> Records:
     """Read prompt records from a ``.txt``/``.jsonl``/``.csv`` path or an inline list (strings, or
     mappings with the fields of a ``.jsonl`` line). Problems of the file itself (missing, of
     another kind, without a record) raise ``PromptFileError``; problems of single lines are kept
@@ -333,21 +334,21 @@ def read_records(prompts: Union[str, os.PathLike, Sequence[Any]]) -> Records:
         if suffix not in SUFFIXES:
             raise PromptFileError(f"Prompt file {str(path)!r} has suffix {suffix!r}; use one of {', '.join(SUFFIXES)}.")
         stat = path.stat()
-        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, max_chars)
         if key not in _READ:
             _READ.clear()  # keep one file's index at most
-            _READ[key] = _read_csv(path) if suffix == ".csv" else LineRecords(path)
+            _READ[key] = _read_csv(path, max_chars) if suffix == ".csv" else LineRecords(path, max_chars)
         records = _READ[key]
         where = str(path)
     else:
-        records = ListRecords(list(prompts), "inline prompts")
+        records = ListRecords(list(prompts), "inline prompts", max_chars=max_chars)
         where = "the inline prompt list"
     if not len(records):
         raise PromptFileError(f"No prompts found in {where}.")
     return records
 
 
-def _read_csv(path: Path) -> ListRecords:
+def _read_csv(path: Path, max_chars: int = MAX_PROMPT_CHARS) -> ListRecords:
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or "prompt" not in reader.fieldnames:
@@ -362,7 +363,7 @@ def _read_csv(path: Path) -> ListRecords:
                     pass  # refused by check_record, with its line
             rows.append(row)
             lines.append(reader.line_num)
-    return ListRecords(rows, str(path), lines, path.resolve().parent)
+    return ListRecords(rows, str(path), lines, path.resolve().parent, max_chars)
 
 
 _CONSTANTS: list[str] = []  # NaN / Infinity seen by the decoder since the last look
@@ -378,7 +379,8 @@ def _non_finite_constant(name: str) -> float:
 _DECODER = json.JSONDecoder(parse_constant=_non_finite_constant)
 
 
-def check_record(item: Any, where: str, base: Optional[Path] = None, constants: bool = True) -> dict[str, Any]:
+def check_record(item: Any, where: str, base: Optional[Path] = None, constants: bool = True,
+                 max_chars: int = MAX_PROMPT_CHARS) -> dict[str, Any]:
     """One record's fields, checked without the pipeline; returns it with its input paths resolved
     against ``base`` (the prompt file's folder). Raises ``PromptFileError`` naming ``where``.
     ``constants``: it may hold a NaN or Infinity (a JSON line that had none is not searched)."""
@@ -395,6 +397,10 @@ def check_record(item: Any, where: str, base: Optional[Path] = None, constants: 
     negative = item.get("negative_prompt")
     if negative is not None and not isinstance(negative, str):
         raise PromptFileError(f"{where}: 'negative_prompt' must be a string.")
+    for name, text in (("prompt", prompt), ("negative_prompt", negative)):
+        if text is not None and len(text) > max_chars:
+            raise PromptFileError(f"{where}: {name!r} has {len(text):,} characters, over data.max_prompt_chars "
+                                  f"{max_chars:,} (raise it if you mean it).")
     places = non_finite(item) if constants else []
     if places:
         raise PromptFileError(f"{where}: {', '.join(places)} is not a finite number (NaN and Infinity are refused).")

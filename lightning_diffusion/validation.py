@@ -30,6 +30,10 @@ from typing import Any, Optional
 
 from lightning_diffusion.errors import ConfigError, is_int
 
+# The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
+# tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
+# small enough that a runaway line (megabytes) costs one record, not the tokenizer's memory.
+MAX_PROMPT_CHARS = 20_000
 # The pixels of one image (or video frame) a config or record may ask for unless ``data.max_pixels``
 # says more: 4096 x 4096, four times FLUX.1's largest published size. A typo of 10000 x 10000 would
 # otherwise be found by the device's memory, after the weights loaded.
@@ -203,10 +207,18 @@ def call_arg_problems(info: Any, values: Mapping[str, Any], base: Optional[Mappi
 def pixel_problems(info: Any, call_args: Mapping[str, Any], max_pixels: Optional[int]) -> list[str]:
     """An image (or frame) of more than ``max_pixels`` pixels: refused before it is found by the
     device's memory (``None``: no budget)."""
-    if max_pixels is None:
-        return []
     default = info.spec.default_size or (None, None)
     height, width = call_args.get("height") or default[0], call_args.get("width") or default[1]
+    longest = max((v for v in (height, width) if is_int(v, 1)), default=0)
+    if info.facts.max_side and longest > info.facts.max_side:
+        return [f"{height}x{width}: {info.class_name}'s transformer places at most {info.facts.max_side:,} pixels per "
+                "side (its pos_embed_max_size); choose a smaller size."]
+    if max_pixels is None:
+        return []
+    side = 4 * math.isqrt(max_pixels)
+    if longest > side:
+        return [f"{height}x{width}: a side of {longest:,} pixels is over {side:,}, four times the side of "
+                f"data.max_pixels' square ({max_pixels:,} pixels); raise data.max_pixels if you mean it."]
     if is_int(height, 1) and is_int(width, 1) and height * width > max_pixels:
         return [f"{height}x{width} is {height * width:,} pixels, over data.max_pixels {max_pixels:,} (raise it if "
                 "you mean it)."]
@@ -355,12 +367,14 @@ def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
     except ConfigError as err:
         return [str(err)]
     modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
+    models = {}  # and the models themselves, empty (meta device), for the updates' shapes
     for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
         cls = info.component_class(name)
         if isinstance(cls, type) and hasattr(cls, "from_config") and name in info.configs:
             with torch.device("meta"):
                 model = cls.from_config(info.configs[name])
             modules[name] = {n for n, _ in model.named_modules()}
+            models[name] = model
     loadable = list(getattr(info.pipeline_class, "_lora_loadable_modules", []))
     problems = []
     for n, adapter in enumerate(adapters):
@@ -384,6 +398,8 @@ def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
             problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no layer of "
                             f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                             "(an adapter for another model?).")
+        else:
+            problems += [f"model.lora[{n}]: {p}" for p in lora_shape_problems(info, adapter, models)]
     if quantized is not None and not problems:
         both = [c for c in quantization.quantized(quantized, tuple(info.denoisers()))
                 if any(c in lora.targets(info.pipeline_class, a) for a in adapters)]
@@ -391,6 +407,36 @@ def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
             problems.append(f"model.lora: {', '.join(both)} loads quantized (model.quantization), and an adapter "
                             "cannot be fused into quantized weights: leave it out of model.quantization.components.")
     return problems
+
+
+def lora_shape_problems(info: Any, adapter: Any, models: Mapping[str, Any], most: int = 3) -> list[str]:
+    """Low-rank pairs whose shapes do not fit the layer they update (an adapter for another size of
+    the model): diffusers would fail with a size mismatch after every weight has loaded. A pair may
+    widen a layer's input (FLUX.1's control adapters, which diffusers expands), never its output."""
+    from lightning_diffusion import lora
+
+    state, _, _ = lora.read(info.pipeline_class, adapter)
+    wrong = []
+    for key, a in state.items():
+        if not key.endswith(".lora_A.weight") or a.ndim != 2:
+            continue
+        component, _, module = key[: -len(".lora_A.weight")].partition(".")
+        b = state.get(key.replace(".lora_A.", ".lora_B."))
+        model = models.get(component)
+        try:
+            weight = model.get_submodule(module).weight if model is not None else None
+        except AttributeError:
+            continue  # not a module of it: named by the layer check
+        if weight is None or b is None or weight.ndim != 2:
+            continue
+        if b.shape[0] != weight.shape[0] or a.shape[1] < weight.shape[1] or a.shape[0] != b.shape[1]:
+            wrong.append(f"{component}.{module} ({tuple(weight.shape[::-1])} in x out) gets an update of "
+                         f"{a.shape[1]} x {b.shape[0]} (rank {a.shape[0]}/{b.shape[1]})")
+    if not wrong:
+        return []
+    more = f" and {len(wrong) - most} more" if len(wrong) > most else ""
+    return [f"{adapter.name} does not fit {info.class_name}'s layers: {'; '.join(wrong[:most])}{more} (an adapter "
+            "for another size of the model?)."]
 
 
 def compile_problems(info: Any, mode: Any) -> list[str]:
@@ -510,6 +556,7 @@ def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None)
         problems.append(f"data.seed {seed} + the {num_images:,} images of the prompt set passes the generator's "
                         "largest seed, 2**64 - 1; use a smaller data.seed.")
     problems += integer(settings.get("max_pixels", MAX_PIXELS), "data.max_pixels", 1)
+    problems += integer(settings.get("max_prompt_chars", MAX_PROMPT_CHARS), "data.max_prompt_chars", 1)
     problems += one_of(settings.get("on_bad_record", "fail"), "data.on_bad_record", ON_BAD_RECORD)
     problems += one_of(settings.get("on_error", "fail"), "data.on_error", ON_ERROR)
     root = settings.get("inputs_root")
@@ -597,7 +644,11 @@ def writer_problems(settings: Mapping[str, Any]) -> list[str]:
         VIDEO_FORMATS,
     )
 
-    problems: list[str] = output_dir_problems(Path(str(settings.get("output_dir", "outputs"))).expanduser())
+    output_dir = settings.get("output_dir", "outputs")
+    named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
+    problems: list[str] = output_dir_problems(Path(str(output_dir)).expanduser()) if named else [
+        f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
+        "folder)."]
     problems += one_of(settings.get("video_format", "mp4"), "writer.video_format", VIDEO_FORMATS)
     problems += integer(settings.get("fps", 16), "writer.fps")
     problems += one_of(settings.get("image_format", "png"), "writer.image_format", list(IMAGE_FORMATS))

@@ -155,6 +155,19 @@ def test_bad_adapters_are_refused_before_loading(adapters, tmp_path):
                         quantization={"backend": "torchao", "quant_type": "int8wo"})
 
 
+def test_an_adapter_for_another_size_of_the_model_is_refused_before_loading(tmp_path, cli_here):
+    from safetensors.torch import save_file
+
+    wrong = tmp_path / "other-size.safetensors"  # x_embedder is 16 -> 64 in tiny:flux; this update makes 128 outputs
+    save_file({"transformer.x_embedder.lora_A.weight": torch.randn(4, 16),
+               "transformer.x_embedder.lora_B.weight": torch.randn(128, 4)}, str(wrong))
+    proc = cli_here(*tiny_args(tmp_path / "out", "--model.lora", json.dumps([{"path": str(wrong)}])))
+    assert proc.returncode == 2, proc.stderr
+    assert ("model.lora[0]: other-size.safetensors does not fit FluxPipeline's layers: transformer.x_embedder "
+            "((16, 64) in x out) gets an update of 16 x 128") in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_adapter_that_changes_a_layer_shape_is_refused_under_tensor_parallelism(adapters, tmp_path, cli_here):
     from safetensors.torch import save_file
 

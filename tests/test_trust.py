@@ -147,3 +147,28 @@ def test_a_class_path_outside_the_known_packages_is_refused_before_it_is_importe
     proc = cli_here("predict", "--config", str(config))
     assert proc.returncode == 2 and "trainer.callbacks[0].class_path" in proc.stderr
     assert not (tmp_path / "ran").exists() and "payload_module" not in sys.modules
+
+
+def test_bounds_on_what_a_user_controls_are_checked_before_loading(tmp_path, cli_here):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red circle"}) + "\n" + json.dumps({"prompt": "x" * 10_000_000}) + "\n")
+    cases = [
+        (["--data.prompts", str(prompts)], f"{prompts}:2: 'prompt' has 10,000,000 characters, over "
+                                           "data.max_prompt_chars 20,000"),
+        (["--model.height", "100000"], "a side of 100,000 pixels is over 16,384"),
+        (["--model.pretrained_model_name_or_path", "tiny:sd3", "--model.call_kwargs", "{}", "--model.height", "2048"],
+         "StableDiffusion3Pipeline's transformer places at most 1,024 pixels per side"),
+        (["--model.call_kwargs", '{"latents": "x", "callback_on_step_end": "os.system"}'],
+         "callback_on_step_end takes Callable objects, which a config cannot give"),
+        (["--writer.output_dir", ""], "writer.output_dir must name a folder, got ''"),
+    ]
+    for words, message in cases:
+        proc = cli_here("predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(tmp_path / "out"),
+                        *words)
+        assert proc.returncode == 2 and message in proc.stderr, (words, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    skipped = cli_here("predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(tmp_path / "skip"),
+                       "--data.prompts", str(prompts), "--data.on_bad_record", "skip", "--model.num_inference_steps",
+                       "1")
+    assert skipped.returncode == 0  # the long record costs one record
+    assert "max_prompt_chars" in (tmp_path / "skip" / "rejected.jsonl").read_text()
