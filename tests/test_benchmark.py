@@ -41,3 +41,21 @@ def test_benchmark_reports_the_cache_and_times_diffusers_with_its_own(tmp_path):
     assert (0 < cache["reused_image_steps"] < 32
             and cache["reused_fraction"] == round(cache["reused_image_steps"] / 32, 4))
     assert result["time_ratio_vs_diffusers"] > 0, proc.stdout
+
+
+@pytest.mark.slow
+def test_benchmark_ignores_what_the_configs_own_output_folder_holds(tmp_path):
+    """The README's order: a quickstart run fills the config's folder, then benchmark (which writes
+    into a folder of its own) must neither refuse nor touch it."""
+    import yaml
+
+    config = yaml.safe_load(open("configs/tiny.yaml"))
+    config["writer"]["output_dir"] = str(tmp_path / "taken")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_here("predict", "--config", str(path), "--data.prompts", "[a red circle]", "--model.num_inference_steps", "1")
+    before = sorted(p.name for p in (tmp_path / "taken").iterdir())
+    proc = run_here("benchmark", "--config", str(path), "--data.prompts", "[a, b]", "--data.batch_size", "1",
+                    "--json", str(tmp_path / "b.json"))
+    assert proc.returncode == 0 and json.loads((tmp_path / "b.json").read_text())["images_per_sec"] > 0
+    assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == before

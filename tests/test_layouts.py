@@ -55,6 +55,12 @@ def test_tar_shards_hold_the_same_bytes_and_a_webdataset_reader_reads_them(flat,
     assert outputs(tmp_path) == flat
     samples = list(webdataset.WebDataset([str(p) for p in shards], shardshuffle=False))
     assert [s["__key__"] for s in samples] == [f"{i:09d}" for i in range(10)]
+    # docs/writing.md's reading example, as printed there, on these shards
+    page = (REPO / "docs" / "writing.md").read_text()
+    snippet = next(block for block in page.split("```python\n")[1:] if "wds.WebDataset" in block).split("```")[0]
+    scope: dict = {}
+    exec(snippet.replace('"outputs/run1/', f'"{tmp_path}/') + "\nread = (image.size, metadata['prompt'])\n", scope)
+    assert scope["read"] == ((32, 32), "prompt 9")  # the last sample: a PIL image and its metadata as a dict
     assert all(s["png"] == flat[int(s["__key__"])] for s in samples)
     assert [json.loads(s["json"])["prompt"] for s in samples] == [f"prompt {n}" for n in range(10)]
     first = read_manifest_lines(tmp_path)[0]

@@ -76,6 +76,7 @@ def test_status_while_running_after_a_kill_and_after_completion(tmp_path):
     assert during["running"] and during["lock"]["live"] and during["expected"] == COUNT
     assert 0 < during["done"] < COUNT and set(during["by_rank"]) <= {"0", "1"}
     assert during["eta_s"] is not None and 0 < during["eta_s"] < 600
+    assert 0 < during["rate_per_s"] < 20  # a few images a second at most: not a batch's milliseconds apart
 
     code, after_kill = status(out)
     assert code == 4, after_kill
@@ -88,6 +89,8 @@ def test_status_while_running_after_a_kill_and_after_completion(tmp_path):
     code, done = status(out)
     assert code == 0 and done["complete"] and done["done"] == COUNT and done["lock"] is None
     assert done["last_run"]["skipped"] == after_kill["done"]
+    last = done["last_run"]
+    assert done["rate_per_s"] == round(last["made"] / (last["wall_s"] - last["load_s"]), 3)  # the run's own rate
 
 
 def test_status_refuses_what_is_not_an_output_folder(tmp_path, cli_here):

@@ -198,19 +198,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--compare-diffusers", action="store_true")
     add_json_option(parser, "the report")
     args, extra = parser.parse_known_args(json_argv(argv))
-    try:
-        cfg = read_config(args.config, extra)
-    except ValueError as err:
-        return report_config_error(err, "lightning-diffusion benchmark")
-
-    if args.compare_diffusers and any(record_inputs(r) for _, r in read_records(cfg.data.prompts).accepted()):
-        print("benchmark: --compare-diffusers does not feed the records' input images to its bare loop yet; "
-              "run without it.", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory(prefix="ld-bench-") as tmp:
+        out = str(Path(tmp) / "out")  # the run writes here: the config's own folder is neither read nor checked
+        try:
+            cfg = read_config(args.config, [*extra, "--writer.output_dir", out])
+        except ValueError as err:
+            return report_config_error(err, "lightning-diffusion benchmark")
+        if args.compare_diffusers and any(record_inputs(r) for _, r in read_records(cfg.data.prompts).accepted()):
+            print("benchmark: --compare-diffusers does not feed the records' input images to its bare loop yet; "
+                  "run without it.", file=sys.stderr)
+            return 2
         report = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "lightning_diffusion", "predict", "--config", args.config, *extra,
-                   "--writer.output_dir", str(Path(tmp) / "out"), "--trainer.enable_progress_bar", "false",
+                   "--writer.output_dir", out, "--trainer.enable_progress_bar", "false",
                    "--trainer.callbacks+=lightning_diffusion.commands.benchmark.StepTimer",
                    f"--trainer.callbacks.report={report}", f"--trainer.callbacks.warmup={args.warmup}"]
         proc = subprocess.run(command, capture_output=True, text=True)

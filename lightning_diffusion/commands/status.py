@@ -59,18 +59,16 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     found = finished(folder)
     indices, problems = found.indices, found.problems
     expected = run.get("expected", (submitted or {}).get("expected"))
-    written = recent_written(folder)
-    recent = np.sort(written[written >= now - RATE_WINDOW_S])
-    rate = (len(recent) - 1) / float(recent[-1] - recent[0]) if len(recent) > 1 and recent[-1] > recent[0] else None
     lock = OutputLock(folder).describe()
     running = bool(lock and lock["live"])
+    history = run.get("history") or []
+    rate = write_rate(recent_written(folder), now, (lock or {}).get("since") if running else None, history)
     done = len(indices)
     rejected = rejected_images(folder)
     rejected = set(np.setdiff1d(np.asarray(sorted(rejected), dtype=np.int64), indices).tolist()) if rejected else set()
     failed = count_lines(folder / FAILED) + sum(count_lines(p) for p in folder.glob(FAILURES_GLOB))
     complete = expected is not None and done + len(rejected) >= expected
     eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
-    history = run.get("history") or []
     shards = shard_status(folder, indices, expected, rejected=rejected)
     if shards:  # a task still queued counts: the array is not over
         running = running or any(shard["running"] or shard.get("slurm_state") in ACTIVE_STATES for shard in shards)
@@ -92,6 +90,19 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         "last_run": history[-1] if history else None,
         "shards": shards,
     }
+
+
+def write_rate(written: np.ndarray, now: float, since: Optional[float], history: list[dict[str, Any]]
+               ) -> Optional[float]:
+    """Outputs a second. While a run goes (``since``: when it took the folder): those written over
+    the last ``RATE_WINDOW_S`` (or since it started, if later) divided by that whole time up to now,
+    so that a batch written within milliseconds does not read as hundreds a second. Otherwise the
+    last run's own rate (outputs made over its seconds of prediction)."""
+    if since is not None:
+        start = max(now - RATE_WINDOW_S, float(since))
+        count = int((written >= start).sum())
+        return count / max(now - start, 1.0) if count else None
+    return run_stats(history[-1:])["images_per_s"] if history else None
 
 
 ARRAY_FILE = "array.json"
@@ -231,10 +242,12 @@ def text(status: dict[str, Any]) -> str:
     if status["by_rank"]:
         lines.append("  this run, by writing rank: "
                      + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))
-    if status["rate_per_s"]:
+    if status["rate_per_s"] and status["running"]:
         eta = f"; ETA {datetime.timedelta(seconds=int(status['eta_s']))}" if status["eta_s"] is not None else ""
         lines.append(f"  rate: {status['rate_per_s']:.2f} outputs/s over the last {RATE_WINDOW_S / 60:.0f} "
                      f"minutes{eta}")
+    elif status["rate_per_s"]:
+        lines.append(f"  rate of the last run: {status['rate_per_s']:.2f} outputs/s of prediction")
     lock = status["lock"]
     if lock:
         live = "live" if lock["live"] else "stale: its run is gone"
