@@ -29,6 +29,7 @@ from lightning_diffusion.validation import (
     MAX_PROMPT_CHARS,
     MODEL_CALL_ARGS,
     data_problems,
+    devices_problems,
     model_problems,
     writer_problems,
 )
@@ -192,6 +193,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
         elif len(verdicts.rejected) == len(records):
             problems.append("every prompt record is rejected: " + verdicts.report())
     problems += writer_problems(writer)
+    problems += devices_problems(config.trainer.get("devices"), config.trainer.get("num_nodes"))
     if here:
         problems += accelerator_problems(config.trainer.get("accelerator"))
     # Built first, so that a bad strategy argument is reported with the other problems; its rules

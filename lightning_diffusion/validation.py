@@ -59,6 +59,22 @@ def integer(value: Any, name: str, minimum: Optional[int] = 1, maximum: Optional
     return [f"{name} must be an integer >= {minimum}, got {value!r}."]
 
 
+def devices_problems(devices: Any, num_nodes: Any) -> list[str]:
+    """``trainer.devices`` as Lightning takes it (a count, ``auto``, -1 for all, or a list of
+    device indices such as ``[0, 1]`` or ``"0,1"``) and ``trainer.num_nodes`` a count: refused here,
+    in one line, rather than by Lightning's accelerator with a traceback."""
+    problems = integer(num_nodes if num_nodes is not None else 1, "trainer.num_nodes")
+    if devices is None or devices == "auto" or devices == -1 or devices == "-1" or is_int(devices, 1):
+        return problems
+    if isinstance(devices, str) and all(part.strip().isdigit() for part in devices.split(",") if part.strip()) \
+            and devices.strip(", "):
+        return problems
+    if isinstance(devices, list) and devices and all(is_int(d, 0) for d in devices):
+        return problems
+    return problems + [f"trainer.devices must be a count of devices (1, 8), auto, -1 (all of them) or a list of device "
+                       f"indices such as [0, 1], got {devices!r}."]
+
+
 def number(value: Any, name: str, low: Optional[float] = None, high: Optional[float] = None,
            low_open: bool = False) -> list[str]:
     """``value`` is a finite number in [``low``, ``high``] (``(low, high]`` with ``low_open``)."""

@@ -158,6 +158,7 @@ CASES = [
     ("output folder below a file", ["--writer.output_dir", "{d}/afile/out"], "which is a file"),
     ("unknown video format", ["--writer.video_format", "avi"], "writer.video_format must be one of mp4, webp, gif"),
     ("fps 0", ["--writer.fps", "0"], "writer.fps must be an integer >= 1"),
+    ("devices not a count", ["--trainer.devices", "one"], "trainer.devices must be a count of devices (1, 8), auto"),
     ("mesh does not fit the world", ["--trainer.devices", "3", "--trainer.strategy.class_path",
                                      "lightning_diffusion.strategies.MeshStrategy",
                                      "--trainer.strategy.init_args.dp", "2"],
