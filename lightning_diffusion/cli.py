@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from typing import NoReturn, Optional
 
@@ -65,6 +66,7 @@ def run() -> None:
     an active exception", exit -6 after every image was written: seen in CI and in session 6's
     benchmark runs), which SLURM and shells read as a failed job; a failed run ends the same way,
     with its traceback and exit code 1. In-process callers use ``main``."""
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
     try:
         main()
         code = 0
@@ -76,9 +78,9 @@ def run() -> None:
         sys.stdout = open(os.devnull, "w")  # nothing more to flush into the closed pipe
         code = 128 + 13  # as a process killed by SIGPIPE (what git and coreutils exit with)
     except BaseException as err:  # a failure ends the same way: its traceback, then exit 1 (130: Ctrl-C)
-        from lightning_diffusion.errors import RecordFailure, WritingFailed
+        from lightning_diffusion.errors import PeerLost, RecordFailure, WritingFailed
 
-        if isinstance(err, (RecordFailure, WritingFailed)):  # the message says it all: a traceback adds nothing
+        if isinstance(err, (RecordFailure, WritingFailed, PeerLost)):  # the message says it all, no traceback
             details = getattr(err, "details", "")
             if details:  # a writer's bug, not the file system: its traceback, for a report
                 print(details.rstrip(), file=sys.stderr)
@@ -91,15 +93,23 @@ def run() -> None:
             if cause is not None and not console.verbose():
                 print("lightning-diffusion: the traceback of the failed call: run again with --verbose "
                       "(lightning-diffusion --verbose predict ...) or LIGHTNING_DIFFUSION_VERBOSE=1.", file=sys.stderr)
-        elif isinstance(err, KeyboardInterrupt):  # Ctrl-C outside the run's own handling (imports, loading)
-            print("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
-                  "resumes.", file=sys.stderr)
+        elif isinstance(err, KeyboardInterrupt):  # a second Ctrl-C, through the run's own handling
+            print(console.INTERRUPTED_LINE, file=sys.stderr)
         else:
             import traceback
 
             traceback.print_exc()
         code = 130 if isinstance(err, KeyboardInterrupt) else 1
     end_process(code)
+
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """Ctrl-C before the run takes it over (``StopController.watch_interrupt``, or after it gives
+    it back): imports, parsing, checks. A KeyboardInterrupt raised inside a half-done import leaves
+    modules half-initialised, and the next import of them fails in ways no handler can word (a
+    RecursionError in numpy's): nothing is written yet, so end here, in one line."""
+    print(console.INTERRUPTED_LINE, file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def end_process(code: int) -> NoReturn:

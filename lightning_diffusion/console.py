@@ -55,6 +55,9 @@ def configure() -> None:
 
 
 _VERBOSE_ENV = "LIGHTNING_DIFFUSION_VERBOSE"
+# The last line of a run that Ctrl-C ended before it could stop at a batch boundary.
+INTERRUPTED_LINE = ("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
+                    "resumes.")
 
 
 def verbose() -> bool:

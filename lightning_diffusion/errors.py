@@ -29,6 +29,11 @@ class WritingFailed(RuntimeError):
         self.details = details
 
 
+class PeerLost(RuntimeError):
+    """Another process of the run ended before a gather every rank joins (its node lost, a rank
+    killed late): the CLI prints it as one line and exits with 1; what was recorded is kept."""
+
+
 def raise_problems(problems: list) -> None:
     """Raise one ConfigError naming every problem found (messages or ConfigErrors; nothing if none).
     A single ConfigError is raised as it is, keeping its type; several are a NodeConfigError where

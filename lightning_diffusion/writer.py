@@ -42,7 +42,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_diffusion.background import WriterProcess, WriterThreads
 from lightning_diffusion.console import log
-from lightning_diffusion.errors import ConfigError, WritingFailed, raise_problems
+from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.files import (
     FILES_PER_FOLDER,
     PNG_COMPRESS_LEVEL,
@@ -181,8 +181,18 @@ def _gather_idle(strategy: Any, obj: Any) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     objects: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(objects, obj, group=getattr(strategy, "idle_group", None))
+    try:
+        dist.all_gather_object(objects, obj, group=getattr(strategy, "idle_group", None))
+    except RuntimeError as err:  # gloo: "Connection closed by peer"; NCCL: a DistBackendError
+        raise PeerLost(f"rank {dist.get_rank()}: another process of this run ended before the end of the run "
+                       f"({_peer_reason(err)}); the images recorded are kept, and the same command resumes."
+                       ) from err
     return objects
+
+
+def _peer_reason(err: BaseException) -> str:
+    text = str(err)
+    return "its connection closed" if "closed" in text.lower() else type(err).__name__
 
 
 class ImageWriter(BasePredictionWriter):
@@ -534,7 +544,12 @@ class ImageWriter(BasePredictionWriter):
         # a rank whose writer failed at its drain does not leave the job ending with exit 0 (and,
         # from the writing ranks, what their replica computed, for the summary).
         work = getattr(pl_module, "stats", None) if self.writes_outputs(trainer) else None
-        gathered = _gather_idle(trainer.strategy, (_cause(failed), work))
+        try:
+            gathered = _gather_idle(trainer.strategy, (_cause(failed), work))
+        except PeerLost:
+            if self._lock is not None and trainer.is_global_zero:
+                self._lock.release()  # this run is over; the next one merges what its ranks recorded
+            raise
         others = [(rank, text) for rank, (text, _) in enumerate(gathered)
                   if text is not None and rank != trainer.global_rank]
         self._work = {rank: stats for rank, (_, stats) in enumerate(gathered) if stats is not None}

@@ -1,4 +1,7 @@
-"""Deliberately wrong parallel plans, for proving that ``verify`` catches them (used by tests only)."""
+"""Deliberately wrong parallel plans, for proving that ``verify`` catches them, and a rank that leaves
+early (used by tests only)."""
+
+from lightning.pytorch.callbacks import Callback
 
 from lightning_diffusion.strategies import ContextParallelStrategy, TensorParallelStrategy
 
@@ -49,3 +52,14 @@ class FirstRankLoraSliceTP(TensorParallelStrategy):
         specs = {name: resolve_tp_shard_specs(getattr(pipeline, name), type(getattr(pipeline, name))._tp_plan,
                                               self.tp_degree) for name in self._sharded}
         lora.fuse_in_place(pipeline, adapters, specs, RankZero(self.device_mesh["tp"]))
+
+
+class LeaveBeforeTheEnd(Callback):
+    """Rank 1 ends its process, exit code 0, once its share is predicted: a peer gone before the
+    end-of-run gather that every rank's writer joins (as a rank whose node was lost)."""
+
+    def on_predict_end(self, trainer, pl_module):
+        if trainer.global_rank == 1:
+            import os
+
+            os._exit(0)

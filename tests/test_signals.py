@@ -93,3 +93,52 @@ def test_each_run_has_its_own_context_handed_from_the_cli_to_the_strategy_and_th
         if len(taken) == 2:
             mine.stop.stopping.set()  # the replica agreed to stop: the loader ends, no batch is skipped
     assert len(taken) == 2 and len(list(PlanSampler(dataset))) == 6
+
+
+STOPPED_LINES = ("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
+                 "resumes.", "lightning-diffusion: stopped after ")
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_any_instant_of_start_up_ends_in_one_line_and_exit_130(tmp_path):
+    """SIGINT to every process of a two-rank job, as a terminal sends it, at 20 instants from the
+    imports to the first images: each ends with exit 130 and one documented line (or, past the
+    end, exit 0), no traceback, no "Fatal Python error", and no process left behind."""
+    instants = [0.25 * 1.2 ** k for k in range(20)]  # 0.25 s to 8 s, denser where start-up is busiest
+    seen = []
+    for number, instant in enumerate(instants):
+        out = tmp_path / f"out{number}"
+        proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", *tiny_args(
+            out, "--trainer.devices", "2", "--data.batch_size", "1", "--model.num_inference_steps", "4",
+            config="configs/tiny.yaml")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        time.sleep(instant)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        _, err = proc.communicate(timeout=180)
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        seen.append((round(instant, 2), proc.returncode, last[:60]))
+        assert "Traceback" not in err and "Fatal Python error" not in err, (instant, err[-3000:])
+        assert (proc.returncode == 130 and last.startswith(STOPPED_LINES)) or (
+            proc.returncode == 0 and "made 10 outputs" in err), (instant, proc.returncode, err[-3000:])
+        deadline = time.monotonic() + 10
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(proc.pid), (instant, "a process of the job outlived it")
+    assert sum(code == 130 for _, code, _ in seen) >= 15, seen  # most instants fall inside start-up
+
+
+@pytest.mark.slow
+def test_a_peer_that_leaves_before_the_end_is_one_line_on_rank_0_and_a_rerun_completes(tmp_path):
+    args = tiny_args(tmp_path, "--trainer.devices", "2", "--data.prompts", "[a, b, c, d]", "--data.batch_size", "1",
+                     "--model.num_inference_steps", "2")
+    proc = run_cli(*args, "--trainer.callbacks+=tests.broken_plans.LeaveBeforeTheEnd", check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "lightning-diffusion: error: rank 0: another process of this run ended before the end of the run (its "
+        "connection closed); the images recorded are kept, and the same command resumes.")
+    run_cli(*args)
+    assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2, 3]

@@ -38,11 +38,12 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_diffusion.console import log
+from lightning_diffusion.console import INTERRUPTED_LINE, log
 
 _ALL = {"all_ranks": True}  # a rank's own news: printed on every rank
 
 _POLL_S = 0.5
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 # The launching process's pid, for its children: one whose launcher died before the child's watchdog
 # started (while it imported torch, say) would otherwise find only a live parent (init or a
 # subreaper) and wait at the rendezvous until RENDEZVOUS_TIMEOUT.
@@ -146,20 +147,33 @@ class Watchdog:
         if dead:
             log.error(f"lightning-diffusion: {dead} first; stopping the other ranks of this node.", extra=_ALL)
 
+    def interrupted_child(self) -> bool:
+        """A child ended by Ctrl-C (exit 130, or killed by SIGINT while it started up): a terminal
+        sends SIGINT to every process of the job, so the job was interrupted, not failed."""
+        return any(child.poll() in (INTERRUPTED, -signal.SIGINT) for child in self.children)
+
     def _watch_children(self) -> None:
         while not self._stop.wait(_POLL_S):
             dead = self.dead_child()
-            if dead and not self._stop.is_set():  # stopped: this process is failing by itself
-                log.error(f"lightning-diffusion: {dead}; stopping the other ranks of this node.", extra=_ALL)
-                for other in self.children:
-                    if other.poll() is None:
-                        other.kill()
-                for other in self.children:
-                    try:
-                        other.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        pass
-                os._exit(1)
+            if not dead or self._stop.is_set():  # stopped: this process is failing by itself
+                continue
+            if self.interrupted_child():
+                self._stop_children()
+                log.error(INTERRUPTED_LINE, extra=_ALL)
+                os._exit(INTERRUPTED)
+            log.error(f"lightning-diffusion: {dead}; stopping the other ranks of this node.", extra=_ALL)
+            self._stop_children()
+            os._exit(1)
+
+    def _stop_children(self) -> None:
+        for other in self.children:
+            if other.poll() is None:
+                other.kill()
+        for other in self.children:
+            try:
+                other.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _watch_parent(self) -> None:
         parent = self._parent
