@@ -212,20 +212,27 @@ def all_published() -> list[str]:
     return [hub_id for spec in SPECS.values() for hub_id in spec.published]
 
 
+# Tiny copies of pipelines that need no entry here (``tiny_zoo.py``): NAME -> builder path.
+TINY_ZOO = {name: f"lightning_diffusion.tiny_zoo:build_{name}" for name in ("sdxl", "sd3", "flux2", "ltx", "cogvideox")}
+
+
+def _tiny_paths() -> dict[str, str]:
+    return {**{spec.tiny: spec.tiny_builder for spec in SPECS.values() if spec.tiny and spec.tiny_builder},
+            **TINY_ZOO}
+
+
 def tiny_builders() -> dict[str, Callable[..., Any]]:
     """``tiny:NAME`` -> the builder function (imported only when asked)."""
-    return {spec.tiny: _load(spec.tiny_builder) for spec in SPECS.values() if spec.tiny and spec.tiny_builder}
+    return {name: _load(path) for name, path in _tiny_paths().items()}
 
 
 def tiny_names() -> list[str]:
-    return [spec.tiny for spec in SPECS.values() if spec.tiny]
+    return list(_tiny_paths())
 
 
 def tiny_builder(name: str) -> Optional[Callable[..., Any]]:
-    for spec in SPECS.values():
-        if spec.tiny == name and spec.tiny_builder:
-            return _load(spec.tiny_builder)
-    return None
+    path = _tiny_paths().get(name)
+    return _load(path) if path else None
 
 
 # ----------------------------------------------------------------------------- the registry

@@ -7,6 +7,7 @@ the normal ``from_pretrained`` path, so the tiny model exercises exactly the cod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -504,13 +505,23 @@ def is_tiny(name: str) -> bool:
 SHIPPED = {"shapes": Path(__file__).parent / "models" / "shapes"}
 
 
-# Tiny copies of pipelines the registry does not describe (``tiny_zoo.py``), by builder path.
-ZOO = {name: f"lightning_diffusion.tiny_zoo:build_{name}" for name in ("sdxl", "sd3", "flux2", "ltx", "cogvideox")}
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' "Writing model shards" bars, for 1 MB models: off while a tiny pipeline is saved."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def names() -> list[str]:
     from lightning_diffusion import specs
-    return [TINY_PREFIX + k for k in [*SHIPPED, *specs.tiny_names(), *ZOO]]
+    return [TINY_PREFIX + k for k in [*SHIPPED, *specs.tiny_names()]]
 
 
 def resolve(name: str) -> str:
@@ -527,7 +538,7 @@ def resolve(name: str) -> str:
                               "in a source checkout train them with scripts/train_shapes.py; tiny:flux needs no "
                               "weights.")
         return str(SHIPPED[kind])
-    builder = specs.tiny_builder(kind) or (specs._load(ZOO[kind]) if kind in ZOO else None)
+    builder = specs.tiny_builder(kind)
     if builder is None:
         raise ConfigError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join(names())}")
     target = cache_root() / f"tiny-{kind}-v{_BUILD_VERSION}"
@@ -538,16 +549,8 @@ def resolve(name: str) -> str:
     # rename wins, so no process ever sees a half-written pipeline.
     staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=target.parent))
     try:
-        from transformers.utils import logging as transformers_logging
-
-        shown = transformers_logging.is_progress_bar_enabled()
-        transformers_logging.disable_progress_bar()  # "Writing model shards" bars for 1 MB models
-        try:
-            with compat.saving_on_every_rank():
-                builder(staging)
-        finally:
-            if shown:
-                transformers_logging.enable_progress_bar()
+        with no_progress_bars(), compat.saving_on_every_rank():
+            builder(staging)
         try:
             os.rename(staging, target)
         except OSError:

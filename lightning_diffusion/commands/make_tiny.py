@@ -12,10 +12,12 @@ def main(argv: list[str]) -> int:
         prog="lightning-diffusion make-tiny",
         description="Write a tiny random pipeline (no download) with save_pretrained, in safetensors.",
     )
-    builders = specs.tiny_builders()
-    parser.add_argument("kind", choices=sorted(builders))
+    parser.add_argument("kind", choices=sorted(specs.tiny_names()))
     parser.add_argument("directory")
     args = parser.parse_args(argv)
-    path = builders[args.kind](args.directory)
+    from lightning_diffusion.tiny import no_progress_bars
+
+    with no_progress_bars():
+        path = specs.tiny_builders()[args.kind](args.directory)
     print(f"wrote tiny {args.kind} pipeline to {path}")
     return 0
