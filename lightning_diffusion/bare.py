@@ -17,16 +17,11 @@ def load(model: str, dtype: str = "float32", device: Optional[torch.device] = No
          pipeline_class: Optional[str] = None) -> Any:
     """The pipeline of ``model`` (a path, hub id or ``tiny:NAME``) in ``dtype``, on ``device`` when
     given, with its progress bar off."""
-    from diffusers.utils import logging as diffusers_logging
+    from lightning_diffusion.console import no_progress_bars
 
     info = inspect_pipeline(model, pipeline_class)
-    shown = diffusers_logging.is_progress_bar_enabled()
-    diffusers_logging.disable_progress_bar()  # "Loading pipeline components...": predict shows none either
-    try:
+    with no_progress_bars():  # predict shows none either
         pipe = info.pipeline_class.from_pretrained(info.path, dtype=resolve_dtype(dtype))
-    finally:
-        if shown:
-            diffusers_logging.enable_progress_bar()
     if device is not None:
         pipe.to(device)
     pipe.set_progress_bar_config(disable=True)

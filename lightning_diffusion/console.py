@@ -14,6 +14,7 @@ summary. ``lightning-diffusion --verbose ...`` keeps all of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -58,6 +59,24 @@ _VERBOSE_ENV = "LIGHTNING_DIFFUSION_VERBOSE"
 # The last line of a run that Ctrl-C ended before it could stop at a batch boundary.
 INTERRUPTED_LINE = ("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
                     "resumes.")
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """diffusers' and transformers' loading and saving bars ("Loading pipeline components...",
+    "Loading weights", "Writing model shards") off for a while: a tool's output, not a run's."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    shown = [(lib, lib.is_progress_bar_enabled()) for lib in (diffusers_logging, transformers_logging)]
+    for lib, _ in shown:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib, was in shown:
+            if was:
+                lib.enable_progress_bar()
 
 
 def verbose() -> bool:

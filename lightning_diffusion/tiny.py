@@ -7,7 +7,6 @@ the normal ``from_pretrained`` path, so the tiny model exercises exactly the cod
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lightning_diffusion import compat
+from lightning_diffusion.console import no_progress_bars
 from lightning_diffusion.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
@@ -505,20 +505,6 @@ def is_tiny(name: str) -> bool:
 SHIPPED = {"shapes": Path(__file__).parent / "models" / "shapes"}
 
 
-@contextlib.contextmanager
-def no_progress_bars():
-    """transformers' "Writing model shards" bars, for 1 MB models: off while a tiny pipeline is saved."""
-    from transformers.utils import logging as transformers_logging
-
-    shown = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            transformers_logging.enable_progress_bar()
-
-
 def names() -> list[str]:
     from lightning_diffusion import specs
     return [TINY_PREFIX + k for k in [*SHIPPED, *specs.tiny_names()]]
@@ -549,7 +535,7 @@ def resolve(name: str) -> str:
     # rename wins, so no process ever sees a half-written pipeline.
     staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=target.parent))
     try:
-        with no_progress_bars(), compat.saving_on_every_rank():
+        with no_progress_bars(), compat.saving_on_every_rank():  # "Writing model shards" for 1 MB
             builder(staging)
         try:
             os.rename(staging, target)
