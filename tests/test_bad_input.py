@@ -369,3 +369,11 @@ def test_free_space_is_said_in_a_unit_that_shows_it():
 
     assert [size_text(n) for n in (512, 12_300, 4_500_000, 2.5e9, 3e12)] == ["512 bytes", "12.3 kB", "4.5 MB", "2.5 GB",
                                                                            "3.0 TB"]
+
+
+def test_predict_without_a_config_says_so(cli_here):
+    proc = cli_here("predict")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("lightning-diffusion: error: predict needs a config: lightning-diffusion predict "
+                                   "--config configs/tiny.yaml (or --data.prompts and --model.* flags); predict "
+                                   "--help lists the keys.")
