@@ -212,11 +212,10 @@ _CHILD = ("import signal; [signal.signal(getattr(signal, name), signal.SIG_IGN) 
           "from lightning_diffusion.background import child_main; child_main(sys.argv[2:])")
 
 
-# The writer in a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group)
-# does not reach it while its interpreter starts, before ``_CHILD`` ignores the signal (there it
-# ended the child with "Fatal Python error: init_import_site"). It stops with its rank: the rank
-# drains it, and it dies with its parent (``child_main``).
-_OWN_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+# The writer in a session (so a process group) of its own: a terminal's Ctrl-C (SIGINT to the
+# foreground group) does not reach it while its interpreter starts, before ``_CHILD`` ignores the
+# signal (there it ended the child with "Fatal Python error: init_import_site"). It stops with its
+# rank: the rank drains it, and it dies with its parent (``child_main``).
 
 
 class WriterProcess(_Writers):
@@ -230,7 +229,7 @@ class WriterProcess(_Writers):
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, json.dumps(path), str(child_end), str(os.getpid()), str(workers)],
-                stdin=subprocess.PIPE, pass_fds=(child_end,), **_OWN_GROUP)
+                stdin=subprocess.PIPE, pass_fds=(child_end,), start_new_session=True)
         except BaseException:
             os.close(acks)
             raise

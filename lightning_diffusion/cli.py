@@ -66,7 +66,8 @@ def run() -> None:
     an active exception", exit -6 after every image was written: seen in CI and in session 6's
     benchmark runs), which SLURM and shells read as a failed job; a failed run ends the same way,
     with its traceback and exit code 1. In-process callers use ``main``."""
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    if [word for word in sys.argv[1:] if word != "--verbose"][:1] == ["predict"]:  # the others: Ctrl-C's default
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
     try:
         main()
         code = 0
@@ -104,12 +105,16 @@ def run() -> None:
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    """Ctrl-C before the run takes it over (``StopController.watch_interrupt``, or after it gives
-    it back): imports, parsing, checks. A KeyboardInterrupt raised inside a half-done import leaves
-    modules half-initialised, and the next import of them fails in ways no handler can word (a
-    RecursionError in numpy's): nothing is written yet, so end here, in one line."""
-    print(console.INTERRUPTED_LINE, file=sys.stderr, flush=True)
+    """``predict``'s Ctrl-C until the run takes it over (``StopController.watch_interrupt``, which
+    gives back Python's own handler afterwards): imports, parsing, checks. A KeyboardInterrupt
+    raised inside a half-done import leaves modules half-initialised, and the next import of them
+    fails in ways no handler can word (a RecursionError in numpy's); nothing is written yet, so end
+    here, in one line (written with ``os.write``: the main thread may be inside a print)."""
+    os.write(2, (console.INTERRUPTED_LINE + "\n").encode())
     os._exit(130)
+
+
+_interrupted_while_starting.starting_only = True  # type: ignore[attr-defined]  # for StopController
 
 
 def end_process(code: int) -> NoReturn:

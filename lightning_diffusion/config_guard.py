@@ -41,6 +41,17 @@ def class_path_problem(value: Any, where: str) -> Optional[str]:
             "its classes).")
 
 
+# Keys whose plain string value names a class (Lightning's shorthand ``callbacks: [pkg.Class]``).
+CLASS_KEYS = ("callbacks", "plugins", "strategy", "logger", "profiler", "accelerator")
+
+
+def _shorthand(value: Any, where: str) -> list[str]:
+    """Problems of dotted class names given as the plain value of a ``CLASS_KEYS`` key."""
+    values = value if isinstance(value, list) else [value]
+    found = [class_path_problem(v, where) for v in values if isinstance(v, str) and "." in v.strip("./")]
+    return [p for p in found if p]
+
+
 def _class_paths(data: Any, where: str) -> list[str]:
     problems = []
     if isinstance(data, dict):
@@ -51,6 +62,8 @@ def _class_paths(data: Any, where: str) -> list[str]:
                 if problem:
                     problems.append(problem)
             else:
+                if key in CLASS_KEYS:
+                    problems += _shorthand(value, name)
                 problems += _class_paths(value, name)
     elif isinstance(data, list):
         for i, value in enumerate(data):
@@ -93,6 +106,8 @@ def config_file_problems(path: str) -> list[str]:
         return [f"{path} cannot be read as UTF-8 text ({type(err).__name__})."]
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        return [f"{path} nests its values too deeply to be a config."]
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -110,28 +125,46 @@ def config_file_problems(path: str) -> list[str]:
         at = f" (line {not_keys[0]} is not a key)" if not_keys else ""
         return [f"{path} is not a config: its top level is not a mapping of keys (trainer:, model:, data:, "
                 f"writer:){at}, as in configs/tiny.yaml."]
-    return _class_paths(yaml.safe_load(text), "")
+    try:
+        return _class_paths(yaml.safe_load(text), "")
+    except (yaml.YAMLError, RecursionError) as err:  # a tag safe YAML cannot build (!include), nesting too deep
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        return [f"{path} cannot be read as plain YAML{at} ({type(err).__name__})."]
 
 
 def words_problems(words: list[str]) -> list[str]:
-    """Problems of the ``--config`` files and of the ``class_path`` values among a command's words."""
-    import yaml
-
+    """Problems of the ``--config`` (``-c``) files and of the class names among a command's words:
+    ``--X.class_path``, a class-taking key (``--trainer.callbacks+=pkg.Class``), inline YAML."""
     problems = []
     for i, word in enumerate(words):
         name, _, value = word.partition("=")
         if not value and i + 1 < len(words):
             value = words[i + 1]
-        if name == "--config":
-            problems += config_file_problems(value)
-        elif name.startswith("--") and name.endswith(".class_path"):
-            problem = class_path_problem(value, name[2:])
+        key = name[2:].removesuffix("+")
+        if name in ("--config", "-c"):
+            problems += config_file_problems(value) if Path(value).expanduser().is_file() else _inline(value, "")
+        elif name.startswith("--") and key.endswith(".class_path"):
+            problem = class_path_problem(value, key)
             if problem:
                 problems.append(problem)
-        elif name.startswith("--") and "class_path" in value and value.lstrip().startswith("{"):
-            try:
-                data = yaml.safe_load(value)
-            except yaml.YAMLError:
-                continue  # the parser reports it
-            problems += _class_paths(data, name[2:])
+        elif name.startswith("--") and value.lstrip().startswith(("{", "[")):
+            problems += _inline(value, key)
+        elif name.startswith("--") and key.rsplit(".", 1)[-1] in CLASS_KEYS:
+            problems += _shorthand(value, key)
     return problems
+
+
+def _inline(value: str, where: str) -> list[str]:
+    """Class names inside a YAML or JSON value given on the command line (a config given inline)."""
+    import yaml
+
+    takes_class = where.rsplit(".", 1)[-1] in CLASS_KEYS
+    if "class_path" not in value and not takes_class and not any(k in value for k in CLASS_KEYS):
+        return []
+    try:
+        data = yaml.safe_load(value)
+    except (yaml.YAMLError, RecursionError):
+        return []  # the parser reports it
+    problems = _class_paths(data, where) if isinstance(data, (dict, list)) else []
+    return problems + (_shorthand(data, where) if takes_class else [])

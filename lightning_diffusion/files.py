@@ -69,13 +69,14 @@ def shard_name(first_index: int) -> str:
 _TEMPORARY = re.compile(r"^\.(?:shard-)?(\d{6,})?[^/]*\.tmp-\d+-[0-9a-f]{12}$")
 
 
-def stale_temporaries(folder: Path, shard: Optional[tuple[int, int]]) -> list[Path]:
+def stale_temporaries(folder: Path, shard: Optional[tuple[int, int]], deep: bool = True) -> list[Path]:
     """Files an earlier run of this folder (of this shard, for a job-array task) left half-written
-    when it was killed: only this project's temporary names, only in the folder and its numbered
-    subfolders. Called with the folder's lock held, so no live run of the same images writes them."""
+    when it was killed: only this project's temporary names, only in the folder and (``deep``: an
+    earlier run did not end cleanly) its numbered subfolders, each of which lists thousands of
+    images. Called with the folder's lock held, so no live run of the same images writes them."""
     found = []
-    folders = [folder] + [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)
-                          and re.fullmatch(r"\d{5}", e.name)]
+    folders = [folder] + [Path(e.path) for e in os.scandir(folder) if deep and e.is_dir(follow_symlinks=False)
+                          and re.fullmatch(r"\d{5,}", e.name)]
     for where in folders:
         for entry in os.scandir(where):
             match = _TEMPORARY.match(entry.name) if entry.name.startswith(".") else None

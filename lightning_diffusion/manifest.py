@@ -87,15 +87,16 @@ def _inside(folder: Path, name: str) -> bool:
 
 
 # The names the writer gives an output: ``000123-a-red-fox.png`` (in a numbered subfolder in the
-# sharded layout), or member ``000000123.png`` of tar shard ``shard-000000100.tar``; the number is
-# the output's own index. A manifest line naming anything else (``run.json``, ``../x``) is not an output.
-_OUTPUT_FILE = re.compile(r"(?:\d{5}/)?(\d{6,})-[a-z0-9-]*\.(?:png|webp|jpg|mp4|gif)")
-_SHARD_FILE = re.compile(r"shard-\d{9}\.tar")
-_SHARD_MEMBER = re.compile(r"(\d{9,})\.(?:png|webp|jpg|mp4|gif)")
+# sharded layout), or member ``000000123.png`` of tar shard ``shard-000000100.tar``: the output's
+# own index first (``files_class`` subclasses may change the rest). A manifest line naming anything
+# else (``run.json``, ``../x``, another output's file) is not this output.
+_OUTPUT_FILE = re.compile(r"(?:\d{5,}/)?(\d{6,})-[^/]*")
+_SHARD_FILE = re.compile(r"shard-\d{9,}\.tar")
+_SHARD_MEMBER = re.compile(r"(\d{9,})\.[^/]+")
 
 
 def writer_name(index: int, name: str, member: Optional[str]) -> bool:
-    """``name`` (and ``member``) are what the writer names output ``index``."""
+    """``name`` (and ``member``) are named for output ``index`` as the writer names outputs."""
     if member is None:
         found = _OUTPUT_FILE.fullmatch(name)
         return found is not None and int(found.group(1)) == index

@@ -121,6 +121,8 @@ class StopController:
         a replica without images (which skips the loop) stops with the others. Main thread only."""
         if threading.current_thread() is threading.main_thread() and self._previous_sigint is None:
             self._previous_sigint = signal.signal(signal.SIGINT, self._interrupt)
+            if getattr(self._previous_sigint, "starting_only", False):  # the CLI's start-up exit: over now
+                self._previous_sigint = signal.default_int_handler
 
     def release_interrupt(self) -> None:
         """Give Ctrl-C back (the strategy's teardown and ``finish_job``): after the run it interrupts

@@ -64,8 +64,9 @@ class PipelineSpec:
     """What the project knows of one diffusers pipeline class.
 
     ``patch``: latent pixels packed into one token along each side. ``vae_scale``: the VAE's spatial
-    downsampling when the folder's VAE config does not say (so pixels per token side are
-    ``vae_scale * patch``). ``text_length_arg``: the call argument that fixes the text-token count
+    downsampling (pixels per token side are ``vae_scale * patch``). Both, like every fact below that
+    ``pipeline_facts`` reads, are set here only to override what the pipeline says (``None``: read).
+    ``text_length_arg``: the call argument that fixes the text-token count
     the transformer splits (padded to it), if any. ``prompt_length_text``: text tokens have each
     prompt's own length instead, so no context-parallel degree is known to divide them.
     ``default_size``: (height, width) in pixels when the call gives none. ``output``: the output

@@ -184,10 +184,15 @@ def _gather_idle(strategy: Any, obj: Any) -> list[Any]:
     try:
         dist.all_gather_object(objects, obj, group=getattr(strategy, "idle_group", None))
     except RuntimeError as err:  # gloo: "Connection closed by peer"; NCCL: a DistBackendError
+        if not _PEER_GONE.search(str(err)):
+            raise
         raise PeerLost(f"rank {dist.get_rank()}: another process of this run ended before the end of the run "
                        f"({_peer_reason(err)}); the images recorded are kept, and the same command resumes."
                        ) from err
     return objects
+
+
+_PEER_GONE = re.compile(r"closed|reset by peer|broken pipe|remote worker|NCCL communicator was aborted", re.I)
 
 
 def _peer_reason(err: BaseException) -> str:
@@ -337,7 +342,8 @@ class ImageWriter(BasePredictionWriter):
             return busy, []  # the lock is the other run's
         if busy is not None:
             return self._refuse(busy)
-        stale = stale_temporaries(self.output_dir, self.shard)
+        # parts left unmerged: an earlier run was killed, and its images' folders may hold temporaries
+        stale = stale_temporaries(self.output_dir, self.shard, deep=any(self.output_dir.glob(PART_GLOB)))
         for path in stale:
             path.unlink(missing_ok=True)
         if stale:

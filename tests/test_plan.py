@@ -24,6 +24,10 @@ SITUATIONS = [
     (FLUX2, 4, 48, "nvlink", 1024, 1024, None, "TensorParallelStrategy", {"tp_degree": 2}),
     (FLUX2, 4, 48, "pcie", 1024, 1024, None, "DeviceMapStrategy", {"device_map": "auto"}),
     (QWEN, 8, 24, "nvlink", 1328, 1328, None, "TensorParallelStrategy", {"tp_degree": 2}),
+    # Qwen-Image's prompt-length text and its mask: Ulysses-anything over 2 GPUs, nothing wider
+    (QWEN, 2, 80, "nvlink", 2048, 2048, None, "ContextParallelStrategy",
+     {"ulysses_degree": 2, "ulysses_anything": True}),
+    (QWEN, 4, 80, "nvlink", 2048, 2048, None, "data_parallel", {}),
     (WAN, 8, 80, "nvlink", 720, 1280, 81, "ContextParallelStrategy", {"ulysses_degree": 8, "ring_degree": 1}),
     # Wan's transformer has no _tp_plan (predict refuses tensor parallelism for it): a device map instead
     (WAN, 8, 24, "nvlink", 720, 1280, 81, "DeviceMapStrategy", {"device_map": "auto", "staged": False}),

@@ -113,10 +113,11 @@ def test_a_job_array_task_removes_only_its_own_shards_temporary_files(tmp_path):
 def test_a_config_that_is_not_one_is_refused_without_quoting_its_content(tmp_path, cli_here):
     secret = tmp_path / "shadow"
     secret.write_text("root:$6$very-secret-hash:20228:0:99999:7:::\n")
-    proc = cli_here("predict", "--config", str(secret))
-    assert proc.returncode == 2
-    assert f"{secret} is not a config: its top level is not a mapping" in proc.stderr
-    assert "very-secret" not in proc.stdout + proc.stderr
+    for flag in ("--config", "-c"):
+        proc = cli_here("predict", flag, str(secret))
+        assert proc.returncode == 2
+        assert f"{secret} is not a config: its top level is not a mapping" in proc.stderr
+        assert "very-secret" not in proc.stdout + proc.stderr
     broken = tmp_path / "broken.yaml"
     broken.write_text("model:\n  height: 64\n   width: [oops\n")
     proc = cli_here("predict", "--config", str(broken))
@@ -139,13 +140,15 @@ def test_a_class_path_outside_the_known_packages_is_refused_before_it_is_importe
     (tmp_path / "payload_module.py").write_text("import pathlib\npathlib.Path(__file__).with_name('ran').touch()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     for words in (["--trainer.strategy.class_path", "payload_module.S"],
-                  ["--trainer.strategy", '{"class_path": "payload_module.S"}']):
+                  ["--trainer.strategy", '{"class_path": "payload_module.S"}'],
+                  ["--trainer.callbacks+=payload_module.C"], ["--trainer.callbacks", "[payload_module.C]"]):
         proc = cli_here("predict", "--config", "configs/tiny.yaml", *words)
         assert proc.returncode == 2 and "names a class of module 'payload_module'" in proc.stderr, proc.stderr
     config = tmp_path / "c.yaml"
-    config.write_text("trainer:\n  callbacks:\n    - class_path: payload_module.C\n")
-    proc = cli_here("predict", "--config", str(config))
+    config.write_text("trainer:\n  callbacks:\n    - class_path: payload_module.C\n    - payload_module.D\n")
+    proc = cli_here("predict", "-c", str(config))
     assert proc.returncode == 2 and "trainer.callbacks[0].class_path" in proc.stderr
+    assert "trainer.callbacks names a class of module 'payload_module'" in proc.stderr  # the shorthand too
     assert not (tmp_path / "ran").exists() and "payload_module" not in sys.modules
 
 

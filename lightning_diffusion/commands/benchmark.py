@@ -204,7 +204,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg = read_config(args.config, [*extra, "--writer.output_dir", out])
         except ValueError as err:
             return report_config_error(err, "lightning-diffusion benchmark")
-        if args.compare_diffusers and any(record_inputs(r) for _, r in read_records(cfg.data.prompts).accepted()):
+        prompt_set = read_records(cfg.data.prompts, cfg.data.max_prompt_chars)
+        if args.compare_diffusers and any(record_inputs(r) for _, r in prompt_set.accepted()):
             print("benchmark: --compare-diffusers does not feed the records' input images to its bare loop yet; "
                   "run without it.", file=sys.stderr)
             return 2
@@ -228,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         base, more = inspect_pipeline(model.pretrained_model_name_or_path).effective_call_args(
             named, model.get("call_kwargs"))
         call_args = {**base, **more}  # what predict calls the pipeline with, the model's recommendations included
-        records = [r for _, r in read_records(data.prompts).accepted()]
+        records = [r for _, r in read_records(data.prompts, data.max_prompt_chars).accepted()]
         bare = diffusers_loop(model.pretrained_model_name_or_path, model.torch_dtype, records, int(data.batch_size),
                               call_args, int(data.seed), args.warmup, model.get("cache"), model.get("pipeline_class"))
         bare_ips = bare["images"] / bare["seconds"] if bare["seconds"] else 0.0

@@ -106,6 +106,10 @@ def context_note(facts: ModelFacts) -> str:
         return "its transformer has no _cp_plan in diffusers"
     if not facts.context:
         return "its text attention mask is split with the sequence, which diffusers' attention does not follow"
+    from lightning_diffusion.strategies.checks import ULYSSES_ANYTHING_2
+
+    if facts.context == (ULYSSES_ANYTHING_2,):
+        return "its text has each prompt's own length and a mask: Ulysses-anything over 2 GPUs only"
     return (f"Ulysses only, its text mask rules out ring, and {facts.heads} heads allow Ulysses degrees that "
             "divide them")
 
@@ -179,6 +183,10 @@ def choose(facts: ModelFacts, gpus: int, gpu_gb: float, interconnect: str, heigh
     def cp_degrees(group: int) -> Optional[dict]:
         """Ulysses while the heads divide, ring for the rest; None when the pipeline's context
         parallelism (``facts.context``) cannot split the group that way."""
+        from lightning_diffusion.strategies.checks import ULYSSES_ANYTHING_2
+
+        if facts.context == (ULYSSES_ANYTHING_2,):  # a prompt-length text with its mask (Qwen-Image)
+            return {"ulysses_degree": 2, "ring_degree": 1, "ulysses_anything": True} if group == 2 else None
         if "ulysses" not in facts.context and "ring" not in facts.context:
             return None
         ulysses = max(d for d in range(1, group + 1) if group % d == 0 and facts.heads % d == 0

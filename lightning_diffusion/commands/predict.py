@@ -118,7 +118,7 @@ def print_help(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     if any(word in ("-h", "--help", "--help-all") for word in argv):
         return print_help(argv)
-    if not any(word.split("=")[0] in ("--config", "--data.prompts") for word in argv):
+    if not any(word.split("=")[0] in ("--config", "-c", "--data", "--data.prompts") for word in argv):
         print("lightning-diffusion: error: predict needs a config: lightning-diffusion predict --config "
               "configs/tiny.yaml (or --data.prompts and --model.* flags); predict --help lists the keys.",
               file=sys.stderr)

@@ -202,8 +202,8 @@ def script_value_problems(args: argparse.Namespace, config_path: Path, predict_a
     problems = [f"{name} holds a control character (a newline, tab or escape), which would end the script's "
                 f"line: {value!r}" for name, value in values.items() if value is not None and _CONTROL.search(value)]
     for value in args.extra_sbatch:
-        if not value.startswith("--") or " " in value.strip():
-            problems.append(f"--extra-sbatch takes one sbatch option such as --qos=high, got {value!r}.")
+        if not value.startswith("-"):
+            problems.append(f"--extra-sbatch takes an sbatch option such as --qos=high, got {value!r}.")
     for name, value in (("--job-name", args.job_name), ("--partition", args.partition), ("--account", args.account),
                         ("--time", args.time), ("--mem", args.mem)):
         if value is not None and (not value.strip() or " " in value):
@@ -372,7 +372,7 @@ def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: flo
 def expected_images(config: Any) -> int:
     from lightning_diffusion.records import read_records
 
-    return len(read_records(config.data.prompts)) * int(config.data.num_images_per_prompt)
+    return len(read_records(config.data.prompts, config.data.max_prompt_chars)) * int(config.data.num_images_per_prompt)
 
 
 def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:

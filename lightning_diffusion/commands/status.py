@@ -62,14 +62,17 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     lock = OutputLock(folder).describe()
     running = bool(lock and lock["live"])
     history = run.get("history") or []
-    rate = write_rate(recent_written(folder), now, (lock or {}).get("since") if running else None, history)
     done = len(indices)
     rejected = rejected_images(folder)
     rejected = set(np.setdiff1d(np.asarray(sorted(rejected), dtype=np.int64), indices).tolist()) if rejected else set()
+    shards = shard_status(folder, indices, expected, rejected=rejected)
+    # While a run goes: since the folder's lock was taken, or the earliest live shard's (a job array)
+    starts = [(lock or {}).get("since") if running else None] + [shard["since"] for shard in shards]
+    since = min((t for t in starts if t is not None), default=None)
+    rate = write_rate(recent_written(folder), now, since, history)
     failed = count_lines(folder / FAILED) + sum(count_lines(p) for p in folder.glob(FAILURES_GLOB))
     complete = expected is not None and done + len(rejected) >= expected
     eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
-    shards = shard_status(folder, indices, expected, rejected=rejected)
     if shards:  # a task still queued counts: the array is not over
         running = running or any(shard["running"] or shard.get("slurm_state") in ACTIVE_STATES for shard in shards)
         eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
@@ -83,6 +86,7 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         "running": running,
         "by_rank": {str(rank): count for rank, count in sorted(parts.items())},
         "rate_per_s": rate,
+        "rate_live": since is not None,  # over the last minutes of a live run, else the last run's own
         "eta_s": eta,
         "lock": lock,
         "slurm_job": (lock or {}).get("slurm_job") or (history[-1].get("slurm_job") if history else None),
@@ -213,6 +217,7 @@ def shard_status(folder: Path, indices: np.ndarray, total: Optional[int],
             "done": int(np.count_nonzero(indices % count == index)),
             "expected": shard_size(total, (index, count)) - sum(1 for i in rejected if in_shard(i, (index, count))),
             "running": (index, count) in live,
+            "since": lock.get("since") if (index, count) in live else None,
             "slurm_job": lock.get("slurm_job") or (history[-1].get("slurm_job") if history else None),
             "runs": len(history),
             "stats": run_stats(history),
@@ -242,7 +247,7 @@ def text(status: dict[str, Any]) -> str:
     if status["by_rank"]:
         lines.append("  this run, by writing rank: "
                      + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))
-    if status["rate_per_s"] and status["running"]:
+    if status["rate_per_s"] and status["rate_live"]:
         eta = f"; ETA {datetime.timedelta(seconds=int(status['eta_s']))}" if status["eta_s"] is not None else ""
         lines.append(f"  rate: {status['rate_per_s']:.2f} outputs/s over the last {RATE_WINDOW_S / 60:.0f} "
                      f"minutes{eta}")

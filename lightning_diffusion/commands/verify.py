@@ -99,7 +99,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = read_config(args.config, [*extra, "--writer.allow_config_change", "true"])
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion verify")
-    records = [r for _, r in read_records(config.data.prompts).accepted()][: args.num_prompts]
+    records = [r for _, r in read_records(config.data.prompts, config.data.max_prompt_chars).accepted()]
+    records = records[: args.num_prompts]
     dtype = dtype_name(config.model.torch_dtype)
     max_abs, min_psnr, min_ssim = THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])
     accelerator = config.trainer.accelerator

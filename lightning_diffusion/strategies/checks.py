@@ -192,7 +192,7 @@ def context_mask_problem(class_name: str, spec: Any, facts: Any, dims: ParallelD
         "ring": "ring attention applies each rank's mask to every key/value block (wrong pictures)",
         "unified": "Unified attention neither gathers the mask nor splits it with the heads",
         "ring_anything": "ring_anything refuses an attention mask",
-        "unified_anything": "ring_anything refuses an attention mask",
+        "unified_anything": "Unified attention neither gathers the mask nor splits it with the heads",
         "ulysses_anything": "Ulysses-anything trims the gathered mask at the wrong places for 3 or more ranks",
     }.get(mode, "this mode is not verified with a split text mask")
     fix = " or ".join(m.replace("_", "-") + (" of degree 2" if m.endswith("anything") else "") for m in allowed)
@@ -200,17 +200,27 @@ def context_mask_problem(class_name: str, spec: Any, facts: Any, dims: ParallelD
             f"and in diffusers {_diffusers_version()} {reason}: use {fix}, or data_parallel.")
 
 
+# ``context_modes`` of a pipeline whose text has each prompt's own length (Qwen-Image): Ulysses-
+# anything of degree 2 only (``check_context_parallel`` and ``context_mask_problem``).
+ULYSSES_ANYTHING_2 = "ulysses_anything_2"
+
+
 def context_modes(spec: Any, facts: Any) -> tuple[str, ...]:
-    """The context-parallel attentions (``ulysses``, ``ring``) predict runs for this pipeline: none
-    without a ``_cp_plan``; Ulysses alone when its plan splits a text mask (``context_mask_problem``).
-    ``facts``: the pipeline's ``PipelineFacts``, or None to read the registry's transformer class."""
+    """The context-parallel attentions predict runs for this pipeline: ``ulysses`` and ``ring``;
+    none without a ``_cp_plan``; Ulysses alone when its plan splits a text mask
+    (``context_mask_problem``); ``ULYSSES_ANYTHING_2`` alone for a prompt-length text, which needs
+    Ulysses-anything, verified with its mask at degree 2. ``facts``: the pipeline's
+    ``PipelineFacts``, or None to read the registry's transformer class."""
     if facts is None:
         from lightning_diffusion.pipeline_facts import denoiser_facts
 
         facts = denoiser_facts(spec.class_name, spec.transformer_class)
     if not facts.cp_plan:
         return ()
-    return ("ulysses",) if facts.split_masks() else ("ulysses", "ring")
+    masks = bool(facts.split_masks())
+    if spec.prompt_length_text:
+        return (ULYSSES_ANYTHING_2,) if not masks or "ulysses_anything" in spec.cp_mask_modes else ()
+    return ("ulysses",) if masks else ("ulysses", "ring")
 
 
 def check_reference_sequences(request: ModelRequest, dims: ParallelDims, most: int = 3) -> None:
