@@ -139,6 +139,6 @@ def test_a_peer_that_leaves_before_the_end_is_one_line_on_rank_0_and_a_rerun_com
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "lightning-diffusion: error: rank 0: another process of this run ended before the end of the run (its "
-        "connection closed); the images recorded are kept, and the same command resumes.")
+        "connection was lost); the images recorded are kept, and the same command resumes.")
     run_cli(*args)
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2, 3]
