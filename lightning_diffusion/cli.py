@@ -1,12 +1,7 @@
-"""The ``lightning-diffusion`` command: ``lightning-diffusion COMMAND ...``, one module per command
-in ``lightning_diffusion.commands`` (see ``COMMANDS``); ``--help`` lists them.
-
-    lightning-diffusion predict --config configs/tiny.yaml [--data.prompts p.jsonl] [--writer.output_dir out]
-    lightning-diffusion verify --config X.yaml [--num-prompts K]
-    lightning-diffusion benchmark --config X.yaml [--compare-diffusers] [--json out.json]
-    lightning-diffusion plan --model ID --gpus N --gpu-memory 80GB [--interconnect pcie] [--height H --width W]
-    lightning-diffusion slurm --config X.yaml [--nodes N] [--gpus-per-node G] [--time T] [--submit] [--wait]
-    lightning-diffusion make-tiny flux DIR
+"""The ``lightning-diffusion`` command: ``lightning-diffusion [--verbose] COMMAND [options]``, one
+module per command in ``lightning_diffusion.commands``, dispatched from ``commands.COMMANDS``.
+``lightning-diffusion --help`` prints ``usage``, which lists every command of that table with its
+one line; ``lightning-diffusion COMMAND --help`` shows a command's options.
 """
 
 from __future__ import annotations
@@ -62,10 +57,10 @@ def run() -> None:
     """The console script and ``python -m lightning_diffusion``: ``main``, then the process ends
     without the interpreter's teardown. When ``main`` returns, every output is written, synced and
     recorded and the process groups are destroyed; what is left is torch's C++ threads, whose
-    destruction at interpreter exit now and then aborts a finished run ("terminate called without
-    an active exception", exit -6 after every image was written: seen in CI and in session 6's
-    benchmark runs), which SLURM and shells read as a failed job; a failed run ends the same way,
-    with its traceback and exit code 1. In-process callers use ``main``."""
+    destruction at interpreter exit can abort a finished run ("terminate called without an active
+    exception": exit -6 after every image is written), which SLURM and shells read as a failed
+    job; a failed run ends the same way, with its traceback and exit code 1. In-process callers
+    use ``main``."""
     if [word for word in sys.argv[1:] if word != "--verbose"][:1] == ["predict"]:  # the others: Ctrl-C's default
         signal.signal(signal.SIGINT, _interrupted_while_starting)
     try:

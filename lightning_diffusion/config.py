@@ -10,7 +10,6 @@ exactly what ``predict`` will run.
 from __future__ import annotations
 
 import difflib
-import os
 import re
 import sys
 import warnings
@@ -23,12 +22,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
 from lightning_diffusion import console
 from lightning_diffusion.accelerators import accelerator_for_job
+from lightning_diffusion.boundaries import run_strategy
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.preflight import Verdict, preflight
 from lightning_diffusion.progress import ImageProgressBar
-from lightning_diffusion.run_context import RunContext, checked_by_launcher
+from lightning_diffusion.run_context import RunContext, checked_by_launcher, first_process
 from lightning_diffusion.writer import ImageWriter
 
 console.quiet_lightning()
@@ -137,7 +137,7 @@ class DiffusionCLI(LightningCLI):
         if verdict.nothing_left and self._exit_when_complete:
             # A folder that holds every image: said before any weight loads (Lightning would load the
             # model and then run an empty loop).
-            if all(os.environ.get(name, "0") == "0" for name in ("SLURM_PROCID", "RANK")):  # one task says it
+            if first_process():  # one process of the job says it
                 print(f"lightning-diffusion: {verdict.nothing_left}", file=sys.stderr)
             sys.exit(0)
         if self._parses_argv and verdict.complete:
@@ -145,8 +145,8 @@ class DiffusionCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
-        strategy = self.trainer.strategy
-        if hasattr(strategy, "run_context"):  # one of ours: the run's stop, counts and checks are this CLI's
+        strategy = run_strategy(self.trainer.strategy)
+        if strategy is not None:  # one of ours: the run's stop, counts and checks are this CLI's
             strategy.run_context = self.run_context
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:

@@ -3,8 +3,11 @@ a strategy may call on the module, ``DiffusionStrategy`` what the module's run n
 
 A strategy reads a ``ModelRequest`` (what is known of the model before any weight loads) and hands
 the module a ``LoadPlan`` (how to load it); after the load it gets the pipeline back once to
-parallelise or wrap it (``setup_pipeline``). The module never looks at the strategy, as in
-Lightning's ``ModelParallelStrategy``, which hands its mesh to the module.
+parallelise or wrap it (``setup_pipeline``). The module learns the parallel layout only from what
+the strategy hands it (the plan, the wrapped pipeline, the groups of steps 6 and 7), never from
+the strategy's degrees or mesh; otherwise it reads its strategy only as a ``RunStrategy``
+(``boundaries.run_strategy``: the run's ``run_context``) and through the ranks and collectives
+every Lightning strategy has (``global_rank``, ``broadcast``, ``barrier``, ``reduce``).
 
 Order on every rank (``DiffusionParallelStrategy`` does this; a strategy of your own follows the
 same steps, before the process group starts for the checks):

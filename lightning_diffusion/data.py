@@ -23,10 +23,12 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, plan_batches
+from lightning_diffusion.boundaries import RunPlan, run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.inputs import record_inputs
 from lightning_diffusion.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
+from lightning_diffusion.shard import Shard, select, shard_members
 from lightning_diffusion.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
 
 
@@ -120,13 +122,6 @@ def collate_batch(items: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return items[0]
 
 
-def shard_indices(total: int, num_shards: int, shard_index: int) -> np.ndarray:
-    """The images of shard ``shard_index`` of ``num_shards``: every index ``i`` with
-    ``i % num_shards == shard_index``. An image keeps its index, seed and file name whatever the
-    shard count, and the shards of a count share no image."""
-    return np.arange(shard_index, total, num_shards, dtype=np.int64)
-
-
 class PromptDataModule(pl.LightningDataModule):
     """Prompts for ``Trainer.predict``.
 
@@ -202,8 +197,8 @@ class PromptDataModule(pl.LightningDataModule):
         # Read now so that a bad prompt file fails before any process starts or weights load.
         self.records: Records = read_records(prompts, max_prompt_chars)
         problems = data_problems(settings, self.num_images)
-        if self.records.bad and on_bad_record == "fail":
-            problems.append(RecordVerdicts(dict(self.records.bad)).report())
+        if on_bad_record == "fail":  # with skip, the bad lines are judged with the others by the module
+            problems += RecordVerdicts(dict(self.records.bad)).refusal(len(self.records), on_bad_record)
         raise_problems(problems)
         self.skip = np.zeros(0, dtype=np.int64)
         self.rejected = RecordVerdicts()
@@ -215,13 +210,17 @@ class PromptDataModule(pl.LightningDataModule):
         return len(self.records) * self.num_images_per_prompt
 
     @property
-    def shard(self) -> Optional[tuple[int, int]]:
-        """``(shard_index, num_shards)`` when this run makes one shard of the prompt set, else None."""
-        return (self.shard_index, self.num_shards) if self.num_shards > 1 else None
+    def shard(self) -> Optional[Shard]:
+        """The shard of the prompt set this run makes (``data.num_shards`` > 1), else None."""
+        return Shard(self.shard_index, self.num_shards) if self.num_shards > 1 else None
 
     def shard_images(self) -> np.ndarray:
         """The indices this run is for: every image, or its shard's."""
-        return shard_indices(self.num_images, self.num_shards, self.shard_index)
+        return shard_members(self.num_images, self.shard)
+
+    def run_plan(self) -> RunPlan:
+        """What the writer records of this prompt set (``boundaries.RunPlan``)."""
+        return RunPlan(self.prompts, self.seed, self.num_images_per_prompt, self.num_images, self.shard)
 
     def skip_indices(self, indices: Any) -> None:
         """Leave out images that are already done (called by the writer on resume, before the split)."""
@@ -233,12 +232,18 @@ class PromptDataModule(pl.LightningDataModule):
 
     def rejected_images(self) -> np.ndarray:
         """The image indices of rejected records that belong to this run (its shard's)."""
-        indices = np.asarray(self.rejected.image_indices(self.num_images_per_prompt), dtype=np.int64)
-        return indices[indices % self.num_shards == self.shard_index] if self.num_shards > 1 else indices
+        return select(self.rejected.image_indices(self.num_images_per_prompt), self.shard)
+
+    def rejected_lines(self) -> list[dict[str, Any]]:
+        """``rejected.jsonl``'s lines: each rejected record (1-based), its file:line, reason and images."""
+        copies = self.num_images_per_prompt
+        return [{"record": position + 1, "line": source, "reason": reason,
+                 "images": [position * copies + c for c in range(copies)]}
+                for position, (source, reason) in sorted(self.rejected.rejected.items())]
 
     def use_batch_facts(self, facts: SetFacts, bucket_of_position: Optional[dict[int, int]] = None,
                         pad: bool = True) -> None:
-        """The pipeline's view of the records (``DiffusionModule.batch_facts``): which sets share a
+        """The pipeline's view of the records (``costs.set_facts``): which sets share a
         call, and what an image of each costs."""
         self.facts, self.bucket_of_position, self.pad = facts, bucket_of_position, pad
 
@@ -268,9 +273,9 @@ class PromptDataModule(pl.LightningDataModule):
         if len(pending) and (self.trainer is None or self.trainer.is_global_zero):
             log.info(self.plan.describe(kwargs["num_replicas"]))
         dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
-        context = getattr(self.trainer.strategy, "run_context", None) if self.trainer is not None else None
+        strategy = run_strategy(self.trainer.strategy) if self.trainer is not None else None
         sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"],
-                              stopping=context.stop.stopping if context is not None else None)
+                              stopping=strategy.run_context.stop.stopping if strategy is not None else None)
         # One plan batch a loader batch: Lightning keeps its index tracking for batch size 1.
         return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
                           collate_fn=collate_batch)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, TypeGuard
+from typing import Any, Callable, Optional, TypeGuard, TypeVar
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -45,10 +47,13 @@ def raise_problems(problems: list) -> None:
         raise kind(f"{len(problems)} problems:\n  - " + "\n  - ".join(map(str, problems)))
 
 
-def run_check(problems: list, check, *args, **kwargs):
-    """Run one check; on a ConfigError, record it and return None."""
+def run_check(problems: list, reader: Callable[..., T], *args: Any, **kwargs: Any) -> Optional[T]:
+    """Run a reader (a function that returns a value or raises ``ConfigError``: ``resolve_dtype``,
+    ``read_records``, ``checks.planned_models``...) as a rule: its value, or None with its refusal
+    appended to ``problems`` (the ConfigError itself, so that a subclass such as ``NodeConfigError``
+    is kept). The one place a raising reader is turned into a problem."""
     try:
-        return check(*args, **kwargs)
+        return reader(*args, **kwargs)
     except ConfigError as err:
         problems.append(err)
         return None

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from lightning_diffusion.shard import Shard, shard_name
+
 HEARTBEAT_S = 30.0
 STALE_S = 120.0
 
@@ -39,12 +41,12 @@ LOCK = ".lock"
 
 
 def lock_name(shard: Optional[tuple[int, int]]) -> str:
-    return LOCK if shard is None else f"{LOCK}.shard-{shard[0]}-of-{shard[1]}"
+    return LOCK if shard is None else f"{LOCK}.{shard_name(shard)}"
 
 
-def _shard_of(name: str) -> Optional[tuple[int, int]]:
+def _shard_of(name: str) -> Optional[Shard]:
     found = re.fullmatch(r"\.lock\.shard-(\d+)-of-(\d+)", name)
-    return (int(found.group(1)), int(found.group(2))) if found else None
+    return Shard(int(found.group(1)), int(found.group(2))) if found else None
 
 
 def live_locks(folder: Path) -> dict[Optional[tuple[int, int]], str]:

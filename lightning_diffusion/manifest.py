@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from lightning_diffusion.shard import select, shard_name
+
 MANIFEST = "manifest.jsonl"
 # Every run's parts: ``manifest.part-R.jsonl`` for a run of the whole prompt set, and
 # ``manifest.shard-T-of-N.part-R.jsonl`` for shard T of N (the tasks of a job array, which write
@@ -30,21 +32,6 @@ MERGE_LOCK = ".manifest.merge-lock"
 REJECTED = "rejected.jsonl"
 FAILED = "failed.jsonl"
 FAILURES_GLOB = "failed.*part-*.jsonl"
-
-
-def shard_name(shard: Optional[tuple[int, int]]) -> Optional[str]:
-    """``shard-T-of-N`` for shard ``(T, N)``; None for a run of the whole prompt set."""
-    return None if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
-
-
-def in_shard(index: int, shard: Optional[tuple[int, int]]) -> bool:
-    """Whether image ``index`` belongs to shard ``(T, N)`` (every image belongs to no shard: None)."""
-    return shard is None or index % shard[1] == shard[0]
-
-
-def shard_size(total: int, shard: Optional[tuple[int, int]]) -> int:
-    """How many of ``total`` images a shard holds."""
-    return total if shard is None else len(range(shard[0], total, shard[1]))
 
 
 def parts_glob(shard: Optional[tuple[int, int]]) -> str:
@@ -276,7 +263,7 @@ _BLOCK = 8 << 20  # bytes read at once
 
 
 def _read_blocks(looked: _Looked, file: Path, indices: array, keep: Any, problems: list[str]) -> None:
-    """``file``'s lines block by block: a block whose lines all fit ``_BLOCK_LINE`` is read with a
+    """``file``'s lines block by block: a block whose lines all have the writer's shape (``_block_columns``) is read with a
     pattern and arrays (a million lines in about a second), any other line by line."""
     first = 1
     with file.open("rb") as f:
@@ -309,14 +296,14 @@ def _block_columns(block: bytes, count: int) -> Optional[tuple]:
             and block.count(b"}\n") == count):  # every line whole: a line cut short is read line by line
         return None
     members = np.full(count, bool(columns["member"]))
-    shard_size = np.asarray(columns["shard_bytes"]).astype(np.int64) if columns["member"] else np.zeros(count, np.int64)
+    tar_bytes = np.asarray(columns["shard_bytes"]).astype(np.int64) if columns["member"] else np.zeros(count, np.int64)
     member_names = np.asarray(columns["member"]) if columns["member"] else np.full(count, b"")
     return (np.asarray(columns["index"]).astype(np.int64), np.asarray(columns["file"]), members,
-            np.asarray(columns["bytes"]).astype(np.int64), shard_size, member_names)
+            np.asarray(columns["bytes"]).astype(np.int64), tar_bytes, member_names)
 
 
 def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: array, problems: list[str]) -> None:
-    index, name, members, size, shard_size, member_names = found
+    index, name, members, size, tar_bytes, member_names = found
     ok = np.zeros(len(index), dtype=bool)
     named = np.array([writer_name(i, n.decode(), m.decode() if is_member else None)
                       for i, n, m, is_member in zip(index.tolist(), name.tolist(), member_names.tolist(),
@@ -325,8 +312,8 @@ def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: 
         names, inverse = np.unique(name[members], return_inverse=True)
         for n, value in enumerate(names.tolist()):
             rows = np.flatnonzero(members)[inverse.ravel() == n]
-            for recorded in np.unique(shard_size[rows]).tolist():
-                chosen = rows[shard_size[rows] == recorded]
+            for recorded in np.unique(tar_bytes[rows]).tolist():
+                chosen = rows[tar_bytes[rows] == recorded]
                 ok[chosen] = looked.shard_ok(value.decode(), recorded, False)
     for row in np.flatnonzero(~members).tolist():  # loose files: one look each
         text = name[row].decode()
@@ -397,7 +384,7 @@ class Finished:
         return len(self.indices)
 
     def in_shard(self, shard: Optional[tuple[int, int]]) -> np.ndarray:
-        return self.indices if shard is None else self.indices[self.indices % shard[1] == shard[0]]
+        return select(self.indices, shard)
 
 
 def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) -> Finished:

@@ -12,54 +12,23 @@ import torch
 from torch import nn
 
 from lightning_diffusion import compat, quantization
-from lightning_diffusion.batching import SetFacts, call_key
+from lightning_diffusion.batching import call_key
+from lightning_diffusion.boundaries import run_strategy
 from lightning_diffusion.cache import CacheStats, StepCache, install
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
+from lightning_diffusion.costs import set_facts
 from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion.errors import ConfigError, RecordFailure, raise_problems
-from lightning_diffusion.inputs import INPUT_FIELDS, record_inputs
+from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.failures import CallFailures
+from lightning_diffusion.inputs import INPUT_FIELDS
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.records import Records, RecordVerdicts, check_records
+from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options
 from lightning_diffusion.validation import MODEL_CALL_ARGS, model_cache_problems, model_problems, pixel_problems
 
-# The module's options that change pictures (float rounding, seams): recorded in run.json and in
-# each image's metadata, so that a folder is not resumed with other values.
-OPTIONS = ("pipeline_class", "lora", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
 
-
-def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` as run.json and the metadata record them: adapters by file name, SHA-256 and
-    scale (not by path, which may differ between machines that make the same pictures)."""
-    if not options.get("lora"):
-        return options
-    from lightning_diffusion import lora
-
-    try:
-        return {**options, "lora": lora.record(lora.parse(options["lora"]))}
-    except ConfigError:  # reported by check_model_args
-        return options
-
-
-def image_settings(
-    path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any],
-    cache: Optional[dict[str, Any]] = None, options: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
-    """The model settings that decide the pictures, as run.json records them (the writer and
-    preflight both compute them, so that a folder is refused before anything starts). ``options``:
-    the model's decoding and speed options (``vae_tiling``, ``compile``...), recorded when set."""
-    return {
-        "model": path,
-        "torch_dtype": torch_dtype,
-        **{f"model.{k}": v for k, v in sorted(call_args.items())},
-        **{f"from_pretrained.{k}": from_pretrained_kwargs[k] for k in ("revision", "variant")
-           if k in from_pretrained_kwargs},
-        **({"model.cache": dict(cache)} if cache is not None else {}),
-        **{f"model.{k}": v for k, v in sorted((options or {}).items()) if v not in (None, False)},
-    }
-
-
-class DiffusionModule(pl.LightningModule):
+class DiffusionModule(CallFailures, pl.LightningModule):
     """Runs a diffusers ``DiffusionPipeline`` on batches of prompt samples.
 
     Args:
@@ -244,50 +213,8 @@ class DiffusionModule(pl.LightningModule):
             self.on_error = datamodule.on_error
             self.failures, self.stats = 0, {"computed": 0, "kept": 0, "busy_s": 0.0}
             datamodule.reject(self.agreed_verdicts(datamodule))
-            datamodule.use_batch_facts(*self.batch_facts(datamodule), pad=self.pad_batches)
-
-    def batch_facts(self, data: PromptDataModule) -> tuple[SetFacts, Optional[dict[int, int]]]:
-        """How the records of ``data`` share pipeline calls and what each image costs
-        (``batching``): per call-argument set, the key ``predict_step`` groups a batch by, and
-        pixels x latent frames x steps x guidance passes; with a pipeline that resizes every input
-        to the first one's size, records with inputs of another size get buckets of their own."""
-        spec, summary = self.info.spec, data.records.summary
-        keys: dict[str, int] = {}
-        buckets, costs = [], []
-        for entry in summary.sets:
-            args = {**self.call_args, **entry.overrides}
-            buckets.append(keys.setdefault(call_key(args, sorted(entry.with_inputs)), len(keys)))
-            costs.append(self._image_cost(args, entry.first_negative is not None))
-        by_position: Optional[dict[int, int]] = None
-        if spec.shares_input_size and any(entry.with_inputs for entry in summary.sets):
-            from lightning_diffusion.inputs import input_sizes
-
-            by_position = {}
-            sets = [i for i, entry in enumerate(summary.sets) if entry.with_inputs]
-            for position in summary.positions(sets):
-                if position in data.rejected.rejected:
-                    continue
-                record = data.records[position]
-                entry = summary.sets[summary.set_of[position]]
-                key = call_key({**self.call_args, **entry.overrides}, sorted(entry.with_inputs),
-                               input_sizes(record_inputs(record)))
-                by_position[position] = keys.setdefault(key, len(keys))
-        return SetFacts(buckets, costs, list(keys)), by_position
-
-    def _image_cost(self, args: dict[str, Any], negative: bool) -> float:
-        """One image's estimated work: latent tokens x steps x guidance passes."""
-        spec, info = self.info.spec, self.info
-        default = spec.default_size or (1024, 1024)
-        height, width = args.get("height") or default[0], args.get("width") or default[1]
-        frames = args.get(spec.frames_arg) if spec.frames_arg else None
-        tokens = spec.image_tokens(int(height), int(width), frames, info.size_multiple) or 1
-        steps = args.get("num_inference_steps") or info.call_default("num_inference_steps") or 1
-        passes = 1
-        if spec.cfg is not None:
-            scale = args.get(spec.cfg.scale_arg, info.call_default(spec.cfg.scale_arg))
-            runs = not spec.cfg.needs_negative_prompt or negative or args.get("negative_prompt") is not None
-            passes = 2 if isinstance(scale, (int, float)) and scale > 1 and runs else 1
-        return float(tokens * steps * passes)
+            facts = set_facts(self.info, self.call_args, datamodule.records, datamodule.rejected.rejected)
+            datamodule.use_batch_facts(*facts, pad=self.pad_batches)
 
     def record_verdicts(self, data: PromptDataModule) -> tuple[RecordVerdicts, list[str]]:
         """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
@@ -298,10 +225,7 @@ class DiffusionModule(pl.LightningModule):
         problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.max_pixels)]
         if self.cache is not None:
             problems += model_cache_problems(self.info, self.cache, self.call_args, data.records.summary)
-        if verdicts and data.on_bad_record == "fail":
-            problems.append(verdicts.report())
-        elif len(verdicts.rejected) == len(data.records):
-            problems.append("every prompt record is rejected: " + verdicts.report())
+        problems += verdicts.refusal(len(data.records), data.on_bad_record)
         return verdicts, problems
 
     def agreed_verdicts(self, data: PromptDataModule) -> RecordVerdicts:
@@ -310,7 +234,8 @@ class DiffusionModule(pl.LightningModule):
         launching process checked the same command line, skip it when bad records refuse the run."""
         # Any: Lightning's Strategy does not declare the ranks its subclasses have
         strategy: Any = self._trainer.strategy if self._trainer is not None else None
-        context = getattr(strategy, "run_context", None)
+        ours = run_strategy(strategy)
+        context = ours.run_context if ours is not None else None
         if context is not None and context.checked and data.on_bad_record == "fail":
             return RecordVerdicts()  # none, or the launching process would have refused
         outcome: tuple[Optional[RecordVerdicts], list[str]] = (None, [])
@@ -509,74 +434,6 @@ class DiffusionModule(pl.LightningModule):
         self.stats["busy_s"] += time.perf_counter() - start
         return [results[sample["index"]] for sample in batch]
 
-    # ----------------------------------------------------------------- one pipeline call, and its failures
-
-    def run_call(
-        self, samples: list[dict[str, Any]]
-    ) -> list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]]:
-        """(image, params, None) for each sample of one pipeline call, or (None, None, reason) for
-        a sample whose call failed or whose image is not finite. With ``on_error: fail`` a failure
-        raises ``RecordFailure`` naming its records; with ``skip`` the ranks of the replica agree on
-        each step of the call (``_agree``), and out of memory retries the samples one at a time."""
-        skip = self.on_error == "skip"
-        images, params, failure = None, None, None
-        try:
-            images, params = self.generate(samples, agree=True) if skip else self.generate(samples)
-        except _Agreed as agreed:
-            failure = agreed.reason
-        except Exception as err:
-            if not skip:
-                raise RecordFailure(f"{_which(samples)} failed: {_last_line(err)}") from err
-            _log_traceback(samples, err)
-            failure = _last_line(err)  # one rank, no group: nothing to agree
-        if failure is not None:
-            padded = self.pad_batches and min(self.batch_size or 1, self.info.spec.call_batch or 1 << 30) > 1
-            if failure.startswith(_OOM_NAMES) and (len(samples) > 1 or padded):
-                log.warning(f"[rank {self.global_rank}] {_which(samples)}: out of memory; retrying one record at a "
-                            "time, unpadded", extra={"all_ranks": True})
-                _free_memory()
-                return [outcome for sample in samples for outcome in self._run_alone(sample)]
-            return [(None, None, failure)] * len(samples)
-        assert images is not None and params is not None  # the call returned them (no failure)
-        outcomes: list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]] = []
-        for sample, image, param in zip(samples, images, params):
-            if np.isfinite(image).all():
-                outcomes.append((image, param, None))
-            elif skip:
-                outcomes.append((None, None, _NOT_FINITE))
-            else:
-                raise RecordFailure(f"{_which([sample])} failed: {_NOT_FINITE}")
-        return outcomes
-
-    def _run_alone(self, sample: dict[str, Any]) -> list[tuple[Optional[np.ndarray], Optional[dict], Optional[str]]]:
-        """One sample in a call of its own, unpadded (after out of memory at the batch size)."""
-        saved, self.pad_batches = self.pad_batches, False
-        try:
-            return self.run_call([sample])
-        finally:
-            self.pad_batches = saved
-
-    def _agree(self, error: Optional[BaseException]) -> None:
-        """The replica's ranks agree on one step of a call (``on_error: skip``): when any of them
-        failed, every one raises ``_Agreed`` with the first failing rank's reason, so that none goes
-        on into a collective the failed one never enters. A failure inside the pipeline on some
-        ranks only, in the middle of a collective, cannot be agreed: the collective times out."""
-        group = self.replica_group
-        if group is None:
-            if error is not None:
-                raise _Agreed(_last_line(error)) from error
-            return
-        import torch.distributed as dist
-
-        flag = torch.tensor([0 if error is None else 1], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if not int(flag.item()):
-            return
-        reasons: list[Optional[str]] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reasons, None if error is None else _last_line(error), group=group)
-        reason = next(r for r in reasons if r is not None)
-        raise _Agreed(reason) from error
-
     def generate(self, samples: list[dict[str, Any]], agree: bool = False
                  ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
         """One pipeline call for samples that share their arguments; noise from one CPU generator each.
@@ -602,20 +459,6 @@ class DiffusionModule(pl.LightningModule):
         return list(images)[:real], [{**params, **size, **({"inputs": files} if files else {})}
                                      for size, files in zip(sizes, given)][:real]
 
-    def _step(self, agree: bool, step: Any, *args: Any) -> Any:
-        """``step(*args)``; with ``agree``, the replica's ranks agree on how it went (``_agree``)
-        before any of them goes on, whether it raised here or elsewhere."""
-        if not agree:
-            return step(*args)
-        try:
-            result = step(*args)
-        except Exception as err:
-            _log_traceback(None, err)
-            self._agree(err)
-            raise  # _agree raised (with one rank, too): not reached
-        self._agree(None)
-        return result
-
     def prepare_call(self, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict]]:
         """The samples of one call (padded to the batch size with copies of the last, marked
         ``padding``), its keyword arguments (input images read) and what each sample's metadata
@@ -637,49 +480,3 @@ class DiffusionModule(pl.LightningModule):
                 images = {name: values[0] for name, values in images.items()}
             kwargs.update(images)
         return samples, kwargs, given
-
-
-class _Agreed(Exception):
-    """A step of a pipeline call failed on some rank of the replica; every rank of it raises this."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-_NOT_FINITE = "the image has NaN or infinite pixels (a numerical overflow: try torch_dtype bfloat16 or float32)"
-_OOM_NAMES = ("OutOfMemoryError", "torch.OutOfMemoryError")
-
-
-def _last_line(err: BaseException) -> str:
-    """The exception's type and the last line of its message (CUDA's out-of-memory message is a
-    paragraph whose first line is what matters: kept whole for it)."""
-    text = str(err).strip()
-    line = text.splitlines()[0 if isinstance(err, torch.OutOfMemoryError) else -1] if text else ""
-    return f"{type(err).__name__}: {line}" if line else type(err).__name__
-
-
-def _log_traceback(samples: Optional[list[dict[str, Any]]], err: BaseException) -> None:
-    """With ``--verbose``, a failed call's full traceback on the rank where it failed (the record
-    and the run go on as ``on_error`` says; without it, one line names the exception)."""
-    from lightning_diffusion import console
-
-    if console.verbose():
-        where = _which(samples) if samples else "a pipeline call"
-        log.warning(f"{where} failed:", exc_info=err, extra={"all_ranks": True})
-
-
-def _which(samples: list[dict[str, Any]]) -> str:
-    """``image 4 (prompts.jsonl:5)``, or the images of a call."""
-    real = [s for s in samples if not s.get("padding")]
-    named = [f"{s['index']} ({s['source']})" if s.get("source") else str(s["index"]) for s in real[:4]]
-    more = f" and {len(real) - 4} more" if len(real) > 4 else ""
-    return f"image{'s' if len(real) > 1 else ''} {', '.join(named)}{more}"
-
-
-def _free_memory() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -17,14 +17,16 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from lightning_diffusion import lora
+from lightning_diffusion.boundaries import RunPlan
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.errors import ConfigError, is_int
-from lightning_diffusion.files import FILES_PER_FOLDER, size_text
+from lightning_diffusion.errors import ConfigError, is_int, run_check
+from lightning_diffusion.files import size_text
 from lightning_diffusion.lock import OutputLock, busy_message
-from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_conflict, shard_size
-from lightning_diffusion.module import OPTIONS, image_settings, recorded_options
+from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_conflict
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
+from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
+from lightning_diffusion.shard import shard_size
 from lightning_diffusion.validation import (
     MAX_PROMPT_CHARS,
     MODEL_CALL_ARGS,
@@ -33,7 +35,6 @@ from lightning_diffusion.validation import (
     model_problems,
     writer_problems,
 )
-from lightning_diffusion.writer import run_settings, storage_settings
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5
@@ -149,16 +150,6 @@ def world_size(trainer: Any) -> Optional[int]:
     return devices * nodes
 
 
-def _rule(problems: list, reader: Any, *args: Any) -> Any:
-    """Run a reader (a function that returns a value or raises ``ConfigError``) as a rule: its
-    refusal joins ``problems``."""
-    try:
-        return reader(*args)
-    except ConfigError as err:
-        problems.append(err)
-        return None
-
-
 def preflight(config: Any, here: bool = True) -> "Verdict":
     """Every weight-free check of the ``model``, ``data`` and ``writer`` groups of a parsed config.
     Returns a ``Verdict``: the problems; whether the checks were complete (the strategy's rules need
@@ -170,7 +161,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     problems: list = []
     nothing_left: Optional[str] = None
     chars = data.get("max_prompt_chars", MAX_PROMPT_CHARS)
-    records = _rule(problems, read_records, data["prompts"], chars if is_int(chars, 1) else MAX_PROMPT_CHARS)
+    records = run_check(problems, read_records, data["prompts"], chars if is_int(chars, 1) else MAX_PROMPT_CHARS)
     num_images = (len(records) * data["num_images_per_prompt"]
                   if records is not None and is_int(data.get("num_images_per_prompt"), 1) else None)
     problems += data_problems(data, num_images)
@@ -188,21 +179,18 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             verdicts = check_records(info, records, call_args, data.get("inputs_root"), max_pixels, copies)
         else:  # the lines that failed while reading; the rest is checked once the model is right
             verdicts = RecordVerdicts(dict(records.bad))
-        if verdicts and data.get("on_bad_record", "fail") != "skip":
-            problems.append(verdicts.report())
-        elif len(verdicts.rejected) == len(records):
-            problems.append("every prompt record is rejected: " + verdicts.report())
+        problems += verdicts.refusal(len(records), data.get("on_bad_record", "fail"))
     problems += writer_problems(writer)
     problems += devices_problems(config.trainer.get("devices"), config.trainer.get("num_nodes"))
     if here:
         problems += accelerator_problems(config.trainer.get("accelerator"))
     # Built first, so that a bad strategy argument is reported with the other problems; its rules
     # against the model run once the model and records are known to be right.
-    strategy = _rule(problems, build_strategy, config.trainer.get("strategy"))
+    strategy = run_check(problems, build_strategy, config.trainer.get("strategy"))
     size = world_size(config.trainer)
     complete = strategy is None or size is not None
     if strategy is not None and size is not None:
-        _rule(problems, strategy.make_parallel_dims, size)
+        run_check(problems, strategy.make_parallel_dims, size)
         if info is not None and not problems:
             options = {key: model.get(key) for key in OPTIONS}
             request = ModelRequest(info, resolve_dtype(model["torch_dtype"]), call_args,
@@ -219,14 +207,12 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                         data.get("num_shards", 1), data.get("shard_index", 0), found)
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
+            plan = RunPlan(data["prompts"], data["seed"], data["num_images_per_prompt"], num_images or 0)
             settings = run_settings(
                 image_settings(model["pretrained_model_name_or_path"], dtype_name(model["torch_dtype"]), call_args,
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
                                recorded_options({key: model.get(key) for key in OPTIONS})),
-                data["seed"], data["num_images_per_prompt"], data["prompts"], writer.get("video_format") or "mp4",
-                writer.get("fps") or 16, writer.get("image_format", "png"), writer.get("quality", 90),
-                storage_settings(writer.get("layout", "auto"), writer.get("files_per_folder", FILES_PER_FOLDER),
-                                 writer.get("format", "files"), num_images))
+                plan, writer_settings(writer))
             conflict = settings_conflict(Path(writer["output_dir"]).expanduser(), settings)
             if conflict:
                 problems.append(conflict)

@@ -64,7 +64,8 @@ class ImageProgressBar(ProgressBar):
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not (trainer.is_global_zero and self._enabled):
             return
-        writer = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, ImageWriter)), None)
+        writer = next((c for c in trainer.callbacks if  # type: ignore[attr-defined]  # set by Trainer
+                       isinstance(c, ImageWriter)), None)
         if writer is None:
             return  # nothing counts images: no bar
         self._writer = writer

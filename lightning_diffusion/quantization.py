@@ -4,8 +4,8 @@ A config names a diffusers quantization backend, its arguments and the component
 
     quantization: {backend: torchao, quant_type: int8wo, components: [transformer]}
 
-``check`` validates it against the pipeline's configs (no weight is read); ``device_problem`` says
-whether it can run on the strategy's device (a CPU rehearsal cannot run GPU kernels); ``config``
+``check`` validates it against the pipeline's configs (no weight is read); ``device_problems`` says
+why it cannot run on the strategy's device (a CPU rehearsal cannot run GPU kernels); ``config``
 builds the ``PipelineQuantizationConfig`` that ``DiffusionPipeline.from_pretrained`` applies, with
 one backend config per component (diffusers' class for diffusers models, transformers' for text
 encoders). Backends that load pre-quantized checkpoints (gguf...) are not on-the-fly: such a model
@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from lightning_diffusion.errors import ConfigError, NodeConfigError
+from lightning_diffusion.errors import ConfigError, NodeConfigError, run_check
 
 # Backends that quantize full-precision weights while they load, and the package each needs.
 BACKEND_PACKAGES = {
@@ -82,7 +82,7 @@ def components(spec: Mapping[str, Any], default: tuple[str, ...]) -> list[str]:
 
 
 def check(spec: Any, model_index: Mapping[str, Any], classes: Mapping[str, Optional[type]],
-          default: tuple[str, ...]) -> list[str]:
+          default: tuple[str, ...]) -> list:
     """``model.quantization`` against the installed backends and the pipeline's components
     (``model_index``: component name to ``[library, class]``; ``classes``: name to class, where
     diffusers or transformers has it); ``default``: the denoisers."""
@@ -114,37 +114,36 @@ def check(spec: Any, model_index: Mapping[str, Any], classes: Mapping[str, Optio
     elif "quant_type" in spec:
         return [f"model.quantization.quant_type is torchao's; {backend} takes its own arguments "
                 f"({', '.join(_arguments(_backend_class(backend, 'diffusers')))})."]
-    problems = []
-    for name in names:
-        try:
-            _build(spec, model_index[name][0])  # unknown arguments fail here, before any weight loads
-        except ConfigError as err:
-            problems.append(str(err))
+    problems: list = []
+    for name in names:  # unknown arguments fail here, before any weight loads
+        run_check(problems, _build, spec, model_index[name][0])
     return problems[:1]
 
 
-def device_problem(spec: Optional[Mapping[str, Any]], device: torch.device) -> None:
+def device_problems(spec: Optional[Mapping[str, Any]], device: torch.device) -> list:
     """Quantized kernels that cannot run on ``device``: GPU-only ones in a CPU rehearsal; on CUDA
-    (where this process sees the GPUs) FP8 below compute capability 8.9 and int4 without mslk."""
+    (where this process sees the GPUs) FP8 below compute capability 8.9 (this node's problem: a
+    ``NodeConfigError``) and int4 without mslk."""
     if spec is None:
-        return
+        return []
     backend, quant_type = spec.get("backend"), spec.get("quant_type")
     if device.type == "cuda" and backend == "torchao":
         if quant_type == "float8dq" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-            raise NodeConfigError("model.quantization: torchao float8dq needs CUDA compute capability 8.9 or higher "
-                                  f"(this GPU: {'.'.join(map(str, torch.cuda.get_device_capability()))}); use int8wo "
-                                  "or int8dq.")
+            return [NodeConfigError("model.quantization: torchao float8dq needs CUDA compute capability 8.9 or higher "
+                                    f"(this GPU: {'.'.join(map(str, torch.cuda.get_device_capability()))}); use "
+                                    "int8wo or int8dq.")]
         if quant_type == "int4wo" and importlib.util.find_spec("mslk") is None:
-            raise ConfigError("model.quantization: torchao int4wo needs the mslk package: pip install mslk.")
+            return ["model.quantization: torchao int4wo needs the mslk package: pip install mslk."]
     if device.type != "cpu":
-        return
+        return []
     gpu_only = backend in GPU_BACKENDS or (backend == "torchao" and quant_type in TORCHAO_TYPES
                                            and not TORCHAO_TYPES[quant_type][1])
     if gpu_only:
         what = f"torchao {quant_type}" if backend == "torchao" else backend
         cpu = [k for k, (_, on_cpu) in TORCHAO_TYPES.items() if on_cpu]
-        raise ConfigError(f"model.quantization: {what} needs a GPU; on CPU use torchao with quant_type "
-                          f"{', '.join(cpu)} (or quanto).")
+        return [f"model.quantization: {what} needs a GPU; on CPU use torchao with quant_type {', '.join(cpu)} "
+                "(or quanto)."]
+    return []
 
 
 def _backend_class(backend: str, library: str) -> type:

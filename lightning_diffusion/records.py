@@ -450,6 +450,15 @@ class RecordVerdicts:
         return (f"{head} (data.on_bad_record: skip makes the others and lists these in rejected.jsonl):\n    "
                 + "\n    ".join(shown) + tail)
 
+    def refusal(self, num_records: int, on_bad_record: str) -> list[str]:
+        """Why these verdicts refuse the run: any bad record under ``data.on_bad_record: fail``;
+        under ``skip``, only a set where every record is bad."""
+        if self and on_bad_record != "skip":
+            return [self.report()]
+        if self.rejected and len(self.rejected) == num_records:
+            return ["every prompt record is rejected: " + self.report()]
+        return []
+
     def image_indices(self, num_images_per_prompt: int) -> list[int]:
         """The image indices of the rejected records."""
         return [p * num_images_per_prompt + c for p in sorted(self.rejected) for c in range(num_images_per_prompt)]

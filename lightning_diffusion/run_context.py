@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lightning_diffusion.preemption import StopController
@@ -52,3 +53,25 @@ class RunContext:
         """After ``predict`` returned on every rank: the process's exit code, requeueing a SLURM job
         that stopped early (``StopController.finish_job``)."""
         return self.stop.finish_job()
+
+
+def first_process(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this is the job's first process: global rank 0 (``RANK``; ``SLURM_PROCID`` for the
+    tasks ``srun`` starts on every node; ``NODE_RANK`` 0 for Lightning's own launcher on several
+    nodes) and its node's first (a rank the launcher started inside srun's task 0 inherits its
+    SLURM_PROCID); without any, the first process of its node."""
+    for variable in ("RANK", "SLURM_PROCID", "NODE_RANK"):
+        if variable in environ:
+            if environ[variable] != "0":
+                return False
+            break
+    return first_process_of_node(environ)
+
+
+def first_process_of_node(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this is its node's first process: local rank 0 (``LOCAL_RANK``, set by the launcher
+    for the ranks it starts, or ``SLURM_LOCALID`` for srun's tasks); a process with neither is one."""
+    for variable in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if variable in environ:
+            return environ[variable] == "0"
+    return True

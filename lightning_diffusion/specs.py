@@ -41,6 +41,11 @@ class CFGBranches:
     one_call: bool = False
     transformers: tuple[str, ...] = ("transformer",)
 
+    def runs(self, scale: Any, negative: bool) -> bool:
+        """Whether the pipeline runs its second (negative) guidance pass: ``scale`` (the value of
+        ``scale_arg``) above 1 and, where the pipeline needs one, a negative prompt (``negative``)."""
+        return isinstance(scale, (int, float)) and scale > 1 and (negative or not self.needs_negative_prompt)
+
 
 @dataclass(frozen=True)
 class PublishedModel:

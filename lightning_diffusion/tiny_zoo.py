@@ -4,7 +4,7 @@ Everything the project knows of these comes from the pipeline classes and their 
 (``pipeline_facts``): they are how the tests hold "any diffusers pipeline" to the same promises
 as the registered ones (one process equal to diffusers called directly, replicas equal to one
 process, each plan the transformer has run with parity or refused before weights). ``tiny:NAME``
-builds one into the cache on first use (``tiny.ZOO`` names them), as ``tiny.py`` does for the
+builds one into the cache on first use (``specs.TINY_ZOO`` names them), as ``tiny.py`` does for the
 registered ones.
 """
 

@@ -4,7 +4,10 @@ The convention: a rule takes the values it checks and returns the problems it fi
 messages (empty when all is well); it never raises for bad input. Callers add lists together, and
 ``errors.raise_problems`` turns the lot into one refusal (exit code 2) at the boundary: the CLI's
 preflight, or the constructor of a data module, module or writer. A message says what is wrong
-and where (``model.height``, ``prompts.jsonl:3``), then what to do.
+and where (``model.height``, ``prompts.jsonl:3``), then what to do. A reader, which computes a
+value and raises a ``ConfigError`` when it cannot (``resolve_dtype``, ``inspect_pipeline``), runs as
+a rule through ``errors.run_check``: its refusal joins the list as that ``ConfigError`` (which keeps
+a subclass such as ``NodeConfigError``).
 
 Where each kind of input is checked:
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_diffusion.errors import ConfigError, is_int
+from lightning_diffusion.errors import ConfigError, is_int, run_check
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
 # tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
@@ -261,7 +264,7 @@ COMPILE_MODES = ("regional", "full")
 
 
 def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
-                   max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[Any], list[str]]:
+                   max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[Any], list]:
     """Every weight-free check of the model section (``DiffusionModule``'s arguments by name);
     returns the pipeline's info (None when the path itself is wrong) and the problems.
     ``records``: the prompt records' ``RecordSummary``, when known (their negative prompts decide whether a guidance
@@ -272,8 +275,8 @@ def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
     named = {key: settings.get(key) for key in MODEL_CALL_ARGS}
     call_kwargs = dict(settings.get("call_kwargs") or {})
     from_pretrained_kwargs = dict(settings.get("from_pretrained_kwargs") or {})
-    problems: list[str] = []
-    problems += _caught(resolve_dtype, settings.get("torch_dtype", "float32"))
+    problems: list = []
+    run_check(problems, resolve_dtype, settings.get("torch_dtype", "float32"))
     if settings.get("attention_backend") is not None:
         problems += attention_backend_problems(settings["attention_backend"])
         if not problems:
@@ -282,14 +285,14 @@ def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
     if settings.get("quantization") is not None and "quantization_config" in from_pretrained_kwargs:
         problems.append("model.quantization and model.from_pretrained_kwargs.quantization_config both quantize: keep "
                         "model.quantization.")
-    try:
-        info = inspect_pipeline(settings["pretrained_model_name_or_path"], settings.get("pipeline_class"),
-                                from_pretrained_kwargs)
-    except ConfigError as err:
+    path_problems: list = []
+    info = run_check(path_problems, inspect_pipeline, settings["pretrained_model_name_or_path"],
+                     settings.get("pipeline_class"), from_pretrained_kwargs)
+    if info is None:
         # The path is wrong: still report what needs no pipeline.
         steps = named.get("num_inference_steps")
-        return None, [str(err), *problems, *(integer(steps, "model.num_inference_steps", 1, MAX_STEPS)
-                                             if steps is not None else [])]
+        return None, [*path_problems, *problems, *(integer(steps, "model.num_inference_steps", 1, MAX_STEPS)
+                                                   if steps is not None else [])]
     given = {k: v for k, v in named.items() if v is not None}
     problems += call_arg_problems(info, given, max_pixels=max_pixels, where="model")
     if call_kwargs:
@@ -319,28 +322,31 @@ def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
     return info, problems
 
 
-def _caught(rule: Any, *args: Any) -> list[str]:
-    """A raising helper (``resolve_dtype``...) as a rule."""
-    try:
-        rule(*args)
-    except ConfigError as err:
-        return [str(err)]
-    return []
-
-
-def attention_backend_problems(name: Any) -> list[str]:
-    """``model.attention_backend``: a diffusers attention backend whose package is installed."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+def attention_backend_problems(name: Any, where: str = "model.attention_backend", installed: bool = True,
+                               context_parallel: bool = False) -> list[str]:
+    """The one attention-backend rule, for the model's backend and a strategy's: ``name`` is a
+    diffusers attention backend; ``installed``: its package is installed (the model's);
+    ``context_parallel``: it supports context parallelism in the installed diffusers (a
+    context-parallel strategy's). ``where`` names the setting in the messages."""
+    from diffusers.models.attention_dispatch import (
+        AttentionBackendName,
+        _AttentionBackendRegistry,
+        _check_attention_backend_requirements,
+    )
 
     try:
         backend = AttentionBackendName(name)
     except ValueError:
-        return [f"model.attention_backend {name!r} is not a diffusers attention backend; choose one of: "
+        return [f"{where} {name!r} is not a diffusers attention backend; choose one of: "
                 f"{', '.join(sorted(b.value for b in AttentionBackendName))}."]
-    try:
-        _check_attention_backend_requirements(backend)
-    except (RuntimeError, ImportError) as err:
-        return [f"model.attention_backend {name!r}: {err}"]
+    if installed:
+        try:
+            _check_attention_backend_requirements(backend)
+        except (RuntimeError, ImportError) as err:
+            return [f"{where} {name!r}: {err}"]
+    if context_parallel and not _AttentionBackendRegistry._is_context_parallel_available(backend):
+        return [f"{where} {name!r} cannot do context parallelism; choose one of: "
+                f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}."]
     return []
 
 
@@ -367,7 +373,7 @@ def backend_dtype_problems(name: str, dtype: Any, where: str = "model.attention_
             "float32 (native, _native_efficient, flex, xformers)."]
 
 
-def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
+def lora_problems(info: Any, spec: Any, quantized: Any) -> list:
     """``model.lora``: files, scales, targets that are modules of this pipeline, and no adapter on
     a component that loads quantized (an update cannot be fused into quantized weights)."""
     import importlib.util
@@ -378,10 +384,10 @@ def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
 
     if importlib.util.find_spec("peft") is None:
         return ["model.lora needs the peft package, which is not installed: pip install peft."]
-    try:
-        adapters = lora.parse(spec)
-    except ConfigError as err:
-        return [str(err)]
+    problems: list = []
+    adapters = run_check(problems, lora.parse, spec)
+    if adapters is None:
+        return problems
     modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
     models = {}  # and the models themselves, empty (meta device), for the updates' shapes
     for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
@@ -392,7 +398,6 @@ def lora_problems(info: Any, spec: Any, quantized: Any) -> list[str]:
             modules[name] = {n for n, _ in model.named_modules()}
             models[name] = model
     loadable = list(getattr(info.pipeline_class, "_lora_loadable_modules", []))
-    problems = []
     for n, adapter in enumerate(adapters):
         try:
             found = lora.targets(info.pipeline_class, adapter)
@@ -530,11 +535,9 @@ def negative_branch(info: Any, call_args: Mapping[str, Any], summary: Optional[A
     scales = {call_args.get(entry.scale_arg, info.call_default(entry.scale_arg))}
     if summary is not None:
         scales |= {overrides.get(entry.scale_arg) for _, overrides in summary.override_sets()} - {None}
-    if not any(isinstance(scale, (int, float)) and scale > 1 for scale in scales):
-        return False
-    if not entry.needs_negative_prompt or call_args.get("negative_prompt") is not None:
-        return True
-    return summary is not None and summary.first_negative is not None
+    negative = call_args.get("negative_prompt") is not None or (summary is not None
+                                                                 and summary.first_negative is not None)
+    return any(entry.runs(scale, negative) for scale in scales)
 
 
 def _vae_has(vae: Optional[type[Any]], config: dict[str, Any], attribute: str) -> bool:
@@ -648,36 +651,20 @@ def output_dir_problems(path: Path) -> list[str]:
 
 
 def writer_problems(settings: Mapping[str, Any]) -> list[str]:
-    """``ImageWriter``'s arguments by name (absent ones take its defaults)."""
-    from lightning_diffusion.background import WRITE_IN
-    from lightning_diffusion.files import (
-        FILES_PER_FOLDER,
-        FORMATS,
-        FSYNC,
-        IMAGE_FORMATS,
-        LAYOUTS,
-        SAMPLES_PER_SHARD,
-        VIDEO_FORMATS,
-    )
+    """``ImageWriter``'s arguments by name (absent ones take their defaults), against the writer
+    group's declaration (``settings.WRITER``)."""
+    from lightning_diffusion.settings import WRITER
 
-    output_dir = settings.get("output_dir", "outputs")
+    output_dir = settings.get("output_dir", WRITER["output_dir"].default)
     named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
     problems: list[str] = output_dir_problems(Path(str(output_dir)).expanduser()) if named else [
         f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
         "folder)."]
-    problems += one_of(settings.get("video_format", "mp4"), "writer.video_format", VIDEO_FORMATS)
-    problems += integer(settings.get("fps", 16), "writer.fps")
-    problems += one_of(settings.get("image_format", "png"), "writer.image_format", list(IMAGE_FORMATS))
-    problems += [p.replace("writer.quality", "writer.quality (WebP and JPEG)")
-                 for p in integer(settings.get("quality", 90), "writer.quality", 1, 100)]
-    problems += integer(settings.get("png_compress_level", 1), "writer.png_compress_level", 0, 9)
-    problems += one_of(settings.get("fsync", "batch"), "writer.fsync", FSYNC)
-    problems += integer(settings.get("write_queue", 2), "writer.write_queue")
-    problems += [p + " (0: write on the prediction thread)"
-                 for p in integer(settings.get("write_workers", 2), "writer.write_workers", 0)]
-    problems += one_of(settings.get("write_in", "process"), "writer.write_in", WRITE_IN)
-    problems += one_of(settings.get("layout", "auto"), "writer.layout", LAYOUTS)
-    problems += integer(settings.get("files_per_folder", FILES_PER_FOLDER), "writer.files_per_folder")
-    problems += one_of(settings.get("format", "files"), "writer.format", FORMATS)
-    problems += integer(settings.get("samples_per_shard", SAMPLES_PER_SHARD), "writer.samples_per_shard")
+    for name, option in WRITER.items():
+        value, key = settings.get(name, option.default), f"writer.{name}"
+        if option.choices:
+            problems += one_of(value, key, option.choices)
+        elif option.integer:
+            problems += [p.replace(key, option.label or key) + option.hint
+                         for p in integer(value, key, option.minimum, option.maximum)]
     return problems

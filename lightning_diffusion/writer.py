@@ -27,91 +27,27 @@ queue before the manifest parts are merged. The files themselves are ``files.Out
 from __future__ import annotations
 
 import builtins
-import json
 import os
 import re
 import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_diffusion.background import WriterProcess, WriterThreads
+from lightning_diffusion.boundaries import ImageSource, PromptSource, RunPlan, require, run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
-from lightning_diffusion.files import (
-    FILES_PER_FOLDER,
-    PNG_COMPRESS_LEVEL,
-    SAMPLES_PER_SHARD,
-    OutputFiles,
-    resolve_layout,
-    size_text,
-    stale_temporaries,
-    to_uint8,
-)
-from lightning_diffusion.lock import OutputLock, busy_message
-from lightning_diffusion.manifest import (
-    FAILED,
-    MANIFEST,
-    PART_GLOB,
-    PROMPTS_HASH,
-    REJECTED,
-    RUN_FILE,
-    RUN_META,
-    atomic_write,
-    finished,
-    in_shard,
-    merge_failures,
-    merge_lock,
-    merge_manifest,
-    part_counts,
-    part_name,
-    parts_glob,
-    prompts_hash,
-    repair_manifest,
-    settings_conflict,
-    shard_name,
-    shard_size,
-)
+from lightning_diffusion.files import OutputFiles, resolve_layout, size_text, to_uint8
+from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED
+from lightning_diffusion.settings import WRITER, run_settings, writer_settings
+from lightning_diffusion.store import FolderStore, OutputStore
 from lightning_diffusion.validation import writer_problems
-
-
-def storage_settings(layout: str, files_per_folder: int, format: str, expected: Optional[int]) -> dict[str, Any]:
-    """Where outputs go, as run.json records it (the defaults, loose files in one folder, record
-    nothing: a folder made before these keys resumes): a resume with another layout or format is
-    refused like other settings."""
-    settings: dict[str, Any] = {}
-    if format != "files":
-        settings["writer.format"] = format
-    elif resolve_layout(layout, expected, files_per_folder) == "sharded":
-        settings.update({"writer.layout": "sharded", "writer.files_per_folder": files_per_folder})
-    return settings
-
-
-def run_settings(image_settings: dict[str, Any], seed: Any, num_images_per_prompt: Any, prompts: Any,
-                 video_format: str = "mp4", fps: int = 16, image_format: str = "png",
-                 quality: int = 90, storage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """run.json's settings: the model's (``module.image_settings``), the seeds, the prompt set (its
-    content hash compared, its path recorded), a non-default video encoding and the storage
-    (``storage_settings``)."""
-    settings = {**image_settings, **(storage or {})}
-    if seed is not None:
-        settings["data.seed"] = seed
-    if num_images_per_prompt is not None:
-        settings["data.num_images_per_prompt"] = num_images_per_prompt
-    if isinstance(prompts, (str, Path)):
-        settings["data.prompts"] = str(Path(prompts).expanduser().resolve())
-    if prompts is not None:
-        settings[PROMPTS_HASH] = prompts_hash(prompts)
-    if video_format != "mp4" or fps != 16:
-        settings.update({"writer.video_format": video_format, "writer.fps": fps})
-    if image_format != "png":  # lossy files differ from the PNGs of the same pictures
-        settings.update({"writer.image_format": image_format, "writer.quality": quality})
-    return json.loads(json.dumps(settings, default=str))
 
 
 def summary_text(summary: dict[str, Any], manifest: Path) -> str:
@@ -173,7 +109,7 @@ def _cause(failed: Optional[BaseException]) -> Optional[str]:
     return str(failed.__cause__ or failed)
 
 
-def _gather_idle(strategy: Any, obj: Any) -> list[Any]:
+def gather_idle(strategy: Any, obj: Any) -> list[Any]:
     """``obj`` of every rank by global rank: with our strategies on their idle group (no collective
     timeout); with another strategy on the default group (its timeout applies)."""
     import torch.distributed as dist
@@ -182,7 +118,8 @@ def _gather_idle(strategy: Any, obj: Any) -> list[Any]:
         return [obj]
     objects: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(objects, obj, group=getattr(strategy, "idle_group", None))
+        ours = run_strategy(strategy)
+        dist.all_gather_object(objects, obj, group=ours.idle_group if ours is not None else None)
     except RuntimeError as err:  # gloo: "Connection closed by peer"; NCCL: a DistBackendError
         if not _PEER_GONE.search(str(err)):
             raise
@@ -201,7 +138,10 @@ class ImageWriter(BasePredictionWriter):
     """Writes each predicted image once, as PNG with metadata, and records it in the manifest.
 
     The files are written by ``files_class`` (``OutputFiles``; a subclass may encode otherwise:
-    it is sent to the writer process, so it must live in an importable module).
+    it is sent to the writer process, so it must live in an importable module); the folder's
+    bookkeeping (lock, run.json, the manifest parts and their merge) is a ``store.FolderStore``.
+    The writer reads its data module as a ``boundaries.PromptSource`` (``PromptDataModule``) and its
+    module as a ``boundaries.ImageSource`` (``DiffusionModule``), checked when the run starts.
 
     Args:
         output_dir: folder for images and ``manifest.jsonl``; created if missing. A rerun into the
@@ -230,49 +170,49 @@ class ImageWriter(BasePredictionWriter):
             ``samples_per_shard`` samples, ``{key}.png`` and ``{key}.json`` each, as WebDataset
             and img2dataset write them).
 
-    Only one run may write into a folder at a time (``.lock``, taken over when its run is dead),
-    or one run a shard for the shards of one count (``PromptDataModule(num_shards=...)``).
+    The defaults are the writer group's declaration (``settings.WRITER``). Only one run may write
+    into a folder at a time (``.lock``, taken over when its run is dead), or one run a shard for the
+    shards of one count (``PromptDataModule(num_shards=...)``).
     """
 
     files_class: type[OutputFiles] = OutputFiles
 
     def __init__(
         self,
-        output_dir: str = "outputs",
-        save_arrays: bool = False,
-        video_format: str = "mp4",
-        fps: int = 16,
-        allow_config_change: bool = False,
-        image_format: str = "png",
-        quality: int = 90,
-        png_compress_level: int = PNG_COMPRESS_LEVEL,
-        fsync: str = "batch",
-        write_workers: int = 2,
-        write_queue: int = 2,
-        write_in: str = "process",
-        layout: str = "auto",
-        files_per_folder: int = FILES_PER_FOLDER,
-        format: str = "files",
-        samples_per_shard: int = SAMPLES_PER_SHARD,
+        output_dir: str = WRITER["output_dir"].default,
+        save_arrays: bool = WRITER["save_arrays"].default,
+        video_format: str = WRITER["video_format"].default,
+        fps: int = WRITER["fps"].default,
+        allow_config_change: bool = WRITER["allow_config_change"].default,
+        image_format: str = WRITER["image_format"].default,
+        quality: int = WRITER["quality"].default,
+        png_compress_level: int = WRITER["png_compress_level"].default,
+        fsync: str = WRITER["fsync"].default,
+        write_workers: int = WRITER["write_workers"].default,
+        write_queue: int = WRITER["write_queue"].default,
+        write_in: str = WRITER["write_in"].default,
+        layout: str = WRITER["layout"].default,
+        files_per_folder: int = WRITER["files_per_folder"].default,
+        format: str = WRITER["format"].default,
+        samples_per_shard: int = WRITER["samples_per_shard"].default,
     ) -> None:
         super().__init__(write_interval="batch")
-        raise_problems(writer_problems(dict(output_dir=output_dir, video_format=video_format, fps=fps,
-                                            image_format=image_format, quality=quality,
-                                            png_compress_level=png_compress_level, fsync=fsync,
-                                            write_workers=write_workers, write_queue=write_queue, write_in=write_in,
-                                            layout=layout, files_per_folder=files_per_folder, format=format,
-                                            samples_per_shard=samples_per_shard)))
-        self.layout = layout
-        self.files_per_folder = files_per_folder
-        self.format = format
-        self.samples_per_shard = samples_per_shard
-        self._files: Optional[OutputFiles] = None
-        self.total: Optional[int] = None
-        self._batches = 0  # this rank's batches handed to its writers: the order of tar shard members
+        self.settings = writer_settings(dict(
+            output_dir=output_dir, save_arrays=save_arrays, video_format=video_format, fps=fps,
+            allow_config_change=allow_config_change, image_format=image_format, quality=quality,
+            png_compress_level=png_compress_level, fsync=fsync, write_workers=write_workers, write_queue=write_queue,
+            write_in=write_in, layout=layout, files_per_folder=files_per_folder, format=format,
+            samples_per_shard=samples_per_shard))
+        raise_problems(writer_problems(self.settings))
         if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
                               "script being run, so the writer process cannot import it: move it into a module, "
                               "or set writer.write_in: thread.")
+        self.output_dir = Path(output_dir).expanduser()
+        self.save_arrays = save_arrays
+        self.video_format = video_format
+        self.fps = fps
+        self.allow_config_change = allow_config_change
         self.image_format = image_format
         self.quality = quality
         self.png_compress_level = png_compress_level
@@ -280,110 +220,46 @@ class ImageWriter(BasePredictionWriter):
         self.write_workers = write_workers
         self.write_queue = write_queue
         self.write_in = write_in
-        self._writers: Optional[WriterProcess | WriterThreads] = None
-        path = Path(output_dir).expanduser()
-        self.output_dir = path
-        self.save_arrays = save_arrays
-        self.video_format = video_format
-        self.fps = fps
-        self.allow_config_change = allow_config_change
+        self.layout = layout
+        self.files_per_folder = files_per_folder
+        self.format = format
+        self.samples_per_shard = samples_per_shard
+        # Set by setup, for one run:
+        self.plan: Optional[RunPlan] = None  # the data module's, handed over at setup
+        self.store: OutputStore = FolderStore(self.output_dir, None, allow_config_change)
+        self.total: Optional[int] = None  # the prompt set's images (every shard's): layout auto decides by it
+        self.shard: Optional[tuple[int, int]] = None  # (index, count) when the run makes one shard
+        self.expected: Optional[int] = None  # this run's images
         self.done = np.zeros(0, dtype=np.int64)  # this run's images already in the manifest (sorted)
-        self.expected: Optional[int] = None
-        self.pending: Optional[int] = None
+        self.pending: Optional[int] = None  # images left to make
+        self.started_at = time.time()
+        self.predicting_at: Optional[float] = None
+        self._part: Optional[Path] = None
+        self._files: Optional[OutputFiles] = None
+        self._writers: Optional[WriterProcess | WriterThreads] = None
+        self._batches = 0  # this rank's batches handed to its writers: the order of tar shard members
+        # Known at the run's end:
         self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
         self.summary: Optional[dict[str, Any]] = None
+        self._work: dict[int, dict[str, Any]] = {}  # what each writing rank computed
+        self._buckets: Optional[int] = None  # the batch plan's buckets
         # Told the final count on global rank 0 once the manifest is merged (``ImageProgressBar``).
         self.progress_listener: Optional[Any] = None
-        self._history: list = []
-        self.shard: Optional[tuple[int, int]] = None  # (index, count) when the run makes one shard
-        self._part: Optional[Path] = None
-        self._lock: Optional[OutputLock] = None
 
     @property
     def parts_glob(self) -> str:
         """This run's manifest parts (of its shard, if it makes one)."""
-        return parts_glob(self.shard)
+        return self.store.parts_glob
 
     @staticmethod
     def writes_outputs(trainer: pl.Trainer) -> bool:
         # Ranks of one model-parallel group hold the same images: the strategy names one to write.
-        return bool(getattr(trainer.strategy, "writes_outputs", True))
+        strategy = run_strategy(trainer.strategy)
+        return strategy is None or bool(strategy.writes_outputs)
 
-    def run_settings(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def run_settings(self, pl_module: ImageSource) -> dict[str, Any]:
         """What decides the pictures of this folder: model, call arguments, seeds, prompts."""
-        describe = getattr(pl_module, "image_settings", None)
-        data = getattr(trainer, "datamodule", None)
-        return run_settings(describe() if callable(describe) else {}, getattr(data, "seed", None),
-                            getattr(data, "num_images_per_prompt", None), getattr(data, "prompts", None),
-                            self.video_format, self.fps, self.image_format, self.quality,
-                            storage_settings(self.layout, self.files_per_folder, self.format, self.total))
-
-    @property
-    def record_file(self) -> Path:
-        """Where this run's history goes: ``run.json``, or its shard's ``run.shard-T-of-N.json``."""
-        name = shard_name(self.shard)
-        return self.output_dir / (RUN_FILE if name is None else f"run.{name}.json")
-
-    def _refuse(self, message: str) -> tuple[Optional[str], list[int]]:
-        assert self._lock is not None
-        self._lock.release()
-        return message, []
-
-    def _prepare_folder(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], Any]:
-        """On global rank 0: lock, compare settings, merge parts. Returns (error, done indices)."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = OutputLock(self.output_dir, self.shard)
-        holder = self._lock.acquire()
-        busy = busy_message(self.output_dir, self.shard, holder)
-        if holder is not None:
-            return busy, []  # the lock is the other run's
-        if busy is not None:
-            return self._refuse(busy)
-        # parts left unmerged: an earlier run was killed, and its images' folders may hold temporaries
-        stale = stale_temporaries(self.output_dir, self.shard, deep=any(self.output_dir.glob(PART_GLOB)))
-        for path in stale:
-            path.unlink(missing_ok=True)
-        if stale:
-            log.info("%s: removed %d half-written temporary file%s of an earlier run that was stopped.",
-                     self.output_dir, len(stale), "" if len(stale) == 1 else "s")
-        run_file = self.output_dir / RUN_FILE
-        if run_file.is_file():
-            conflict = None if self.allow_config_change else settings_conflict(self.output_dir, settings)
-            if conflict:
-                return self._refuse(conflict)
-        try:
-            self._history = list(json.loads(self.record_file.read_text()).get("history") or [])
-        except (OSError, ValueError):
-            self._history = []
-        if self.shard is None:
-            self._write_run_file(settings)
-        else:  # shards share run.json (the same settings), made by the first; each keeps its history beside it
-            with merge_lock(self.output_dir):
-                conflict = None if self.allow_config_change else settings_conflict(self.output_dir, settings)
-                if conflict:  # another shard made it meanwhile, with other settings
-                    return self._refuse(conflict)
-                if not run_file.is_file():
-                    self._write_run_file(settings, run_file, total, history=[])
-            self._write_run_file({"shard": list(self.shard)})
-        if any(self.output_dir.glob(PART_GLOB)):
-            merge_manifest(self.output_dir, self.shard)
-        found = finished(self.output_dir)
-        dropped = repair_manifest(self.output_dir, found)
-        if dropped:
-            shown = "; ".join(found.problems[:3]) + (f"; {len(found.problems) - 3} more" if found.problems[3:] else "")
-            log.info("%s: %d line%s that did not count left the manifest (%s); their images are made again.",
-                     self.output_dir / MANIFEST, dropped, "" if dropped == 1 else "s", shown)
-        done = found.in_shard(self.shard)
-        with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
-        if not self.allow_config_change and with_inputs:
-            from lightning_diffusion.inputs import changed_since
-
-            changed = changed_since(with_inputs)
-            if changed:
-                return self._refuse(f"{self.output_dir} holds pictures made from input files that changed: "
-                                    + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
-                                    "writer.allow_config_change=true to keep those pictures anyway.")
-        return None, done
+        return run_settings(pl_module.image_settings(), self.plan, self.settings)
 
     def _check_shared(self, trainer: pl.Trainer) -> None:
         """Every node sees the output folder rank 0 prepared (one file system, not node-local
@@ -399,51 +275,41 @@ class ImageWriter(BasePredictionWriter):
         assert token is not None  # rank 0's, on every rank
         sees = (self.output_dir / token).exists() if trainer.local_rank == 0 else None
         node = f"node {trainer.node_rank} ({socket.gethostname()})"
-        seen = [entry for entry in _gather_idle(trainer.strategy, (node, sees)) if entry[1] is not None]
+        seen = [entry for entry in gather_idle(trainer.strategy, (node, sees)) if entry[1] is not None]
         if trainer.is_global_zero:
             (self.output_dir / token).unlink(missing_ok=True)
         blind = sorted({name for name, saw in seen if not saw})
         if blind:
-            if self._lock is not None and trainer.is_global_zero:
-                self._lock.release()
+            if trainer.is_global_zero:
+                self.store.release()
             raise ConfigError(f"writer.output_dir {self.output_dir} is not one folder shared by the nodes: "
                               f"{', '.join(blind)} {'does' if len(blind) == 1 else 'do'} not see what {seen[0][0]} "
                               "writes there (node-local storage?). Put it on a file system every node mounts.")
 
-    def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
-                        history: Optional[list] = None) -> None:
-        """run.json (or the shard's record): the settings that decide the pictures, the expected
-        count, the runs' summaries."""
-        content = {**settings, "expected": self.expected if expected is None else expected,
-                   "history": self._history if history is None else history}
-        atomic_write(path or self.record_file, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.started_at = time.time()
-        self.predicting_at: Optional[float] = None
-        data = getattr(trainer, "datamodule", None)
-        total = getattr(data, "num_images", None)
-        self.total = total  # the prompt set's images (every shard's): layout auto decides by it
-        self.shard = getattr(data, "shard", None)
-        self.expected = None if total is None else shard_size(total, self.shard)
-        result: tuple[Optional[str], list[int]] = (None, [])
+        # Lightning sets trainer.datamodule only for a run given a data module
+        data: PromptSource = require(getattr(trainer, "datamodule", None), PromptSource, "a data module (datamodule=)")
+        module: ImageSource = require(pl_module, ImageSource, "a LightningModule")
+        self.started_at, self.predicting_at = time.time(), None
+        self.plan = data.run_plan()
+        self.total, self.shard, self.expected = self.plan.num_images, self.plan.shard, self.plan.expected
+        self.store = FolderStore(self.output_dir, self.plan.shard, self.allow_config_change)
+        result: tuple[Optional[str], Any] = (None, [])
         if trainer.is_global_zero:
-            result = self._prepare_folder(self.run_settings(trainer, pl_module), total)
+            result = self.store.prepare(self.run_settings(module), self.expected, self.total)
         # Every rank learns rank 0's verdict and raises the same error: nobody waits for a peer.
         error, done = trainer.strategy.broadcast(result)
         if error:
             raise ConfigError(error)
-        if trainer.num_nodes > 1:
+        if trainer.num_nodes > 1 and self.store.needs_shared_folder:
             self._check_shared(trainer)
         self.done = np.asarray(done, dtype=np.int64)
-        self.pending = None if self.expected is None else max(0, self.expected - len(self.done))
+        self.pending = max(0, self.expected - len(self.done))
         if len(self.done):
-            todo = f", {self.pending:,} to make" if self.pending is not None else ""
-            log.info(f"resumed: {len(self.done):,} already in the manifest of {self.output_dir}{todo}.")
-        skip = getattr(getattr(trainer, "datamodule", None), "skip_indices", None)
-        if callable(skip):
-            skip(self.done)
-        self._part = self.output_dir / part_name(self.shard, trainer.global_rank)
+            log.info(f"resumed: {len(self.done):,} already in the manifest of {self.output_dir}, "
+                     f"{self.pending:,} to make.")
+        data.skip_indices(self.done)
+        self._part = self.store.part(trainer.global_rank)
         if self.write_workers and self.writes_outputs(trainer):
             kind = WriterProcess if self.write_in == "process" else WriterThreads
             self._writers = kind(self.files, self.write_workers, self.write_queue,
@@ -514,23 +380,11 @@ class ImageWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.predicting_at = time.time()
         if self.pending is not None:  # the records data.on_bad_record: skip leaves out are not to make
-            self.pending = max(0, self.pending - self._rejected_images(trainer))
+            self.pending = max(0, self.pending - len(self._data(trainer).rejected_images()))
 
     @staticmethod
-    def _rejected_images(trainer: pl.Trainer) -> int:
-        """This run's images of rejected records (known once the module checked the records)."""
-        data: Any = getattr(trainer, "datamodule", None)
-        return len(data.rejected_images()) if getattr(data, "rejected", None) else 0
-
-    def _write_rejected(self, data: Any) -> None:
-        """``rejected.jsonl``: the prompt set's records that cannot be made, with file:line and reason
-        (written anew by each run: the verdicts of the prompt file as it is now)."""
-        copies = data.num_images_per_prompt
-        lines = [{"record": position + 1, "line": source, "reason": reason,
-                  "images": [position * copies + c for c in range(copies)]}
-                 for position, (source, reason) in sorted(data.rejected.rejected.items())]
-        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
-        atomic_write(self.output_dir / REJECTED, lambda f: f.write(text.encode("utf-8")))
+    def _data(trainer: pl.Trainer) -> PromptSource:
+        return trainer.datamodule  # type: ignore[attr-defined]  # a PromptSource: setup required it
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Not on_predict_end: a replica with no images skips the predict loop and its end hooks,
@@ -546,12 +400,12 @@ class ImageWriter(BasePredictionWriter):
         # Reached by every rank, failed or not; each learns how the others' writing ended, so that
         # a rank whose writer failed at its drain does not leave the job ending with exit 0 (and,
         # from the writing ranks, what their replica computed, for the summary).
-        work = getattr(pl_module, "stats", None) if self.writes_outputs(trainer) else None
+        work = cast(ImageSource, pl_module).stats if self.writes_outputs(trainer) else None  # setup required it
         try:
-            gathered = _gather_idle(trainer.strategy, (_cause(failed), work))
+            gathered = gather_idle(trainer.strategy, (_cause(failed), work))
         except PeerLost:
-            if self._lock is not None and trainer.is_global_zero:
-                self._lock.release()  # this run is over; the next one merges what its ranks recorded
+            if trainer.is_global_zero:
+                self.store.release()  # this run is over; the next one merges what its ranks recorded
             raise
         others = [(rank, text) for rank, (text, _) in enumerate(gathered)
                   if text is not None and rank != trainer.global_rank]
@@ -560,32 +414,24 @@ class ImageWriter(BasePredictionWriter):
             rank, text = others[0]
             failed = writing_failed(text, self.output_dir, rank)
         if failed is not None:
-            if self._lock is not None and trainer.is_global_zero:
-                self._lock.release()
+            if trainer.is_global_zero:
+                self.store.release()
             raise failed
         if trainer.is_global_zero:
-            self._plan = getattr(getattr(trainer, "datamodule", None), "plan", None)
-            self.rejected = self._rejected_images(trainer)
-            if self.rejected or (self.output_dir / REJECTED).exists():
-                self._write_rejected(getattr(trainer, "datamodule", None))
-            parts = part_counts(self.output_dir, self.parts_glob)
-            merged = merge_manifest(self.output_dir, self.shard)
-            new = merged if self.shard is None else merged[merged % self.shard[1] == self.shard[0]]
-            done = np.union1d(self.done, new)
-            failures = merge_failures(self.output_dir, self.shard, done)
-            total = len(done)
-            self.summary = self._summary(parts, total, failures)
-            self._history.append(self.summary)
-            settings = json.loads(self.record_file.read_text())
-            self._write_run_file({k: v for k, v in settings.items() if k not in RUN_META})
+            data = self._data(trainer)
+            self._buckets = data.plan.num_buckets if data.plan is not None else None
+            self.rejected = len(data.rejected_images())
+            self.store.write_rejected(data.rejected_lines(), bool(self.rejected))
+            parts, done, failures = self.store.merge(self.done)
+            self.summary = self._summary(parts, len(done), failures)
+            self.store.record(self.summary)
             if self.progress_listener is not None:
                 self.progress_listener.finish(self.summary["made"], self.pending)
             log.info(summary_text(self.summary, self.output_dir / MANIFEST))
-            context = getattr(trainer.strategy, "run_context", None)
-            if context is not None:  # for the run's last line ("stopped after 8 of 40 images")
-                context.stop.totals = (total, self.expected)
-            if self._lock is not None:
-                self._lock.release()
+            strategy = run_strategy(trainer.strategy)
+            if strategy is not None:  # for the run's last line ("stopped after 8 of 40 images")
+                strategy.run_context.stop.totals = (len(done), self.expected)
+            self.store.release()
 
     def _summary(self, parts: dict[int, int], total: int, failed: int = 0) -> dict[str, Any]:
         end = time.time()
@@ -610,14 +456,12 @@ class ImageWriter(BasePredictionWriter):
     def _batch_summary(self) -> dict[str, Any]:
         """The batch plan's buckets and what the writing ranks computed: images computed for the
         images kept (padding), and each one's seconds in pipeline calls."""
-        work = getattr(self, "_work", {})
-        if not work:
+        if not self._work:
             return {}
-        computed = sum(w["computed"] for w in work.values())
-        kept = sum(w["kept"] for w in work.values())
-        plan = getattr(self, "_plan", None)
-        return {"buckets": plan.num_buckets if plan is not None else None, "computed": computed,
-                "padded": computed - kept, "busy_s_by_rank": {str(r): round(w["busy_s"], 3) for r, w in work.items()}}
+        computed = sum(w["computed"] for w in self._work.values())
+        kept = sum(w["kept"] for w in self._work.values())
+        return {"buckets": self._buckets, "computed": computed, "padded": computed - kept,
+                "busy_s_by_rank": {str(r): round(w["busy_s"], 3) for r, w in self._work.items()}}
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:  # the queued images are whole pictures: write them, so that a resume need not redo them,
@@ -625,5 +469,4 @@ class ImageWriter(BasePredictionWriter):
             self._drain(wait=not isinstance(exception, KeyboardInterrupt))
         except RuntimeError:
             pass  # the run already fails with the exception that brought it here
-        if self._lock is not None:
-            self._lock.release()
+        self.store.release()

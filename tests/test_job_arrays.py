@@ -24,8 +24,8 @@ import pytest
 
 from lightning_diffusion.commands import slurm as slurm_module
 from lightning_diffusion.commands import status as status_module
-from lightning_diffusion.data import shard_indices
 from lightning_diffusion.lock import OutputLock, conflicting_runs, live_locks
+from lightning_diffusion.shard import Shard, in_shard, shard_size
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
 from tests.test_slurm import cluster, job_log, slurm  # noqa: F401  (the cluster fixture)
 
@@ -35,9 +35,12 @@ TWELVE = "[" + ", ".join(f"array prompt {i}" for i in range(12)) + "]"
 
 def test_the_shards_of_a_count_partition_the_images():
     for total, count in [(12, 4), (10, 3), (5, 5), (7, 1)]:
-        shards = [shard_indices(total, count, t) for t in range(count)]
+        shards = [Shard(t, count).members(total) for t in range(count)]
         assert sorted(np.concatenate(shards).tolist()) == list(range(total))
         assert all(all(i % count == t for i in shard) for t, shard in enumerate(shards))
+        assert [len(shard) for shard in shards] == [shard_size(total, (t, count)) for t in range(count)]
+        assert all(in_shard(int(i), (t, count)) for t, shard in enumerate(shards) for i in shard)
+        assert np.array_equal(Shard(count - 1, count).select(np.arange(total)), shards[-1])
 
 
 def _own_lock(folder: Path, shard) -> None:

@@ -93,9 +93,8 @@ def test_a_node_that_does_not_see_the_output_folder_is_refused_before_any_image(
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="torchrun's restarted gloo group fails to connect or hangs in connectFullMesh on the 2-core "
-                         "CI machine, at the commit before this round too (issue note); the restart path is exercised "
-                         "by hand")
+@pytest.mark.skip(reason="on the 2-core CI machine torchrun's restarted gloo group fails to connect or hangs in "
+                         "connectFullMesh; the restart path is exercised by hand")
 def test_an_elastic_restart_after_a_lost_worker_resumes_every_image_once(tmp_path):
     slow = [*ARGS, "--data.batch_size", "1", "--model.num_inference_steps", "12"]
     reference_out = tmp_path / "reference"
@@ -103,7 +102,7 @@ def test_an_elastic_restart_after_a_lost_worker_resumes_every_image_once(tmp_pat
     reference = load_arrays(reference_out)
     port = free_port()
     out = tmp_path / "out"
-    # Two restarts: on a busy 2-core machine the first restart's gloo group now and then fails to
+    # Two restarts: on a busy 2-core machine the first restart's gloo group sometimes fails to
     # connect ("Connection refused": a race of its connect at the restart), the next runs.
     nodes = [torchrun(tiny_args(out, *slow), port, max_restarts=2) for _ in range(2)]
     deadline = time.monotonic() + 180

@@ -21,20 +21,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_diffusion import bare
+from lightning_diffusion.boundaries import ImageSource, PromptSource
 from lightning_diffusion.commands import add_json_option, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.data import PromptDataset
 from lightning_diffusion.inputs import record_inputs
+from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.pipelines import inspect_pipeline
 from lightning_diffusion.records import read_records
+from lightning_diffusion.writer import ImageWriter, gather_idle
 
 
 class StepTimer(Callback):
@@ -46,6 +49,10 @@ class StepTimer(Callback):
         self.times: list[float] = []
         self.images = 0
         self._start: Any = None  # the batch's start: a CUDA event, or perf_counter seconds on the CPU
+        self.setup_at = self.load_s = self.warmup_s = 0.0
+        self.cuda = False
+        self.device_used_gb = self.allocated_gb = 0.0
+        self.last_params: dict[str, Any] = {}  # the pipeline arguments of the last batch timed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.setup_at = time.perf_counter()
@@ -53,8 +60,9 @@ class StepTimer(Callback):
     @staticmethod
     def devices(trainer: pl.Trainer) -> list[int]:
         """The GPUs rank 0 uses: all of a device map's, else its root device."""
-        spans = getattr(trainer.strategy, "gpu_indices", None)
-        indices = spans() if callable(spans) else []
+        from lightning_diffusion.strategies.device_map import DeviceMapStrategy
+
+        indices = trainer.strategy.gpu_indices() if isinstance(trainer.strategy, DeviceMapStrategy) else []
         return indices or [trainer.strategy.root_device.index or 0]
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -89,12 +97,13 @@ class StepTimer(Callback):
             self.times.append(elapsed)
             self.images += len(batch)
         else:  # warm-up: a compiled model compiles here
-            self.warmup_s = getattr(self, "warmup_s", 0.0) + elapsed
-        self.last_params = outputs[0]["params"] if outputs else getattr(self, "last_params", {})
+            self.warmup_s += elapsed
+        if outputs:
+            self.last_params = outputs[0]["params"]
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        summary = getattr(pl_module, "cache_summary", None)
-        cache = summary() if callable(summary) else None  # a collective: every rank, before rank 0 returns
+        # a collective: every rank, before rank 0 returns
+        cache = pl_module.cache_summary() if isinstance(pl_module, DiffusionModule) else None
         busy = _gather_busy(trainer, pl_module)  # a collective too
         if not trainer.is_global_zero:
             return
@@ -102,7 +111,7 @@ class StepTimer(Callback):
             peak = sum(torch.cuda.max_memory_allocated(index) for index in self.devices(trainer)) / 1024**3
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-        params = getattr(self, "last_params", {})
+        params = self.last_params
         steps = int(params.get("num_inference_steps") or 1)
         total = sum(self.times)
         per_step = total / max(1, len(self.times) * steps)
@@ -123,7 +132,7 @@ class StepTimer(Callback):
             # rank 0's batches, times the replicas that run alongside it
             "images_per_sec": self.images * replicas / total if total else 0.0,
             "load_s": self.load_s,
-            "warmup_s": getattr(self, "warmup_s", 0.0),
+            "warmup_s": self.warmup_s,
             "timed_batches": len(self.times),
             "device": "cuda" if self.cuda else "cpu",
             "cache": cache,
@@ -133,20 +142,15 @@ class StepTimer(Callback):
 
 def _gather_busy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
     """Each writing rank's seconds in pipeline calls (one a replica), by global rank."""
-    import torch.distributed as dist
-
-    stats = getattr(pl_module, "stats", None)
-    mine = stats["busy_s"] if stats is not None and getattr(trainer.strategy, "writes_outputs", True) else None
-    every = [mine]
-    if dist.is_available() and dist.is_initialized():
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine, group=getattr(trainer.strategy, "idle_group", None))
+    writes = isinstance(pl_module, ImageSource) and ImageWriter.writes_outputs(trainer)
+    every = gather_idle(trainer.strategy, cast(ImageSource, pl_module).stats["busy_s"] if writes else None)
     return {str(rank): round(value, 4) for rank, value in enumerate(every) if value is not None}
 
 
 def _plan_report(trainer: pl.Trainer, busy: dict[str, float]) -> dict[str, Any]:
     """The batch plan (``batching``): buckets, padded images and each replica's busy seconds."""
-    plan = getattr(getattr(trainer, "datamodule", None), "plan", None)
+    data = getattr(trainer, "datamodule", None)  # Lightning sets it only for a run given a data module
+    plan = data.plan if isinstance(data, PromptSource) else None
     if plan is None:
         return {}
     computed = plan.images + plan.padded

@@ -401,7 +401,8 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: i
     running is left out, and said so; shards of another count still running refuse the lot."""
     from lightning_diffusion.commands import status
     from lightning_diffusion.lock import live_locks
-    from lightning_diffusion.manifest import finished, in_shard, rejected_images, shard_size
+    from lightning_diffusion.manifest import finished, rejected_images
+    from lightning_diffusion.shard import in_shard, shard_size
 
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")

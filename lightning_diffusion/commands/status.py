@@ -31,12 +31,11 @@ from lightning_diffusion.manifest import (
     RUN_FILE,
     count_lines,
     finished,
-    in_shard,
     part_counts,
     recent_written,
     rejected_images,
-    shard_size,
 )
+from lightning_diffusion.shard import in_shard, shard_size
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0

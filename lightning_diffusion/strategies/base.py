@@ -37,7 +37,8 @@ from typing_extensions import override
 from lightning_diffusion import compat, quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, raise_problems, run_check
+from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.run_context import RunContext
 from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
@@ -100,6 +101,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self._stop_on_signal = False
         # The run's stop, counts and checks (``run_context``); the CLI hands over its own.
         self.run_context = RunContext()
+        self._watchdog: Optional[Watchdog] = None  # from setup_environment on: names a rank that died
+        self._said_stopped = False  # this rank said it stopped on a signal
 
     # ----------------------------------------------------------------- what the strategy is
 
@@ -176,10 +179,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def check_request(self, request: ModelRequest, world_size: Optional[int] = None,
                       device_type: Optional[str] = None) -> list:
         """Problems of the model against the strategy that need no weights (subclasses add theirs)."""
-        problems: list = []
         device = torch.device(self.planned_device_type(device_type))
-        run_check(problems, quantization.device_problem, request.quantization, device)
-        return problems
+        return quantization.device_problems(request.quantization, device)
 
     def check_devices(self) -> list:
         """Problems of this rank's devices (how many GPUs the node has): known only on the rank,
@@ -204,8 +205,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if not isinstance(module, DiffusionModel):
             return None  # another LightningModule: nothing is known before loading
         trainer = module._trainer
-        records = getattr(getattr(trainer, "datamodule", None), "records", None) if trainer is not None else None
-        return module.request(records)
+        data = getattr(trainer, "datamodule", None)  # Lightning sets it only for a run given a data module
+        return module.request(data.records if isinstance(data, PromptDataModule) else None)
 
     @override
     def setup_environment(self) -> None:
@@ -280,7 +281,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
 
     def _predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.run_context.stop.should_stop():
-            if self.writes_outputs and not getattr(self, "_said_stopped", False):
+            if self.writes_outputs and not self._said_stopped:
                 self._said_stopped = True
                 log.info(f"[rank {self.global_rank}] stopped on the signal; the remaining images are left to the next "
                          "run.", extra={"all_ranks": True})
@@ -355,11 +356,12 @@ class DiffusionParallelStrategy(ParallelStrategy):
         watch.start()
 
     def _drain_writers(self) -> None:
+        from lightning_diffusion.writer import ImageWriter
+
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        for callback in getattr(trainer, "callbacks", []):
-            drain = getattr(callback, "drain_on_stall", None)
-            if drain is not None:
-                drain()
+        for callback in trainer.callbacks if trainer is not None else []:  # type: ignore[attr-defined]  # set by Trainer
+            if isinstance(callback, ImageWriter):
+                callback.drain_on_stall()
 
     @override
     def model_to_device(self) -> None:
@@ -419,7 +421,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self._stall_watch is not None:
             self._stall_watch.stop()
-        if getattr(self, "_watchdog", None) is not None:
+        if self._watchdog is not None:
             # This process ends by itself now, with its own message and exit code (2 for a refused
             # config every rank raises): the watchdog no longer ends it when a child goes first.
             self._watchdog.stop()
@@ -433,7 +435,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
-        if getattr(self, "_watchdog", None) is not None:
+        if self._watchdog is not None:
             self._watchdog.stop()
         if self._stall_watch is not None:
             self._stall_watch.stop()

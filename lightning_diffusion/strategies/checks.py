@@ -1,9 +1,20 @@
 """The weight-free rules of the parallel strategies, each written once.
 
-Every rule raises a ``ConfigError`` that says what to change; ``MeshStrategy.check_request`` runs
-the ones its degrees need and reports all of their problems together. They read only a
-``ModelRequest`` (configs, spec, call arguments, records) and the ``ParallelDims``: no weight is
-read and no collective runs, so the CLI's preflight and every rank run them alike.
+They follow the project's one convention (``validation``): a rule, named ``*_problems``, returns the
+problems it finds (messages, or the ``ConfigError`` of a reader it ran; empty when all is well) and
+never raises for bad input. Each reports the first problem of its kind, with what to change.
+``MeshStrategy.check_request`` runs the ones its degrees need and collects their problems; only the
+entry points raise them, through ``errors.raise_problems``: the CLI's ``check_config`` (after
+``preflight`` collects everything) and, from Python, the strategy's ``setup_environment``.
+
+A reader computes a value and raises a ``ConfigError`` when there is none (``planned_models``,
+``resolved_attention_backend``); a rule runs it through ``errors.run_check``, which turns the refusal
+into a problem. The attention backend's name has one rule for the model's and the strategy's:
+``validation.attention_backend_problems``.
+
+The rules read only a ``ModelRequest`` (configs, spec, call arguments, records) and the
+``ParallelDims``: no weight is read and no collective runs, so the CLI's preflight and every rank run
+them alike.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import torch
 
 from lightning_diffusion import quantization
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, run_check
 from lightning_diffusion.specs import cfg_supported, spec_for
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
 
@@ -30,55 +41,38 @@ TP_INCOMPATIBLE_OPTIONS = {
 }
 
 
-def check_attention_backend(name: str) -> None:
-    """The backend must exist and support context parallelism in the installed diffusers."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-
-    try:
-        backend = AttentionBackendName(name)
-    except ValueError:
-        raise ConfigError(
-            f"attention_backend {name!r} is not a diffusers attention backend; "
-            f"choose one of: {', '.join(sorted(b.value for b in AttentionBackendName))}."
-        ) from None
-    if not _AttentionBackendRegistry._is_context_parallel_available(backend):
-        raise ConfigError(
-            f"attention_backend {name!r} cannot do context parallelism; choose one of: "
-            f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}."
-        )
-
-
 # Backends that run on a CPU (the others need CUDA, ROCm, an NPU or XLA kernels).
 CPU_ATTENTION_BACKENDS = ("native", "_native_math")
 
 
-def check_backend_device(name: str, device: torch.device) -> None:
+def backend_device_problems(name: str, device: torch.device) -> list[str]:
     """An attention backend that cannot run on ``device`` (a CUDA kernel in a CPU rehearsal)."""
     if device.type == "cpu" and name not in CPU_ATTENTION_BACKENDS:
-        raise ConfigError(f"attention_backend {name!r} needs a GPU; on CPU use one of: "
-                          f"{', '.join(CPU_ATTENTION_BACKENDS)} (or leave it unset).")
+        return [f"attention_backend {name!r} needs a GPU; on CPU use one of: "
+                f"{', '.join(CPU_ATTENTION_BACKENDS)} (or leave it unset)."]
+    return []
 
 
-def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str], Any],
-              records: Optional[Sequence[Any]]) -> None:
+def cfg_problems(class_name: str, call_args: dict[str, Any], default: Callable[[str], Any],
+                 records: Optional[Sequence[Any]]) -> list[str]:
     """A cfg pair would only run the same work twice unless the pipeline's spec says how its two
     guidance passes are fed and the config turns the negative branch on; refuse instead.
     ``default(name)``: the pipeline's default for a call argument (``PipelineInfo.call_default``:
     ``true_cfg_scale`` is 4.0 for Qwen-Image, 1.0 for FLUX)."""
     entry = spec_for(class_name).cfg
     if entry is None:
-        raise ConfigError(
+        return [
             f"cfg=2 needs a pipeline whose two guidance passes this project knows how to split; {class_name} "
             f"is not one. Supported: {cfg_supported()}. Use cfg=1 (data_parallel) for it."
-        )
+        ]
     scale = call_args.get(entry.scale_arg, default(entry.scale_arg))
     if not isinstance(scale, (int, float)) or scale <= 1:
         where = ("model.guidance_scale" if entry.scale_arg == "guidance_scale"
                  else f"model.call_kwargs.{entry.scale_arg}")
-        raise ConfigError(
+        return [
             f"cfg=2 splits classifier-free guidance, but {class_name} runs it only with {entry.scale_arg} > 1 "
             f"(got {scale!r}): set {where} above 1, or use cfg=1."
-        )
+        ]
     if entry.needs_negative_prompt and records is not None and call_args.get("negative_prompt") is None:
         from lightning_diffusion.data import summarize_records
 
@@ -86,16 +80,18 @@ def check_cfg(class_name: str, call_args: dict[str, Any], default: Callable[[str
         if summary.without_negative:
             shown = summary.first_without_negative
             lines = ", ".join(map(str, shown)) + (" ..." if summary.without_negative > len(shown) else "")
-            raise ConfigError(
+            return [
                 f"cfg=2 needs a negative prompt for every image: {class_name} skips the unconditional pass "
                 f"without one, and {summary.without_negative} of {summary.count} records have none (records "
                 f'{lines}). Give each record a "negative_prompt" (a .jsonl field or .csv column), or use cfg=1.'
-            )
+            ]
+    return []
 
 
 def planned_models(request: ModelRequest, plan: str, kind: str) -> dict[str, type[Any]]:
-    """The pipeline's diffusers models with ``plan`` (``_cp_plan``, ``_tp_plan``), or a ConfigError
-    that names what the pipeline can run instead and the diffusers models that have the plan."""
+    """A reader: the pipeline's diffusers models with ``plan`` (``_cp_plan``, ``_tp_plan``); raises a
+    ConfigError that names what the pipeline can run instead and the diffusers models that have the
+    plan when it has none (the rules run it through ``run_check``)."""
     from lightning_diffusion.pipeline_facts import models_with_plan
 
     planned = request.info.models_with(plan)
@@ -117,77 +113,81 @@ def _diffusers_version() -> str:
     return diffusers.__version__
 
 
-def check_context_parallel(request: ModelRequest, dims: ParallelDims, ulysses_anything: bool,
-                           ring_anything: bool) -> None:
+def context_parallel_problems(request: ModelRequest, dims: ParallelDims, ulysses_anything: bool,
+                              ring_anything: bool) -> list:
     """The pipeline has a ``_cp_plan``, heads divide the Ulysses degree, and the token counts of
     every kind of image (per-record sizes included) divide the context-parallel degree."""
     info = request.info
-    planned = planned_models(request, "_cp_plan", "context")
+    problems: list = []
+    planned = run_check(problems, planned_models, request, "_cp_plan", "context")
+    if planned is None:
+        return problems
     split = dims.ulysses * dims.tp
     for name in planned:
         heads = info.configs.get(name, {}).get("num_attention_heads")
         if not isinstance(heads, int) or heads % split == 0:
             continue
         if dims.tp > 1:
-            raise ConfigError(
+            return [
                 f"{name} has {heads} attention heads, not divisible by tp x ulysses = {dims.tp} x "
                 f"{dims.ulysses}: Ulysses splits the heads each tensor-parallel rank holds; "
                 "lower one of the two or use ring instead of ulysses."
-            )
+            ]
         divisors = ", ".join(str(d) for d in range(2, heads + 1) if heads % d == 0)
         padding = dims.ulysses - heads % dims.ulysses
         per_rank = (heads + padding) // dims.ulysses
         if padding < per_rank:  # what diffusers' Ulysses-anything asserts (attention_dispatch._maybe_pad_qkv_head)
             if not ulysses_anything:
-                raise ConfigError(
+                return [
                     f"{name} has {heads} attention heads, not divisible by ulysses_degree={dims.ulysses}: set "
                     f"ulysses_anything: true (strategy name: ulysses_anything), or a ulysses_degree that divides "
                     f"{heads} ({divisors})."
-                )
+                ]
             continue
-        raise ConfigError(
+        return [
             f"{name} has {heads} attention heads, not divisible by ulysses_degree={dims.ulysses}, and "
             f"ulysses_anything cannot split them either: it pads them to {heads + padding} and needs the {padding} "
             f"padding heads to be fewer than the {per_rank} heads per rank. Choose a ulysses_degree that divides "
             f"{heads} ({divisors})."
-        )
+        ]
     if info.spec.prompt_length_text and not ulysses_anything:
         # diffusers splits the text tokens too; an odd prompt would fail after the weights load. Ring's
         # anything-mode refuses the text attention mask these pipelines pass (diffusers 0.42.1).
-        raise ConfigError(
+        return [
             f"{info.class_name}'s text tokens have each prompt's own length, which the context-parallel degree "
             f"{dims.cp} would have to divide (an odd prompt fails after the weights load): use "
             "Ulysses alone with ulysses_anything: true (ring_anything rejects its attention mask; tp with an "
             "anything-mode is not verified here)."
-        )
-    mask = context_mask_problem(info.class_name, info.spec, info.facts, dims, ulysses_anything or ring_anything)
-    if mask:
-        raise ConfigError(mask)
-    if ulysses_anything or ring_anything:
-        return
+        ]
+    mask = context_mask_problems(info.class_name, info.spec, info.facts, dims, ulysses_anything or ring_anything)
+    if mask or ulysses_anything or ring_anything:
+        return mask
     for call_args in request.call_arg_sets():
-        check_sequence(request, dims, call_args)
+        problems = sequence_problems(request, dims, call_args)
+        if problems:
+            return problems
     if info.spec.reference_tokens:
-        check_reference_sequences(request, dims)
+        return reference_sequence_problems(request, dims)
+    return []
 
 
-def context_mask_problem(class_name: str, spec: Any, facts: Any, dims: ParallelDims, anything: bool
-                         ) -> Optional[str]:
+def context_mask_problems(class_name: str, spec: Any, facts: Any, dims: ParallelDims, anything: bool
+                          ) -> list[str]:
     """A transformer whose ``_cp_plan`` splits a text attention mask with the sequence gets the wrong
     mask under some of diffusers 0.42.1's context-parallel attentions: ring applies each rank's
     mask to every key/value block it receives (``TemplatedRingAttention``: plausible, wrong
     pictures), ring-anything refuses any mask after the weights load, Unified neither gathers nor
     splits it, and Ulysses-anything of degree 3 or more trims the gathered mask at the wrong places
-    when the ranks' text shards differ in length. Returns why, or None."""
+    when the ranks' text shards differ in length. Returns why (none when the mode is right)."""
     masks = facts.split_masks()
     if not masks or dims.cp == 1:
-        return None
+        return []
     named = ", ".join(f"{name}.{'/'.join(args)}" for name, args in masks.items())
     mode = ("ring" if dims.ulysses == 1 else "unified") if dims.ring > 1 else "ulysses"
     mode += "_anything" if anything and dims.ring * dims.ulysses > 1 else ""
     allowed = spec.cp_mask_modes
     if mode in allowed and not (anything and dims.ulysses >= 3):
-        return None
+        return []
     reason = {
         "ring": "ring attention applies each rank's mask to every key/value block (wrong pictures)",
         "unified": "Unified attention neither gathers the mask nor splits it with the heads",
@@ -196,19 +196,19 @@ def context_mask_problem(class_name: str, spec: Any, facts: Any, dims: ParallelD
         "ulysses_anything": "Ulysses-anything trims the gathered mask at the wrong places for 3 or more ranks",
     }.get(mode, "this mode is not verified with a split text mask")
     fix = " or ".join(m.replace("_", "-") + (" of degree 2" if m.endswith("anything") else "") for m in allowed)
-    return (f"{class_name}: its transformer's _cp_plan splits the text attention mask ({named}) with the sequence, "
-            f"and in diffusers {_diffusers_version()} {reason}: use {fix}, or data_parallel.")
+    return [f"{class_name}: its transformer's _cp_plan splits the text attention mask ({named}) with the sequence, "
+            f"and in diffusers {_diffusers_version()} {reason}: use {fix}, or data_parallel."]
 
 
 # ``context_modes`` of a pipeline whose text has each prompt's own length (Qwen-Image): Ulysses-
-# anything of degree 2 only (``check_context_parallel`` and ``context_mask_problem``).
+# anything of degree 2 only (``context_parallel_problems`` and ``context_mask_problems``).
 ULYSSES_ANYTHING_2 = "ulysses_anything_2"
 
 
 def context_modes(spec: Any, facts: Any) -> tuple[str, ...]:
     """The context-parallel attentions predict runs for this pipeline: ``ulysses`` and ``ring``;
     none without a ``_cp_plan``; Ulysses alone when its plan splits a text mask
-    (``context_mask_problem``); ``ULYSSES_ANYTHING_2`` alone for a prompt-length text, which needs
+    (``context_mask_problems``); ``ULYSSES_ANYTHING_2`` alone for a prompt-length text, which needs
     Ulysses-anything, verified with its mask at degree 2. ``facts``: the pipeline's
     ``PipelineFacts``, or None to read the registry's transformer class."""
     if facts is None:
@@ -223,7 +223,7 @@ def context_modes(spec: Any, facts: Any) -> tuple[str, ...]:
     return ("ulysses",) if masks else ("ulysses", "ring")
 
 
-def check_reference_sequences(request: ModelRequest, dims: ParallelDims, most: int = 3) -> None:
+def reference_sequence_problems(request: ModelRequest, dims: ParallelDims, most: int = 3) -> list[str]:
     """Pipelines whose transformer sees the input image's tokens beside the output's (FLUX.1
     Kontext): each record's total, from its own image's size, must divide the degree."""
     from lightning_diffusion.data import record_inputs
@@ -231,7 +231,7 @@ def check_reference_sequences(request: ModelRequest, dims: ParallelDims, most: i
     from lightning_diffusion.specs import _load
 
     reference_tokens = request.info.spec.reference_tokens
-    assert reference_tokens is not None  # called for such pipelines only (check_context_parallel)
+    assert reference_tokens is not None  # called for such pipelines only (context_parallel_problems)
     tokens_of = _load(reference_tokens)
     mode = "ulysses_anything" if dims.ring == 1 else "ring_anything"
     bad = []
@@ -250,14 +250,16 @@ def check_reference_sequences(request: ModelRequest, dims: ParallelDims, most: i
             if len(bad) == most:
                 break
     if bad:
-        raise ConfigError(
+        return [
             f"{request.info.class_name} joins the input image's tokens to the output's, and their sum must divide the "
             f"context-parallel degree {dims.cp}: {'; '.join(bad)}. Set {mode}: true (strategy name: {mode}), which "
             "splits any count, or give images whose token counts divide it."
-        )
+        ]
+    return []
 
 
-def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[str, Any]) -> None:
+def sequence_problems(request: ModelRequest, dims: ParallelDims, call_args: dict[str, Any]) -> list[str]:
+    """The image and text token counts of one set of call arguments divide the context-parallel degree."""
     info = request.info
     height, width = call_args.get("height"), call_args.get("width")
     degree = dims.cp
@@ -271,74 +273,87 @@ def check_sequence(request: ModelRequest, dims: ParallelDims, call_args: dict[st
             continue  # (image tokens that depend on the input image are checked per record)
         if kind == "image":
             m = info.size_multiple
-            raise ConfigError(
+            return [
                 f"{height}x{width} gives {length} image tokens ((height/{m}) x (width/{m})), not divisible by "
                 f"the context-parallel degree {degree}: {fix} whose token count is divisible by {degree}."
-            )
+            ]
         arg = info.spec.text_length_arg
         assert arg is not None  # a text length is known only through it (PipelineInfo.sequence_lengths)
-        raise ConfigError(
+        return [
             f"{arg}={length} text tokens are not divisible by the context-parallel degree {degree}: "
             f"{fix.replace('sizes', 'a ' + arg)} divisible by {degree}."
-        )
+        ]
+    return []
 
 
-def check_shardable(cls: type[Any], config: dict[str, Any], tp_degree: int, name: str) -> None:
+def shardable_problems(cls: type[Any], config: dict[str, Any], tp_degree: int, name: str) -> list[str]:
     """Heads and every (packed) block of the plan must divide by ``tp_degree``; checked on an empty
     (meta) model built from the config alone, so no weight is read."""
     from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
 
     heads = config.get("num_attention_heads")
     if isinstance(heads, int) and heads % tp_degree:
-        raise ConfigError(f"{name} has {heads} attention heads, not divisible by tp_degree={tp_degree}.")
+        return [f"{name} has {heads} attention heads, not divisible by tp_degree={tp_degree}."]
     with torch.device("meta"):
         model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     try:
         resolve_tp_shard_specs(model, cls._tp_plan, tp_degree)
     except ValueError as err:
-        raise ConfigError(f"{name}: {err} Choose a tp_degree that divides it.") from None
+        return [f"{name}: {err} Choose a tp_degree that divides it."]
+    return []
 
 
-def check_tensor_parallel(request: ModelRequest, dims: ParallelDims) -> None:
+def tensor_parallel_problems(request: ModelRequest, dims: ParallelDims) -> list:
     """A ``_tp_plan``, loading options diffusers can shard, safetensors weights, divisible blocks."""
     info = request.info
-    planned = planned_models(request, "_tp_plan", "tensor")
+    problems: list = []
+    planned = run_check(problems, planned_models, request, "_tp_plan", "tensor")
+    if planned is None:
+        return problems
     options = request.from_pretrained_kwargs
     for option, reason in TP_INCOMPATIBLE_OPTIONS.items():
         if options.get(option) is not None:
-            raise ConfigError(f"model.from_pretrained_kwargs.{option} cannot be used with tensor parallelism: "
-                              f"{reason}.")
+            return [f"model.from_pretrained_kwargs.{option} cannot be used with tensor parallelism: {reason}."]
     sharded_and_quantized = [name for name in quantization.quantized(request.quantization, tuple(info.denoisers()))
                              if name in planned]
     if sharded_and_quantized:
-        raise ConfigError(
+        return [
             f"model.quantization quantizes {', '.join(sharded_and_quantized)}, which tensor parallelism shards while "
             f"it loads, and {TP_INCOMPATIBLE_OPTIONS['quantization_config']}: leave it out of "
             "model.quantization.components, or use data_parallel or context parallelism."
-        )
+        ]
     if options.get("use_safetensors") is False or options.get("low_cpu_mem_usage") is False:
-        raise ConfigError(
+        return [
             "Tensor parallelism reads each rank's slice of safetensors files while loading: "
             "drop use_safetensors=False and low_cpu_mem_usage=False."
-        )
+        ]
     for adapter in request.lora:
-        check_adapter_shardable(request, adapter, planned)
+        problems = adapter_shardable_problems(request, adapter, planned)
+        if problems:
+            return problems
     for name, cls in planned.items():
         folder = Path(info.path) / name
         if folder.is_dir() and not any(folder.glob("*.safetensors")):
-            raise ConfigError(
+            return [
                 f"{folder} has no .safetensors weights; tensor parallelism reads each rank's slice from "
                 "safetensors files. Convert the checkpoint (save_pretrained(safe_serialization=True))."
-            )
-        check_shardable(cls, info.configs.get(name, {}), dims.tp, name)
+            ]
+        problems = shardable_problems(cls, info.configs.get(name, {}), dims.tp, name)
+        if problems:
+            return problems
+    return []
 
 
-def check_adapter_shardable(request: ModelRequest, adapter: Any, planned: dict[str, type[Any]]) -> None:
+def adapter_shardable_problems(request: ModelRequest, adapter: Any, planned: dict[str, type[Any]]) -> list:
     """An adapter whose update has another shape than its layer's weight (a control LoRA that widens
     an input) cannot be cut as the weight is cut; DoRA and biased adapters are refused by ``updates``."""
     from lightning_diffusion import lora
 
-    for component, modules in lora.updates(request.info.pipeline_class, adapter).items():
+    problems: list = []
+    updates = run_check(problems, lora.updates, request.info.pipeline_class, adapter)
+    if updates is None:
+        return problems
+    for component, modules in updates.items():
         if component not in planned:
             continue
         with torch.device("meta"):
@@ -346,18 +361,20 @@ def check_adapter_shardable(request: ModelRequest, adapter: Any, planned: dict[s
         for module, (a, b, _) in modules.items():
             weight = model.get_submodule(module).weight
             if (b.shape[0], a.shape[1]) != tuple(weight.shape):
-                raise ConfigError(
+                return [
                     f"model.lora: {adapter.name} changes the shape of {component}.{module} ({tuple(weight.shape)} to "
                     f"{(b.shape[0], a.shape[1])}), which tensor parallelism cannot shard: use data_parallel or context "
                     "parallelism for this adapter."
-                )
+                ]
+    return []
 
 
 def resolved_attention_backend(backend: Optional[str], device: torch.device, dims: ParallelDims,
                                dtype: torch.dtype) -> Optional[str]:
-    """The attention backend context parallelism runs with: the configured one, or on CUDA with
-    ring attention ``_native_cudnn`` (``native`` returns no log-sum-exp there), which needs half
-    precision."""
+    """A reader: the attention backend context parallelism runs with: the configured one, or on CUDA
+    with ring attention ``_native_cudnn`` (``native`` returns no log-sum-exp there), which needs half
+    precision. Raises a ConfigError when there is none (``MeshStrategy.check_request`` runs it as a
+    rule through ``run_check``; the set-up reads it once the request was checked)."""
     if device.type == "cpu" or dims.ring == 1:
         return backend
     if backend == "native":

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional, Union
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
@@ -39,7 +39,7 @@ class ContextParallelStrategy(MeshStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
     ) -> None:
-        ParallelDims.check_degrees({"ulysses_degree": ulysses_degree, "ring_degree": ring_degree})
+        raise_problems(ParallelDims.degree_problems({"ulysses_degree": ulysses_degree, "ring_degree": ring_degree}))
         if ulysses_degree * ring_degree == 1:
             raise ConfigError(
                 "Context parallelism needs ulysses_degree > 1 or ring_degree > 1; "

@@ -14,7 +14,7 @@ import torch
 from lightning_diffusion import quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems
+from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems, run_check
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
@@ -165,12 +165,9 @@ class DeviceMapStrategy(MeshStrategy):
                     "data_parallel."]
         from lightning_diffusion import lora
 
-        problems = []
+        problems: list = []
         for adapter in request.lora:
-            try:
-                lora.updates(request.info.pipeline_class, adapter)
-            except ConfigError as err:
-                problems.append(err)
+            run_check(problems, lora.updates, request.info.pipeline_class, adapter)
         return problems
 
     def _quantized_placement_problems(self, request: ModelRequest, device_type: str) -> list:
@@ -234,10 +231,9 @@ class DeviceMapStrategy(MeshStrategy):
             if unknown:
                 return [f"device_map names {', '.join(sorted(unknown))}, which {info.class_name} does not have."]
         if self.staged:
-            try:
-                stages_for(info.class_name)
-            except ConfigError as err:
-                return [err]
+            problems: list = []
+            if run_check(problems, stages_for, info.class_name) is None:
+                return problems
         sizes = component_bytes(info.path)
         if self.max_memory and sizes and self.offload_folder is None:
             budget = sum(self.max_memory.values())

@@ -4,11 +4,12 @@ own parallel machinery. The data-, CFG-, context- and tensor-parallel strategies
 What runs where, per replica (one ``dp`` coordinate), each in its own module:
 * ``tp > 1``: the transformer is created shard by shard (``sharded_load``);
 * ``ring * ulysses > 1``: diffusers' context-parallel hooks split each image's tokens over the
-  ``("ring", "ulysses")`` sub-mesh (``context``); with ``tp`` too, Ulysses splits the heads each TP
-  rank holds, so ``tp * ulysses`` must divide the heads;
-* ``cfg == 2``: the two guidance passes run on the two ranks of a pair (``cfg_split``), as a hook
-  outside the context-parallel ones.
-The rules checked before any weight loads are in ``checks``; the degrees in ``mesh.ParallelDims``.
+  ``("ring", "ulysses")`` sub-mesh (``context_parallel_hooks``); with ``tp`` too, Ulysses splits
+  the heads each TP rank holds, so ``tp * ulysses`` must divide the heads;
+* ``cfg == 2``: the two guidance passes run on the two ranks of a pair (``cfg_parallel_hooks``),
+  as a hook outside the context-parallel ones.
+The rules checked before any weight loads are in ``checks`` (they return problems; the constructor,
+``make_parallel_dims`` and the set-up raise them); the degrees in ``parallel_dims.ParallelDims``.
 """
 
 from __future__ import annotations
@@ -23,22 +24,28 @@ import torch
 from lightning_diffusion import compat
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, run_check
+from lightning_diffusion.errors import ConfigError, raise_problems, run_check
 from lightning_diffusion.specs import spec_for
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.cfg_parallel_hooks import CFGSplit
 from lightning_diffusion.strategies.checks import (
-    check_attention_backend,
-    check_backend_device,
-    check_cfg,
-    check_context_parallel,
-    check_tensor_parallel,
+    backend_device_problems,
+    cfg_problems,
+    context_parallel_problems,
     resolved_attention_backend,
+    tensor_parallel_problems,
 )
 from lightning_diffusion.strategies.context_parallel_hooks import enable_context_parallel, mode_name
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
 from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sharded
-from lightning_diffusion.validation import backend_dtype_problems
+from lightning_diffusion.validation import attention_backend_problems, backend_dtype_problems
+
+
+def _context_backend_problems(name: str) -> list[str]:
+    """A strategy's attention backend under context parallelism: a diffusers backend that supports it
+    (``validation.attention_backend_problems``; whether its package is installed is checked for the
+    model's backend only)."""
+    return attention_backend_problems(name, "attention_backend", installed=False, context_parallel=True)
 
 
 class MeshStrategy(DiffusionParallelStrategy):
@@ -86,11 +93,11 @@ class MeshStrategy(DiffusionParallelStrategy):
         if dp is None:
             dp = 1 if -1 in (ring, ulysses, tp) else -1
         self._requested = {"dp": dp, "cfg": cfg, "ring": ring, "ulysses": ulysses, "tp": tp}
-        ParallelDims.check_degrees(self._requested)
+        raise_problems(ParallelDims.degree_problems(self._requested))
         if ulysses_anything and ring_anything:
             raise ConfigError("Set at most one of ulysses_anything and ring_anything.")
         if attention_backend is not None:
-            check_attention_backend(attention_backend)
+            raise_problems(_context_backend_problems(attention_backend))
         self.ulysses_anything = ulysses_anything
         self.ring_anything = ring_anything
         self.attention_backend = attention_backend
@@ -111,7 +118,7 @@ class MeshStrategy(DiffusionParallelStrategy):
                 f"{kind} parallelism over {world_size} process(es) leaves a group of 1: "
                 "launch more devices (trainer.devices x trainer.num_nodes) or use strategy data_parallel."
             )
-        dims.check_context_parallel(self.ulysses_anything, self.ring_anything)
+        raise_problems(dims.context_degree_problems(self.ulysses_anything, self.ring_anything))
         return dims
 
     @property
@@ -140,23 +147,24 @@ class MeshStrategy(DiffusionParallelStrategy):
         device = torch.device(self.planned_device_type(device_type))
         backend = run_check(problems, self._backend, request)
         if backend is not None:
-            run_check(problems, check_backend_device, backend, device)
+            problems += backend_device_problems(backend, device)
             if request.attention_backend is None:  # the model's is checked with the model
                 problems += backend_dtype_problems(backend, request.dtype, "the strategy's attention_backend")
             if dims.cp > 1:
-                run_check(problems, check_attention_backend, backend)
+                problems += _context_backend_problems(backend)
         if dims.cp > 1:
             run_check(problems, resolved_attention_backend, backend, device, dims, request.dtype)
         if dims.cfg > 1:
-            run_check(problems, check_cfg, info.class_name, dict(request.call_args), info.call_default, request.records)
+            problems += cfg_problems(info.class_name, dict(request.call_args), info.call_default, request.records)
         if dims.cp > 1:
-            run_check(problems, check_context_parallel, request, dims, self.ulysses_anything, self.ring_anything)
+            problems += context_parallel_problems(request, dims, self.ulysses_anything, self.ring_anything)
         if dims.tp > 1:
-            run_check(problems, check_tensor_parallel, request, dims)
+            problems += tensor_parallel_problems(request, dims)
         return problems
 
     def _backend(self, request: ModelRequest) -> Optional[str]:
-        """The attention backend: the strategy's ``attention_backend`` or the model's (one of them)."""
+        """A reader: the attention backend, the strategy's ``attention_backend`` or the model's; a
+        ConfigError when both are set and differ."""
         ours, theirs = self.attention_backend, request.attention_backend
         if ours is not None and theirs is not None and ours != theirs:
             raise ConfigError(f"the strategy's attention_backend {ours!r} and model.attention_backend {theirs!r} "
@@ -216,7 +224,7 @@ class MeshStrategy(DiffusionParallelStrategy):
             # After the context-parallel hooks, so that the split wraps them: each branch sees whole inputs.
             pair = self.device_mesh["cfg"]
             entry = spec_for(type(pipeline).__name__).cfg
-            assert entry is not None  # check_cfg refused a pipeline without one before loading
+            assert entry is not None  # cfg_problems refused a pipeline without one before loading
             self._cfg_split = CFGSplit(pipeline, entry, pair.get_group(), pair.get_local_rank())
             log.info(f"cfg parallel: {type(pipeline).__name__}'s cond and uncond passes on the two ranks of each pair")
         return pipeline

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_diffusion import compat
-from lightning_diffusion.errors import ConfigError, is_int
+from lightning_diffusion.errors import ConfigError, is_int, raise_problems
 
 MESH_DIMS = ("dp", "cfg", "ring", "ulysses", "tp")
 
@@ -42,18 +42,19 @@ class ParallelDims:
     tp: int = 1
 
     @staticmethod
-    def check_degrees(degrees: dict[str, int]) -> None:
-        """Each degree is an integer >= 1, or -1 for at most one of them."""
+    def degree_problems(degrees: dict[str, int]) -> list[ConfigError]:
+        """Each degree is an integer >= 1, or -1 for at most one of them (the first problem, a ``MeshError``)."""
         for name, value in degrees.items():
             if not is_int(value) or (value < 1 and value != -1):
-                raise MeshError(f"{name} degree must be an integer >= 1 (or -1 to infer it), got {value!r}.")
+                return [MeshError(f"{name} degree must be an integer >= 1 (or -1 to infer it), got {value!r}.")]
         inferred = [name for name, value in degrees.items() if value == -1]
         if len(inferred) > 1:
-            raise MeshError(f"Only one degree may be inferred (-1); got {', '.join(inferred)}.")
+            return [MeshError(f"Only one degree may be inferred (-1); got {', '.join(inferred)}.")]
+        return []
 
     def __post_init__(self) -> None:
         degrees = self.degrees
-        self.check_degrees(degrees)
+        raise_problems(self.degree_problems(degrees))
         inferred = [name for name, value in degrees.items() if value == -1]
         known = 1
         for value in degrees.values():
@@ -88,33 +89,35 @@ class ParallelDims:
     def cp(self) -> int:
         return self.ring * self.ulysses
 
-    def check_context_parallel(self, ulysses_anything: bool = False, ring_anything: bool = False) -> None:
+    def context_degree_problems(self, ulysses_anything: bool = False, ring_anything: bool = False
+                                ) -> list[ConfigError]:
         """diffusers' own rules for the context-parallel degrees and anything-modes (its
         ``ContextParallelConfig`` validation, run here without a mesh), plus the TP pairings this
-        project has not verified against one device."""
+        project has not verified against one device (the first problem, a ``MeshError``)."""
         if self.cp == 1:
             if ulysses_anything or ring_anything:
                 which = "ulysses_anything" if ulysses_anything else "ring_anything"
-                raise MeshError(f"{which} needs a context-parallel degree > 1 (ulysses or ring).")
-            return
+                return [MeshError(f"{which} needs a context-parallel degree > 1 (ulysses or ring).")]
+            return []
         from diffusers import ContextParallelConfig
 
         try:
             ContextParallelConfig(ring_degree=self.ring, ulysses_degree=self.ulysses,
                                   ulysses_anything=ulysses_anything, ring_anything=ring_anything)
         except (ValueError, NotImplementedError) as err:
-            raise MeshError(f"context parallelism (ring {self.ring} x ulysses {self.ulysses}): {err}") from None
+            return [MeshError(f"context parallelism (ring {self.ring} x ulysses {self.ulysses}): {err}")]
         if self.tp > 1:
             if self.ring > 1 and self.ulysses > 1:
-                raise MeshError(
+                return [MeshError(
                     "tp with both ring and ulysses > 1 is refused: that pairing is not verified against one "
                     "device; use tp with ulysses or with ring."
-                )
+                )]
             if ulysses_anything or ring_anything:
-                raise MeshError(
+                return [MeshError(
                     "tp with an anything-mode is refused: that pairing is not verified against one device; "
                     "choose sizes whose token count divides the context-parallel degree."
-                )
+                )]
+        return []
 
     @property
     def model_parallel_size(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional, Union
 
+from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
@@ -31,7 +32,7 @@ class TensorParallelStrategy(MeshStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT_S,
     ) -> None:
-        ParallelDims.check_degrees({"tp_degree": tp_degree})
+        raise_problems(ParallelDims.degree_problems({"tp_degree": tp_degree}))
         super().__init__(
             dp=1 if tp_degree == -1 else -1,
             tp=tp_degree,

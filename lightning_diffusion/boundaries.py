@@ -1,0 +1,135 @@
+"""What the parts of a run hand each other, declared once (``contract`` holds the strategy <-> module
+joint: ``ModelRequest``, ``LoadPlan``, ``DiffusionStrategy``, ``DiffusionModel``).
+
+- data -> writer: a ``PromptSource`` (``PromptDataModule``) hands the writer a ``RunPlan`` at setup
+  (the prompt set, seeds, image count and shard), takes back the indices already made, and says
+  which images its rejected records leave out and what the batch plan was;
+- module -> writer: an ``ImageSource`` (``DiffusionModule``) says what decides its pictures
+  (``image_settings``) and what this rank computed (``stats``);
+- strategy -> module, data and writer: a ``RunStrategy`` (``DiffusionParallelStrategy`` and its
+  subclasses) carries the run's ``RunContext``, names the ranks that write and gives a process
+  group without a collective timeout. Lightning's own strategies may run a ``DiffusionModule``
+  too: ``run_strategy`` answers None for them, and each reader says what it does then.
+
+The writer checks its data module and module with ``require`` when the run starts, so that a
+replaced part that lacks a piece fails at the start, naming what it lacks, not with a ``None``
+mid-run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Protocol, cast, runtime_checkable
+
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.shard import Shard, shard_size
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from lightning_diffusion.batching import BatchPlan
+    from lightning_diffusion.run_context import RunContext
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The prompt set a run is for, as the data module hands it to the writer.
+
+    ``prompts``: the set as configured (a path, recorded in run.json with its content hash, or an
+    inline list); ``num_images``: every shard's images; ``shard``: the one this run makes, or None.
+    """
+
+    prompts: Any
+    seed: int
+    num_images_per_prompt: int
+    num_images: int
+    shard: Optional[Shard] = None
+
+    @property
+    def expected(self) -> int:
+        """The images this run is for (its shard's)."""
+        return shard_size(self.num_images, self.shard)
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """A data module as the writer reads it (``PromptDataModule``)."""
+
+    # The batch plan of this rank's last ``predict_dataloader`` (None before it): its buckets go into
+    # the run's summary.
+    plan: Optional["BatchPlan"]
+
+    def run_plan(self) -> RunPlan:
+        ...
+
+    def skip_indices(self, indices: Any) -> None:
+        """Leave out the images already made (the writer calls it before the work is split)."""
+        ...
+
+    def rejected_images(self) -> "np.ndarray":
+        """This run's images of the records ``data.on_bad_record: skip`` leaves out."""
+        ...
+
+    def rejected_lines(self) -> list[dict[str, Any]]:
+        """``rejected.jsonl``'s lines: each rejected record, its file:line, reason and images."""
+        ...
+
+
+@runtime_checkable
+class ImageSource(Protocol):
+    """A LightningModule as the writer reads it (``DiffusionModule``)."""
+
+    # What this rank computed: {"computed": images computed, "kept": images returned, "busy_s":
+    # seconds in pipeline calls}.
+    stats: dict[str, Any]
+
+    def image_settings(self) -> dict[str, Any]:
+        """The settings that decide the pictures, as run.json records them."""
+        ...
+
+
+class RunStrategy(Protocol):
+    """A strategy as the module, the data module and the writer read it."""
+
+    run_context: "RunContext"
+    # Whether this rank writes the images it returns (one rank of each model-parallel group does).
+    writes_outputs: bool
+    # A gloo group without the collective timeout, for gathers that wait on the slowest rank.
+    idle_group: Any
+
+
+def run_strategy(strategy: Any) -> Optional[RunStrategy]:
+    """``strategy`` where it is one of this project's, else None (a Lightning strategy of another
+    kind: every rank writes, gathers use the default group, no run context)."""
+    # Looked up statically: a strategy's properties (``writes_outputs``) are only answered once its
+    # processes have started.
+    found = all(_static(strategy, name) for name in _members(RunStrategy))
+    return cast(RunStrategy, strategy) if found else None
+
+
+def require(part: Any, protocol: Any, role: str) -> Any:
+    """``part`` (a data module, a LightningModule) as a ``protocol``; refused, naming what it lacks,
+    where it is not one."""
+    if isinstance(part, protocol):
+        return part
+    members = _members(protocol)
+    missing = [name for name in members if not hasattr(part, name)]
+    what = "nothing" if part is None else type(part).__name__
+    raise ConfigError(f"the writer needs {role} that provides {', '.join(members)} ({protocol.__name__} in "
+                      f"lightning_diffusion.boundaries); got {what}"
+                      + (f", which lacks {', '.join(missing)}" if part is not None and missing else "") + ".")
+
+
+def _members(protocol: type) -> list[str]:
+    """A protocol's attributes and methods, in the order it declares them."""
+    methods = [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]
+    return [*vars(protocol).get("__annotations__", {}), *methods]
+
+
+def _static(part: Any, name: str) -> bool:
+    try:
+        inspect.getattr_static(part, name)
+    except AttributeError:
+        return False
+    return True

@@ -1,0 +1,59 @@
+"""What each image of a prompt set costs, and which images may share a pipeline call: the
+pipeline's view of the records that ``batching`` cuts batches by and deals over replicas.
+
+An image's cost is its latent tokens x denoising steps x guidance passes; images share a call when
+every call argument is the same (``batching.call_key``) and, for a pipeline that resizes every
+input to the first one's size, their input images have one size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from typing import Any, Optional
+
+from lightning_diffusion.batching import SetFacts, call_key
+from lightning_diffusion.inputs import record_inputs
+
+
+def image_cost(info: Any, args: dict[str, Any], negative: bool) -> float:
+    """One image's estimated work under ``info`` (``PipelineInfo``) with call arguments ``args``;
+    ``negative``: its record has a negative prompt."""
+    spec = info.spec
+    default = spec.default_size or (1024, 1024)
+    height, width = args.get("height") or default[0], args.get("width") or default[1]
+    frames = args.get(spec.frames_arg) if spec.frames_arg else None
+    tokens = spec.image_tokens(int(height), int(width), frames, info.size_multiple) or 1
+    steps = args.get("num_inference_steps") or info.call_default("num_inference_steps") or 1
+    passes = 1
+    if spec.cfg is not None:
+        scale = args.get(spec.cfg.scale_arg, info.call_default(spec.cfg.scale_arg))
+        passes = 2 if spec.cfg.runs(scale, negative or args.get("negative_prompt") is not None) else 1
+    return float(tokens * steps * passes)
+
+
+def set_facts(info: Any, call_args: dict[str, Any], records: Any,
+              rejected: Container[int] = ()) -> tuple[SetFacts, Optional[dict[int, int]]]:
+    """For each call-argument set of ``records`` (``Records``): the key its images are batched by
+    and an image's cost; with a pipeline that resizes every input to the first one's size, the
+    bucket of each record with inputs (by position; ``rejected`` positions left out)."""
+    summary = records.summary
+    keys: dict[str, int] = {}
+    buckets, costs = [], []
+    for entry in summary.sets:
+        args = {**call_args, **entry.overrides}
+        buckets.append(keys.setdefault(call_key(args, sorted(entry.with_inputs)), len(keys)))
+        costs.append(image_cost(info, args, entry.first_negative is not None))
+    by_position: Optional[dict[int, int]] = None
+    if info.spec.shares_input_size and any(entry.with_inputs for entry in summary.sets):
+        from lightning_diffusion.inputs import input_sizes
+
+        by_position = {}
+        sets = [i for i, entry in enumerate(summary.sets) if entry.with_inputs]
+        for position in summary.positions(sets):
+            if position in rejected:
+                continue
+            entry = summary.sets[summary.set_of[position]]
+            key = call_key({**call_args, **entry.overrides}, sorted(entry.with_inputs),
+                           input_sizes(record_inputs(records[position])))
+            by_position[position] = keys.setdefault(key, len(keys))
+    return SetFacts(buckets, costs, list(keys)), by_position

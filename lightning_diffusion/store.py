@@ -1,0 +1,204 @@
+"""Where a run's outputs are recorded: the storage side of ``ImageWriter``.
+
+``OutputStore`` is what the writer asks of a storage; ``FolderStore`` is a folder that every rank
+sees (one file system: a local disk, NFS, Lustre, GPFS): its lock (``lock``), ``run.json`` and the
+shards' run records, the manifest parts each rank appends to and their merge (``manifest``). The
+files themselves are written by ``files.OutputFiles`` (encoding, atomic renames, tar shards), in
+the writer process or threads (``background``).
+
+``prepare`` runs on global rank 0 before any image is made: it takes the lock, refuses a folder made
+with other settings (or from input files that changed since), removes the temporaries of a run that
+was killed, merges its leftover parts and returns the indices already made. ``merge`` and ``record``
+run on global rank 0 once every rank's writing has ended.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from lightning_diffusion.console import log
+from lightning_diffusion.files import stale_temporaries
+from lightning_diffusion.lock import OutputLock, busy_message
+from lightning_diffusion.manifest import (
+    MANIFEST,
+    PART_GLOB,
+    REJECTED,
+    RUN_FILE,
+    RUN_META,
+    atomic_write,
+    finished,
+    merge_failures,
+    merge_lock,
+    merge_manifest,
+    part_counts,
+    part_name,
+    parts_glob,
+    repair_manifest,
+    settings_conflict,
+)
+from lightning_diffusion.shard import Shard, in_shard, select, shard_name
+
+
+class OutputStore(Protocol):
+    """What ``ImageWriter`` asks of a storage (``FolderStore``)."""
+
+    # A folder every node must see (the writer checks that before the run); False for a storage
+    # the nodes reach on their own.
+    needs_shared_folder: bool
+
+    def prepare(self, settings: dict[str, Any], expected: Optional[int],
+                total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
+        """Lock, compare ``settings`` with the recorded ones, recover a killed run's leftovers:
+        (the refusal or None, the indices already made). ``expected``: this run's images (its
+        shard's), ``total``: the prompt set's. On global rank 0 only."""
+        ...
+
+    def part(self, rank: int) -> Path:
+        """Where ``rank`` appends the manifest lines of what it writes."""
+        ...
+
+    @property
+    def parts_glob(self) -> str:
+        """The files this run's ranks append their lines to (``ImageProgressBar`` counts them)."""
+        ...
+
+    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
+        """``rejected.jsonl``: ``lines`` (``PromptSource.rejected_lines``) where this run leaves out
+        images (``rejected``) or an earlier run left the file."""
+        ...
+
+    def merge(self, done: np.ndarray) -> tuple[dict[int, int], np.ndarray, int]:
+        """Merge the ranks' parts: (lines by rank, every index made, failed images)."""
+        ...
+
+    def record(self, summary: dict[str, Any]) -> None:
+        """Add the run's summary to its history."""
+        ...
+
+    def release(self) -> None:
+        ...
+
+
+class FolderStore:
+    """An output folder shared by every rank (``OutputStore``) for a run of ``shard`` (None: the
+    whole prompt set). ``allow_config_change``: resume into a folder made with other settings."""
+
+    needs_shared_folder = True
+
+    def __init__(self, folder: Path, shard: Optional[Shard], allow_config_change: bool = False) -> None:
+        self.folder = folder
+        self.shard = shard
+        self.allow_config_change = allow_config_change
+        self.expected: Optional[int] = None
+        self._history: list = []
+        self._lock: Optional[OutputLock] = None
+
+    @property
+    def parts_glob(self) -> str:
+        """This run's manifest parts (of its shard, if it makes one)."""
+        return parts_glob(self.shard)
+
+    def part(self, rank: int) -> Path:
+        return self.folder / part_name(self.shard, rank)
+
+    @property
+    def record_file(self) -> Path:
+        """Where this run's history goes: ``run.json``, or its shard's ``run.shard-T-of-N.json``."""
+        name = shard_name(self.shard)
+        return self.folder / (RUN_FILE if name is None else f"run.{name}.json")
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def _refuse(self, message: str) -> tuple[Optional[str], np.ndarray]:
+        self.release()
+        return message, np.zeros(0, dtype=np.int64)
+
+    def prepare(self, settings: dict[str, Any], expected: Optional[int],
+                total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
+        self.expected = expected
+        nothing = np.zeros(0, dtype=np.int64)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = OutputLock(self.folder, self.shard)
+        holder = self._lock.acquire()
+        busy = busy_message(self.folder, self.shard, holder)
+        if holder is not None:
+            return busy, nothing  # the lock is the other run's
+        if busy is not None:
+            return self._refuse(busy)
+        # parts left unmerged: an earlier run was killed, and its images' folders may hold temporaries
+        stale = stale_temporaries(self.folder, self.shard, deep=any(self.folder.glob(PART_GLOB)))
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            log.info("%s: removed %d half-written temporary file%s of an earlier run that was stopped.",
+                     self.folder, len(stale), "" if len(stale) == 1 else "s")
+        run_file = self.folder / RUN_FILE
+        if run_file.is_file():
+            conflict = None if self.allow_config_change else settings_conflict(self.folder, settings)
+            if conflict:
+                return self._refuse(conflict)
+        try:
+            self._history = list(json.loads(self.record_file.read_text()).get("history") or [])
+        except (OSError, ValueError):
+            self._history = []
+        if self.shard is None:
+            self._write_run_file(settings)
+        else:  # shards share run.json (the same settings), made by the first; each keeps its history beside it
+            with merge_lock(self.folder):
+                conflict = None if self.allow_config_change else settings_conflict(self.folder, settings)
+                if conflict:  # another shard made it meanwhile, with other settings
+                    return self._refuse(conflict)
+                if not run_file.is_file():
+                    self._write_run_file(settings, run_file, total, history=[])
+            self._write_run_file({"shard": list(self.shard)})
+        if any(self.folder.glob(PART_GLOB)):
+            merge_manifest(self.folder, self.shard)
+        found = finished(self.folder)
+        dropped = repair_manifest(self.folder, found)
+        if dropped:
+            shown = "; ".join(found.problems[:3]) + (f"; {len(found.problems) - 3} more" if found.problems[3:] else "")
+            log.info("%s: %d line%s that did not count left the manifest (%s); their images are made again.",
+                     self.folder / MANIFEST, dropped, "" if dropped == 1 else "s", shown)
+        done = found.in_shard(self.shard)
+        with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
+        if not self.allow_config_change and with_inputs:
+            from lightning_diffusion.inputs import changed_since
+
+            changed = changed_since(with_inputs)
+            if changed:
+                return self._refuse(f"{self.folder} holds pictures made from input files that changed: "
+                                    + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
+                                    "writer.allow_config_change=true to keep those pictures anyway.")
+        return None, done
+
+    def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
+                        history: Optional[list] = None) -> None:
+        """run.json (or the shard's record): the settings that decide the pictures, the expected
+        count, the runs' summaries."""
+        content = {**settings, "expected": self.expected if expected is None else expected,
+                   "history": self._history if history is None else history}
+        atomic_write(path or self.record_file, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
+
+    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
+        """Written anew by each run: the verdicts of the prompt file as it is now."""
+        if not rejected and not (self.folder / REJECTED).exists():
+            return
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        atomic_write(self.folder / REJECTED, lambda f: f.write(text.encode("utf-8")))
+
+    def merge(self, done: np.ndarray) -> tuple[dict[int, int], np.ndarray, int]:
+        parts = part_counts(self.folder, self.parts_glob)
+        merged = merge_manifest(self.folder, self.shard)
+        done = np.union1d(done, select(merged, self.shard))
+        return parts, done, merge_failures(self.folder, self.shard, done)
+
+    def record(self, summary: dict[str, Any]) -> None:
+        self._history.append(summary)
+        settings = json.loads(self.record_file.read_text())
+        self._write_run_file({k: v for k, v in settings.items() if k not in RUN_META})

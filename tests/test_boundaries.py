@@ -1,0 +1,55 @@
+"""The joints between the parts of a run are declared (``boundaries``): the project's parts are what
+the writer reads, and a part that is not fails when the run starts, naming what it lacks."""
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+from lightning_diffusion.boundaries import ImageSource, PromptSource, RunPlan, run_strategy
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.shard import Shard
+from lightning_diffusion.strategies import DataParallelStrategy
+
+
+def test_the_projects_parts_are_what_the_writer_reads():
+    data = PromptDataModule(["a", "b", "c"], num_images_per_prompt=2, seed=7, num_shards=2, shard_index=1)
+    assert isinstance(data, PromptSource) and isinstance(DiffusionModule("tiny:flux"), ImageSource)
+    assert run_strategy(DataParallelStrategy()) is not None and run_strategy(pl.strategies.DDPStrategy()) is None
+    plan = data.run_plan()
+    assert plan == RunPlan(["a", "b", "c"], 7, 2, 6, Shard(1, 2)) and plan.expected == 3
+    assert data.shard_images().tolist() == [1, 3, 5]
+
+
+class CaptionsOnly(pl.LightningDataModule):
+    """A data module of someone's own, without the pieces the writer reads."""
+
+    def predict_dataloader(self):
+        return DataLoader([[{"index": 0, "prompt": "a", "seed": 0}]], batch_size=None)
+
+
+def test_a_data_module_without_a_run_plan_is_refused_at_the_start_naming_what_it_lacks(tmp_path):
+    def trainer():
+        return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          callbacks=[ImageWriter(str(tmp_path / "out"), write_workers=0)])
+
+    with pytest.raises(ConfigError, match=r"the writer needs a data module \(datamodule=\) that provides plan, "
+                                          r"run_plan, skip_indices, rejected_images, rejected_lines \(PromptSource in "
+                                          r"lightning_diffusion.boundaries\); got CaptionsOnly, which lacks plan, "
+                                          r"run_plan, skip_indices, rejected_images, rejected_lines\."):
+        trainer().predict(DiffusionModule("tiny:flux", height=32, width=32, num_inference_steps=1),
+                        datamodule=CaptionsOnly(), return_predictions=False)
+    assert not (tmp_path / "out").exists(), "nothing may be written before the parts are checked"
+    with pytest.raises(ConfigError, match=r"needs a data module \(datamodule=\) .*; got nothing\."):
+        trainer().predict(DiffusionModule("tiny:flux", height=32, width=32, num_inference_steps=1),
+                        dataloaders=CaptionsOnly().predict_dataloader(), return_predictions=False)
+
+
+def test_rejected_lines_name_each_records_images():
+    data = PromptDataModule(["a", "b", "c"], num_images_per_prompt=2)
+    from lightning_diffusion.records import RecordVerdicts
+
+    data.reject(RecordVerdicts({1: ("p.jsonl:2", "too big")}))
+    assert data.rejected_lines() == [{"record": 2, "line": "p.jsonl:2", "reason": "too big", "images": [2, 3]}]
+    assert np.array_equal(data.rejected_images(), [2, 3])
