@@ -263,8 +263,9 @@ _BLOCK = 8 << 20  # bytes read at once
 
 
 def _read_blocks(looked: _Looked, file: Path, indices: array, keep: Any, problems: list[str]) -> None:
-    """``file``'s lines block by block: a block whose lines all have the writer's shape (``_block_columns``) is read with a
-    pattern and arrays (a million lines in about a second), any other line by line."""
+    """``file``'s lines block by block: a block whose lines all have the writer's shape
+    (``_block_columns``) is read with a pattern and arrays (a million lines in about a second),
+    any other line by line."""
     first = 1
     with file.open("rb") as f:
         rest = b""

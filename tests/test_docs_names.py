@@ -1,31 +1,34 @@
 """Docs that cannot drift: every project name the documentation writes in backticks still exists.
 
-Read: ``README.md``, ``docs/*.md`` and the docstrings of ``lightning_diffusion/**/*.py``. In each
-backticked span (and each fenced block of the Markdown files, for paths) a word is checked when it
-looks like a project name:
+Read: ``README.md``, ``docs/*.md``, and the docstrings and comments of ``lightning_diffusion/**/*.py``.
+In each backticked span (and, for paths, each fenced block of the Markdown files) a word is checked
+when it looks like a project name:
 
 * a path into the repository (``configs/tiny.yaml``, ``strategies/checks.py``, ``docs/tools.md``,
-  ``benchmarks/scale.py``) or a bare ``name.py`` / ``name.md`` / ``name.yaml`` / ``name.sh``: the
-  file is there (a bare name anywhere in the repository);
+  ``benchmarks/scale.py``) or a bare ``name.py`` / ``.md`` / ``.yaml`` / ``.sh``: the file is there
+  (a bare name anywhere in the repository);
 * a dotted name whose first part is a module of the package, by its full or its last name
   (``lightning_diffusion.writer.ImageWriter``, ``manifest.finished``, ``checks.context_modes``), or
   a class of the package (``StopController.watch_interrupt``): each part is defined, read from the
-  sources (class attributes and ``self.x`` included) and, failing that, by import and ``getattr``.
-  ``module.x`` may also name an attribute of ``DiffusionModule`` (``module.use_pipeline``);
+  sources (class attributes, ``self.x`` and package base classes included; an attribute a class may
+  inherit from a third-party base is looked for in that library's sources). ``module.x`` may also
+  name an attribute of ``DiffusionModule`` (the contract's ``module.use_pipeline``);
 * a config key, ``model.x`` / ``data.x`` / ``writer.x`` / ``trainer.x`` (``--model.x`` too): ``x``
-  is a parameter of ``DiffusionModule`` / ``PromptDataModule`` / ``ImageWriter`` / ``Trainer``, or
-  a key the code writes (a run.json field);
-* a lowercase word followed by a package class (``mesh.ParallelDims``): the word is a module;
+  is a parameter of ``DiffusionModule`` / ``PromptDataModule`` / ``ImageWriter`` / ``Trainer``;
+* a lowercase word then a package class (``mesh.ParallelDims``): the word is a module;
 * a bare code-like word, CamelCase (``OutputLock``) or with an underscore (``_BLOCK_LINE``,
-  ``check_request``): it is written somewhere in the code of the repository (package, tests,
-  benchmarks, scripts: a definition, a use or a string; docstrings and comments do not count), or
-  is a top-level name of diffusers, transformers, torch or Lightning.
+  ``check_request``), where the span is that one word or the word is called (``f(x)``): it is a
+  module or a config key, or is written in the code of the repository (a definition, a use or a
+  string; docstrings and comments do not count), or in the sources of diffusers, torch, Lightning...
+  (``THIRD_PARTY``).
+A dotted name the code itself writes (an attribute chain, ``summary.sets``, or a string) is taken
+as it is. Nothing is imported: the check reads sources only (about a second).
 
 Markdown links to files of the repository (``[Tools](docs/tools.md#eval)``) must reach a file and,
 with ``#anchor``, one of its headings. The README's layout names every module and command.
 
-A word that is not a project name but looks like one (an example of a wrong key in an error
-message) goes into ``NOT_NAMES`` with its reason.
+A word that looks like a project name but is not one goes into ``NOT_NAMES`` with its reason, a
+word of another program into ``FOREIGN``.
 """
 
 from __future__ import annotations
@@ -49,16 +52,11 @@ PACKAGE = ROOT / "lightning_diffusion"
 
 # Written in backticks, not project names: each with why.
 NOT_NAMES = {
-    "run.py": "docs/README: the user's own script in an example (`python run.py`)",
-    "model.num_steps": "an example of a misspelt key in the config errors' 'did you mean' message",
-    "image_stats.py": "examples/image_stats.py, named by its file name",
+    "run.py": "README: the user's own script in an example (`python run.py`)",
+    "model.num_steps": "a misspelt key in an example of the config errors' 'did you mean' message",
 }
-# Words outside Python that look like code: SLURM's and Kubernetes' vocabulary, environment variables.
-FOREIGN = {
-    "JobId", "JobState", "KillWait", "PreemptParameters", "BeginTime", "PyTorchJob", "backoffLimit",
-    "PR_SET_PDEATHSIG", "send_user_signal",
-}
-# Top-level directories a path may start with (``strategies/x.py`` is inside the package).
+# Words of other programs that look like code: SLURM's configuration and states, Kubeflow's job kind.
+FOREIGN = {"JobId", "KillWait", "PreemptParameters", "send_user_signal", "BeginTime", "PyTorchJob"}
 # Libraries (folders and files of them) whose sources may hold a bare name the docs write.
 THIRD_PARTY = ("diffusers", "torch/distributed", "lightning/pytorch", "torch/__init__.py", "torch/nn/modules",
                "transformers/__init__.py", "torchao/quantization", "peft/tuners/lora")
@@ -134,9 +132,8 @@ def _span_mentions(label: str, text: str, first_line: int) -> Iterator[Mention]:
             yield Mention(f"{label}:{line}", word, bare=one_word or called)
 
 
-def docstring_mentions(label: str, source: str) -> Iterator[Mention]:
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
+def docstring_mentions(label: str, source: str, tree: Optional[ast.Module] = None) -> Iterator[Mention]:
+    for node in ast.walk(tree or ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
@@ -146,6 +143,8 @@ def docstring_mentions(label: str, source: str) -> Iterator[Mention]:
 
 def comment_mentions(label: str, source: str) -> Iterator[Mention]:
     """The backticked names of a Python file's comments."""
+    if not re.search(r"#.*`", source):
+        return
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             yield from _span_mentions(label, token.string, token.start[0])
@@ -172,8 +171,9 @@ def all_mentions() -> Iterator[Mention]:
     for label, path in documents():
         yield from markdown_mentions(label, path.read_text())
     for path in sorted(PACKAGE.rglob("*.py")):
-        yield from docstring_mentions(str(path.relative_to(ROOT)), path.read_text())
-        yield from comment_mentions(str(path.relative_to(ROOT)), path.read_text())
+        source = path.read_text()
+        yield from docstring_mentions(str(path.relative_to(ROOT)), source, index().tree(path))
+        yield from comment_mentions(str(path.relative_to(ROOT)), source)
 
 
 # --- what exists --------------------------------------------------------------------------------------------------
@@ -212,7 +212,12 @@ def _names_of(target: ast.expr) -> Iterator[str]:
             yield from _names_of(element)
 
 
+Found = Union[bool, str]  # True, False, or a name to look for in the libraries (an inherited attribute)
+
+
 class Index:
+    """The package's modules, classes and names, the repository's files and what its code writes."""
+
     def __init__(self) -> None:
         self.modules: dict[str, Path] = {}
         for path in PACKAGE.rglob("*.py"):
@@ -279,9 +284,9 @@ class Index:
                 found.add(statement.name)
             for target in _targets(statement):
                 found |= set(_names_of(target))
-        for sub in ast.walk(node):
+        for sub in ast.walk(node):  # self.x = ... in any method
             for target in _targets(sub) if isinstance(sub, ast.stmt) else []:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", None) == "self":
                     found.add(target.attr)
         return found
 
@@ -432,7 +437,8 @@ def check_path(word: str) -> Optional[str]:
         if first in REPO_DIRS:
             return None if path in files else f"no such file or folder: {path}"
         if first in PACKAGE_DIRS:
-            return None if f"lightning_diffusion/{path}" in files else f"no such file or folder: lightning_diffusion/{path}"
+            path = f"lightning_diffusion/{path}"
+            return None if path in files else f"no such file or folder: {path}"
         return None
     if path.endswith(CHECKED_SUFFIXES) and re.match(r"^[a-z0-9_][a-z0-9_.-]*$", path):
         return None if path in index().file_names else f"no file named {path} in the repository"
@@ -462,9 +468,6 @@ def check_dotted(word: str) -> Optional[str]:
     if first.islower() and CAMEL.match(rest[0]) and rest[0] in idx.classes:
         return f"no module {first!r} in lightning_diffusion ({rest[0]} is in {idx.classes[rest[0]][0][0]})"
     return None
-
-
-Found = Union[bool, str]  # True, False, or a name to look for in the libraries (an inherited attribute)
 
 
 def best(results: Iterable[Found]) -> Found:
@@ -618,8 +621,8 @@ def test_the_readme_layout_names_every_module_and_command():
 
     readme = (ROOT / "README.md").read_text()
     layout = readme.split("## Layout", 1)[1].split("```")[1]
-    missing = [f"{path.name}" for path in sorted(PACKAGE.glob("*.py"))
-               if not path.name.startswith("__") and path.name not in layout]
+    missing = [path.name for path in sorted(PACKAGE.glob("*.py"))
+               if not path.name.startswith("__") and not re.search(rf"\b{re.escape(path.name)}\b", layout)]
     strategies = layout.split("strategies/", 1)[1]
     missing += [f"strategies/{path.name}" for path in sorted((PACKAGE / "strategies").glob("*.py"))
                 if not path.name.startswith("__") and not re.search(rf"\b{path.stem}\b", strategies)]

@@ -422,8 +422,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if self._stall_watch is not None:
             self._stall_watch.stop()
         if self._watchdog is not None:
-            # This process ends by itself now, with its own message and exit code (2 for a refused
-            # config every rank raises): the watchdog no longer ends it when a child goes first.
+            # This process ends by itself, with its own message and exit code (2 for a refused config
+            # every rank raises): the watchdog stands down rather than end it when a child goes first.
             self._watchdog.stop()
             self._watchdog.report_failure()
 
