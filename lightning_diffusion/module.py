@@ -11,24 +11,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_diffusion import compat, quantization
 from lightning_diffusion.batching import call_key
-from lightning_diffusion.boundaries import run_strategy
-from lightning_diffusion.cache import CacheStats, StepCache, install
+from lightning_diffusion.cache import CacheStats, StepCache
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
 from lightning_diffusion.costs import set_facts
 from lightning_diffusion.data import PromptDataModule
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.failures import CallFailures
 from lightning_diffusion.inputs import INPUT_FIELDS
+from lightning_diffusion.loading import PipelineLoading
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
-from lightning_diffusion.records import Records, RecordVerdicts, check_records
+from lightning_diffusion.records import Records
 from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options
-from lightning_diffusion.validation import MODEL_CALL_ARGS, model_cache_problems, model_problems, pixel_problems
+from lightning_diffusion.validation import MODEL_CALL_ARGS, model_problems
+from lightning_diffusion.verdicts import RecordChecks
 
 
-class DiffusionModule(CallFailures, pl.LightningModule):
+class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningModule):
     """Runs a diffusers ``DiffusionPipeline`` on batches of prompt samples.
 
     Args:
@@ -216,127 +216,6 @@ class DiffusionModule(CallFailures, pl.LightningModule):
             facts = set_facts(self.info, self.call_args, datamodule.records, datamodule.rejected.rejected)
             datamodule.use_batch_facts(*facts, pad=self.pad_batches)
 
-    def record_verdicts(self, data: PromptDataModule) -> tuple[RecordVerdicts, list[str]]:
-        """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
-        whatever ``on_bad_record`` says (a size over the budget in the config, a cache that does not
-        suit the records' guidance passes, no record left)."""
-        verdicts = check_records(self.info, data.records, self.call_args, data.inputs_root, data.max_pixels,
-                                 data.num_images_per_prompt)
-        problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.max_pixels)]
-        if self.cache is not None:
-            problems += model_cache_problems(self.info, self.cache, self.call_args, data.records.summary)
-        problems += verdicts.refusal(len(data.records), data.on_bad_record)
-        return verdicts, problems
-
-    def agreed_verdicts(self, data: PromptDataModule) -> RecordVerdicts:
-        """``record_verdicts`` as global rank 0 finds them (it reads each input file once for the
-        job), on every rank; raises its problems on every rank. Ranks started by the CLI, whose
-        launching process checked the same command line, skip it when bad records refuse the run."""
-        # Any: Lightning's Strategy does not declare the ranks its subclasses have
-        strategy: Any = self._trainer.strategy if self._trainer is not None else None
-        ours = run_strategy(strategy)
-        context = ours.run_context if ours is not None else None
-        if context is not None and context.checked and data.on_bad_record == "fail":
-            return RecordVerdicts()  # none, or the launching process would have refused
-        outcome: tuple[Optional[RecordVerdicts], list[str]] = (None, [])
-        if strategy is None or strategy.global_rank == 0:
-            outcome = self.record_verdicts(data)
-        if strategy is not None and strategy.world_size > 1:
-            outcome = strategy.broadcast(outcome)
-        verdicts, problems = outcome
-        raise_problems(problems)
-        assert verdicts is not None
-        if verdicts and (strategy is None or strategy.global_rank == 0):
-            log.warning(f"data.on_bad_record: skip: {len(verdicts.rejected):,} of {len(data.records):,} prompt records "
-                        "cannot be made; they are listed in rejected.jsonl")
-        return verdicts
-
-    def configure_model(self) -> None:
-        if self.pipeline is not None:
-            return
-        self.fetch_weights()
-        quantized = self.quantization_configs()
-        self.load_pipeline(**{
-            name: load(self.info, self.dtype_,
-                       **({"quantization_config": quantized[name]} if name in quantized else {}))
-            for name, load in self.load_plan.components.items()
-        })
-
-    def fetch_weights(self) -> None:
-        """A hub id with network: the first process of each node fetches what ``from_pretrained``
-        reads while the node's other processes wait, instead of every rank downloading (and
-        locking) the same tens of gigabytes at once; offline, the cache was checked before loading."""
-        from lightning_diffusion import hub
-
-        if not hub.is_hub_id(self.info.path) or hub.offline() or self.from_pretrained_kwargs.get("local_files_only"):
-            return
-        strategy: Any = self._trainer.strategy if self._trainer is not None else None  # (Any: as above)
-        if strategy is None or strategy.local_rank == 0:
-            try:
-                folder = hub.fetch(self.info.path, self.from_pretrained_kwargs, progress=self.global_rank == 0)
-            except Exception as err:
-                known = hub.message(err, self.info.path, self.from_pretrained_kwargs)
-                if known is None:
-                    raise
-                raise ConfigError(known) from err
-            if self.global_rank == 0:
-                log.info(f"{self.info.path}: weights in the cache at {folder}")
-        if strategy is not None and strategy.world_size > 1:
-            strategy.barrier("weights_fetched")
-
-    def quantization_configs(self) -> dict[str, Any]:
-        """``model.quantization`` as each quantized component's backend config (none without it)."""
-        spec = self.options["quantization"]
-        return quantization.component_configs(spec, self.info.model_index, tuple(self.info.denoisers())) if spec else {}
-
-    def load_pipeline(self, **components: Any) -> None:
-        """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may
-        build the transformer itself, sharded) passed through to ``from_pretrained``."""
-        from diffusers.utils import logging as diffusers_logging
-        from transformers.utils import logging as transformers_logging
-
-        if not self.show_inner_progress:
-            diffusers_logging.disable_progress_bar()
-            transformers_logging.disable_progress_bar()
-        # safetensors only and no remote code unless the user opts in (from_pretrained_kwargs).
-        options = {"use_safetensors": True, "trust_remote_code": False, **self.from_pretrained_kwargs}
-        quantized = {name: c for name, c in self.quantization_configs().items() if name not in components}
-        if quantized:  # a component the strategy built was quantized by its loader
-            options["quantization_config"] = quantization.pipeline_config(quantized)
-        compat.apply_pipeline_patches()
-        pipeline = self.info.pipeline_class.from_pretrained(  # model.pipeline_class, else the folder's
-            self.info.path, dtype=self.dtype_, **options, **self.load_plan.pipeline_kwargs, **components
-        )
-        if not self.show_inner_progress:
-            pipeline.set_progress_bar_config(disable=True)
-        if self.options["quantization"] is not None and self.global_rank == 0:
-            spec = self.options["quantization"]
-            for name, (left, total) in quantization.left_unquantized(
-                    pipeline, spec, quantization.quantized(spec, tuple(self.info.denoisers()))).items():
-                log.warning(f"model.quantization: {left} of {name}'s {total} linear layers loaded in full precision "
-                            "(a device map offloaded them: diffusers does not quantize weights on the CPU or disk)")
-        if self.adapters:  # fused before any strategy hook, cache or compile sees the weights
-            from lightning_diffusion import lora
-
-            (self.load_plan.fuse_adapters or lora.fuse)(pipeline, self.adapters)
-            if self.global_rank == 0:
-                log.info(f"model.lora: {', '.join(f'{a.name} x {a.scale:g}' for a in self.adapters)} fused")
-        tiling = self.options["vae_tiling"]
-        if tiling:
-            pipeline.vae.enable_tiling(**(tiling if isinstance(tiling, dict) else {}))
-        if self.options["vae_slicing"]:
-            pipeline.vae.enable_slicing()
-        self.pipeline = pipeline
-        if self.options["attention_backend"] is not None:
-            for component in self.denoiser_modules().values():
-                component.set_attention_backend(self.options["attention_backend"])
-        for name, component in pipeline.components.items():
-            if isinstance(component, nn.Module):
-                self.components[name] = component
-        if self.cache is not None:
-            steps = self.call_args.get("num_inference_steps") or self.info.call_default("num_inference_steps")
-            self.step_cache = install(self.cache, pipeline, steps, separate_passes=self.info.spec.cfg is not None)
-
     def cache_summary(self) -> Optional[dict[str, Any]]:
         """What the step cache reused in this run, summed over every process (a collective: every
         rank calls it, at the end of a run; computed once, then remembered). ``None`` without a
@@ -357,28 +236,6 @@ class DiffusionModule(CallFailures, pl.LightningModule):
         return {"type": self.step_cache.kind, "image_steps": image_steps, "reused_image_steps": reused,
                 "calls": calls, "skipped_calls": skipped,
                 "reused_fraction": round(reused / image_steps, 4) if image_steps else 0.0}
-
-    def compile_denoisers(self) -> None:
-        """``model.compile`` on each denoiser of the pipeline the strategy set up (after its
-        context-parallel hooks, sharding and caches), once."""
-        mode = self.options["compile"]
-        if mode is None or self.compiled or self.pipeline is None:
-            return
-        modules = self.denoiser_modules()
-        for component in modules.values():
-            if mode == "regional":
-                component.compile_repeated_blocks()
-            else:
-                component.compile()
-        self.compiled = True
-        if self.global_rank == 0:
-            log.info(f"model.compile: {mode} on {', '.join(modules)}; the first batch of each shape compiles")
-
-    def denoiser_modules(self) -> dict[str, Any]:
-        """The pipeline's denoisers that are loaded (Wan 2.1 lists an empty ``transformer_2``): diffusers
-        models (``Any``: their methods, such as ``set_attention_backend``, are not nn.Module's)."""
-        found = {name: getattr(self.pipeline, name, None) for name in self.info.denoisers()}
-        return {name: module for name, module in found.items() if isinstance(module, nn.Module)}
 
     def on_predict_start(self) -> None:
         self.compile_denoisers()

@@ -1,0 +1,63 @@
+"""The records a pipeline cannot make, found once for the job: global rank 0 checks them (reading each
+input file once), every rank learns its verdicts and refuses or skips alike.
+
+``RecordChecks`` is the part of ``DiffusionModule`` that its ``setup`` runs before the batch plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_diffusion.boundaries import run_strategy
+from lightning_diffusion.console import log
+from lightning_diffusion.data import PromptDataModule
+from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.records import RecordVerdicts, check_records
+from lightning_diffusion.validation import model_cache_problems, pixel_problems
+
+
+class RecordChecks:
+    """Mixed into ``DiffusionModule``: ``record_verdicts`` and ``agreed_verdicts``."""
+
+    info: Any
+    cache: Optional[dict[str, Any]]
+    _trainer: Any
+
+    @property
+    def call_args(self) -> dict[str, Any]:
+        raise NotImplementedError  # DiffusionModule's
+
+    def record_verdicts(self, data: PromptDataModule) -> tuple[RecordVerdicts, list[str]]:
+        """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
+        whatever ``on_bad_record`` says (a size over the budget in the config, a cache that does not
+        suit the records' guidance passes, no record left)."""
+        verdicts = check_records(self.info, data.records, self.call_args, data.inputs_root, data.max_pixels,
+                                 data.num_images_per_prompt)
+        problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.max_pixels)]
+        if self.cache is not None:
+            problems += model_cache_problems(self.info, self.cache, self.call_args, data.records.summary)
+        problems += verdicts.refusal(len(data.records), data.on_bad_record)
+        return verdicts, problems
+
+    def agreed_verdicts(self, data: PromptDataModule) -> RecordVerdicts:
+        """``record_verdicts`` as global rank 0 finds them (it reads each input file once for the
+        job), on every rank; raises its problems on every rank. Ranks started by the CLI, whose
+        launching process checked the same command line, skip it when bad records refuse the run."""
+        # Any: Lightning's Strategy does not declare the ranks its subclasses have
+        strategy: Any = self._trainer.strategy if self._trainer is not None else None
+        ours = run_strategy(strategy)
+        context = ours.run_context if ours is not None else None
+        if context is not None and context.checked and data.on_bad_record == "fail":
+            return RecordVerdicts()  # none, or the launching process would have refused
+        outcome: tuple[Optional[RecordVerdicts], list[str]] = (None, [])
+        if strategy is None or strategy.global_rank == 0:
+            outcome = self.record_verdicts(data)
+        if strategy is not None and strategy.world_size > 1:
+            outcome = strategy.broadcast(outcome)
+        verdicts, problems = outcome
+        raise_problems(problems)
+        assert verdicts is not None
+        if verdicts and (strategy is None or strategy.global_rank == 0):
+            log.warning(f"data.on_bad_record: skip: {len(verdicts.rejected):,} of {len(data.records):,} prompt records "
+                        "cannot be made; they are listed in rejected.jsonl")
+        return verdicts
