@@ -159,6 +159,9 @@ class OutputFiles:
     files_per_folder: int = FILES_PER_FOLDER
     format: str = "files"
     samples_per_shard: int = SAMPLES_PER_SHARD
+    # Where a closed tar shard goes from here (``object_store.Uploader``: a bucket), before its lines
+    # are appended; None: it stays in ``output_dir``.
+    publish: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self._part_lock = threading.Lock()
@@ -177,6 +180,8 @@ class OutputFiles:
         or when it stops. Nothing to do for loose files."""
         if self._shards is not None:
             self._shards.close()
+        if self.publish is not None and self.part is not None and failures_part(self.part).exists():
+            self.publish.failures(failures_part(self.part))
 
     def write_batch(self, prediction: list[dict[str, Any]]) -> None:
         """Each file atomically, then the manifest lines of the files written: each line after its
@@ -383,7 +388,14 @@ class TarShards:
             raise
         lines, self.lines, self.tar = self.lines, [], None
         stamp = round(time.time(), 3)
-        self.files._append([{**line, "shard_bytes": size, "written": stamp} for line in lines])
+        lines = [{**line, "shard_bytes": size, "written": stamp} for line in lines]
+        if self.files.publish is not None:  # uploaded whole, and recorded there, before the lines count here
+            local = self.files.output_dir / self.name
+            try:
+                self.files.publish.shard(local, lines)
+            finally:
+                local.unlink(missing_ok=True)
+        self.files._append(lines)
 
 
 def size_text(count: float) -> str:

@@ -27,7 +27,7 @@ HEARTBEAT_S = 30.0
 STALE_S = 120.0
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -106,7 +106,7 @@ class OutputLock:
         if job is not None and owner.get("slurm_job") == job:
             return None
         same_host = owner.get("host") == socket.gethostname()
-        if same_host and not _alive(int(owner.get("pid", 0))):
+        if same_host and not pid_alive(int(owner.get("pid", 0))):
             return None
         if age > STALE_S:
             return None

@@ -156,6 +156,11 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
         recorded = json.loads(run_file.read_text())
     except ValueError:
         return f"{run_file} is not valid JSON; move it away to start the folder afresh."
+    return recorded_conflict(recorded, settings, str(output_dir))
+
+
+def recorded_conflict(recorded: dict[str, Any], settings: dict[str, Any], where: str) -> Optional[str]:
+    """``settings_conflict`` against the settings ``recorded`` in the run.json of ``where``."""
     before = {k: v for k, v in recorded.items() if k not in RUN_META}
     now = {k: v for k, v in settings.items() if k not in RUN_META}
     if PROMPTS_HASH not in before:  # made before prompt hashes: the path is what was recorded
@@ -170,7 +175,7 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
         return None
     details = "; ".join("the prompt file's content changed" if k == PROMPTS_HASH
                         else f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in changed)
-    return (f"{output_dir} holds images made with other settings ({details}). Use another writer.output_dir, or "
+    return (f"{where} holds images made with other settings ({details}). Use another writer.output_dir, or "
             "writer.allow_config_change=true to add to it anyway.")
 
 

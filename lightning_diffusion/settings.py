@@ -67,6 +67,9 @@ WRITER: dict[str, Option] = {
     "files_per_folder": Option(FILES_PER_FOLDER, minimum=1, integer=True),
     "format": Option("files", FORMATS),
     "samples_per_shard": Option(SAMPLES_PER_SHARD, minimum=1, integer=True),
+    # an object store (output_dir s3://...): where tar shards are built, and fsspec's options
+    "staging_dir": Option(None),
+    "storage_options": Option(None),
 }
 
 

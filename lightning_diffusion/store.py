@@ -49,6 +49,10 @@ class OutputStore(Protocol):
     # A folder every node must see (the writer checks that before the run); False for a storage
     # the nodes reach on their own.
     needs_shared_folder: bool
+    # The storage as messages name it (a folder, a URL), and the local folder this process's
+    # files are written into (the folder itself, or where tar shards wait for their upload).
+    where: str
+    local_dir: Path
 
     def prepare(self, settings: dict[str, Any], expected: Optional[int],
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
@@ -59,6 +63,10 @@ class OutputStore(Protocol):
 
     def part(self, rank: int) -> Path:
         """Where ``rank`` appends the manifest lines of what it writes."""
+        ...
+
+    def publisher(self, rank: int) -> Any:
+        """What takes ``rank``'s closed tar shards on from ``local_dir`` (``files.OutputFiles.publish``)."""
         ...
 
     @property
@@ -91,6 +99,8 @@ class FolderStore:
 
     def __init__(self, folder: Path, shard: Optional[Shard], allow_config_change: bool = False) -> None:
         self.folder = folder
+        self.where = str(folder)
+        self.local_dir = folder
         self.shard = shard
         self.allow_config_change = allow_config_change
         self.expected: Optional[int] = None
@@ -104,6 +114,9 @@ class FolderStore:
 
     def part(self, rank: int) -> Path:
         return self.folder / part_name(self.shard, rank)
+
+    def publisher(self, rank: int) -> None:
+        return None  # files are written in place
 
     @property
     def record_file(self) -> Path:

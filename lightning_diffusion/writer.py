@@ -45,12 +45,13 @@ from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.files import OutputFiles, resolve_layout, size_text, to_uint8
 from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED
+from lightning_diffusion.object_store import MANIFESTS, ObjectStore, is_url
 from lightning_diffusion.settings import WRITER, run_settings, writer_settings
 from lightning_diffusion.store import FolderStore, OutputStore
 from lightning_diffusion.validation import writer_problems
 
 
-def summary_text(summary: dict[str, Any], manifest: Path) -> str:
+def summary_text(summary: dict[str, Any], manifest: str) -> str:
     """The run's summary as one line for the log."""
     rates = summary["images_per_s_by_rank"]
     pace = ", ".join(f"rank {rank}: {rate:.2f}" for rank, rate in rates.items()) or "none"
@@ -195,6 +196,8 @@ class ImageWriter(BasePredictionWriter):
         files_per_folder: int = WRITER["files_per_folder"].default,
         format: str = WRITER["format"].default,
         samples_per_shard: int = WRITER["samples_per_shard"].default,
+        staging_dir: Optional[str] = WRITER["staging_dir"].default,
+        storage_options: Optional[dict[str, Any]] = WRITER["storage_options"].default,
     ) -> None:
         super().__init__(write_interval="batch")
         self.settings = writer_settings(dict(
@@ -202,13 +205,14 @@ class ImageWriter(BasePredictionWriter):
             allow_config_change=allow_config_change, image_format=image_format, quality=quality,
             png_compress_level=png_compress_level, fsync=fsync, write_workers=write_workers, write_queue=write_queue,
             write_in=write_in, layout=layout, files_per_folder=files_per_folder, format=format,
-            samples_per_shard=samples_per_shard))
+            samples_per_shard=samples_per_shard, staging_dir=staging_dir, storage_options=storage_options))
         raise_problems(writer_problems(self.settings))
         if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
                               "script being run, so the writer process cannot import it: move it into a module, "
                               "or set writer.write_in: thread.")
-        self.output_dir = Path(output_dir).expanduser()
+        self.remote = is_url(output_dir)  # an object store: its shards are built in staging_dir
+        self.output_dir = Path(output_dir).expanduser() if not self.remote else Path(staging_dir or ".")
         self.save_arrays = save_arrays
         self.video_format = video_format
         self.fps = fps
@@ -224,9 +228,11 @@ class ImageWriter(BasePredictionWriter):
         self.files_per_folder = files_per_folder
         self.format = format
         self.samples_per_shard = samples_per_shard
+        self.staging_dir = staging_dir
+        self.storage_options = storage_options
         # Set by setup, for one run:
         self.plan: Optional[RunPlan] = None  # the data module's, handed over at setup
-        self.store: OutputStore = FolderStore(self.output_dir, None, allow_config_change)
+        self.store: Optional[OutputStore] = None
         self.total: Optional[int] = None  # the prompt set's images (every shard's): layout auto decides by it
         self.shard: Optional[tuple[int, int]] = None  # (index, count) when the run makes one shard
         self.expected: Optional[int] = None  # this run's images
@@ -235,6 +241,7 @@ class ImageWriter(BasePredictionWriter):
         self.started_at = time.time()
         self.predicting_at: Optional[float] = None
         self._part: Optional[Path] = None
+        self._rank = 0
         self._files: Optional[OutputFiles] = None
         self._writers: Optional[WriterProcess | WriterThreads] = None
         self._batches = 0  # this rank's batches handed to its writers: the order of tar shard members
@@ -249,7 +256,7 @@ class ImageWriter(BasePredictionWriter):
     @property
     def parts_glob(self) -> str:
         """This run's manifest parts (of its shard, if it makes one)."""
-        return self.store.parts_glob
+        return self.store.parts_glob if self.store is not None else ""
 
     @staticmethod
     def writes_outputs(trainer: pl.Trainer) -> bool:
@@ -281,7 +288,7 @@ class ImageWriter(BasePredictionWriter):
         blind = sorted({name for name, saw in seen if not saw})
         if blind:
             if trainer.is_global_zero:
-                self.store.release()
+                self._release()
             raise ConfigError(f"writer.output_dir {self.output_dir} is not one folder shared by the nodes: "
                               f"{', '.join(blind)} {'does' if len(blind) == 1 else 'do'} not see what {seen[0][0]} "
                               "writes there (node-local storage?). Put it on a file system every node mounts.")
@@ -293,7 +300,11 @@ class ImageWriter(BasePredictionWriter):
         self.started_at, self.predicting_at = time.time(), None
         self.plan = data.run_plan()
         self.total, self.shard, self.expected = self.plan.num_images, self.plan.shard, self.plan.expected
-        self.store = FolderStore(self.output_dir, self.plan.shard, self.allow_config_change)
+        if self.remote:
+            self.store = ObjectStore(self.settings["output_dir"], self.plan.shard, self.allow_config_change,
+                                     self.storage_options, self.staging_dir)
+        else:
+            self.store = FolderStore(self.output_dir, self.plan.shard, self.allow_config_change)
         result: tuple[Optional[str], Any] = (None, [])
         if trainer.is_global_zero:
             result = self.store.prepare(self.run_settings(module), self.expected, self.total)
@@ -306,9 +317,10 @@ class ImageWriter(BasePredictionWriter):
         self.done = np.asarray(done, dtype=np.int64)
         self.pending = max(0, self.expected - len(self.done))
         if len(self.done):
-            log.info(f"resumed: {len(self.done):,} already in the manifest of {self.output_dir}, "
+            log.info(f"resumed: {len(self.done):,} already in the manifest of {self.store.where}, "
                      f"{self.pending:,} to make.")
         data.skip_indices(self.done)
+        self._rank = trainer.global_rank
         self._part = self.store.part(trainer.global_rank)
         if self.write_workers and self.writes_outputs(trainer):
             kind = WriterProcess if self.write_in == "process" else WriterThreads
@@ -320,10 +332,12 @@ class ImageWriter(BasePredictionWriter):
         """What writes this run's files and appends their lines to this rank's manifest part (one
         for the run: a tar shard stays open between batches)."""
         if self._files is None or self._files.part != self._part:
+            store, rank = self.store, self._rank
             self._files = self.files_class(
-                self.output_dir, self.image_format, self.quality, self.png_compress_level, self.fsync, self.save_arrays,
-                self.video_format, self.fps, self._part, resolve_layout(self.layout, self.total, self.files_per_folder),
-                self.files_per_folder, self.format, self.samples_per_shard)
+                store.local_dir if store is not None else self.output_dir, self.image_format, self.quality,
+                self.png_compress_level, self.fsync, self.save_arrays, self.video_format, self.fps, self._part,
+                resolve_layout(self.layout, self.total, self.files_per_folder), self.files_per_folder, self.format,
+                self.samples_per_shard, store.publisher(rank) if store is not None else None)
         return self._files
 
     # ----------------------------------------------------------------- writing off the prediction thread
@@ -340,7 +354,7 @@ class ImageWriter(BasePredictionWriter):
             try:
                 self._files.finish()
             except Exception as err:
-                raise writing_failed(f"{type(err).__name__}: {err}", self.output_dir, cause=err) from err
+                raise writing_failed(f"{type(err).__name__}: {err}", self._local_dir, cause=err) from err
 
     def drain_on_stall(self) -> None:
         """From the stall watch's thread, while the prediction thread waits in a collective that will
@@ -350,7 +364,7 @@ class ImageWriter(BasePredictionWriter):
     def _raise_error(self, writers: Optional[WriterProcess | WriterThreads]) -> None:
         error = writers.take_error() if writers is not None else None
         if error is not None:
-            raise writing_failed(str(error), self.output_dir, cause=error) from error
+            raise writing_failed(str(error), self._local_dir, cause=error) from error
 
     def write_on_batch_end(
         self,
@@ -405,18 +419,19 @@ class ImageWriter(BasePredictionWriter):
             gathered = gather_idle(trainer.strategy, (_cause(failed), work))
         except PeerLost:
             if trainer.is_global_zero:
-                self.store.release()  # this run is over; the next one merges what its ranks recorded
+                self._release()  # this run is over; the next one merges what its ranks recorded
             raise
         others = [(rank, text) for rank, (text, _) in enumerate(gathered)
                   if text is not None and rank != trainer.global_rank]
         self._work = {rank: stats for rank, (_, stats) in enumerate(gathered) if stats is not None}
         if failed is None and others:
             rank, text = others[0]
-            failed = writing_failed(text, self.output_dir, rank)
+            failed = writing_failed(text, self._local_dir, rank)
         if failed is not None:
             if trainer.is_global_zero:
-                self.store.release()
+                self._release()
             raise failed
+        assert self.store is not None  # made by setup
         if trainer.is_global_zero:
             data = self._data(trainer)
             self._buckets = data.plan.num_buckets if data.plan is not None else None
@@ -427,10 +442,26 @@ class ImageWriter(BasePredictionWriter):
             self.store.record(self.summary)
             if self.progress_listener is not None:
                 self.progress_listener.finish(self.summary["made"], self.pending)
-            log.info(summary_text(self.summary, self.output_dir / MANIFEST))
+            log.info(summary_text(self.summary, self._manifest_where))
             strategy = run_strategy(trainer.strategy)
             if strategy is not None:  # for the run's last line ("stopped after 8 of 40 images")
                 strategy.run_context.stop.totals = (len(done), self.expected)
+        self._release()
+
+    @property
+    def _manifest_where(self) -> str:
+        """Where the run's manifest is, as the summary names it."""
+        assert self.store is not None
+        return f"{self.store.where}/{MANIFESTS}/" if self.remote else str(self.output_dir / MANIFEST)
+
+    @property
+    def _local_dir(self) -> Path:
+        """The folder this process writes files into (a full disk is said with its free space)."""
+        return self.store.local_dir if self.store is not None else self.output_dir
+
+    def _release(self) -> None:
+        """The folder's lock given back (this process's staging folder removed)."""
+        if self.store is not None:
             self.store.release()
 
     def _summary(self, parts: dict[int, int], total: int, failed: int = 0) -> dict[str, Any]:
@@ -469,4 +500,4 @@ class ImageWriter(BasePredictionWriter):
             self._drain(wait=not isinstance(exception, KeyboardInterrupt))
         except RuntimeError:
             pass  # the run already fails with the exception that brought it here
-        self.store.release()
+        self._release()

@@ -1,0 +1,387 @@
+"""Outputs in an object store (``writer.output_dir: s3://bucket/prefix``, or any fsspec URL: ``gs://``,
+``file://``...), for clusters whose nodes share no folder.
+
+What a folder's rename, append and lock give (``store.FolderStore``) is rebuilt on what an object
+store guarantees: a PUT is whole (a reader sees the old object or the new one, never half), and a
+conditional PUT (``If-None-Match: *``, fsspec's ``mode="create"``) makes an object only where none
+is. So:
+
+- each rank builds its tar shards on local disk (``writer.staging_dir``) and ``Uploader`` PUTs each
+  one whole once it is closed, then PUTs its manifest object (``manifest/shard-XXXXXXXXX.tar.rank-R.jsonl``,
+  the shard's samples as manifest lines); an image counts when its manifest object exists and names
+  a tar of the recorded size. A kill loses at most the shards not yet uploaded (their images have no
+  manifest object), which a resume makes again with the same bytes; a tar uploaded without its
+  manifest object is overwritten whole by the resume's;
+- ``run.json`` (the settings that decide the pictures, the runs' history) and, for a job array, each
+  shard's ``run.shard-T-of-N.json`` are objects written whole; the first shard's run.json is made by
+  a conditional PUT, so two tasks cannot both make it;
+- one run at a time: the lock is an object made by a conditional PUT (``.lock``, or
+  ``.lock.shard-T-of-N``), refreshed every ``HEARTBEAT_S`` while the run lives and taken over once
+  ``STALE_S`` old (its run is dead), as the folder's is.
+
+Endpoint and credentials come from where the store's SDK reads them (for S3: ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, the SDK's config files, an
+instance role) or from ``writer.storage_options`` (fsspec's options; a value ``env:NAME`` is read from
+the environment variable ``NAME`` when the run starts). None of them is written to run.json, a log
+line or the manifest.
+
+Kept free of torch and Lightning: the writer process imports it to upload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from lightning_diffusion.console import log
+from lightning_diffusion.lock import pid_alive
+from lightning_diffusion.manifest import FAILED, REJECTED, RUN_FILE, RUN_META, recorded_conflict
+from lightning_diffusion.shard import Shard, select, shard_name
+
+HEARTBEAT_S = 30.0
+STALE_S = 120.0
+UPLOAD_TRIES = 5  # an upload waits 1, 2, 4 and 8 s between tries, then the run stops
+MANIFESTS = "manifest"
+FAILURES = "failed"
+
+
+def is_url(output_dir: Any) -> bool:
+    """Whether ``writer.output_dir`` names an object store (``scheme://...``) rather than a folder."""
+    return isinstance(output_dir, str) and "://" in output_dir
+
+
+def resolved_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """``writer.storage_options`` with each ``env:NAME`` value read from the environment."""
+    resolved: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        if isinstance(value, str) and value.startswith("env:"):
+            name = value[4:]
+            if name not in os.environ:
+                raise OSError(f"writer.storage_options.{key} reads the environment variable {name}, which is not set")
+            value = os.environ[name]
+        resolved[key] = value
+    return resolved
+
+
+def open_url(url: str, options: Optional[Mapping[str, Any]] = None) -> tuple[Any, str]:
+    """(fsspec file system, path inside it) of ``url``."""
+    import fsspec
+
+    # a fresh client: fsspec's cache would keep one made with other credentials or endpoint
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **resolved_options(options))
+    return fs, root.rstrip("/")
+
+
+def _why(err: BaseException) -> str:
+    """What went wrong, in words that never carry a secret (the type, and the first line of the
+    message: botocore's name the endpoint, the bucket or the missing credentials)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Why a run cannot write into ``url``: a store that cannot be reached, no credentials, a bucket
+    that does not exist, no right to write (a probe object is made and removed). One line each,
+    naming the URL and never a secret."""
+    root = url.split("://", 1)[-1]
+    try:
+        fs, root = open_url(url, options)
+        probe = f"{root}/.write-check-{os.urandom(6).hex()}"
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except FileNotFoundError:
+        return [f"writer.output_dir {url}: the bucket {root.split('/', 1)[0]} does not exist; create it first."]
+    except ImportError as err:
+        return [f"writer.output_dir {url}: this store needs a package that is not installed ({err.name}): "
+                "pip install s3fs for s3://, gcsfs for gs://."]
+    except PermissionError as err:
+        return [f"writer.output_dir {url}: no right to write there ({_why(err)})."]
+    except Exception as err:  # botocore's NoCredentialsError, EndpointConnectionError...
+        return [f"writer.output_dir {url}: cannot write there ({_why(err)})."]
+    return []
+
+
+class Uploader:
+    """Puts a rank's closed tar shards into the store (``files.OutputFiles.publish``): the tar
+    whole, then its manifest object; each PUT tried ``UPLOAD_TRIES`` times with backoff. Sent to
+    the writer process by pickling: the file system is opened there."""
+
+    def __init__(self, url: str, options: Optional[Mapping[str, Any]], rank: int, run: str) -> None:
+        self.url, self.options, self.rank, self.run = url, dict(options or {}), rank, run
+        self._fs: Optional[tuple[Any, str]] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}
+
+    @property
+    def fs(self) -> tuple[Any, str]:
+        if self._fs is None:
+            self._fs = open_url(self.url, self.options)
+        return self._fs
+
+    def _put(self, what: str, put: Any) -> None:
+        for attempt in range(UPLOAD_TRIES):
+            try:
+                put()
+                return
+            except Exception as err:
+                if attempt == UPLOAD_TRIES - 1:
+                    raise OSError(f"uploading {what} to {self.url} failed {UPLOAD_TRIES} times ({_why(err)})") from err
+                time.sleep(2.0 ** attempt)
+
+    def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:
+        fs, root = self.fs
+        self._put(local.name, lambda: fs.put_file(str(local), f"{root}/{local.name}"))
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
+        name = f"{MANIFESTS}/{local.name}.rank-{self.rank}.jsonl"
+        self._put(name, lambda: fs.pipe_file(f"{root}/{name}", text))
+
+    def failures(self, local: Path) -> None:
+        fs, root = self.fs
+        name = f"{FAILURES}/{self.run}.rank-{self.rank}.jsonl"
+        self._put(name, lambda: fs.pipe_file(f"{root}/{name}", local.read_bytes()))
+
+
+def _lines(blob: bytes) -> list[dict[str, Any]]:
+    found = []
+    for raw in blob.splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and isinstance(line.get("index"), int):
+            found.append(line)
+    return found
+
+
+class ObjectStore:
+    """An object-store prefix as a run's ``store.OutputStore``. ``staging_dir``: where this process
+    builds its tar shards before they go up (a temporary folder when None)."""
+
+    needs_shared_folder = False
+
+    def __init__(self, url: str, shard: Optional[Shard], allow_config_change: bool = False,
+                 options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> None:
+        self.url = url.rstrip("/")
+        self.where = self.url
+        self.shard = shard
+        self.allow_config_change = allow_config_change
+        self.options = dict(options or {})
+        self.run = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
+        parent = Path(staging_dir).expanduser() if staging_dir else None
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+        self.local_dir = Path(tempfile.mkdtemp(prefix="lightning-diffusion-staging-", dir=parent))
+        self.expected: Optional[int] = None
+        self._fs: Optional[tuple[Any, str]] = None
+        self._history: list = []
+        self._locked = False
+        self._beat: Optional[threading.Event] = None
+
+    @property
+    def fs(self) -> tuple[Any, str]:
+        if self._fs is None:
+            self._fs = open_url(self.url, self.options)
+        return self._fs
+
+    @property
+    def parts_glob(self) -> str:
+        return "manifest.part-*.jsonl"
+
+    def part(self, rank: int) -> Path:
+        return self.local_dir / f"manifest.part-{rank}.jsonl"
+
+    def publisher(self, rank: int) -> Uploader:
+        return Uploader(self.url, self.options, rank, self.run)
+
+    @property
+    def lock_name(self) -> str:
+        name = shard_name(self.shard)
+        return ".lock" if name is None else f".lock.{name}"
+
+    @property
+    def record_name(self) -> str:
+        name = shard_name(self.shard)
+        return RUN_FILE if name is None else f"run.{name}.json"
+
+    # ----------------------------------------------------------------- the lock
+
+    def _lock_text(self) -> bytes:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run": self.run,
+                           "heartbeat": time.time()}).encode()
+
+    def _holder(self, name: str) -> Optional[str]:
+        """The live run that holds lock ``name``, described; None when there is none or it is stale."""
+        fs, root = self.fs
+        try:
+            held = json.loads(fs.cat_file(f"{root}/{name}"))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            held = {}
+        if time.time() - float(held.get("heartbeat", 0)) > STALE_S:
+            return None  # its run stopped beating
+        if held.get("host") == socket.gethostname() and not pid_alive(int(held.get("pid", 0))):
+            return None  # its run was on this machine, and is gone
+        return f"host {held.get('host')}, pid {held.get('pid')}"
+
+    def _take_lock(self) -> Optional[str]:
+        fs, root = self.fs
+        path = f"{root}/{self.lock_name}"
+        for _ in range(2):
+            try:
+                fs.pipe_file(path, self._lock_text(), mode="create")
+                self._locked = True
+                break
+            except FileExistsError:
+                holder = self._holder(self.lock_name)
+                if holder is not None:
+                    return f"{self.url} is being written by another run ({holder}); wait for it to end, or use " \
+                           "another writer.output_dir."
+                fs.rm(path)  # its run stopped beating: dead
+        else:
+            return f"{self.url}: another run took its lock at the same moment; run the command again."
+        fs.invalidate_cache()
+        for name in (entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)):
+            if not name.startswith(".lock") or name == self.lock_name:
+                continue
+            other = name.removeprefix(".lock.") if name != ".lock" else None
+            same_count = (other is not None and self.shard is not None
+                          and other.endswith(f"-of-{self.shard.num_shards}"))
+            if not same_count and (holder := self._holder(name)) is not None:
+                self.release()
+                what = "a run of the whole prompt set" if other is None else other.replace("-", " ")
+                return f"{self.url} is being written by {what} ({holder}), which makes some of the same images."
+        self._beat = threading.Event()
+        threading.Thread(target=self._heartbeat, args=(self._beat,), daemon=True,
+                         name="object-store lock heartbeat").start()
+        return None
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        fs, root = self.fs
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                fs.pipe_file(f"{root}/{self.lock_name}", self._lock_text())
+            except Exception as err:  # the next beat tries again; STALE_S is four beats
+                log.warning(f"{self.url}: the lock's heartbeat failed ({_why(err)})")
+
+    def release(self) -> None:
+        if self._beat is not None:
+            self._beat.set()
+            self._beat = None
+        if self._locked:
+            self._locked = False
+            fs, root = self.fs
+            try:
+                fs.rm(f"{root}/{self.lock_name}")
+            except Exception as err:
+                log.warning(f"{self.url}: the lock could not be removed ({_why(err)}); it goes stale in "
+                            f"{STALE_S:.0f} s.")
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    # ----------------------------------------------------------------- the run's records
+
+    def _read_json(self, name: str) -> Optional[dict[str, Any]]:
+        fs, root = self.fs
+        try:
+            return json.loads(fs.cat_file(f"{root}/{name}"))
+        except FileNotFoundError:
+            return None
+
+    def _write_json(self, name: str, content: dict[str, Any], create: bool = False) -> None:
+        fs, root = self.fs
+        data = json.dumps(content, indent=2).encode("utf-8")
+        fs.pipe_file(f"{root}/{name}", data, **({"mode": "create"} if create else {}))
+
+    def recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
+        """Every image recorded in the store: (indices, the rank that made each, failed lines). An
+        image counts when its manifest object names a tar of the recorded size."""
+        fs, root = self.fs
+        fs.invalidate_cache()  # listings are read afresh: other ranks and tasks add to them
+        listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)
+                   if entry.get("type") != "directory"}
+        names = fs.find(f"{root}/{MANIFESTS}")
+        blobs = fs.cat(names, on_error="return") if names else {}  # one gone since the listing: skipped
+        rank_of: dict[int, int] = {}
+        for name, blob in sorted(blobs.items()):
+            if isinstance(blob, Exception):
+                continue
+            rank = int(name.rsplit(".rank-", 1)[-1].split(".")[0]) if ".rank-" in name else 0
+            for line in _lines(blob):
+                if listing.get(line.get("file")) == line.get("shard_bytes"):
+                    rank_of.setdefault(line["index"], rank)
+        failed_names = fs.find(f"{root}/{FAILURES}")
+        failed = [line for blob in (fs.cat(failed_names, on_error="return") if failed_names else {}).values()
+                  if not isinstance(blob, Exception) for line in _lines(blob)]
+        return np.asarray(sorted(rank_of), dtype=np.int64), rank_of, failed
+
+    def prepare(self, settings: dict[str, Any], expected: Optional[int],
+                total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
+        self.expected = expected
+        nothing = np.zeros(0, dtype=np.int64)
+        problems = access_problems(self.url, self.options)
+        if problems:
+            return problems[0], nothing
+        busy = self._take_lock()
+        if busy is not None:
+            return busy, nothing
+        recorded = self._read_json(RUN_FILE)
+        if recorded is None and self.shard is not None:
+            try:  # the first shard makes run.json; the others compare with it
+                self._write_json(RUN_FILE, {**settings, "expected": total, "history": []}, create=True)
+            except FileExistsError:
+                recorded = self._read_json(RUN_FILE)
+        if recorded is not None and not self.allow_config_change:
+            conflict = recorded_conflict(recorded, settings, self.url)
+            if conflict:
+                self.release()
+                return conflict, nothing
+        self._history = list((self._read_json(self.record_name) or {}).get("history") or [])
+        if self.shard is None:
+            self._write_json(RUN_FILE, {**settings, "expected": expected, "history": self._history})
+        else:
+            self._write_json(self.record_name, {"shard": list(self.shard), "expected": expected,
+                                                "history": self._history})
+        done, _, _ = self.recorded()
+        return None, select(done, self.shard)
+
+    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
+        fs, root = self.fs
+        if rejected or fs.exists(f"{root}/{REJECTED}"):
+            fs.pipe_file(f"{root}/{REJECTED}",
+                         "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8"))
+
+    def merge(self, done: np.ndarray) -> tuple[dict[int, int], np.ndarray, int]:
+        every, rank_of, failed = self.recorded()
+        mine = select(every, self.shard)
+        made: dict[int, int] = {}
+        for index in np.setdiff1d(mine, done).tolist():  # this run's images, by the rank that made them
+            made[rank_of[index]] = made.get(rank_of[index], 0) + 1
+        finished = set(mine.tolist())
+        left = [line for line in failed if line["index"] not in finished and (self.shard is None
+                                                                               or self.shard.holds(line["index"]))]
+        if left:
+            fs, root = self.fs
+            fs.pipe_file(f"{root}/{FAILED}",
+                         "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in left).encode("utf-8"))
+        return made, np.union1d(done, mine), len({line["index"] for line in left})
+
+    def record(self, summary: dict[str, Any]) -> None:
+        self._history.append(summary)
+        if self.shard is None:
+            current = self._read_json(RUN_FILE) or {}
+            self._write_json(RUN_FILE, {**{k: v for k, v in current.items() if k not in RUN_META},
+                                        "expected": self.expected, "history": self._history})
+        else:
+            self._write_json(self.record_name, {"shard": list(self.shard), "expected": self.expected,
+                                                "history": self._history})

@@ -1,0 +1,253 @@
+"""Outputs into an S3-compatible bucket (``writer.output_dir: s3://...``): a real S3 server (moto's
+server mode, on 127.0.0.1, started here) spoken to over HTTP by s3fs, the client a user's run uses.
+Every index is recorded exactly once, the tar shards are the bytes a folder run writes, and a run
+that is killed, or whose store goes away, resumes."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli, run_here
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+PROMPTS = "[" + ", ".join(f"bucket prompt {i}" for i in range(6)) + "]"
+SECRET = "not-a-real-secret-6c1f"
+
+
+class Store:
+    """moto's S3 server on 127.0.0.1, its state kept in this process across a stop and a start."""
+
+    def __init__(self) -> None:
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        self.host, self.port = self.server.get_host_and_port()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    saved = dict(os.environ)
+    store = Store()
+    os.environ.update(AWS_ENDPOINT_URL=store.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY=SECRET,
+                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    store.fs().mkdir("runs")
+    yield store
+    store.stop()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _args(out: str, *extra: str) -> list[str]:
+    return ["predict", "--config", "configs/tiny-flux.yaml", "--writer.output_dir", out, "--writer.format",
+            "webdataset", "--writer.samples_per_shard", "2", "--data.prompts", PROMPTS, "--data.batch_size", "2",
+            "--model.num_inference_steps", "2", "--trainer.enable_progress_bar", "false", *extra]
+
+
+def _bucket_lines(fs, prefix: str) -> list[dict]:
+    fs.invalidate_cache()
+    names = fs.find(f"{prefix}/manifest")
+    blobs = fs.cat(names, on_error="omit") if names else {}
+    return [json.loads(raw) for blob in blobs.values() for raw in blob.splitlines()]
+
+
+def _members(blobs: dict[str, bytes]) -> dict[str, bytes]:
+    """Every member of the tar shards given by name: its bytes."""
+    found = {}
+    for blob in blobs.values():
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+            for member in tar.getmembers():
+                found[member.name] = tar.extractfile(member).read()
+    return found
+
+
+def _bucket_tars(fs, prefix: str) -> dict[str, bytes]:
+    fs.invalidate_cache()
+    return {Path(name).name: fs.cat_file(name) for name in fs.glob(f"{prefix}/shard-*.tar")}
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """The same images into a folder: the bytes every bucket run must match."""
+    out = tmp_path_factory.mktemp("folder")
+    run_here(*_args(str(out)))
+    return {path.name: path.read_bytes() for path in sorted(out.glob("shard-*.tar"))}
+
+
+def test_one_process_writes_each_image_once_as_the_folder_does_and_reruns_make_nothing(s3, folder_run):
+    fs = s3.fs()
+    proc = run_here(*_args("s3://runs/one"))
+    lines = _bucket_lines(fs, "runs/one")
+    assert sorted(line["index"] for line in lines) == list(range(6))
+    assert _bucket_tars(fs, "runs/one") == folder_run, "the shards in the bucket are the folder's bytes"
+    record = json.loads(fs.cat_file("runs/one/run.json"))
+    assert record["writer.format"] == "webdataset" and record["history"][-1]["made"] == 6
+    assert "s3://runs/one/manifest/" in proc.stderr
+    assert not fs.exists("runs/one/.lock"), "the lock is given back at the end"
+    text = json.dumps(record) + proc.stdout + proc.stderr
+    assert SECRET not in text and s3.endpoint not in json.dumps(record)
+
+    again = run_here(*_args("s3://runs/one"))
+    assert "resumed: 6 already in the manifest of s3://runs/one" in again.stderr
+    assert json.loads(fs.cat_file("runs/one/run.json"))["history"][-1]["made"] == 0
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/one")) == list(range(6))
+
+
+def test_the_shards_read_back_with_the_webdataset_package_from_the_bucket(s3, folder_run):
+    import webdataset as wds
+
+    fs = s3.fs()
+    if not fs.exists("runs/one/run.json"):
+        run_here(*_args("s3://runs/one"))
+    urls = [fs.sign(f"runs/one/{name}") for name in sorted(folder_run)]  # presigned GETs, over HTTP (curl)
+    samples = list(wds.WebDataset(urls, shardshuffle=False))
+    assert [sample["__key__"] for sample in samples] == [f"{i:09d}" for i in range(6)]
+    assert all(json.loads(sample["json"])["index"] == i for i, sample in enumerate(samples))
+
+
+def test_a_second_run_into_a_prefix_that_a_live_run_holds_is_refused(s3, cli_here):
+    fs = s3.fs()
+    fs.pipe_file("runs/held/.lock", json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "x",
+                                                "heartbeat": time.time()}).encode())
+    proc = cli_here(*_args("s3://runs/held"))
+    assert proc.returncode == 2
+    assert "s3://runs/held is being written by another run (host gpu-node-7, pid 4242)" in proc.stderr
+    assert not fs.exists("runs/held/manifest")
+    fs.pipe_file("runs/held/.lock", json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "x",
+                                                "heartbeat": time.time() - 3600}).encode())
+    run_here(*_args("s3://runs/held"))  # a lock whose run stopped beating an hour ago is taken over
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/held")) == list(range(6))
+
+
+@pytest.mark.parametrize("case", ["no bucket", "files format", "no credentials", "unreachable", "unset variable"])
+def test_a_store_that_cannot_take_the_run_is_refused_in_one_line_before_weights(s3, cli_here, case, monkeypatch):
+    url, extra = "s3://runs/refused", []
+    if case == "no bucket":
+        url = "s3://no-such-bucket/x"
+    elif case == "files format":
+        extra = ["--writer.format", "files"]  # the last value given wins
+    elif case == "no credentials":
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    elif case == "unreachable":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    else:
+        extra = ["--writer.storage_options", '{"key": "env:NO_SUCH_VARIABLE_SET"}']
+    proc = cli_here(*_args(url, *extra))
+    assert proc.returncode == 2, proc.stderr
+    line = [text for text in proc.stderr.splitlines() if text.startswith("lightning-diffusion: error")]
+    assert len(line) == 1 and url in line[0], proc.stderr
+    assert "Traceback" not in proc.stderr and SECRET not in proc.stderr
+    expected = {"no bucket": "the bucket no-such-bucket does not exist",
+                "files format": "set writer.format: webdataset",
+                "no credentials": "NoCredentialsError",
+                "unreachable": "EndpointConnectionError",
+                "unset variable": "NO_SUCH_VARIABLE_SET, which is not set"}[case]
+    assert expected in line[0]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_lines(fs, prefix: str, count: int, proc: subprocess.Popen, limit: float = 240) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and proc.poll() is None:
+        if fs.exists(f"{prefix}/manifest") and len(_bucket_lines(fs, prefix)) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {count} images recorded in time:\n{proc.stdout.read() if proc.poll() is not None else ''}")
+
+
+TWELVE = "[" + ", ".join(f"bucket prompt {i}" for i in range(12)) + "]"
+MANY = "[" + ", ".join(f"bucket prompt {i}" for i in range(60)) + "]"  # a run long enough to stop in its middle
+
+
+def _folder_members(out: Path, prompts: str) -> dict[str, bytes]:
+    run_here(*_args(str(out), "--data.prompts", prompts))
+    return _members({path.name: path.read_bytes() for path in out.glob("shard-*.tar")})
+
+
+@pytest.fixture(scope="module")
+def twelve_folder(tmp_path_factory):
+    return _folder_members(tmp_path_factory.mktemp("twelve"), TWELVE)
+
+
+@pytest.fixture(scope="module")
+def many_folder(tmp_path_factory):
+    return _folder_members(tmp_path_factory.mktemp("many"), MANY)
+
+
+@pytest.mark.slow
+def test_killed_mid_run_then_resumed_every_image_once_with_the_folders_bytes(s3, many_folder):
+    fs = s3.fs()
+    proc = _start(_args("s3://runs/killed", "--data.prompts", MANY))
+    _wait_for_lines(fs, "runs/killed", 2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(_bucket_lines(fs, "runs/killed")) < 60
+    run_cli(*_args("s3://runs/killed", "--data.prompts", MANY))
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/killed")) == list(range(60))
+    assert _members(_bucket_tars(fs, "runs/killed")).items() >= many_folder.items()
+
+
+@pytest.mark.slow
+def test_two_replicas_and_a_three_task_array_into_one_prefix(s3, twelve_folder):
+    fs = s3.fs()
+    run_cli(*_args("s3://runs/two", "--data.prompts", TWELVE, "--trainer.devices", "2"))
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/two")) == list(range(12))
+    assert _members(_bucket_tars(fs, "runs/two")) == twelve_folder
+    for task in range(3):
+        run_cli(*_args("s3://runs/array", "--data.prompts", TWELVE, "--data.num_shards", "3",
+                       "--data.shard_index", str(task)))
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/array")) == list(range(12))
+    assert _members(_bucket_tars(fs, "runs/array")) == twelve_folder
+    assert {json.loads(fs.cat_file(f"runs/array/run.shard-{t}-of-3.json"))["shard"][0] for t in range(3)} == {0, 1, 2}
+
+
+@pytest.mark.slow
+def test_a_store_that_goes_away_stops_the_run_in_one_line_and_the_same_command_resumes(s3, many_folder):
+    fs = s3.fs()
+    args = _args("s3://runs/outage", "--data.prompts", MANY)
+    proc = _start(args)
+    _wait_for_lines(fs, "runs/outage", 2, proc)
+    s3.stop()
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        s3.start()
+    assert proc.returncode == 1, output
+    assert "uploading shard-" in output and "failed 5 times" in output and SECRET not in output
+    recorded = _bucket_lines(fs, "runs/outage")
+    assert 2 <= len(recorded) < 60
+    run_cli(*args)  # its lock names a process of this machine that is gone: taken over
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/outage")) == list(range(60))
+    assert _members(_bucket_tars(fs, "runs/outage")).items() >= many_folder.items()
