@@ -37,7 +37,10 @@ class RunPlan:
     """The prompt set a run is for, as the data module hands it to the writer.
 
     ``prompts``: the set as configured (a path, recorded in run.json with its content hash, or an
-    inline list); ``num_images``: every shard's images; ``shard``: the one this run makes, or None.
+    inline list); ``num_images``: every shard's images; ``shard``: the one this run makes, or None;
+    ``files``: the files of a set read from several (a folder or glob of Parquet files, a dataset),
+    whose contents are its hash; ``reading``: the settings that shape its records (``data.columns``,
+    ``data.keep_columns``, ``data.split``), where set.
     """
 
     prompts: Any
@@ -45,6 +48,8 @@ class RunPlan:
     num_images_per_prompt: int
     num_images: int
     shard: Optional[Shard] = None
+    files: tuple[str, ...] = ()
+    reading: Optional[dict[str, Any]] = None
 
     @property
     def expected(self) -> int:

@@ -13,8 +13,10 @@ Noise is then drawn from a CPU ``torch.Generator`` seeded with that number, one 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -41,7 +43,8 @@ def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) 
 
 class PromptDataset(Dataset):
     """Samples ``{"index", "prompt", "seed", "negative_prompt", "overrides"}``, one per output image,
-    and ``inputs`` (``{"image": path, ...}``) for records with input files.
+    ``inputs`` (``{"image": path, ...}``) for records with input files, and ``columns`` (the
+    record's ``data.keep_columns``, ``{name: value}``) when columns are kept.
 
     ``indices`` restricts the dataset to those global image indices (resume skips finished ones).
     """
@@ -64,7 +67,10 @@ class PromptDataset(Dataset):
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         index = int(self.indices[position])
-        record = self.records[index // self.num_images_per_prompt]
+        if isinstance(self.records, Records):
+            record, kept = self.records.read(index // self.num_images_per_prompt)
+        else:
+            record, kept = self.records[index // self.num_images_per_prompt], None
         copy = index % self.num_images_per_prompt
         return {
             "index": index,
@@ -75,6 +81,7 @@ class PromptDataset(Dataset):
             "source": self.records.source(index // self.num_images_per_prompt)
             if isinstance(self.records, Records) else f"prompt record {index // self.num_images_per_prompt + 1}",
             **({"inputs": inputs} if (inputs := record_inputs(record)) else {}),
+            **({"columns": kept} if kept is not None else {}),
         }
 
 
@@ -122,13 +129,35 @@ def collate_batch(items: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return items[0]
 
 
+def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Records, reading: dict[str, Any],
+             shard: Optional[Shard] = None) -> RunPlan:
+    """The ``RunPlan`` of a prompt set read as ``records`` with the ``data`` settings ``reading``
+    (``columns``, ``keep_columns``, ``split``): the data module's, and ``preflight``'s before a run."""
+    from lightning_diffusion.records import TableRecords
+
+    one_file = isinstance(prompts, (str, os.PathLike)) and Path(prompts).expanduser().is_file()
+    files = tuple(records.files) if isinstance(records, TableRecords) and not one_file else ()
+    shaped = {f"data.{key}": value for key, value in reading.items() if value}
+    return RunPlan(prompts, seed, num_images_per_prompt, len(records) * num_images_per_prompt, shard, files,
+                   shaped or None)
+
+
 class PromptDataModule(pl.LightningDataModule):
     """Prompts for ``Trainer.predict``.
 
     Args:
         prompts: a ``.txt`` (one prompt a line), ``.jsonl`` (field ``prompt``; optional ``seed``,
             ``negative_prompt``, input files and the call arguments a record may set, such as
-            ``guidance_scale``), ``.csv`` (a ``prompt`` column) path, or an inline list of prompts.
+            ``guidance_scale``), ``.csv`` (a ``prompt`` column) or ``.parquet`` path (a row a
+            record, the fields of a ``.jsonl`` line as columns), a folder of Parquet files or a glob
+            of them (``prompts/*.parquet``), a folder written by ``datasets``' ``save_to_disk``,
+            ``hf://datasets/NAME`` (read from the local Hugging Face cache), or an inline list.
+        columns: record field -> the source's column (``{prompt: caption, seed: id}``); a field
+            mapped to null is not read. Parquet and datasets read only the columns named like a
+            record field (or mapped to one) and the kept ones.
+        keep_columns: columns carried into each image's metadata (not read as record fields).
+        split: the split of a dataset (``hf://datasets/NAME``: default ``train``; a ``save_to_disk``
+            folder of several splits).
         batch_size: images per pipeline call on each data-parallel replica.
         seed: global seed; image ``i`` of a record without a seed uses ``seed + i``.
         num_images_per_prompt: images made from each record.
@@ -170,12 +199,15 @@ class PromptDataModule(pl.LightningDataModule):
         on_bad_record: str = "fail",
         on_error: str = "fail",
         bucket: bool = True,
+        columns: Optional[dict[str, Optional[str]]] = None,
+        keep_columns: Optional[list[str]] = None,
+        split: Optional[str] = None,
     ) -> None:
         super().__init__()
         settings = {"batch_size": batch_size, "seed": seed, "num_images_per_prompt": num_images_per_prompt,
                     "inputs_root": inputs_root, "num_shards": num_shards, "shard_index": shard_index,
                     "max_pixels": max_pixels, "max_prompt_chars": max_prompt_chars, "on_bad_record": on_bad_record,
-                    "on_error": on_error}
+                    "on_error": on_error, "columns": columns, "keep_columns": keep_columns, "split": split}
         raise_problems(data_problems(settings))
         self.prompts = prompts
         self.batch_size = batch_size
@@ -190,12 +222,15 @@ class PromptDataModule(pl.LightningDataModule):
         self.on_bad_record = on_bad_record
         self.on_error = on_error
         self.bucket = bucket
+        self.columns = columns
+        self.keep_columns = keep_columns
+        self.split = split
         self.pad = True  # the module's pad_batches (padded batches count at their padded size)
         self.facts: Optional[SetFacts] = None  # the module's buckets and costs of each call-argument set
         self.bucket_of_position: Optional[dict[int, int]] = None
         self.plan: Optional[BatchPlan] = None
         # Read now so that a bad prompt file fails before any process starts or weights load.
-        self.records: Records = read_records(prompts, max_prompt_chars)
+        self.records: Records = read_records(prompts, max_prompt_chars, columns, keep_columns, split)
         problems = data_problems(settings, self.num_images)
         if on_bad_record == "fail":  # with skip, the bad lines are judged with the others by the module
             problems += RecordVerdicts(dict(self.records.bad)).refusal(len(self.records), on_bad_record)
@@ -220,7 +255,8 @@ class PromptDataModule(pl.LightningDataModule):
 
     def run_plan(self) -> RunPlan:
         """What the writer records of this prompt set (``boundaries.RunPlan``)."""
-        return RunPlan(self.prompts, self.seed, self.num_images_per_prompt, self.num_images, self.shard)
+        return run_plan(self.prompts, self.seed, self.num_images_per_prompt, self.records,
+                        {"columns": self.columns, "keep_columns": self.keep_columns, "split": self.split}, self.shard)
 
     def skip_indices(self, indices: Any) -> None:
         """Leave out images that are already done (called by the writer on resume, before the split)."""

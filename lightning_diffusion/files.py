@@ -276,6 +276,8 @@ class OutputFiles:
         metadata = {"index": item["index"], "prompt": item["prompt"], "seed": item["seed"], **item["params"]}
         if item.get("negative_prompt") is not None:
             metadata["negative_prompt"] = item["negative_prompt"]
+        if item.get("columns") is not None:  # the record's data.keep_columns
+            metadata["columns"] = item["columns"]
         return metadata
 
     def encode(self, picture: Image.Image, metadata: dict[str, Any], file: Any) -> None:
@@ -283,7 +285,7 @@ class OutputFiles:
         if self.image_format == "png":
             info = PngInfo()
             for key, value in metadata.items():
-                info.add_text(key, str(value))
+                info.add_text(key, json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else str(value))
             info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
             picture.save(file, format="PNG", pnginfo=info, compress_level=self.png_compress_level)
             return

@@ -14,7 +14,7 @@ import re
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -130,13 +130,19 @@ PROMPTS_HASH = "data.prompts_sha256"
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def prompts_hash(prompts: Any) -> str:
-    """SHA-256 of a prompt file's bytes, or of an inline list's JSON: a copy under another path is
-    the same prompt set."""
+def prompts_hash(prompts: Any, files: Sequence[str] = ()) -> str:
+    """SHA-256 of a prompt file's bytes, of the bytes of ``files`` in order (a set read from several:
+    a folder or glob of Parquet files, a dataset), or of an inline list's JSON: a copy under another
+    path is the same prompt set."""
     import hashlib
 
     digest = hashlib.sha256()
-    if isinstance(prompts, (str, os.PathLike)) and Path(prompts).expanduser().is_file():
+    if files:
+        for name in files:
+            with open(name, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    elif isinstance(prompts, (str, os.PathLike)) and Path(prompts).expanduser().is_file():
         with open(Path(prompts).expanduser(), "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)

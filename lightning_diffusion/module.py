@@ -281,6 +281,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
                     "prompt": sample["prompt"],
                     "seed": sample["seed"],
                     "negative_prompt": self.negative_prompt(sample),
+                    **({"columns": sample["columns"]} if "columns" in sample else {}),  # data.keep_columns
                 }
                 if error is None:
                     result.update(image=image, params=params)

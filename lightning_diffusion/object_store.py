@@ -77,8 +77,14 @@ def open_url(url: str, options: Optional[Mapping[str, Any]] = None) -> tuple[Any
     """(fsspec file system, path inside it) of ``url``."""
     import fsspec
 
+    options = resolved_options(options)
+    if url.startswith("s3://"):  # a request is tried twice by the client; an upload's tries are Uploader's
+        options.setdefault("config_kwargs", {"retries": {"max_attempts": 2, "mode": "standard"},
+                                             "connect_timeout": 10})
     # a fresh client: fsspec's cache would keep one made with other credentials or endpoint
-    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **resolved_options(options))
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    if hasattr(fs, "retries"):  # s3fs's own loop around each request (5 tries by default)
+        fs.retries = 1
     return fs, root.rstrip("/")
 
 
@@ -119,6 +125,7 @@ class Uploader:
     def __init__(self, url: str, options: Optional[Mapping[str, Any]], rank: int, run: str) -> None:
         self.url, self.options, self.rank, self.run = url, dict(options or {}), rank, run
         self._fs: Optional[tuple[Any, str]] = None
+        self._failed: Optional[str] = None  # an upload that failed every try: the later ones are not tried
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fs": None}
@@ -130,13 +137,16 @@ class Uploader:
         return self._fs
 
     def _put(self, what: str, put: Any) -> None:
+        if self._failed is not None:  # the run stops with that one; the queued shards wait for a resume
+            raise OSError(self._failed)
         for attempt in range(UPLOAD_TRIES):
             try:
                 put()
                 return
             except Exception as err:
                 if attempt == UPLOAD_TRIES - 1:
-                    raise OSError(f"uploading {what} to {self.url} failed {UPLOAD_TRIES} times ({_why(err)})") from err
+                    self._failed = f"uploading {what} to {self.url} failed {UPLOAD_TRIES} times ({_why(err)})"
+                    raise OSError(self._failed) from err
                 time.sleep(2.0 ** attempt)
 
     def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:

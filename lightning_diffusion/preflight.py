@@ -17,12 +17,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from lightning_diffusion import lora
-from lightning_diffusion.boundaries import RunPlan
 from lightning_diffusion.contract import ModelRequest
+from lightning_diffusion.data import run_plan
 from lightning_diffusion.errors import ConfigError, is_int, run_check
 from lightning_diffusion.files import size_text
 from lightning_diffusion.lock import OutputLock, busy_message
 from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_conflict
+from lightning_diffusion.object_store import access_problems, is_url
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
@@ -30,6 +31,7 @@ from lightning_diffusion.shard import shard_size
 from lightning_diffusion.validation import (
     MAX_PROMPT_CHARS,
     MODEL_CALL_ARGS,
+    column_problems,
     data_problems,
     devices_problems,
     model_problems,
@@ -161,7 +163,10 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     problems: list = []
     nothing_left: Optional[str] = None
     chars = data.get("max_prompt_chars", MAX_PROMPT_CHARS)
-    records = run_check(problems, read_records, data["prompts"], chars if is_int(chars, 1) else MAX_PROMPT_CHARS)
+    # A bad data.columns, data.keep_columns or data.split is data_problems' to name: the records are not read.
+    records = None if column_problems(data) else run_check(
+        problems, read_records, data["prompts"], chars if is_int(chars, 1) else MAX_PROMPT_CHARS,
+        data.get("columns"), data.get("keep_columns"), data.get("split"))
     num_images = (len(records) * data["num_images_per_prompt"]
                   if records is not None and is_int(data.get("num_images_per_prompt"), 1) else None)
     problems += data_problems(data, num_images)
@@ -198,6 +203,10 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                    options["attention_backend"], options["quantization"],
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
+    if is_url(writer["output_dir"]):  # a bucket: its lock, settings and records are read when the run starts
+        if here and not problems:
+            problems += access_problems(writer["output_dir"], writer.get("storage_options"))
+        return Verdict(problems, complete, None)
     if not problems and is_int(data.get("num_shards", 1), 1) and is_int(data.get("shard_index", 0), 0):
         problems += busy_folder_problems(writer["output_dir"], data.get("num_shards", 1), data.get("shard_index", 0))
     if info is not None and records is not None and not problems:
@@ -207,7 +216,8 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                         data.get("num_shards", 1), data.get("shard_index", 0), found)
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
-            plan = RunPlan(data["prompts"], data["seed"], data["num_images_per_prompt"], num_images or 0)
+            plan = run_plan(data["prompts"], data["seed"], data["num_images_per_prompt"], records,
+                            {key: data.get(key) for key in ("columns", "keep_columns", "split")})
             settings = run_settings(
                 image_settings(model["pretrained_model_name_or_path"], dtype_name(model["torch_dtype"]), call_args,
                                dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),

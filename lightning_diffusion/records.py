@@ -17,16 +17,24 @@ Records are checked in two passes, both before any weight loads:
 ``RecordVerdicts`` holds the outcome: record position -> reason. ``data.on_bad_record: fail``
 (the default) refuses the run naming up to ``REPORTED`` of them with ``file:line``;
 ``skip`` makes the others and lists these in the output folder's ``rejected.jsonl``.
+
+Where a prompt set comes from: a ``.txt``, ``.jsonl`` or ``.csv`` file, an inline list, Parquet
+(a file, a folder of files or a glob, ``TableRecords`` by row group) or a Hugging Face dataset (a
+``save_to_disk`` folder, or ``hf://datasets/NAME`` from the local hub cache: ``TableRecords`` by
+record batch). ``Columns`` (``data.columns``, ``data.keep_columns``) turns a source's named
+fields into a record's, and sets aside the columns an image's metadata carries.
 """
 
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import os
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -34,11 +42,15 @@ from typing import Any, Optional, Union
 from lightning_diffusion import validation
 from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.inputs import INPUT_FIELDS, file_problems
-from lightning_diffusion.validation import MAX_PROMPT_CHARS, SEED_MAX, non_finite
+from lightning_diffusion.validation import CALL_ARGS, MAX_PROMPT_CHARS, SEED_MAX, column_problems, non_finite
 
 # Fields of a record that are not pipeline-call arguments.
 RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)
-SUFFIXES = (".txt", ".jsonl", ".csv")
+# The columns of a table (Parquet, a dataset) read as a record's fields, by name or through
+# ``data.columns``: the fields a ``.jsonl`` line may have; a table's other columns are not read.
+COLUMN_FIELDS = (*RECORD_FIELDS, *CALL_ARGS)
+SUFFIXES = (".txt", ".jsonl", ".csv", ".parquet")
+HF_DATASETS = "hf://datasets/"
 REPORTED = 20  # bad records named in a refusal; the rest are counted
 BAD_SET = 0xFFFFFFFF  # the call-argument set of a line rejected while reading
 _PRESENCE = ("negative_prompt", *INPUT_FIELDS)
@@ -46,6 +58,64 @@ _PRESENCE = ("negative_prompt", *INPUT_FIELDS)
 
 class PromptFileError(ConfigError):
     """A prompt file or inline prompt list that cannot be used; the message names file and line."""
+
+
+def _json_ready(value: Any) -> Any:
+    """A kept column's value as JSON holds it (a timestamp as ISO text, a decimal as text)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """How a source's named fields become a record (``data.columns``: record field -> the source's
+    column; a field mapped to None is not read), and the columns each image's metadata carries
+    (``data.keep_columns``)."""
+
+    names: tuple[tuple[str, Optional[str]], ...] = ()
+    keep: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, columns: Optional[Mapping[str, Optional[str]]] = None, keep: Optional[Sequence[str]] = None
+           ) -> "Columns":
+        return cls(tuple(sorted((columns or {}).items())), tuple(dict.fromkeys(keep or ())))
+
+    def __bool__(self) -> bool:
+        return bool(self.names or self.keep)
+
+    def column(self, name: str) -> Optional[str]:
+        """The source column a record field is read from (None: not read)."""
+        return dict(self.names).get(name, name)
+
+    def described(self, name: str) -> str:
+        """How a message names field ``name``'s column: ``'caption' (data.columns prompt)``."""
+        column = self.column(name)
+        return f"{column!r} (data.columns {name})" if column != name else f"{name!r}"
+
+    def wanted(self, available: Sequence[str]) -> list[str]:
+        """The columns of a table to read: the record fields it has (by name or mapped), then the
+        kept columns."""
+        names = [self.column(name) for name in COLUMN_FIELDS]
+        return list(dict.fromkeys(c for c in [*names, *self.keep] if c is not None and c in available))
+
+    def shape(self, item: Any) -> tuple[Any, Optional[dict[str, Any]]]:
+        """A source's item as a record's fields, and its kept columns (None when none is asked)."""
+        if not self or not isinstance(item, dict):
+            return item, None
+        mapped = dict(self.names)
+        kept = {name: _json_ready(item.get(name)) for name in self.keep} if self.keep else None
+        sources = {column for column in mapped.values() if column is not None}
+        record = {k: v for k, v in item.items() if k not in mapped and k not in sources
+                  and (k not in self.keep or k in COLUMN_FIELDS)}
+        for name, column in mapped.items():
+            if column is not None and column in item:
+                record[name] = item[column]
+        return record, kept
 
 
 class CallArgSet:
@@ -172,8 +242,9 @@ class Records(Sequence):
 
     where = "records"
 
-    def __init__(self, max_chars: int = MAX_PROMPT_CHARS) -> None:
+    def __init__(self, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> None:
         self.max_chars = max_chars
+        self.columns = columns
         self.summary = RecordSummary()
         self.bad: dict[int, tuple[str, str]] = {}  # position -> (file:line, reason)
         self.verdicts: Optional[RecordVerdicts] = None  # the last ``check_records`` outcome
@@ -203,6 +274,11 @@ class Records(Sequence):
     def base(self) -> Path:
         return Path.cwd()
 
+    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        """The record at ``position`` and the columns its images' metadata carries
+        (``data.keep_columns``; None when none is asked)."""
+        return self[position], None
+
     def accepted(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """(position, record) of every record not rejected while reading."""
         for position in range(len(self)):
@@ -214,8 +290,8 @@ class LineRecords(Records):
     """Records of a ``.txt`` or ``.jsonl`` file: every line checked once at start, then read on
     demand through an index of byte offsets (an ``array`` of 8 bytes a record)."""
 
-    def __init__(self, path: Path, max_chars: int = MAX_PROMPT_CHARS) -> None:
-        super().__init__(max_chars)
+    def __init__(self, path: Path, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> None:
+        super().__init__(max_chars, columns)
         self.path = path
         self.where = str(path)
         self.jsonl = path.suffix.lower() == ".jsonl"
@@ -235,7 +311,7 @@ class LineRecords(Records):
                     except PromptFileError as err:
                         self._reject(position, err)
                     else:
-                        self._accept(position, item, constants)
+                        self._accept(position, self.columns.shape(item)[0], constants)
                 else:
                     self.blanks.append(len(self.offsets))
                 offset += len(raw)
@@ -269,11 +345,15 @@ class LineRecords(Records):
     def __getitem__(self, position):
         if isinstance(position, slice):
             return [self[i] for i in range(*position.indices(len(self)))]
+        return self.read(position)[0]
+
+    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
         if self._file is None or self._pid != os.getpid():  # one handle per process (DataLoader workers)
             self._file, self._pid = self.path.open("rb"), os.getpid()
         self._file.seek(self.offsets[position])
         item, constants = self._parse(self._file.readline(), position)
-        return check_record(item, self.source(position), self._base, constants, self.max_chars)
+        item, kept = self.columns.shape(item)
+        return check_record(item, self.source(position), self._base, constants, self.max_chars), kept
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_file": None, "_pid": None}
@@ -283,14 +363,18 @@ class ListRecords(Records):
     """Records held in memory: a ``.csv`` file's rows (with their line numbers) or an inline list."""
 
     def __init__(self, items: Sequence[Any], where: str, lines: Optional[Sequence[int]] = None,
-                 base: Optional[Path] = None, max_chars: int = MAX_PROMPT_CHARS) -> None:
-        super().__init__(max_chars)
+                 base: Optional[Path] = None, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> None:
+        super().__init__(max_chars, columns)
         self.where = where
         self.lines = list(lines) if lines is not None else None
         self._base = base or Path.cwd()
         self.items: list[Optional[dict[str, Any]]] = []
+        self.kept: Optional[list[Optional[dict[str, Any]]]] = [] if columns.keep else None
         for position, item in enumerate(items):
+            item, kept = columns.shape(item)
             self.items.append(self._accept(position, item))
+            if self.kept is not None:
+                self.kept.append(kept)
 
     @property
     def base(self) -> Path:
@@ -310,60 +394,467 @@ class ListRecords(Records):
             raise PromptFileError(": ".join(self.bad[position]))
         return record
 
+    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        return self[position], self.kept[position] if self.kept is not None else None
+
     def __eq__(self, other: Any) -> bool:
         return list(self) == list(other) if isinstance(other, (list, Records)) else NotImplemented
+
+
+def _text_type(kind: Any) -> bool:
+    import pyarrow.types as types
+
+    if types.is_dictionary(kind):
+        return _text_type(kind.value_type)
+    return bool(types.is_string(kind) or types.is_large_string(kind) or types.is_string_view(kind))
+
+
+def _integer_type(kind: Any) -> bool:
+    import pyarrow.types as types
+
+    return bool(types.is_integer(kind) or (types.is_dictionary(kind) and types.is_integer(kind.value_type)))
+
+
+def _holds_bytes(kind: Any) -> bool:
+    """Whether a column of this Arrow type holds bytes somewhere (which JSON cannot)."""
+    import pyarrow.types as types
+
+    if types.is_binary(kind) or types.is_large_binary(kind) or types.is_fixed_size_binary(kind):
+        return True
+    if types.is_binary_view(kind):
+        return True
+    return any(_holds_bytes(kind.field(i).type) for i in range(kind.num_fields))
+
+
+def _shown(names: Sequence[str], most: int = 12) -> str:
+    more = f", ... ({len(names) - most} more)" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+class TableRecords(Records):
+    """Records of Arrow data, read by position: Parquet files by row group, or the Arrow files of a
+    Hugging Face dataset (``save_to_disk``) by record batch. Only the columns a record or its
+    metadata needs are read (``Columns.wanted``). Every row is checked once at start, a chunk (row
+    group, record batch) at a time; then a record is read from its chunk, the last ``KEEP`` chunks
+    read kept per process. In memory: a few numbers a chunk (its first record, file and row group
+    or byte offset), and the summary's 4 bytes a record.
+
+    A row is named ``file.parquet:row N`` (``N`` from 0 within its file, as pyarrow and pandas
+    count) or, in a dataset, ``folder:row N`` (``N`` the dataset's own index, ``dataset[N]``)."""
+
+    KEEP = 4  # chunks kept decoded, per process
+
+    def __init__(self, files: Sequence[Path], where: str, kind: str, base: Path, max_chars: int = MAX_PROMPT_CHARS,
+                 columns: Columns = Columns(), rows_by_file: bool = True) -> None:
+        super().__init__(max_chars, columns)
+        self.files = [str(f) for f in files]
+        self.where = where
+        self.kind = kind  # "parquet" or "arrow"
+        self.rows_by_file = rows_by_file
+        self._base = base
+        self.file_start = array("q")   # file -> its first record
+        self.chunk_start = array("q")  # chunk -> its first record
+        self.chunk_file = array("I")   # chunk -> its file
+        self.chunk_key = array("q")    # chunk -> its row group, or the byte offset (a stream) or number of its batch
+        self.schemas: list[Any] = []    # file -> its Arrow schema
+        self.streams: list[bool] = []   # file -> an Arrow stream (not the random-access file format)
+        self.projections: list[list[str]] = []  # file -> the columns read
+        self.fields: list[list[tuple[str, str]]] = []  # file -> (record field, its column) of the fields it has
+        self.floats: list[bool] = []  # file -> a field's column may hold a NaN or Infinity
+        self._total = 0
+        self._handles: dict[int, Any] = {}
+        self._pid: Optional[int] = None
+        self._chunks: OrderedDict[int, Any] = OrderedDict()
+        for number, path in enumerate(files):
+            self.file_start.append(self._total)
+            for key, batches in self._scan(number, path):
+                first = self._total
+                for batch in batches:
+                    for row in self._records(number, batch).to_pylist():
+                        self._accept(self._total, {k: v for k, v in row.items() if v is not None}, self.floats[number])
+                        self._total += 1
+                if self._total > first:
+                    self.chunk_start.append(first)
+                    self.chunk_file.append(number)
+                    self.chunk_key.append(key)
+
+    @property
+    def base(self) -> Path:
+        return self._base
+
+    def source(self, position: int) -> str:
+        if not self.rows_by_file:
+            return f"{self.where}:row {position}"
+        number = bisect_right(self.file_start, position) - 1
+        return f"{self.files[number]}:row {position - self.file_start[number]}"
+
+    def _records(self, number: int, batch: Any) -> Any:
+        """A batch of file ``number``'s rows as record fields: its columns renamed (an empty cell
+        is an absent field)."""
+        import pyarrow as pa
+
+        fields = self.fields[number]
+        kind = pa.Table if isinstance(batch, pa.Table) else pa.RecordBatch
+        return kind.from_arrays([batch.column(column) for _, column in fields], names=[name for name, _ in fields])
+
+    def _columns(self, path: Path, schema: Any) -> list[str]:
+        """The columns of a file to read, after its schema is checked against ``data.columns``
+        (and the record fields it has noted)."""
+        import pyarrow.types as types
+
+        names = list(schema.names)
+        shape = self.columns
+        for name, column in shape.names:
+            if column is not None and column not in names:
+                raise PromptFileError(f"{path}: data.columns maps {name} to {column!r}, which is not a column of it "
+                                      f"(its columns: {_shown(names)}).")
+        for column in shape.keep:
+            if column not in names:
+                raise PromptFileError(f"{path}: data.keep_columns names {column!r}, which is not a column of it "
+                                      f"(its columns: {_shown(names)}).")
+            kind = schema.field(column).type
+            if _holds_bytes(kind):
+                raise PromptFileError(f"{path}: column {column!r} (data.keep_columns) holds {kind}, bytes that an "
+                                      "image's metadata (JSON text) cannot carry.")
+        prompt = shape.column("prompt")
+        if prompt is None or prompt not in names:
+            raise PromptFileError(f"{path}: no 'prompt' column (its columns: {_shown(names)}); name the prompt's "
+                                  "column with data.columns: {prompt: COLUMN}.")
+        for name in ("prompt", "negative_prompt"):
+            column = shape.column(name)
+            if column in names and not _text_type(schema.field(column).type):
+                raise PromptFileError(f"{path}: column {shape.described(name)} holds {schema.field(column).type}, "
+                                      f"not text (a {name} is a string).")
+        column = shape.column("seed")
+        if column in names and not _integer_type(schema.field(column).type):
+            raise PromptFileError(f"{path}: column {shape.described('seed')} holds {schema.field(column).type}, not "
+                                  "integers (a seed is an integer from 0 to 2**64 - 1).")
+        fields = [(name, column) for name in COLUMN_FIELDS
+                  if (column := shape.column(name)) is not None and column in names]
+        self.fields.append(fields)
+        self.floats.append(any(not (types.is_string(t) or types.is_large_string(t) or types.is_integer(t)
+                                    or types.is_boolean(t) or types.is_dictionary(t))
+                               for t in (schema.field(column).type for _, column in fields)))
+        return shape.wanted(names)
+
+    def _scan(self, number: int, path: Path) -> Iterator[tuple[int, Iterator[Any]]]:
+        """Open file ``number`` and check its schema; then each chunk's key and its record batches."""
+        import pyarrow as pa
+
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                handle = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as err:
+                raise PromptFileError(f"{path}: not a Parquet file ({str(err).splitlines()[0]}).") from None
+            self.schemas.append(handle.schema_arrow)
+            self.streams.append(False)
+            self.projections.append(self._columns(path, handle.schema_arrow))
+            for group in range(handle.num_row_groups):
+                table = handle.read_row_group(group, columns=self.projections[number])
+                yield group, iter(table.to_batches(max_chunksize=4096))
+            return
+        try:
+            source = pa.memory_map(str(path))
+            stream = source.read(6) != b"ARROW1"
+            source.seek(0)
+            reader: Any = None if stream else pa.ipc.open_file(source)
+            schema = pa.ipc.read_schema(pa.ipc.read_message(source)) if reader is None else reader.schema
+        except (pa.ArrowException, OSError, EOFError) as err:
+            raise PromptFileError(f"{path}: not an Arrow file of a dataset ({str(err).splitlines()[0]}).") from None
+        self.schemas.append(schema)
+        self.streams.append(stream)
+        self.projections.append(self._columns(path, schema))
+        if reader is not None:
+            for batch in range(reader.num_record_batches):
+                yield batch, iter([reader.get_batch(batch).select(self.projections[number])])
+            return
+        while True:
+            offset = source.tell()
+            try:
+                message = pa.ipc.read_message(source)
+            except EOFError:
+                return
+            if message.type != "record batch":
+                raise PromptFileError(f"{path}: holds an Arrow {message.type} message, which is not read here "
+                                      "(save the dataset with datasets' save_to_disk).")
+            yield offset, iter([pa.ipc.read_record_batch(message, schema).select(self.projections[number])])
+
+    def _handle(self, number: int) -> Any:
+        if self._pid != os.getpid():  # one set of handles per process (DataLoader workers)
+            self._handles, self._chunks, self._pid = {}, OrderedDict(), os.getpid()
+        if number not in self._handles:
+            import pyarrow as pa
+
+            if self.kind == "parquet":
+                import pyarrow.parquet as pq
+
+                self._handles[number] = pq.ParquetFile(self.files[number])
+            else:
+                source = pa.memory_map(self.files[number])
+                self._handles[number] = source if self.streams[number] else pa.ipc.open_file(source)
+        return self._handles[number]
+
+    def _chunk(self, chunk: int) -> Any:
+        handle = self._handle(self.chunk_file[chunk])
+        if chunk in self._chunks:
+            self._chunks.move_to_end(chunk)
+            return self._chunks[chunk]
+        number, key = self.chunk_file[chunk], self.chunk_key[chunk]
+        if self.kind == "parquet":
+            data = handle.read_row_group(key, columns=self.projections[number])
+        elif self.streams[number]:
+            import pyarrow as pa
+
+            handle.seek(key)
+            data = pa.ipc.read_record_batch(pa.ipc.read_message(handle), self.schemas[number])
+            data = data.select(self.projections[number])
+        else:
+            data = handle.get_batch(key).select(self.projections[number])
+        self._chunks[chunk] = data
+        while len(self._chunks) > self.KEEP:
+            self._chunks.popitem(last=False)
+        return data
+
+    def __len__(self) -> int:
+        return self._total
+
+    def __getitem__(self, position):
+        if isinstance(position, slice):
+            return [self[i] for i in range(*position.indices(len(self)))]
+        return self.read(position)[0]
+
+    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        if position < 0:
+            position += self._total
+        if not 0 <= position < self._total:
+            raise IndexError(f"record {position} of {self._total}")
+        chunk = bisect_right(self.chunk_start, position) - 1
+        number, row = self.chunk_file[chunk], self._chunk(chunk).slice(position - self.chunk_start[chunk], 1)
+        item = {k: v for k, v in self._records(number, row).to_pylist()[0].items() if v is not None}
+        kept = None
+        if self.columns.keep:
+            kept = {k: _json_ready(v) for k, v in row.select(list(self.columns.keep)).to_pylist()[0].items()}
+        return check_record(item, self.source(position), self._base, self.floats[number], self.max_chars), kept
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": {}, "_chunks": OrderedDict(), "_pid": None}
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a prompt set lies: its kind (``txt``, ``jsonl``, ``csv``, ``parquet``, ``arrow``: a
+    dataset's files), its files, its name in messages and the folder its input paths resolve in."""
+
+    kind: str
+    files: tuple[Path, ...]
+    where: str
+    base: Path
+    rows_by_file: bool = True
+
+    def read(self, max_chars: int, columns: Columns) -> Records:
+        if self.kind in ("parquet", "arrow"):
+            return TableRecords(self.files, self.where, self.kind, self.base, max_chars, columns, self.rows_by_file)
+        if columns and self.kind == "txt":
+            raise PromptFileError(f"{self.where} is a .txt file of prompts, without named fields: data.columns and "
+                                  "data.keep_columns apply to .jsonl, .csv, Parquet and datasets.")
+        if self.kind == "csv":
+            return _read_csv(self.files[0], max_chars, columns)
+        return LineRecords(self.files[0], max_chars, columns)
+
+
+def split_names(names: Sequence[str], split: str) -> list[str]:
+    """The files (repository paths) of a Hub dataset's ``split``, by the Hub's naming: a folder of
+    that name, or a file name with it as a word (``train-00000-of-00002.parquet``,
+    ``data/train.parquet``). A dataset whose names mention no split is all ``train``."""
+    import re
+
+    def named(name: str, word: str) -> bool:
+        parts = name.split("/")
+        parts[-1] = parts[-1].rsplit(".", 1)[0]
+        return any(re.search(rf"(^|[-_. ]){re.escape(word)}($|[-_. ])", part) for part in parts)
+
+    chosen = [name for name in names if named(name, split)]
+    others = ("train", "test", "validation", "valid", "dev", "eval")
+    if not chosen and split == "train" and not any(named(name, word) for name in names for word in others):
+        chosen = list(names)
+    return sorted(chosen)
+
+
+def hub_dataset(url: str) -> tuple[str, Optional[str]]:
+    """``hf://datasets/NAME[@REVISION]`` -> (NAME, REVISION)."""
+    name = url[len(HF_DATASETS):] if url.startswith(HF_DATASETS) else ""
+    name, _, revision = name.partition("@")
+    if name.count("/") > 1 or not name.strip("/") or " " in name:
+        raise PromptFileError(f"data.prompts {url!r}: a Hugging Face dataset is named hf://datasets/NAME (NAME as "
+                              "owner/name, @revision optional).")
+    return name.strip("/"), revision or None
+
+
+def _hub_source(url: str, split: Optional[str]) -> _Source:
+    """A Hub dataset's Parquet files of ``split`` from the local cache (``HF_HOME``), never the
+    network: the snapshot its ``refs/main`` (or revision) names, in the hub cache's layout
+    (``datasets--owner--name/snapshots/COMMIT``), which may hold only the split ``download`` fetched."""
+    from huggingface_hub import constants
+
+    name, revision = hub_dataset(url)
+    split = split or "train"
+    fetch = ("fetch it where there is network with `lightning-diffusion download --config CONFIG` (the config "
+             "naming this data.prompts and data.split), or set HF_HOME to a cache that holds it")
+    repo = Path(constants.HF_HUB_CACHE) / ("datasets--" + name.replace("/", "--"))
+    ref = repo / "refs" / (revision or "main")
+    commit = ref.read_text().strip() if ref.is_file() else revision or ""
+    folder = repo / "snapshots" / commit
+    if not commit or not folder.is_dir():
+        raise PromptFileError(f"{url} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); {fetch}.")
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.parquet"))
+    files = split_names(names, split)
+    if not files:
+        raise PromptFileError(f"{url} has no Parquet file of split {split!r} in the local cache ({folder}); {fetch}.")
+    return _Source("parquet", tuple(folder / f for f in files), url, folder)
+
+
+def _saved_dataset(path: Path, split: Optional[str]) -> _Source:
+    """A folder ``datasets.Dataset.save_to_disk`` wrote (``DatasetDict``: a folder a split)."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = [str(s) for s in json.loads((path / "dataset_dict.json").read_text())["splits"]]
+        except (ValueError, KeyError, TypeError):
+            raise PromptFileError(f"{path / 'dataset_dict.json'}: not a dataset's list of splits.") from None
+        if split is None and len(splits) != 1:
+            raise PromptFileError(f"{path} is a dataset of splits {', '.join(splits)}: choose one with data.split.")
+        split = split if split is not None else splits[0]
+        if split not in splits:
+            raise PromptFileError(f"{path} has no split {split!r} (its splits: {', '.join(splits)}).")
+        path, split = path / split, None
+    try:
+        state = json.loads((path / "state.json").read_text())
+        files = tuple(path / str(entry["filename"]) for entry in state["_data_files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise PromptFileError(f"{path / 'state.json'}: not the state of a dataset saved with save_to_disk.") from None
+    if split is not None and split != state.get("_split"):
+        raise PromptFileError(f"data.split {split!r}: {path} is a dataset of one split ({state.get('_split')}); "
+                              "data.split chooses among the splits of a DatasetDict's folder: leave it out.")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise PromptFileError(f"{path}: its state.json lists {missing[0]}, which is missing.")
+    return _Source("arrow", files, str(path), path.resolve(), rows_by_file=False)
+
+
+def _source(prompts: Union[str, os.PathLike], split: Optional[str]) -> _Source:
+    text = str(prompts)
+    if text.startswith("hf://"):
+        return _hub_source(text, split)
+    path = Path(text).expanduser()
+    one_split = (f"data.split {split!r} chooses a split of a dataset (hf://datasets/NAME, a save_to_disk folder of "
+                 f"splits); {text} has none: leave it out.")
+    if not path.exists() and any(c in text for c in "*?["):
+        matches = sorted(Path(m) for m in glob.glob(str(path), recursive=True) if Path(m).is_file())
+        if not matches:
+            raise PromptFileError(f"data.prompts {text!r} matches no file.")
+        other = [m for m in matches if m.suffix.lower() != ".parquet"]
+        if other:
+            raise PromptFileError(f"data.prompts {text!r} matches {other[0]}, which is not a .parquet file (a glob "
+                                  "names Parquet files).")
+        if split is not None:
+            raise PromptFileError(one_split)
+        base = Path(os.path.commonpath([str(m.resolve().parent) for m in matches]))
+        return _Source("parquet", tuple(matches), text, base)
+    if not path.exists():
+        raise PromptFileError(f"Prompt file {str(path)!r} does not exist.")
+    if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return _saved_dataset(path, split)
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".parquet"
+                       and not p.name.startswith((".", "_")))
+        if not files:
+            raise PromptFileError(f"Prompt folder {str(path)!r} holds no .parquet file (nor a dataset saved with "
+                                  "save_to_disk, whose folder has a state.json).")
+        if split is not None:
+            raise PromptFileError(one_split)
+        return _Source("parquet", tuple(files), str(path), path.resolve())
+    if not path.is_file():
+        raise PromptFileError(f"Prompt file {str(path)!r} is not a file.")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise PromptFileError(f"Prompt file {str(path)!r} has suffix {suffix!r}; use one of {', '.join(SUFFIXES)} "
+                              "(or a folder of Parquet files, a dataset saved with save_to_disk).")
+    if split is not None:
+        raise PromptFileError(one_split)
+    return _Source(suffix[1:], (path,), str(path), path.resolve().parent)
 
 
 _READ: dict[tuple, Records] = {}
 
 
-def read_records(prompts: Union[str, os.PathLike, Sequence[Any]], max_chars: int = MAX_PROMPT_CHARS) -> Records:
-    """Read prompt records from a ``.txt``/``.jsonl``/``.csv`` path or an inline list (strings, or
-    mappings with the fields of a ``.jsonl`` line). Problems of the file itself (missing, of
-    another kind, without a record) raise ``PromptFileError``; problems of single lines are kept
-    in ``records.bad``. ``.txt`` and ``.jsonl`` files are read lazily after one checking pass
-    (``LineRecords``): a file of millions of prompts costs 8 bytes a line in memory, plus 4 for
-    its call-argument set."""
+def read_records(prompts: Union[str, os.PathLike, Sequence[Any]], max_chars: int = MAX_PROMPT_CHARS,
+                 columns: Optional[Mapping[str, Optional[str]]] = None, keep_columns: Optional[Sequence[str]] = None,
+                 split: Optional[str] = None) -> Records:
+    """Read prompt records from a path (``.txt``, ``.jsonl``, ``.csv``, ``.parquet``; a folder of
+    Parquet files or a glob of them; a ``save_to_disk`` dataset folder; ``hf://datasets/NAME``
+    from the local hub cache, ``split`` choosing a dataset's split) or an inline list (strings, or
+    mappings with the fields of a ``.jsonl`` line). ``columns`` and ``keep_columns``: ``Columns``.
+    Problems of the source itself (missing, of another kind, a column map that does not fit it,
+    without a record) raise ``PromptFileError``; problems of single records are kept in
+    ``records.bad``. Files are read lazily after one checking pass: a ``.txt`` or ``.jsonl`` file
+    costs 8 bytes a line in memory (``LineRecords``), Parquet and datasets a few numbers a row group
+    (``TableRecords``), plus 4 bytes a record for its call-argument set."""
+    problems = column_problems({"columns": columns, "keep_columns": keep_columns, "split": split})
+    if problems:
+        raise PromptFileError(" ".join(problems))
+    shape = Columns.of(columns, keep_columns)
     if isinstance(prompts, (str, os.PathLike)):
-        path = Path(prompts).expanduser()
-        if not path.exists():
-            raise PromptFileError(f"Prompt file {str(path)!r} does not exist.")
-        if not path.is_file():
-            raise PromptFileError(f"Prompt file {str(path)!r} is not a file.")
-        suffix = path.suffix.lower()
-        if suffix not in SUFFIXES:
-            raise PromptFileError(f"Prompt file {str(path)!r} has suffix {suffix!r}; use one of {', '.join(SUFFIXES)}.")
-        stat = path.stat()
-        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, max_chars)
+        source = _source(prompts, split)
+        stats = [(f, f.stat()) for f in source.files]
+        key = (source.kind, source.where, tuple((str(f.resolve()), st.st_mtime_ns, st.st_size) for f, st in stats),
+               max_chars, shape)
         if key not in _READ:
-            _READ.clear()  # keep one file's index at most
-            _READ[key] = _read_csv(path, max_chars) if suffix == ".csv" else LineRecords(path, max_chars)
+            _READ.clear()  # keep one prompt set's index at most
+            _READ[key] = source.read(max_chars, shape)
         records = _READ[key]
-        where = str(path)
+        where = source.where
     else:
-        records = ListRecords(list(prompts), "inline prompts", max_chars=max_chars)
+        records = ListRecords(list(prompts), "inline prompts", max_chars=max_chars, columns=shape)
         where = "the inline prompt list"
     if not len(records):
         raise PromptFileError(f"No prompts found in {where}.")
     return records
 
 
-def _read_csv(path: Path, max_chars: int = MAX_PROMPT_CHARS) -> ListRecords:
+def read_data(data: Mapping[str, Any]) -> Records:
+    """The records of a ``data`` config group (``prompts``, ``max_prompt_chars``, ``columns``,
+    ``keep_columns``, ``split``): ``read_records`` with every setting that shapes them."""
+    return read_records(data["prompts"], data.get("max_prompt_chars") or MAX_PROMPT_CHARS, data.get("columns"),
+                        data.get("keep_columns"), data.get("split"))
+
+
+def _read_csv(path: Path, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> ListRecords:
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is None or "prompt" not in reader.fieldnames:
-            raise PromptFileError(f"{path}:1: the CSV header has no 'prompt' column.")
+        header = list(reader.fieldnames or [])
+        for name, column in columns.names:
+            if column is not None and column not in header:
+                raise PromptFileError(f"{path}:1: data.columns maps {name} to {column!r}, which is not a column of "
+                                      f"the CSV header ({_shown(header)}).")
+        for column in columns.keep:
+            if column not in header:
+                raise PromptFileError(f"{path}:1: data.keep_columns names {column!r}, which is not a column of the "
+                                      f"CSV header ({_shown(header)}).")
+        if columns.column("prompt") not in header:
+            raise PromptFileError(f"{path}:1: the CSV header has no {columns.described('prompt')} column.")
+        seed = columns.column("seed")
         rows, lines = [], []
         for row in reader:
             row = {k: v for k, v in row.items() if k is not None and v not in (None, "")}
-            if "seed" in row:
+            if seed is not None and seed in row:
                 try:
-                    row["seed"] = int(row["seed"])
+                    row[seed] = int(row[seed])
                 except ValueError:
                     pass  # refused by check_record, with its line
             rows.append(row)
             lines.append(reader.line_num)
-    return ListRecords(rows, str(path), lines, path.resolve().parent, max_chars)
+    return ListRecords(rows, str(path), lines, path.resolve().parent, max_chars, columns)
 
 
 _CONSTANTS: list[str] = []  # NaN / Infinity seen by the decoder since the last look

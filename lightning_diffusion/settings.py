@@ -141,8 +141,10 @@ def run_settings(image: dict[str, Any], plan: Optional["RunPlan"], writer: Mappi
         settings["data.seed"] = plan.seed
         settings["data.num_images_per_prompt"] = plan.num_images_per_prompt
         if isinstance(plan.prompts, (str, Path)):
-            settings["data.prompts"] = str(Path(plan.prompts).expanduser().resolve())
-        settings[PROMPTS_HASH] = prompts_hash(plan.prompts)
+            settings["data.prompts"] = (plan.prompts if "://" in str(plan.prompts)
+                                        else str(Path(plan.prompts).expanduser().resolve()))
+        settings[PROMPTS_HASH] = prompts_hash(plan.prompts, plan.files)
+        settings.update(plan.reading or {})
     if writer["video_format"] != WRITER["video_format"].default or writer["fps"] != WRITER["fps"].default:
         settings.update({"writer.video_format": writer["video_format"], "writer.fps": writer["fps"]})
     if writer["image_format"] != "png":  # lossy files differ from the PNGs of the same pictures

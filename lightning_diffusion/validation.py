@@ -563,9 +563,42 @@ ON_BAD_RECORD = ("fail", "skip")
 ON_ERROR = ("fail", "skip")
 
 
+def column_problems(settings: Mapping[str, Any]) -> list[str]:
+    """``data.columns`` (record field -> a source's column, or null: not read), ``data.keep_columns``
+    (column names) and ``data.split`` (a dataset's split), by themselves; against a file:
+    ``records.TableRecords``."""
+    from lightning_diffusion.inputs import INPUT_FIELDS
+
+    fields = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS, *CALL_ARGS)
+    problems: list[str] = []
+    columns = settings.get("columns")
+    if columns is not None and not (isinstance(columns, Mapping) and all(isinstance(k, str) for k in columns)):
+        problems.append(f"data.columns must map record fields to columns ({{prompt: caption, seed: id}}), "
+                        f"got {columns!r}.")
+    elif columns is not None:
+        unknown = [k for k in columns if k not in fields]
+        if unknown:
+            problems.append(f"data.columns maps record fields to a source's columns ({{prompt: caption}}); "
+                            f"{unknown[0]!r} is not a record field ({', '.join(fields)}).")
+        named = [k for k, v in columns.items() if v is not None and not (isinstance(v, str) and v.strip())]
+        if named:
+            problems.append(f"data.columns.{named[0]} must name a column (or be null: not read), "
+                            f"got {columns[named[0]]!r}.")
+        if "prompt" in columns and columns["prompt"] is None:
+            problems.append("data.columns.prompt cannot be null: every record has a prompt.")
+    keep = settings.get("keep_columns")
+    if keep is not None and (isinstance(keep, str) or not isinstance(keep, Sequence)
+                             or not all(isinstance(c, str) and c.strip() for c in keep)):
+        problems.append(f"data.keep_columns must be a list of column names, got {keep!r}.")
+    split = settings.get("split")
+    if split is not None and not (isinstance(split, str) and split.strip()):
+        problems.append(f"data.split must name a split of the dataset (train, test, ...), got {split!r}.")
+    return problems
+
+
 def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None) -> list[str]:
     """``PromptDataModule``'s arguments by name; ``num_images``: the prompt set's, when known."""
-    problems: list[str] = []
+    problems: list[str] = column_problems(settings)
     for name in ("batch_size", "num_images_per_prompt", "num_shards"):
         problems += integer(settings.get(name, 1), f"data.{name}")
     seed = settings.get("seed", 0)
@@ -650,16 +683,41 @@ def output_dir_problems(path: Path) -> list[str]:
     return []
 
 
+def object_store_problems(settings: Mapping[str, Any]) -> list[str]:
+    """A ``writer.output_dir`` URL's settings (reaching the store is ``object_store.access_problems``)."""
+    url, problems = settings["output_dir"], []
+    if settings.get("format", "files") != "webdataset":
+        problems.append(f"writer.output_dir {url} is an object store, which takes tar shards uploaded whole: set "
+                        "writer.format: webdataset.")
+    if settings.get("save_arrays"):
+        problems.append(f"writer.save_arrays writes .npy files beside the images, which an object store "
+                        f"({url}) does not take; leave it off.")
+    options = settings.get("storage_options")
+    if options is not None and not (isinstance(options, Mapping) and all(isinstance(k, str) for k in options)):
+        problems.append(f"writer.storage_options must be a mapping of fsspec options, got {type(options).__name__}.")
+    staging = settings.get("staging_dir")
+    if staging is not None and (not isinstance(staging, (str, os.PathLike)) or not str(staging).strip()):
+        problems.append(f"writer.staging_dir must name a local folder, got {staging!r}.")
+    elif staging is not None:
+        problems += [p.replace("writer.output_dir", "writer.staging_dir")
+                     for p in output_dir_problems(Path(str(staging)).expanduser())]
+    return problems
+
+
 def writer_problems(settings: Mapping[str, Any]) -> list[str]:
     """``ImageWriter``'s arguments by name (absent ones take their defaults), against the writer
     group's declaration (``settings.WRITER``)."""
+    from lightning_diffusion.object_store import is_url
     from lightning_diffusion.settings import WRITER
 
     output_dir = settings.get("output_dir", WRITER["output_dir"].default)
     named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
-    problems: list[str] = output_dir_problems(Path(str(output_dir)).expanduser()) if named else [
-        f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
-        "folder)."]
+    if is_url(output_dir):
+        problems: list[str] = object_store_problems(settings)
+    else:
+        problems = output_dir_problems(Path(str(output_dir)).expanduser()) if named else [
+            f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
+            "folder)."]
     for name, option in WRITER.items():
         value, key = settings.get(name, option.default), f"writer.{name}"
         if option.choices:

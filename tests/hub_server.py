@@ -23,9 +23,10 @@ from typing import NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".msgpack", ".h5", ".gguf"}
-_ROUTES = {"tree": re.compile(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.+))?"),
-           "info": re.compile(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?()"),
-           "resolve": re.compile(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)")}
+# A repository is served as a model and as a dataset (``/api/datasets/...``, ``/datasets/{repo}/resolve/...``).
+_ROUTES = {"tree": re.compile(r"/api/(?:models|datasets)/([^/]+/[^/]+)/tree/([^/]+)(?:/(.+))?"),
+           "info": re.compile(r"/api/(?:models|datasets)/([^/]+/[^/]+)(?:/revision/([^/]+))?()"),
+           "resolve": re.compile(r"/(?:datasets/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)")}
 
 
 class _File(NamedTuple):

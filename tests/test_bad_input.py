@@ -39,7 +39,7 @@ def files(tmp_path):
     (tmp_path / "seed.jsonl").write_text('{"prompt": "x", "seed": "seven"}\n')
     (tmp_path / "eta.jsonl").write_text('{"prompt": "x", "eta": 0.3}\n')
     (tmp_path / "typed.jsonl").write_text('{"prompt": "x"}\n{"prompt": "y", "guidance_scale": "high"}\n')
-    (tmp_path / "p.parquet").write_text("x")
+    (tmp_path / "p.xlsx").write_text("x")
     (tmp_path / "notpipe").mkdir()
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
@@ -131,7 +131,7 @@ CASES = [
     ("jsonl line without prompt", ["--data.prompts", "{d}/noprompt.jsonl"], "noprompt.jsonl:1: no 'prompt'"),
     ("seed not an integer", ["--data.prompts", "{d}/seed.jsonl"],
      "seed.jsonl:1: 'seed' must be an integer from 0 to 2**64 - 1, got 'seven'"),
-    ("unknown prompt file type", ["--data.prompts", "{d}/p.parquet"], "use one of .txt, .jsonl, .csv"),
+    ("unknown prompt file type", ["--data.prompts", "{d}/p.xlsx"], "use one of .txt, .jsonl, .csv, .parquet"),
     ("batch size 0", ["--data.batch_size", "0"], "data.batch_size must be an integer >= 1"),
     ("images per prompt 0", ["--data.num_images_per_prompt", "0"],
      "data.num_images_per_prompt must be an integer >= 1"),

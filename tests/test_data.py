@@ -80,9 +80,9 @@ def test_missing_empty_and_unknown_prompt_files_are_refused(tmp_path):
     empty.write_text("\n\n")
     with pytest.raises(PromptFileError, match="No prompts found"):
         PromptDataModule(str(empty))
-    other = tmp_path / "p.parquet"
+    other = tmp_path / "p.xlsx"
     other.write_text("x")
-    with pytest.raises(PromptFileError, match="use one of .txt, .jsonl, .csv"):
+    with pytest.raises(PromptFileError, match="use one of .txt, .jsonl, .csv, .parquet"):
         PromptDataModule(str(other))
     with pytest.raises(PromptFileError, match="No prompts found in the inline prompt list"):
         PromptDataModule([])

@@ -184,7 +184,8 @@ def _wait_for_lines(fs, prefix: str, count: int, proc: subprocess.Popen, limit: 
         if fs.exists(f"{prefix}/manifest") and len(_bucket_lines(fs, prefix)) >= count:
             return
         time.sleep(0.2)
-    raise AssertionError(f"no {count} images recorded in time:\n{proc.stdout.read() if proc.poll() is not None else ''}")
+    output = proc.stdout.read() if proc.poll() is not None else ""
+    raise AssertionError(f"no {count} images recorded in time:\n{output}")
 
 
 TWELVE = "[" + ", ".join(f"bucket prompt {i}" for i in range(12)) + "]"

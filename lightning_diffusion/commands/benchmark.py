@@ -36,7 +36,7 @@ from lightning_diffusion.data import PromptDataset
 from lightning_diffusion.inputs import record_inputs
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.pipelines import inspect_pipeline
-from lightning_diffusion.records import read_records
+from lightning_diffusion.records import read_data
 from lightning_diffusion.writer import ImageWriter, gather_idle
 
 
@@ -208,7 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg = read_config(args.config, [*extra, "--writer.output_dir", out])
         except ValueError as err:
             return report_config_error(err, "lightning-diffusion benchmark")
-        prompt_set = read_records(cfg.data.prompts, cfg.data.max_prompt_chars)
+        prompt_set = read_data(cfg.data)
         if args.compare_diffusers and any(record_inputs(r) for _, r in prompt_set.accepted()):
             print("benchmark: --compare-diffusers does not feed the records' input images to its bare loop yet; "
                   "run without it.", file=sys.stderr)
@@ -233,7 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         base, more = inspect_pipeline(model.pretrained_model_name_or_path).effective_call_args(
             named, model.get("call_kwargs"))
         call_args = {**base, **more}  # what predict calls the pipeline with, the model's recommendations included
-        records = [r for _, r in read_records(data.prompts, data.max_prompt_chars).accepted()]
+        records = [r for _, r in read_data(data).accepted()]
         bare = diffusers_loop(model.pretrained_model_name_or_path, model.torch_dtype, records, int(data.batch_size),
                               call_args, int(data.seed), args.warmup, model.get("cache"), model.get("pipeline_class"))
         bare_ips = bare["images"] / bare["seconds"] if bare["seconds"] else 0.0

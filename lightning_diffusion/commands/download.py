@@ -2,8 +2,10 @@
 there is network, exactly the files ``predict`` will read from the Hugging Face Hub for this config
 (diffusers' own choice: the pipeline's components in safetensors, the variant and revision asked
 for, nothing unused), into the standard cache (``HF_HOME``), resuming a broken download. Compute
-nodes then run the same config with ``HF_HUB_OFFLINE=1``. ``--dry-run`` lists the files and their
-sizes without fetching.
+nodes then run the same config with ``HF_HUB_OFFLINE=1``. A ``data.prompts`` of
+``hf://datasets/NAME`` is fetched too: the Parquet files of its ``data.split`` (default ``train``),
+which the runs then read from the same cache. ``--dry-run`` lists the files and their sizes without
+fetching.
 """
 
 from __future__ import annotations
@@ -63,6 +65,52 @@ def fetch_for(config: Any, config_path: Optional[str], dry_run: bool = False, ou
     return str(folder)
 
 
+def fetch_prompts(config: Any, config_path: Optional[str], dry_run: bool = False, out=sys.stdout) -> Optional[str]:
+    """Plan (and unless ``dry_run`` fetch) a ``data.prompts`` of ``hf://datasets/NAME``: the Parquet
+    files of ``data.split`` (``records.split_names``); the snapshot folder, or None for prompts
+    from elsewhere."""
+    from lightning_diffusion import records
+
+    prompts, split = config.data.get("prompts"), config.data.get("split") or "train"
+    if not (isinstance(prompts, str) and prompts.startswith("hf://")):
+        return None
+    name, revision = records.hub_dataset(prompts)
+    if hub.offline():  # nothing can be fetched: enough if the cache holds the split
+        try:
+            found = records.read_records(prompts, split=split, columns=config.data.get("columns"))
+        except ConfigError as err:
+            raise ConfigError(f"{err} (HF_HUB_OFFLINE=1 is set: nothing can be fetched from here.)") from None
+        print(f"{prompts} (split {split}): {len(found):,} records in the cache (HF_HUB_OFFLINE=1: nothing fetched)",
+              file=out)
+        return None
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        info = HfApi().dataset_info(name, revision=revision, files_metadata=True)
+        sizes = {s.rfilename: s.size for s in info.siblings or []}
+        chosen = records.split_names([f for f in sizes if f.endswith(".parquet")], split)
+        if not chosen:
+            raise ConfigError(f"{prompts} has no Parquet file of split {split!r} on the hub (its files: "
+                              f"{', '.join(sorted(sizes)[:12]) or 'none'}); lightning-diffusion reads a dataset's "
+                              "Parquet files.")
+        total = sum(sizes[f] or 0 for f in chosen)
+        if dry_run:
+            for f in chosen:
+                print(f"{hub.describe(sizes[f]):>10}  {f}", file=out)
+            print(f"{prompts} (split {split}): {len(chosen)} Parquet files, {hub.describe(total)}", file=out)
+            return None
+        folder = snapshot_download(name, repo_type="dataset", revision=revision, allow_patterns=chosen)
+    except ConfigError:
+        raise
+    except Exception as err:  # the hub's own errors, said in one line
+        known = hub.message(err, prompts, None, config_path)
+        raise ConfigError(known or f"{prompts}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                          ) from err
+    print(f"{prompts} (split {split}): {len(chosen)} Parquet files, {hub.describe(total)} in the cache at {folder}",
+          file=out)
+    return str(folder)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-diffusion download", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         config = read_config(args.config, extra, check=False)
         fetch_for(config, args.config, args.dry_run)
+        fetch_prompts(config, args.config, args.dry_run)
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion download")
     return 0

@@ -370,9 +370,9 @@ def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: flo
 
 
 def expected_images(config: Any) -> int:
-    from lightning_diffusion.records import read_records
+    from lightning_diffusion.records import read_data
 
-    return len(read_records(config.data.prompts, config.data.max_prompt_chars)) * int(config.data.num_images_per_prompt)
+    return len(read_data(config.data)) * int(config.data.num_images_per_prompt)
 
 
 def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:

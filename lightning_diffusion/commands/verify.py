@@ -26,7 +26,7 @@ import torch
 from lightning_diffusion.commands import add_json_option, json_argv, report
 from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.pipelines import dtype_name
-from lightning_diffusion.records import read_records
+from lightning_diffusion.records import read_data
 
 # (max abs difference, min PSNR dB, min SSIM) on decoded images in [0, 1], by dtype. float32 runs
 # differ by rounding only (measured up to 2e-6); half-precision kernels reorder sums more freely.
@@ -99,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = read_config(args.config, [*extra, "--writer.allow_config_change", "true"])
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion verify")
-    records = [r for _, r in read_records(config.data.prompts, config.data.max_prompt_chars).accepted()]
+    records = [r for _, r in read_data(config.data).accepted()]
     records = records[: args.num_prompts]
     dtype = dtype_name(config.model.torch_dtype)
     max_abs, min_psnr, min_ssim = THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])
@@ -109,7 +109,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         tmp_path = Path(tmp)
         subset = tmp_path / "prompts.jsonl"
         subset.write_text("".join(json.dumps(r) + "\n" for r in records))
-        common = [*extra, "--data.prompts", str(subset), "--data.num_images_per_prompt", "1"]
+        # the subset's records are already read through data.columns: it is read as it is
+        common = [*extra, "--data.prompts", str(subset), "--data.num_images_per_prompt", "1", "--data.columns",
+                  "null", "--data.keep_columns", "null", "--data.split", "null"]
         reference = [*common, "--trainer.strategy", "data_parallel", "--trainer.devices", "1", "--trainer.num_nodes",
                      "1", "--trainer.accelerator", str(accelerator)]
         backend = plan_attention_backend(config)
