@@ -22,6 +22,10 @@ Reported (and written to ``--json``):
 * ``merge_s``: the merge of the one-process run's manifest parts (every line once), and
   ``array_merges_s``: the 16 merges of a job array of the same images into one folder;
 * with ``--replicas 2``: ``replicas_ms_per_image`` over 2 processes.
+
+``--object-store`` instead times the same one-process run into a bucket of a local S3 server (moto's
+server mode on 127.0.0.1, with s3fs as the client) beside the run into a folder, both with
+``writer.format: webdataset`` (``bucket_ms_per_image``, ``folder_ms_per_image``).
 """
 
 from __future__ import annotations
@@ -61,20 +65,20 @@ def child(args: argparse.Namespace) -> None:
 
     from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
     from lightning_diffusion import manifest as manifest_module
-    from lightning_diffusion import writer as writer_module
+    from lightning_diffusion import store as store_module
     from lightning_diffusion.strategies import DataParallelStrategy
 
     merges: list[float] = []
-    merge = writer_module.merge_manifest
+    merge = store_module.merge_manifest
 
-    def timed_merge(*a, **k):  # the writer's merge, timed where it runs
+    def timed_merge(*a, **k):  # the folder's merge, timed where it runs
         start = time.perf_counter()
         try:
             return merge(*a, **k)
         finally:
             merges.append(time.perf_counter() - start)
 
-    writer_module.merge_manifest = timed_merge
+    store_module.merge_manifest = timed_merge
     del manifest_module
 
     class StandInModule(DiffusionModule):
@@ -114,6 +118,37 @@ def timed(fn) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+def object_store(args: argparse.Namespace) -> None:
+    """One process into a folder and into a local S3 server's bucket, tar shards both."""
+    from moto.server import ThreadedMotoServer
+
+    args.format = "webdataset"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("bench")
+    result: dict[str, Any] = {"images": args.images, "format": "webdataset", "batch_size": args.batch_size}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            prompts = root / "prompts.txt"
+            prompts.write_text("".join(f"a shape number {n}\n" for n in range(args.images)))
+            folder = run(args, root / "one", prompts)
+            bucket = run(args, "s3://bench/one", prompts)  # type: ignore[arg-type]
+            assert bucket["summary"]["in_manifest"] == args.images, bucket["summary"]
+            result.update(folder_ms_per_image=folder["ms_per_image"], bucket_ms_per_image=bucket["ms_per_image"],
+                          bucket_peak_rss_mb=bucket["peak_rss_mb"], folder_peak_rss_mb=folder["peak_rss_mb"])
+    finally:
+        server.stop()
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=100_000)
@@ -127,9 +162,12 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--prompts")
     parser.add_argument("--shard-index", type=int, default=0)
+    parser.add_argument("--object-store", action="store_true", help="a bucket of a local S3 server against a folder")
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.object_store:
+        return object_store(args)
 
     from lightning_diffusion.commands.status import folder_status
     from lightning_diffusion.manifest import finished

@@ -46,3 +46,19 @@ def test_a_bad_config_is_refused_and_gpus_follow_the_flag(capsys, tmp_path):
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert job["metadata"]["name"] == "my-run-v2" and container["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert "/cfg/run.yaml" in container["command"]
+
+
+def test_an_object_store_run_needs_no_shared_volume_only_its_credentials(capsys):
+    _, job = render(capsys, "--config", "configs/tiny-flux.yaml", "--image", "x", "--nodes", "2",
+                    "--volume-claim", "none", "--pod-config", "/app/run.yaml", "--credentials-secret", "s3-creds",
+                    "--writer.output_dir", "s3://images/run1", "--writer.format", "webdataset")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["volumes"] == [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    assert container["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}]
+    assert container["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert "HF_HUB_OFFLINE" not in {e["name"] for e in container["env"]}  # no cache volume: the weights are fetched
+    assert container["command"][-4:] == ["--writer.output_dir", "s3://images/run1", "--writer.format", "webdataset"]
+    assert main(["--config", "configs/tiny-flux.yaml", "--image", "x", "--volume-claim", "none",
+                 "--pod-config", "/app/run.yaml"]) == 2
+    assert "writer.output_dir outputs/tiny-flux is one: write into an object store" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_diffusion.config import read_config, report_config_error
+from lightning_diffusion.object_store import is_url
 
 RENDEZVOUS_PORT = 29500
 DEFAULT_GRACE_SECONDS = 600
@@ -43,7 +44,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--name", help="the job's name (default: lightning-diffusion-<config name>)")
     parser.add_argument("--namespace")
     parser.add_argument("--volume-claim", default="lightning-diffusion",
-                        help="a ReadWriteMany PersistentVolumeClaim: outputs, prompts, the Hugging Face cache")
+                        help="a ReadWriteMany PersistentVolumeClaim: outputs, prompts, the Hugging Face cache; "
+                             "'none' with writer.output_dir in an object store (the config and prompts then come "
+                             "with the image, the weights from the Hub)")
+    parser.add_argument("--credentials-secret",
+                        help="a Secret whose keys become the pods' environment (AWS_ACCESS_KEY_ID, "
+                             "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL... for writer.output_dir s3://)")
     parser.add_argument("--mount", default="/data", help="where the pods mount it (default: /data)")
     parser.add_argument("--hf-home", help="the Hugging Face cache on the volume (default: MOUNT/huggingface)")
     parser.add_argument("--grace-seconds", type=int, default=DEFAULT_GRACE_SECONDS,
@@ -63,8 +69,10 @@ def job_name(args: argparse.Namespace) -> str:
 
 
 def render(args: argparse.Namespace, predict_args: list[str], nodes: int, gpus: int) -> list[dict[str, Any]]:
-    """The Service and the Job, as mappings (``yaml.safe_dump_all`` writes them)."""
+    """The Service and the Job, as mappings (``yaml.safe_dump_all`` writes them). Without a volume
+    (``--volume-claim none``), the pods read their config from the image and fetch the weights."""
     name = job_name(args)
+    volume = args.volume_claim != "none"
     hf_home = args.hf_home or f"{args.mount.rstrip('/')}/huggingface"
     torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={name}-0.{name}:{RENDEZVOUS_PORT}", f"--rdzv-id={name}",
@@ -83,11 +91,13 @@ def render(args: argparse.Namespace, predict_args: list[str], nodes: int, gpus: 
                         "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}]}}
     container = {
         "name": "predict", "image": args.image, "command": torchrun,  # PID 1: the pod's SIGTERM reaches torchrun
-        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HF_HOME", "value": hf_home},
+        "env": [*([{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HF_HOME", "value": hf_home}] if volume else []),
                 {"name": "OMP_NUM_THREADS", "value": "8"}],
+        **({"envFrom": [{"secretRef": {"name": args.credentials_secret}}]} if args.credentials_secret else {}),
         "resources": resources,
         "ports": [{"containerPort": RENDEZVOUS_PORT, "name": "rendezvous"}],
-        "volumeMounts": [{"name": "data", "mountPath": args.mount}, {"name": "shm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [*([{"name": "data", "mountPath": args.mount}] if volume else []),
+                         {"name": "shm", "mountPath": "/dev/shm"}],
     }
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": {
         "completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": args.max_restarts,
@@ -96,8 +106,8 @@ def render(args: argparse.Namespace, predict_args: list[str], nodes: int, gpus: 
             "restartPolicy": "OnFailure",
             "terminationGracePeriodSeconds": args.grace_seconds,
             "containers": [container],
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": args.volume_claim}},
-                        {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+            "volumes": [*([{"name": "data", "persistentVolumeClaim": {"claimName": args.volume_claim}}]
+                          if volume else []), {"name": "shm", "emptyDir": {"medium": "Memory"}}],
         }},
     }}
     return [service, job]
@@ -117,6 +127,16 @@ def main(argv: list[str]) -> int:
     gpus = args.gpus_per_node or (int(devices) if str(devices).isdigit() else 1)
     if nodes < 1 or gpus < 1:
         print("lightning-diffusion k8s: error: --nodes and --gpus-per-node must be at least 1.", file=sys.stderr)
+        return 2
+    output = str(config.writer.output_dir)
+    if args.volume_claim == "none" and not is_url(output):
+        print(f"lightning-diffusion k8s: error: --volume-claim none leaves the pods no shared folder, and "
+              f"writer.output_dir {output} is one: write into an object store (s3://...) or give a claim.",
+              file=sys.stderr)
+        return 2
+    if args.volume_claim == "none" and not args.pod_config:
+        print("lightning-diffusion k8s: error: --volume-claim none: give --pod-config, where the image holds the "
+              "config.", file=sys.stderr)
         return 2
     text = yaml.safe_dump_all(render(args, predict_args, nodes, gpus), sort_keys=False)
     if args.write:
