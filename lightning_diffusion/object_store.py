@@ -230,6 +230,17 @@ class ObjectStore:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run": self.run,
                            "heartbeat": time.time()}).encode()
 
+    def lock_state(self, name: str) -> Optional[dict[str, Any]]:
+        """Lock ``name`` as recorded (host, pid, run), its heartbeat's age and whether it is live;
+        None where there is none. Reads only."""
+        fs, root = self.fs
+        try:
+            held = json.loads(fs.cat_file(f"{root}/{name}"))
+        except (FileNotFoundError, ValueError):
+            return None
+        age = time.time() - float(held.get("heartbeat", 0))
+        return {**held, "heartbeat_age_s": round(age, 1), "live": self._holder(name) is not None}
+
     def _holder(self, name: str) -> Optional[str]:
         """The live run that holds lock ``name``, described; None when there is none or it is stale."""
         fs, root = self.fs
@@ -301,7 +312,7 @@ class ObjectStore:
 
     # ----------------------------------------------------------------- the run's records
 
-    def _read_json(self, name: str) -> Optional[dict[str, Any]]:
+    def read_json(self, name: str) -> Optional[dict[str, Any]]:
         fs, root = self.fs
         try:
             return json.loads(fs.cat_file(f"{root}/{name}"))
@@ -345,18 +356,18 @@ class ObjectStore:
         busy = self._take_lock()
         if busy is not None:
             return busy, nothing
-        recorded = self._read_json(RUN_FILE)
+        recorded = self.read_json(RUN_FILE)
         if recorded is None and self.shard is not None:
             try:  # the first shard makes run.json; the others compare with it
                 self._write_json(RUN_FILE, {**settings, "expected": total, "history": []}, create=True)
             except FileExistsError:
-                recorded = self._read_json(RUN_FILE)
+                recorded = self.read_json(RUN_FILE)
         if recorded is not None and not self.allow_config_change:
             conflict = recorded_conflict(recorded, settings, self.url)
             if conflict:
                 self.release()
                 return conflict, nothing
-        self._history = list((self._read_json(self.record_name) or {}).get("history") or [])
+        self._history = list((self.read_json(self.record_name) or {}).get("history") or [])
         if self.shard is None:
             self._write_json(RUN_FILE, {**settings, "expected": expected, "history": self._history})
         else:
@@ -389,7 +400,7 @@ class ObjectStore:
     def record(self, summary: dict[str, Any]) -> None:
         self._history.append(summary)
         if self.shard is None:
-            current = self._read_json(RUN_FILE) or {}
+            current = self.read_json(RUN_FILE) or {}
             self._write_json(RUN_FILE, {**{k: v for k, v in current.items() if k not in RUN_META},
                                         "expected": self.expected, "history": self._history})
         else:

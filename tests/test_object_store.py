@@ -117,6 +117,22 @@ def test_one_process_writes_each_image_once_as_the_folder_does_and_reruns_make_n
     assert sorted(line["index"] for line in _bucket_lines(fs, "runs/one")) == list(range(6))
 
 
+def test_status_of_a_bucket_counts_its_recorded_images_and_its_lock(s3):
+    fs = s3.fs()
+    if not fs.exists("runs/one/run.json"):
+        run_here(*_args("s3://runs/one"))
+    proc = run_here("status", "s3://runs/one", check=False)
+    assert proc.returncode == 0 and "s3://runs/one: 6 of 6 (100%) outputs, complete" in proc.stdout
+    fs.rm("runs/one/manifest/shard-000000002.tar.rank-0.jsonl")  # as if that shard's upload never ended
+    proc = run_here("status", "s3://runs/one", "--json", check=False)
+    status = json.loads(proc.stdout)
+    assert proc.returncode == 4 and status["done"] == 4 and not status["running"]
+    run_here(*_args("s3://runs/one"))  # the resume makes the two again
+    assert run_here("status", "s3://runs/one", check=False).returncode == 0
+    missing = run_here("status", "s3://runs/nothing-here", check=False)
+    assert missing.returncode == 2 and "s3://runs/nothing-here is not an output of lightning-diffusion" in missing.stderr
+
+
 def test_the_shards_read_back_with_the_webdataset_package_from_the_bucket(s3, folder_run):
     import webdataset as wds
 

@@ -35,6 +35,7 @@ from lightning_diffusion.manifest import (
     recent_written,
     rejected_images,
 )
+from lightning_diffusion.object_store import is_url
 from lightning_diffusion.shard import in_shard, shard_size
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
@@ -93,6 +94,53 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         "last_run": history[-1] if history else None,
         "shards": shards,
     }
+
+
+def bucket_status(url: str) -> dict[str, Any]:
+    """``folder_status`` of an object-store prefix (``writer.output_dir: s3://...``): its run.json,
+    manifest objects, shards' records and locks."""
+    from lightning_diffusion.object_store import ObjectStore, access_problems
+
+    store = ObjectStore(url, None)
+    try:
+        run = store.read_json(RUN_FILE)
+    except Exception as err:  # the store cannot be reached: the same words as a run's refusal
+        problems = access_problems(url)
+        raise ConfigError(problems[0] if problems else f"{url}: {err}") from None
+    finally:
+        store.release()
+    if run is None:
+        raise ConfigError(f"{url} is not an output of lightning-diffusion: it has no {RUN_FILE}.")
+    indices, _, failed = store.recorded()
+    fs, root = store.fs
+    names = [entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
+    try:
+        rejected_lines = [json.loads(line) for line in fs.cat_file(f"{root}/{REJECTED}").splitlines()]
+    except FileNotFoundError:
+        rejected_lines = []
+    rejected = {i for line in rejected_lines for i in line.get("images", [])} - set(indices.tolist())
+    expected, history = run.get("expected"), run.get("history") or []
+    lock = store.lock_state(".lock")
+    shards = []
+    for name in sorted(n for n in names if re.fullmatch(r"run\.shard-\d+-of-\d+\.json", n)):
+        record = store.read_json(name) or {}
+        index, count = record.get("shard", [0, 1])
+        shard_lock = store.lock_state(f".lock.shard-{index}-of-{count}")
+        shard_history = record.get("history") or []
+        shards.append({"shard": index, "done": int(np.count_nonzero(indices % count == index)),
+                       "expected": shard_size(expected or 0, (index, count)) - sum(
+                           1 for i in rejected if in_shard(i, (index, count))),
+                       "running": bool(shard_lock and shard_lock["live"]), "slurm_job": None,
+                       "runs": len(shard_history), "stats": run_stats(shard_history)})
+    running = bool(lock and lock["live"]) or any(shard["running"] for shard in shards)
+    done = len(indices)
+    complete = expected is not None and done + len(rejected) >= expected
+    rate = run_stats(history[-1:])["images_per_s"] if history else None
+    return {"folder": url, "done": done, "expected": expected, "rejected": len(rejected),
+            "failed": len({line["index"] for line in failed} - set(indices.tolist())), "complete": complete,
+            "running": running, "by_rank": {}, "rate_per_s": rate, "rate_live": False, "eta_s": None, "lock": lock,
+            "slurm_job": history[-1].get("slurm_job") if history else None, "not_counted": [],
+            "last_run": history[-1] if history else None, "shards": shards}
 
 
 def write_rate(written: np.ndarray, now: float, since: Optional[float], history: list[dict[str, Any]]
@@ -286,7 +334,8 @@ def main(argv: list[str]) -> int:
     add_json_option(parser, "the status")
     args = parser.parse_args(json_argv(argv))
     try:
-        status = folder_status(Path(args.output_dir).expanduser())
+        status = (bucket_status(args.output_dir) if is_url(args.output_dir)
+                  else folder_status(Path(args.output_dir).expanduser()))
     except ConfigError as err:
         print(f"lightning-diffusion status: error: {err}", file=sys.stderr)
         return 2
