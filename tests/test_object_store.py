@@ -130,7 +130,8 @@ def test_status_of_a_bucket_counts_its_recorded_images_and_its_lock(s3):
     run_here(*_args("s3://runs/one"))  # the resume makes the two again
     assert run_here("status", "s3://runs/one", check=False).returncode == 0
     missing = run_here("status", "s3://runs/nothing-here", check=False)
-    assert missing.returncode == 2 and "s3://runs/nothing-here is not an output of lightning-diffusion" in missing.stderr
+    assert missing.returncode == 2
+    assert "s3://runs/nothing-here is not an output of lightning-diffusion" in missing.stderr
 
 
 def test_the_shards_read_back_with_the_webdataset_package_from_the_bucket(s3, folder_run):
