@@ -164,9 +164,10 @@ class PromptDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers (prompts are tiny; 0 is usually right).
         inputs_root: records' input files (``image``, ``mask_image``...) must lie under this folder
             once links and ``..`` are resolved (for prompt files from elsewhere).
-        num_shards, shard_index: make only shard ``shard_index`` of ``num_shards`` of the prompt
-            set (the images ``i`` with ``i % num_shards == shard_index``): the tasks of a SLURM job
-            array, each its own shard, writing into one output folder.
+        num_shards: split the prompt set into this many shards (the tasks of a SLURM job array,
+            each its own shard, writing into one output folder); 1: the whole set.
+        shard_index: make only this shard of ``num_shards`` (the images ``i`` with
+            ``i % num_shards == shard_index``).
         max_pixels: the most pixels of one image or video frame a record (or the config) may ask
             for, input images included (checked from their headers, before they are decoded).
         max_prompt_chars: the most characters of a record's prompt or negative prompt (20,000 by

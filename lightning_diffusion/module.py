@@ -37,8 +37,11 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
             trained to draw coloured shapes) or ``tiny:flux`` and the others (random weights, for
             rehearsal and tests).
         torch_dtype: ``float32``, ``bfloat16`` or ``float16``.
-        height, width, num_inference_steps, guidance_scale: pipeline-call arguments for every image
-            (``None`` leaves the pipeline's default); a prompt record may override them.
+        height: image height in pixels for every image (``None``: the pipeline's default); a prompt
+            record may override it, as it may the three below.
+        width: image width in pixels (``None``: the pipeline's default).
+        num_inference_steps: denoising steps (``None``: the pipeline's default).
+        guidance_scale: the guidance scale (``None``: the pipeline's default).
         num_frames: frames per video, for video pipelines (Wan: 4 x k + 1).
         call_kwargs: any other argument the pipeline's ``__call__`` accepts (``true_cfg_scale``,
             ``max_sequence_length``, ...); a ``negative_prompt`` here is the default of the records

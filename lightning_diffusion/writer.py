@@ -146,7 +146,8 @@ class ImageWriter(BasePredictionWriter):
 
     Args:
         output_dir: folder for images and ``manifest.jsonl``; created if missing. A rerun into the
-            same folder resumes: images already in the manifest are skipped.
+            same folder resumes: images already in the manifest are skipped. An object-store URL
+            (``s3://bucket/prefix``, any fsspec URL) takes ``format: webdataset`` (``object_store``).
         save_arrays: also save the decoded float image as ``NNNNNN.npy`` (for numerical checks).
         video_format: how videos are written: ``mp4`` (H.264, needs PyAV), ``webp`` or ``gif``.
         fps: frames per second of written videos.
@@ -155,6 +156,7 @@ class ImageWriter(BasePredictionWriter):
             mixes two configs silently.
         image_format: ``png`` (lossless), ``webp`` or ``jpeg`` (lossy, ``quality`` 1-100); the
             parameters go in PNG text chunks, or the EXIF ImageDescription (JSON) of WebP and JPEG.
+        quality: the encoder quality of ``webp`` and ``jpeg`` files, 1-100.
         png_compress_level: zlib level of PNG files, 0-9 (default 1: fast, slightly larger).
         fsync: ``batch`` (default: every file synced before its rename, the manifest after each
             batch), ``file`` (the manifest also after each image) or ``off`` (nothing synced: a
@@ -170,6 +172,13 @@ class ImageWriter(BasePredictionWriter):
         format: ``files`` (default: one file an output) or ``webdataset`` (tar shards of
             ``samples_per_shard`` samples, ``{key}.png`` and ``{key}.json`` each, as WebDataset
             and img2dataset write them).
+        samples_per_shard: samples a tar shard holds (``format: webdataset``); a kill loses at
+            most the open shard.
+        staging_dir: with ``output_dir`` in an object store (``s3://bucket/prefix``), the local
+            folder where each rank builds its tar shards before they are uploaded (default: a
+            temporary folder).
+        storage_options: the object store's fsspec options (endpoint, credentials...); a value
+            ``env:NAME`` is read from the environment variable ``NAME``. Never recorded.
 
     The defaults are the writer group's declaration (``settings.WRITER``). Only one run may write
     into a folder at a time (``.lock``, taken over when its run is dead), or one run a shard for the
