@@ -120,6 +120,10 @@ class DiffusionModel(Protocol):
 
     pipeline: Any
     split_work: bool
+    # The pipeline's info (``PipelineInfo``: class, configs, spec, denoisers) and its torch modules
+    # by component name, registered for Lightning's device moves (empty before the load).
+    info: Any
+    components: Any
 
     def request(self, records: Optional[Any] = None) -> ModelRequest:
         ...

@@ -345,8 +345,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self._drain_writers,
                            writes=self.writes_outputs)
         beat = torch.compiler.disable(watch.beat)  # a compiled model calls it outside its graphs
-        denoisers = getattr(module, "info", None)
-        denoisers = set(denoisers.denoisers()) if denoisers is not None else set()
+        denoisers = set(module.info.denoisers())
+        # a pipeline of another kind (a stand-in) may have no components: nothing to watch
         for name, component in getattr(module.pipeline, "components", {}).items():
             if not isinstance(component, torch.nn.Module):
                 continue

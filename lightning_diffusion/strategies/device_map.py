@@ -13,7 +13,7 @@ import torch
 
 from lightning_diffusion import quantization
 from lightning_diffusion.console import log
-from lightning_diffusion.contract import LoadPlan, ModelRequest
+from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems, run_check
 from lightning_diffusion.pipelines import component_bytes
 from lightning_diffusion.staged import StagedPipeline, stages_for
@@ -299,7 +299,9 @@ class DeviceMapStrategy(MeshStrategy):
         assert self.lightning_module is not None
         pipeline_class = type(self.lightning_module.pipeline).__name__
         stage_resident = set(stages_for(pipeline_class).encoders) | {"vae"} if self.staged else set()
-        for name, component in getattr(self.lightning_module, "components", {}).items():
+        module = self.lightning_module
+        components: dict[str, Any] = dict(module.components) if isinstance(module, DiffusionModel) else {}
+        for name, component in components.items():
             if name in self._placed:
                 continue
             component.to("cpu" if name in stage_resident else self.root_device)

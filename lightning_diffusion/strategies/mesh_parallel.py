@@ -23,7 +23,7 @@ import torch
 
 from lightning_diffusion import compat
 from lightning_diffusion.console import log
-from lightning_diffusion.contract import LoadPlan, ModelRequest
+from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems, run_check
 from lightning_diffusion.specs import spec_for
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
@@ -246,7 +246,9 @@ class MeshStrategy(DiffusionParallelStrategy):
     def model_to_device(self) -> None:
         # Move whole components only: sharded ones are already on this rank's device, and moving
         # DTensor shards through Module.to would at best do nothing.
-        for name, component in getattr(self.lightning_module, "components", {}).items():
+        module = self.lightning_module
+        components: dict[str, Any] = dict(module.components) if isinstance(module, DiffusionModel) else {}
+        for name, component in components.items():
             if name not in self._sharded:
                 component.to(self.root_device)
 
