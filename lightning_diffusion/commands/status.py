@@ -36,7 +36,7 @@ from lightning_diffusion.manifest import (
     rejected_images,
 )
 from lightning_diffusion.object_store import is_url
-from lightning_diffusion.shard import in_shard, shard_size
+from lightning_diffusion.shard import Shard, in_shard, shard_size
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -127,7 +127,7 @@ def bucket_status(url: str) -> dict[str, Any]:
         index, count = record.get("shard", [0, 1])
         shard_lock = store.lock_state(f".lock.shard-{index}-of-{count}")
         shard_history = record.get("history") or []
-        shards.append({"shard": index, "done": int(np.count_nonzero(indices % count == index)),
+        shards.append({"shard": index, "done": len(Shard(index, count).select(indices)),
                        "expected": shard_size(expected or 0, (index, count)) - sum(
                            1 for i in rejected if in_shard(i, (index, count))),
                        "running": bool(shard_lock and shard_lock["live"]), "slurm_job": None,
@@ -261,7 +261,7 @@ def shard_status(folder: Path, indices: np.ndarray, total: Optional[int],
         lock = OutputLock(folder, (index, count)).describe() or {}
         shards.append({
             "shard": index,
-            "done": int(np.count_nonzero(indices % count == index)),
+            "done": len(Shard(index, count).select(indices)),
             "expected": shard_size(total, (index, count)) - sum(1 for i in rejected if in_shard(i, (index, count))),
             "running": (index, count) in live,
             "since": lock.get("since") if (index, count) in live else None,

@@ -73,7 +73,8 @@ def cfg_problems(class_name: str, call_args: dict[str, Any], default: Callable[[
             f"cfg=2 splits classifier-free guidance, but {class_name} runs it only with {entry.scale_arg} > 1 "
             f"(got {scale!r}): set {where} above 1, or use cfg=1."
         ]
-    if entry.needs_negative_prompt and records is not None and call_args.get("negative_prompt") is None:
+    # the scale runs it: whether each image's negative pass runs is now up to its negative prompt
+    if not entry.runs(scale, negative=False) and records is not None and call_args.get("negative_prompt") is None:
         from lightning_diffusion.data import summarize_records
 
         summary = summarize_records(records)
