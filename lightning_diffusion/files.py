@@ -285,7 +285,7 @@ class OutputFiles:
         if self.image_format == "png":
             info = PngInfo()
             for key, value in metadata.items():
-                info.add_text(key, json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else str(value))
+                info.add_text(key, json.dumps(value, ensure_ascii=False) if key == "columns" else str(value))
             info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
             picture.save(file, format="PNG", pnginfo=info, compress_level=self.png_compress_level)
             return

@@ -197,6 +197,7 @@ class ObjectStore:
         self._history: list = []
         self._locked = False
         self._beat: Optional[threading.Event] = None
+        self._beating: Optional[threading.Thread] = None
 
     @property
     def fs(self) -> tuple[Any, str]:
@@ -228,7 +229,7 @@ class ObjectStore:
 
     def _lock_text(self) -> bytes:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run": self.run,
-                           "heartbeat": time.time()}).encode()
+                           "slurm_job": os.environ.get("SLURM_JOB_ID"), "heartbeat": time.time()}).encode()
 
     def lock_state(self, name: str) -> Optional[dict[str, Any]]:
         """Lock ``name`` as recorded (host, pid, run), its heartbeat's age and whether it is live;
@@ -254,6 +255,9 @@ class ObjectStore:
             return None  # its run stopped beating
         if held.get("host") == socket.gethostname() and not pid_alive(int(held.get("pid", 0))):
             return None  # its run was on this machine, and is gone
+        job = os.environ.get("SLURM_JOB_ID")
+        if job is not None and held.get("slurm_job") == job:
+            return None  # an earlier run of this SLURM job (requeued after a preemption): gone
         return f"host {held.get('host')}, pid {held.get('pid')}"
 
     def _take_lock(self) -> Optional[str]:
@@ -284,8 +288,9 @@ class ObjectStore:
                 what = "a run of the whole prompt set" if other is None else other.replace("-", " ")
                 return f"{self.url} is being written by {what} ({holder}), which makes some of the same images."
         self._beat = threading.Event()
-        threading.Thread(target=self._heartbeat, args=(self._beat,), daemon=True,
-                         name="object-store lock heartbeat").start()
+        self._beating = threading.Thread(target=self._heartbeat, args=(self._beat,), daemon=True,
+                                         name="object-store lock heartbeat")
+        self._beating.start()
         return None
 
     def _heartbeat(self, stop: threading.Event) -> None:
@@ -300,6 +305,9 @@ class ObjectStore:
         if self._beat is not None:
             self._beat.set()
             self._beat = None
+            if self._beating is not None:  # a beat in flight would make the lock again after its removal
+                self._beating.join(timeout=60)
+                self._beating = None
         if self._locked:
             self._locked = False
             fs, root = self.fs
@@ -356,7 +364,11 @@ class ObjectStore:
         busy = self._take_lock()
         if busy is not None:
             return busy, nothing
-        recorded = self.read_json(RUN_FILE)
+        try:
+            recorded = self.read_json(RUN_FILE)
+        except ValueError:
+            self.release()
+            return f"{self.url}/{RUN_FILE} is not valid JSON; move it away to start the prefix afresh.", nothing
         if recorded is None and self.shard is not None:
             try:  # the first shard makes run.json; the others compare with it
                 self._write_json(RUN_FILE, {**settings, "expected": total, "history": []}, create=True)
@@ -388,14 +400,22 @@ class ObjectStore:
         made: dict[int, int] = {}
         for index in np.setdiff1d(mine, done).tolist():  # this run's images, by the rank that made them
             made[rank_of[index]] = made.get(rank_of[index], 0) + 1
-        finished = set(mine.tolist())
-        left = [line for line in failed if line["index"] not in finished and (self.shard is None
-                                                                               or self.shard.holds(line["index"]))]
-        if left:
-            fs, root = self.fs
-            fs.pipe_file(f"{root}/{FAILED}",
-                         "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in left).encode("utf-8"))
-        return made, np.union1d(done, mine), len({line["index"] for line in left})
+        # failed.jsonl: every shard's failures not made since (a rerun retries them), one line an image
+        finished = set(every.tolist())
+        left = {line["index"]: line for line in failed if line["index"] not in finished}
+        fs, root = self.fs
+        if left or fs.exists(f"{root}/{FAILED}"):
+            fs.pipe_file(f"{root}/{FAILED}", "".join(json.dumps(line, ensure_ascii=False) + "\n"
+                                                     for _, line in sorted(left.items())).encode("utf-8"))
+        now = {line["index"] for line in self.failed_now() if line["index"] not in finished}
+        return made, np.union1d(done, mine), len(now)
+
+    def failed_now(self) -> list[dict[str, Any]]:
+        """This run's failed lines (its ranks' ``failed/RUN.rank-R.jsonl`` objects)."""
+        fs, root = self.fs
+        names = fs.glob(f"{root}/{FAILURES}/{self.run}.rank-*.jsonl")
+        blobs = fs.cat(names, on_error="return") if names else {}
+        return [line for blob in blobs.values() if not isinstance(blob, Exception) for line in _lines(blob)]
 
     def record(self, summary: dict[str, Any]) -> None:
         self._history.append(summary)

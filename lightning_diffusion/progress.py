@@ -84,7 +84,7 @@ class ImageProgressBar(ProgressBar):
     def _watch(self, interval: float) -> None:
         while not self._stop.wait(interval):
             assert self._writer is not None
-            counts = part_counts(self._writer.output_dir, self._writer.parts_glob)
+            counts = part_counts(self._writer.parts_folder, self._writer.parts_glob)
             self._show(sum(counts.values()), counts, final=False)
 
     def _show(self, done: int, counts: dict[int, int], final: bool) -> None:

@@ -267,6 +267,11 @@ class ImageWriter(BasePredictionWriter):
         """This run's manifest parts (of its shard, if it makes one)."""
         return self.store.parts_glob if self.store is not None else ""
 
+    @property
+    def parts_folder(self) -> Path:
+        """Where this process's manifest part is (the folder, or its staging folder for a bucket)."""
+        return self.store.local_dir if self.store is not None else self.output_dir
+
     @staticmethod
     def writes_outputs(trainer: pl.Trainer) -> bool:
         # Ranks of one model-parallel group hold the same images: the strategy names one to write.

@@ -302,7 +302,8 @@ def test_a_million_rows_cost_a_few_bytes_each(tmp_path):
     one_group = pq.ParquetFile(tmp_path / "big.parquet").read_row_group(0, columns=["caption", "id"])
     group_bytes = pa.total_allocated_bytes() - start  # what Arrow allocates to decode one row group
     del one_group
-    assert 0 < held <= TableRecords.KEEP * group_bytes + (1 << 20), (held, group_bytes)
+    # the row groups kept decoded, and at most one more being read (the pool's rounding varies)
+    assert 0 < held <= (TableRecords.KEEP + 1) * group_bytes, (held, group_bytes)
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from lightning_diffusion.config import check_config, read_config, report_config_error
 from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.object_store import is_url
 from lightning_diffusion.preflight import build_strategy
 
 DEFAULT_SIGNAL_SECONDS = 300
@@ -495,6 +496,10 @@ def main(argv: list[str]) -> int:
         if args.signal_seconds < 1:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
         config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
+        if is_url(config.writer.output_dir):
+            raise ConfigError(f"writer.output_dir {config.writer.output_dir} is an object store: the SLURM job keeps "
+                              "its script, logs and job-array records in the output folder, so it needs a folder "
+                              "every node sees; run predict under srun yourself for a bucket.")
         output_dir = Path(config.writer.output_dir).expanduser().resolve()
         raise_problems(script_value_problems(args, config_path, predict_args, output_dir))
         expected = expected_images(config)
