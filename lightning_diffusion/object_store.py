@@ -162,6 +162,14 @@ class Uploader:
         self._put(name, lambda: fs.pipe_file(f"{root}/{name}", local.read_bytes()))
 
 
+def _already_there(err: BaseException) -> bool:
+    """A conditional PUT refused because the object exists: s3fs says FileExistsError for AWS's
+    412; an S3-compatible store may answer 412 or 409 without the header s3fs looks for."""
+    text = f"{err} {err.__cause__ or ''}"
+    return isinstance(err, FileExistsError) or any(
+        word in text for word in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
+
+
 def _lines(blob: bytes) -> list[dict[str, Any]]:
     found = []
     for raw in blob.splitlines():
@@ -265,7 +273,12 @@ class ObjectStore:
         path = f"{root}/{self.lock_name}"
         for _ in range(2):
             try:
-                fs.pipe_file(path, self._lock_text(), mode="create")
+                try:
+                    fs.pipe_file(path, self._lock_text(), mode="create")
+                except OSError as err:
+                    if not _already_there(err):
+                        raise
+                    raise FileExistsError(str(err)) from err
                 self._locked = True
                 break
             except FileExistsError:
@@ -320,21 +333,43 @@ class ObjectStore:
 
     # ----------------------------------------------------------------- the run's records
 
+    def _tried(self, what: str, call: Any) -> Any:
+        """``call()``, tried ``UPLOAD_TRIES`` times with backoff like an upload; then an OSError in
+        one line naming the URL (a store that went away for a moment costs no finished run)."""
+        for attempt in range(UPLOAD_TRIES):
+            try:
+                return call()
+            except (FileNotFoundError, FileExistsError, ValueError):
+                raise  # answers, not failures
+            except Exception as err:
+                if attempt == UPLOAD_TRIES - 1:
+                    raise OSError(f"{what} at {self.url} failed {UPLOAD_TRIES} times ({_why(err)})") from err
+                time.sleep(2.0 ** attempt)
+
     def read_json(self, name: str) -> Optional[dict[str, Any]]:
         fs, root = self.fs
         try:
-            return json.loads(fs.cat_file(f"{root}/{name}"))
+            return self._tried(f"reading {name}", lambda: json.loads(fs.cat_file(f"{root}/{name}")))
         except FileNotFoundError:
             return None
 
     def _write_json(self, name: str, content: dict[str, Any], create: bool = False) -> None:
         fs, root = self.fs
         data = json.dumps(content, indent=2).encode("utf-8")
-        fs.pipe_file(f"{root}/{name}", data, **({"mode": "create"} if create else {}))
+        try:
+            self._tried(f"writing {name}",
+                        lambda: fs.pipe_file(f"{root}/{name}", data, **({"mode": "create"} if create else {})))
+        except OSError as err:
+            if create and _already_there(err):
+                raise FileExistsError(str(err)) from err
+            raise
 
     def recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
         """Every image recorded in the store: (indices, the rank that made each, failed lines). An
         image counts when its manifest object names a tar of the recorded size."""
+        return self._tried("reading the records", self._recorded)
+
+    def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
         fs, root = self.fs
         fs.invalidate_cache()  # listings are read afresh: other ranks and tasks add to them
         listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)

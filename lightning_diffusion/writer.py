@@ -450,8 +450,12 @@ class ImageWriter(BasePredictionWriter):
             data = self._data(trainer)
             self._buckets = data.plan.num_buckets if data.plan is not None else None
             self.rejected = len(data.rejected_images())
-            self.store.write_rejected(data.rejected_lines(), bool(self.rejected))
-            parts, done, failures = self.store.merge(self.done)
+            try:
+                self.store.write_rejected(data.rejected_lines(), bool(self.rejected))
+                parts, done, failures = self.store.merge(self.done)
+            except OSError as err:  # a bucket that went away at the end: what is recorded stays
+                self._release()
+                raise writing_failed(f"{type(err).__name__}: {err}", self._local_dir, cause=err) from err
             self.summary = self._summary(parts, len(done), failures)
             self.store.record(self.summary)
             if self.progress_listener is not None:
