@@ -99,6 +99,7 @@ def folder_run(tmp_path_factory):
     return {path.name: path.read_bytes() for path in sorted(out.glob("shard-*.tar"))}
 
 
+@pytest.mark.slow
 def test_one_process_writes_each_image_once_as_the_folder_does_and_reruns_make_nothing(s3, folder_run):
     fs = s3.fs()
     proc = run_here(*_args("s3://runs/one"))
@@ -118,6 +119,7 @@ def test_one_process_writes_each_image_once_as_the_folder_does_and_reruns_make_n
     assert sorted(line["index"] for line in _bucket_lines(fs, "runs/one")) == list(range(6))
 
 
+@pytest.mark.slow
 def test_status_of_a_bucket_counts_its_recorded_images_and_its_lock(s3):
     fs = s3.fs()
     if not fs.exists("runs/one/run.json"):
@@ -135,6 +137,7 @@ def test_status_of_a_bucket_counts_its_recorded_images_and_its_lock(s3):
     assert "s3://runs/nothing-here is not an output of lightning-diffusion" in missing.stderr
 
 
+@pytest.mark.slow
 def test_the_shards_read_back_with_the_webdataset_package_from_the_bucket(s3, folder_run):
     import webdataset as wds
 
@@ -147,6 +150,7 @@ def test_the_shards_read_back_with_the_webdataset_package_from_the_bucket(s3, fo
     assert all(json.loads(sample["json"])["index"] == i for i, sample in enumerate(samples))
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_prefix_that_a_live_run_holds_is_refused(s3, cli_here):
     fs = s3.fs()
     fs.pipe_file("runs/held/.lock", json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "x",

@@ -275,6 +275,7 @@ def _resident(value, seen: set) -> int:
     return size
 
 
+@pytest.mark.slow
 def test_a_million_rows_cost_a_few_bytes_each(tmp_path):
     """The bound: 6 bytes a record (6 MB here). What a record costs is its call-argument set, 4
     bytes (``RecordSummary.set_of``); the index is a few numbers a row group and a file; the rows
