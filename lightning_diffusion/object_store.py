@@ -117,6 +117,23 @@ def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> li
     return []
 
 
+ANSWERS = (FileNotFoundError, FileExistsError, ValueError)  # a missing or existing object, bad JSON
+
+
+def tried(what: str, url: str, call: Any, answers: tuple[type[BaseException], ...] = ANSWERS) -> Any:
+    """``call()``, tried ``UPLOAD_TRIES`` times, 1, 2, 4 and 8 s apart; then an OSError in one line
+    naming ``what`` and the URL. ``answers`` are not failures: raised at once."""
+    for attempt in range(UPLOAD_TRIES):
+        try:
+            return call()
+        except answers:
+            raise
+        except Exception as err:
+            if attempt == UPLOAD_TRIES - 1:
+                raise OSError(f"{what} {url} failed {UPLOAD_TRIES} times ({_why(err)})") from err
+            time.sleep(2.0 ** attempt)
+
+
 class Uploader:
     """Puts a rank's closed tar shards into the store (``files.OutputFiles.publish``): the tar
     whole, then its manifest object; each PUT tried ``UPLOAD_TRIES`` times with backoff. Sent to
@@ -139,15 +156,11 @@ class Uploader:
     def _put(self, what: str, put: Any) -> None:
         if self._failed is not None:  # the run stops with that one; the queued shards wait for a resume
             raise OSError(self._failed)
-        for attempt in range(UPLOAD_TRIES):
-            try:
-                put()
-                return
-            except Exception as err:
-                if attempt == UPLOAD_TRIES - 1:
-                    self._failed = f"uploading {what} to {self.url} failed {UPLOAD_TRIES} times ({_why(err)})"
-                    raise OSError(self._failed) from err
-                time.sleep(2.0 ** attempt)
+        try:
+            tried(f"uploading {what} to", self.url, put, answers=())  # an upload retries whatever failed
+        except OSError as err:
+            self._failed = str(err)
+            raise
 
     def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:
         fs, root = self.fs
@@ -333,23 +346,10 @@ class ObjectStore:
 
     # ----------------------------------------------------------------- the run's records
 
-    def _tried(self, what: str, call: Any) -> Any:
-        """``call()``, tried ``UPLOAD_TRIES`` times with backoff like an upload; then an OSError in
-        one line naming the URL (a store that went away for a moment costs no finished run)."""
-        for attempt in range(UPLOAD_TRIES):
-            try:
-                return call()
-            except (FileNotFoundError, FileExistsError, ValueError):
-                raise  # answers, not failures
-            except Exception as err:
-                if attempt == UPLOAD_TRIES - 1:
-                    raise OSError(f"{what} at {self.url} failed {UPLOAD_TRIES} times ({_why(err)})") from err
-                time.sleep(2.0 ** attempt)
-
     def read_json(self, name: str) -> Optional[dict[str, Any]]:
         fs, root = self.fs
         try:
-            return self._tried(f"reading {name}", lambda: json.loads(fs.cat_file(f"{root}/{name}")))
+            return tried(f"reading {name} at", self.url, lambda: json.loads(fs.cat_file(f"{root}/{name}")))
         except FileNotFoundError:
             return None
 
@@ -357,8 +357,8 @@ class ObjectStore:
         fs, root = self.fs
         data = json.dumps(content, indent=2).encode("utf-8")
         try:
-            self._tried(f"writing {name}",
-                        lambda: fs.pipe_file(f"{root}/{name}", data, **({"mode": "create"} if create else {})))
+            tried(f"writing {name} at", self.url,
+                  lambda: fs.pipe_file(f"{root}/{name}", data, **({"mode": "create"} if create else {})))
         except OSError as err:
             if create and _already_there(err):
                 raise FileExistsError(str(err)) from err
@@ -367,7 +367,7 @@ class ObjectStore:
     def recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
         """Every image recorded in the store: (indices, the rank that made each, failed lines). An
         image counts when its manifest object names a tar of the recorded size."""
-        return self._tried("reading the records", self._recorded)
+        return tried("reading the records at", self.url, self._recorded)
 
     def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
         fs, root = self.fs

@@ -504,17 +504,13 @@ class TableRecords(Records):
 
         names = list(schema.names)
         shape = self.columns
-        for name, column in shape.names:
-            if column is not None and column not in names:
-                raise PromptFileError(f"{path}: data.columns maps {name} to {column!r}, which is not a column of it "
-                                      f"(its columns: {_shown(names)}).")
-        for column in shape.keep:
-            if column not in names:
-                raise PromptFileError(f"{path}: data.keep_columns names {column!r}, which is not a column of it "
-                                      f"(its columns: {_shown(names)}).")
-            kind = schema.field(column).type
+        missing = _first_missing(shape, names)
+        if missing:
+            raise PromptFileError(f"{path}: {missing}, which is not a column of it (its columns: {_shown(names)}).")
+        for kept in shape.keep:
+            kind = schema.field(kept).type
             if _holds_bytes(kind):
-                raise PromptFileError(f"{path}: column {column!r} (data.keep_columns) holds {kind}, bytes that an "
+                raise PromptFileError(f"{path}: column {kept!r} (data.keep_columns) holds {kind}, bytes that an "
                                       "image's metadata (JSON text) cannot carry.")
         prompt = shape.column("prompt")
         if prompt is None or prompt not in names:
@@ -829,18 +825,25 @@ def read_data(data: Mapping[str, Any]) -> Records:
                         data.get("keep_columns"), data.get("split"))
 
 
+def _first_missing(columns: Columns, names: Sequence[str]) -> Optional[str]:
+    """The first column that ``data.columns`` or ``data.keep_columns`` names and ``names`` lacks,
+    as a message says it; None when every one is there."""
+    for name, column in columns.names:
+        if column is not None and column not in names:
+            return f"data.columns maps {name} to {column!r}"
+    for column in columns.keep:
+        if column not in names:
+            return f"data.keep_columns names {column!r}"
+    return None
+
+
 def _read_csv(path: Path, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> ListRecords:
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
         header = list(reader.fieldnames or [])
-        for name, column in columns.names:
-            if column is not None and column not in header:
-                raise PromptFileError(f"{path}:1: data.columns maps {name} to {column!r}, which is not a column of "
-                                      f"the CSV header ({_shown(header)}).")
-        for column in columns.keep:
-            if column not in header:
-                raise PromptFileError(f"{path}:1: data.keep_columns names {column!r}, which is not a column of the "
-                                      f"CSV header ({_shown(header)}).")
+        missing = _first_missing(columns, header)
+        if missing:
+            raise PromptFileError(f"{path}:1: {missing}, which is not a column of the CSV header ({_shown(header)}).")
         if columns.column("prompt") not in header:
             raise PromptFileError(f"{path}:1: the CSV header has no {columns.described('prompt')} column.")
         seed = columns.column("seed")

@@ -269,7 +269,8 @@ class ImageWriter(BasePredictionWriter):
 
     @property
     def parts_folder(self) -> Path:
-        """Where this process's manifest part is (the folder, or its staging folder for a bucket)."""
+        """The folder this process writes its files and manifest part into (the output folder, or
+        its staging folder for a bucket; a full disk is said with its free space)."""
         return self.store.local_dir if self.store is not None else self.output_dir
 
     @staticmethod
@@ -368,7 +369,7 @@ class ImageWriter(BasePredictionWriter):
             try:
                 self._files.finish()
             except Exception as err:
-                raise writing_failed(f"{type(err).__name__}: {err}", self._local_dir, cause=err) from err
+                raise writing_failed(f"{type(err).__name__}: {err}", self.parts_folder, cause=err) from err
 
     def drain_on_stall(self) -> None:
         """From the stall watch's thread, while the prediction thread waits in a collective that will
@@ -378,7 +379,7 @@ class ImageWriter(BasePredictionWriter):
     def _raise_error(self, writers: Optional[WriterProcess | WriterThreads]) -> None:
         error = writers.take_error() if writers is not None else None
         if error is not None:
-            raise writing_failed(str(error), self._local_dir, cause=error) from error
+            raise writing_failed(str(error), self.parts_folder, cause=error) from error
 
     def write_on_batch_end(
         self,
@@ -440,7 +441,7 @@ class ImageWriter(BasePredictionWriter):
         self._work = {rank: stats for rank, (_, stats) in enumerate(gathered) if stats is not None}
         if failed is None and others:
             rank, text = others[0]
-            failed = writing_failed(text, self._local_dir, rank)
+            failed = writing_failed(text, self.parts_folder, rank)
         if failed is not None:
             if trainer.is_global_zero:
                 self._release()
@@ -455,7 +456,7 @@ class ImageWriter(BasePredictionWriter):
                 parts, done, failures = self.store.merge(self.done)
             except OSError as err:  # a bucket that went away at the end: what is recorded stays
                 self._release()
-                raise writing_failed(f"{type(err).__name__}: {err}", self._local_dir, cause=err) from err
+                raise writing_failed(f"{type(err).__name__}: {err}", self.parts_folder, cause=err) from err
             self.summary = self._summary(parts, len(done), failures)
             self.store.record(self.summary)
             if self.progress_listener is not None:
@@ -471,11 +472,6 @@ class ImageWriter(BasePredictionWriter):
         """Where the run's manifest is, as the summary names it."""
         assert self.store is not None
         return f"{self.store.where}/{MANIFESTS}/" if self.remote else str(self.output_dir / MANIFEST)
-
-    @property
-    def _local_dir(self) -> Path:
-        """The folder this process writes files into (a full disk is said with its free space)."""
-        return self.store.local_dir if self.store is not None else self.output_dir
 
     def _release(self) -> None:
         """The folder's lock given back (this process's staging folder removed)."""
