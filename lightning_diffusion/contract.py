@@ -116,7 +116,11 @@ class DiffusionStrategy(Protocol):
 @runtime_checkable
 class DiffusionModel(Protocol):
     """What a strategy calls on the module it runs (``DiffusionModule``), in the order above; a
-    strategy tells such a module from another LightningModule with ``isinstance`` on this."""
+    strategy tells such a module from another LightningModule with ``isinstance`` on this.
+
+    A module declares it by subclassing it, as ``DiffusionModule`` does: from Python 3.12 a
+    structural ``isinstance`` looks members up with ``inspect.getattr_static``, which does not see
+    the submodules ``nn.Module`` keeps apart (``components``), and would answer False."""
 
     pipeline: Any
     split_work: bool

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_diffusion.batching import call_key
 from lightning_diffusion.cache import CacheStats, StepCache
 from lightning_diffusion.console import log
-from lightning_diffusion.contract import LoadPlan, ModelRequest
+from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.costs import set_facts
 from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import raise_problems
@@ -28,7 +28,7 @@ from lightning_diffusion.validation import MODEL_CALL_ARGS, model_problems
 from lightning_diffusion.verdicts import RecordChecks
 
 
-class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningModule):
+class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningModule, DiffusionModel):
     """Runs a diffusers ``DiffusionPipeline`` on batches of prompt samples.
 
     Args:

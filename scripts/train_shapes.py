@@ -48,14 +48,49 @@ SHAPE_WEIGHT = 4.0  # extra weight of a shape's pixels (1 + 4 = 5x the backgroun
 EDGE_WEIGHT = 16.0  # extra weight of its outline's pixels on top (21x)
 
 
-def batches(seed: int, batch: int, exclude: set[str], start: int = 0):
+DEVICE = torch.device("cpu")  # --device: where the models train (the batches are drawn on the CPU)
+WORKERS = 0  # --data-workers: processes drawing batches ahead of the device
+
+
+def batch_at(seed: int, step: int, batch: int, exclude: set[str]) -> tuple[list[str], torch.Tensor]:
+    """Training batch ``step``: its captions and images in [-1, 1], a function of (seed, step) alone."""
     from lightning_diffusion import shapes
 
+    scenes = [s for s in shapes.sample_scenes(seed + step, batch * 2) if shapes.caption(s) not in exclude][:batch]
+    images = torch.stack([shapes.render(s, seed=(seed + step) * 10_000 + i) for i, s in enumerate(scenes)])
+    return [shapes.caption(s) for s in scenes], images * 2 - 1
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Batches ``start``, ``start + 1``, ... dealt round-robin over the loader's workers, which the
+    loader reads back in the same round-robin order: the sequence is the same for any worker count."""
+
+    def __init__(self, seed: int, batch: int, exclude: set[str], start: int) -> None:
+        self.seed, self.batch, self.exclude, self.start = seed, batch, exclude, start
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        step = self.start + worker
+        while True:
+            yield batch_at(self.seed, step, self.batch, self.exclude)
+            step += workers
+
+
+def batches(seed: int, batch: int, exclude: set[str], start: int = 0):
+    """Batch after batch, on ``DEVICE``; drawn ahead by ``WORKERS`` processes when there are any."""
+    if WORKERS:
+        loader = torch.utils.data.DataLoader(Batches(seed, batch, exclude, start), batch_size=None,
+                                             num_workers=WORKERS, prefetch_factor=4,
+                                             pin_memory=DEVICE.type == "cuda",
+                                             generator=torch.Generator().manual_seed(seed))  # not the global RNG
+        for captions, images in loader:
+            yield captions, images.to(DEVICE, non_blocking=True)
+        return
     step = start
     while True:
-        scenes = [s for s in shapes.sample_scenes(seed + step, batch * 2) if shapes.caption(s) not in exclude][:batch]
-        images = torch.stack([shapes.render(s, seed=(seed + step) * 10_000 + i) for i, s in enumerate(scenes)])
-        yield [shapes.caption(s) for s in scenes], images * 2 - 1
+        captions, images = batch_at(seed, step, batch, exclude)
+        yield captions, images.to(DEVICE)
         step += 1
 
 
@@ -129,7 +164,7 @@ def train_vae(pipe, stage: str, steps: int, batch: int, seed: int, exclude: set[
             group["lr"] = lr_at(step, steps, lr)
         with torch.set_grad_enabled(not decoder_only):
             posterior = vae.encode(x).latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen).to(DEVICE)
         rec = vae.decode(z).sample
         w = pixel_weights(x, shape_weight, edge_weight)
         err = rec - x
@@ -161,8 +196,8 @@ def round_trip(vae, n: int = 300) -> dict[str, float]:
     kept = {"colour": 0, "shape": 0}
     for i in range(0, n, 50):
         part = scenes[i:i + 50]
-        x = torch.stack([shapes.render(s, seed=j) for j, s in enumerate(part, start=i)]) * 2 - 1
-        rec = (vae.decode(vae.encode(x).latent_dist.mean).sample + 1) / 2
+        x = (torch.stack([shapes.render(s, seed=j) for j, s in enumerate(part, start=i)]) * 2 - 1).to(DEVICE)
+        rec = ((vae.decode(vae.encode(x).latent_dist.mean).sample + 1) / 2).float().cpu()
         for image, scene in zip(rec, part):
             result = shapes.adherence(image, scene)
             kept["colour"] += result["colour"]
@@ -214,10 +249,10 @@ def train_flow(pipe, steps: int, batch: int, seed: int, exclude: set[str], text_
         with torch.no_grad():
             x0 = (vae.encode(x).latent_dist.mean - shift) * scale
         b, c, h, w = x0.shape
-        noise = torch.randn(x0.shape, generator=gen)
-        sigma = torch.sigmoid(torch.randn(b, generator=gen))  # logit-normal, as in SD3
+        noise = torch.randn(x0.shape, generator=gen).to(DEVICE)
+        sigma = torch.sigmoid(torch.randn(b, generator=gen)).to(DEVICE)  # logit-normal, as in SD3
         xt = (1 - sigma.view(b, 1, 1, 1)) * x0 + sigma.view(b, 1, 1, 1) * noise
-        prompt_embeds, pooled, text_ids = pipe.encode_prompt(captions, None, device="cpu", max_sequence_length=text_len)
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(captions, None, device=DEVICE, max_sequence_length=text_len)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x0.device, x0.dtype)
         pred = transformer(
             hidden_states=FluxPipeline._pack_latents(xt, b, c, h, w),
@@ -241,8 +276,7 @@ def train_flow(pipe, steps: int, batch: int, seed: int, exclude: set[str], text_
         decay = min(ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
             for name, module in trained.items():
-                for kept, live in zip(averages[name].parameters(), module.parameters()):
-                    kept.lerp_(live, 1 - decay)
+                torch._foreach_lerp_(list(averages[name].parameters()), list(module.parameters()), 1 - decay)
         average = loss.item() if average is None else 0.98 * average + 0.02 * loss.item()
         if step % 50 == 0 or step == steps - 1:
             log(f"flow step {step} loss {average:.4f} ({time.time() - start:.0f} s)")
@@ -261,7 +295,7 @@ def save(pipe, out: Path, dtype: str, steps: int, cfg: float) -> None:
     the settings DiffusionModule uses where a config sets nothing (pipelines.RECOMMENDED_FILE)."""
     from lightning_diffusion import tiny
 
-    pipe.to(getattr(torch, dtype))
+    pipe.to("cpu", getattr(torch, dtype))
     pipe.save_pretrained(out, safe_serialization=True)
     recommended = {"height": 64, "width": 64, "num_inference_steps": steps,
                    "max_sequence_length": tiny.SHAPES_TEXT_LENGTH}
@@ -294,11 +328,18 @@ def main() -> None:
     parser.add_argument("--default-cfg", type=float, default=3.0, help="the true_cfg_scale recommended (1: none)")
     parser.add_argument("--save-dtype", default="float16", choices=["float16", "float32"])
     parser.add_argument("--checkpoint-every", type=int, default=250, help="steps between saves of WORK_DIR/state.pt")
+    parser.add_argument("--device", default="cpu", help="where the models train: cpu, cuda (TF32 matmuls)")
+    parser.add_argument("--data-workers", type=int, default=0,
+                        help="processes drawing batches ahead (the same batches for any number)")
     parser.add_argument("--work-dir", default="/tmp/train-shapes", help="the log and the checkpoint (not the package)")
     args = parser.parse_args()
 
     from lightning_diffusion import shapes, tiny
 
+    global DEVICE, WORKERS
+    DEVICE, WORKERS = torch.device(args.device), args.data_workers
+    if DEVICE.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     out = Path(args.out)
     work = Path(args.work_dir)
@@ -320,7 +361,7 @@ def main() -> None:
         times_path.write_text(json.dumps(times))
 
     exclude = {shapes.caption(s) for s in shapes.held_out_scenes() + shapes.held_out_pairs()}
-    pipe = tiny.shapes_architecture(args.latent_channels, args.downsampling)
+    pipe = tiny.shapes_architecture(args.latent_channels, args.downsampling).to(DEVICE)
     finished: list[str] = list(ckpt.state.get("finished", [])) if ckpt.state else []
     if "vae" in finished:
         pipe.vae.load_state_dict(ckpt.state["vae"])
@@ -390,6 +431,7 @@ def main() -> None:
         "vae_round_trip_percent": kept, "vae_round_trip_before_decoder_pass_percent": encoder_round_trip,
         "vae_minutes": round(times.get("vae", 0) / 60, 1), "decoder_minutes": round(times.get("decoder", 0) / 60, 1),
         "flow_minutes": round(times.get("flow", 0) / 60, 1), "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
         "saved_dtype": args.save_dtype, "recommended_steps": args.default_steps,
         "recommended_true_cfg_scale": args.default_cfg,
     }

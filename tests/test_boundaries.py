@@ -1,6 +1,9 @@
 """The joints between the parts of a run are declared (``boundaries``): the project's parts are what
 the writer reads, and a part that is not fails when the run starts, naming what it lacks."""
 
+import inspect
+import typing
+
 import lightning.pytorch as pl
 import numpy as np
 import pytest
@@ -8,9 +11,10 @@ from torch.utils.data import DataLoader
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
 from lightning_diffusion.boundaries import ImageSource, PromptSource, RunPlan, run_strategy
+from lightning_diffusion.contract import DiffusionModel, DiffusionStrategy
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.shard import Shard
-from lightning_diffusion.strategies import DataParallelStrategy
+from lightning_diffusion.strategies import ContextParallelStrategy, DataParallelStrategy, DeviceMapStrategy
 
 
 def test_the_projects_parts_are_what_the_writer_reads():
@@ -20,6 +24,33 @@ def test_the_projects_parts_are_what_the_writer_reads():
     plan = data.run_plan()
     assert plan == RunPlan(["a", "b", "c"], 7, 2, 6, Shard(1, 2)) and plan.expected == 3
     assert data.shard_images().tolist() == [1, 3, 5]
+
+
+def holds_from_python_312(part, protocol) -> bool:
+    """``isinstance(part, protocol)`` as Python 3.12 and later answer it for a runtime protocol: a
+    nominal subclass, else every member found by ``inspect.getattr_static`` (3.11 used ``hasattr``)."""
+    if protocol in type(part).__mro__:
+        return True
+    members = getattr(protocol, "__protocol_attrs__", None) or typing._get_protocol_attrs(protocol)
+    try:
+        for name in members:
+            inspect.getattr_static(part, name)
+    except AttributeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("strategy", [DataParallelStrategy, lambda: ContextParallelStrategy(ulysses_degree=2),
+                                      DeviceMapStrategy])
+def test_strategies_tell_the_module_on_every_python(strategy):
+    """A strategy moves, parallelises and wraps only a module that is a ``DiffusionModel``; a module
+    the check misses stays on the CPU, unparallelised, and still makes the right pictures there (as
+    on Python 3.12, where ``components``, an ``nn.Module`` submodule, is invisible to the static
+    lookup: the CPU tests of 3.11 passed while a GPU run computed on the CPU)."""
+    module, data = DiffusionModule("tiny:flux"), PromptDataModule(["a"])
+    assert holds_from_python_312(module, DiffusionModel) and isinstance(module, DiffusionModel)
+    assert holds_from_python_312(module, ImageSource) and holds_from_python_312(data, PromptSource)
+    assert holds_from_python_312(strategy(), DiffusionStrategy)
 
 
 class CaptionsOnly(pl.LightningDataModule):
