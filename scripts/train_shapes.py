@@ -21,7 +21,8 @@ Two stages and an optional third, all with diffusers' and transformers' own clas
 3. optionally (``--decoder-steps``), the decoder alone, shapes and outlines weighted again: the encoder is
    frozen, so the latents the flow model learned do not move while the decoder draws them sharper.
 
-docs/shapes.md measures what these options did.
+``--device cuda`` trains on a GPU and ``--data-workers N`` draws the batches in N processes ahead of
+it (the same batches for any N). docs/shapes.md measures what these options did.
 
 The held-out captions (``shapes.held_out_scenes()`` and ``shapes.held_out_pairs()``) are never trained on.
 Seeded and resumable: every stage saves WORK_DIR/state.pt (weights, optimiser, average, random

@@ -267,3 +267,25 @@ def test_training_script_decoder_pass_keeps_the_latents(tmp_path):
     assert any(not torch.equal(v, pipe.vae.decoder.state_dict()[k]) for k, v in decoder.items())
     with pytest.raises(ValueError, match="downsampling is 2 or 4, not 8"):
         tiny.shapes_architecture(downsampling=8)
+
+
+def test_training_batches_are_the_same_for_any_number_of_workers():
+    """``--data-workers`` draws the batches in processes ahead of the device: the same batches in the
+    same order as without (a run's weights depend on its seed, not on how its batches were drawn),
+    and the global random state, which the text encoders' dropout draws from, untouched."""
+    import importlib.util
+    from itertools import islice
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("train_shapes", REPO / "scripts" / "train_shapes.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    plain = list(islice(train.batches(3, 4, set(), start=5), 5))
+    train.WORKERS = 2
+    torch.manual_seed(0)
+    drawn = list(islice(train.batches(3, 4, set(), start=5), 5))
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(0).get_state())
+    assert [c for c, _ in drawn] == [c for c, _ in plain]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(drawn, plain))
+    assert plain[0][0] != plain[1][0]  # consecutive batches differ
