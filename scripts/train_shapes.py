@@ -253,7 +253,8 @@ def train_flow(pipe, steps: int, batch: int, seed: int, exclude: set[str], text_
         noise = torch.randn(x0.shape, generator=gen).to(DEVICE)
         sigma = torch.sigmoid(torch.randn(b, generator=gen)).to(DEVICE)  # logit-normal, as in SD3
         xt = (1 - sigma.view(b, 1, 1, 1)) * x0 + sigma.view(b, 1, 1, 1) * noise
-        prompt_embeds, pooled, text_ids = pipe.encode_prompt(captions, None, device=DEVICE, max_sequence_length=text_len)
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(captions, None, device=DEVICE,
+                                                             max_sequence_length=text_len)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x0.device, x0.dtype)
         pred = transformer(
             hidden_states=FluxPipeline._pack_latents(xt, b, c, h, w),
