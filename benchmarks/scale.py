@@ -23,6 +23,12 @@ Reported (and written to ``--json``):
   ``array_merges_s``: the 16 merges of a job array of the same images into one folder;
 * with ``--replicas 2``: ``replicas_ms_per_image`` over 2 processes.
 
+``--start-up 100000 1000000 10000000`` instead measures what a prompt set costs a rank before its
+work: one process over a ``.jsonl`` file and a Parquet file of that many records (``--start-up-formats``)
+runs its first batch only (``Trainer(limit_predict_batches=1)``), and reports its peak RSS and the
+wall time from ``Trainer.predict`` to its return (the data module's set-up, the record checks, the
+batch plan, the writer's set-up and one batch): ``start_up``, a row a format and count.
+
 ``--object-store`` instead times the same one-process run into a bucket of a local S3 server (moto's
 server mode on 127.0.0.1, with s3fs as the client) beside the run into a folder, both with
 ``writer.format: webdataset`` (``bucket_ms_per_image``, ``folder_ms_per_image``).
@@ -87,7 +93,8 @@ def child(args: argparse.Namespace) -> None:
 
     writer = ImageWriter(args.out, format=args.format, fsync=args.fsync)
     trainer = Trainer(accelerator="cpu", devices=args.replicas, strategy=DataParallelStrategy(), logger=False,
-                      enable_progress_bar=False, callbacks=[writer])
+                      enable_progress_bar=False, callbacks=[writer],
+                      limit_predict_batches=args.limit_batches or None)
     data = PromptDataModule(args.prompts, batch_size=args.batch_size, num_shards=args.shards,
                             shard_index=args.shard_index)
     start = time.perf_counter()
@@ -98,10 +105,11 @@ def child(args: argparse.Namespace) -> None:
                           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
-def run(args: argparse.Namespace, out: Path, prompts: Path, replicas: int = 1, shards: int = 1, shard: int = 0) -> dict:
+def run(args: argparse.Namespace, out: Path, prompts: Path, replicas: int = 1, shards: int = 1, shard: int = 0,
+        limit_batches: int = 0) -> dict:
     command = [sys.executable, __file__, "--child", "--out", str(out), "--prompts", str(prompts), "--format",
                args.format, "--fsync", args.fsync, "--batch-size", str(args.batch_size), "--replicas", str(replicas),
-               "--shards", str(shards), "--shard-index", str(shard)]
+               "--shards", str(shards), "--shard-index", str(shard), "--limit-batches", str(limit_batches)]
     proc = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
@@ -116,6 +124,47 @@ def timed(fn) -> tuple[float, Any]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def write_prompt_set(path: Path, count: int) -> None:
+    """``count`` records of distinct prompts, as JSON lines or as one Parquet file (row groups of
+    pyarrow's default size), written in pieces."""
+    step = 1_000_000
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        with pq.ParquetWriter(path, pa.schema([("prompt", pa.string())])) as out:
+            for first in range(0, count, step):
+                part = [f"a shape number {n}" for n in range(first, min(count, first + step))]
+                out.write_table(pa.table({"prompt": part}))
+        return
+    with open(path, "w") as out:
+        for first in range(0, count, step):
+            out.write("".join(f'{{"prompt": "a shape number {n}"}}\n' for n in range(first, min(count, first + step))))
+
+
+def start_up(args: argparse.Namespace) -> None:
+    """Peak RSS and start-up time of one process against the prompt set's size, a format each."""
+    args.format = "webdataset"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for fmt in args.start_up_formats:
+            for count in args.start_up:
+                prompts = root / f"prompts-{count}.{fmt}"
+                write_prompt_set(prompts, count)
+                report = run(args, root / f"out-{fmt}-{count}", prompts, limit_batches=1)
+                made = report["summary"].get("made")
+                rows.append({"format": fmt, "records": count, "peak_rss_mb": round(report["peak_rss_mb"]),
+                             "start_up_s": round(report["run_s"], 1), "made": made})
+                prompts.unlink()
+                print(json.dumps(rows[-1]), flush=True)
+    print("\n| format | records | peak RSS | start-up (first batch made) |\n| --- | ---: | ---: | ---: |")
+    for row in rows:
+        print(f"| {row['format']} | {row['records']:,} | {row['peak_rss_mb']} MB | {row['start_up_s']} s |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"start_up": rows}, indent=2))
 
 
 def object_store(args: argparse.Namespace) -> None:
@@ -158,7 +207,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--shards", type=int, default=16)
+    parser.add_argument("--start-up", type=int, nargs="+", metavar="RECORDS",
+                        help="peak RSS and start-up time of one process for prompt sets of these sizes")
+    parser.add_argument("--start-up-formats", nargs="+", default=["jsonl", "parquet"], choices=["jsonl", "parquet"])
     parser.add_argument("--child", action="store_true")
+    parser.add_argument("--limit-batches", type=int, default=0, help="each process's first batches only (0: all)")
     parser.add_argument("--out")
     parser.add_argument("--prompts")
     parser.add_argument("--shard-index", type=int, default=0)
@@ -168,6 +221,8 @@ def main() -> None:
         return child(args)
     if args.object_store:
         return object_store(args)
+    if args.start_up:
+        return start_up(args)
 
     from lightning_diffusion.commands.status import folder_status
     from lightning_diffusion.manifest import finished

@@ -41,11 +41,14 @@ import importlib.util
 import io
 import os
 import re
+import subprocess
 import sys
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_diffusion"
@@ -630,3 +633,26 @@ def test_the_readme_layout_names_every_module_and_command():
     missing += [f"command {name}" for name, (module, _) in COMMANDS.items()
                 if not re.search(rf"\b{module.rsplit('.', 1)[1]}\b", commands_line)]
     assert not missing, f"README.md's Layout does not name: {', '.join(missing)}"
+
+
+@pytest.mark.slow
+def test_docs_check_fails_a_command_that_fails_and_a_missing_config(tmp_path):
+    """scripts/docs-check (run by .ci/run over README.md and docs/) reports each failing block in one
+    line and exits 1: a command that exits non-zero, a parsed command whose config does not exist, a
+    mark it does not know; a block that works passes beside them."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint('fine')\n```\n\n"
+        "```bash\nlightning-diffusion status no-such-folder\necho never\n```\n\n"
+        "<!-- docs-check: parse (GPU) -->\n```bash\nlightning-diffusion predict --config configs/no-such.yaml\n```\n\n"
+        "<!-- docs-check: gpu -->\n```bash\nls\n```\n")
+    proc = subprocess.run([sys.executable, "scripts/docs-check", str(page)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [line.split()[0] for line in lines if line.startswith(("ok", "FAIL"))] == ["ok", "FAIL", "FAIL", "FAIL"]
+    assert any("`lightning-diffusion status no-such-folder` exits 2" in line for line in lines), proc.stdout
+    assert not any("never" in line for line in lines)  # the block stops at its first failure
+    assert any("--config configs/no-such.yaml does not exist" in line for line in lines), proc.stdout
+    assert any("unknown docs-check mark 'gpu'" in line for line in lines), proc.stdout
+    assert lines[-1] == "docs-check: 3 block(s) failed"
