@@ -758,7 +758,10 @@ def _source(prompts: Union[str, os.PathLike], split: Optional[str]) -> _Source:
         base = Path(os.path.commonpath([str(m.resolve().parent) for m in matches]))
         return _Source("parquet", tuple(matches), text, base)
     if not path.exists():
-        raise PromptFileError(f"Prompt file {str(path)!r} does not exist.")
+        looks_like_a_prompt = " " in text and not path.suffix and os.sep not in text
+        raise PromptFileError(f"Prompt file {str(path)!r} does not exist."
+                              + (f" Prompts given in place are a list: --data.prompts '[{text}]'."
+                                 if looks_like_a_prompt else ""))
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return _saved_dataset(path, split)
