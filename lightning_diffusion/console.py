@@ -15,8 +15,10 @@ summary. ``lightning-diffusion --verbose ...`` keeps all of it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
+import sys
 import warnings
 
 LOGGER = "lightning_diffusion"
@@ -91,9 +93,16 @@ def quiet(verbose: bool = False) -> None:
         os.environ[_VERBOSE_ENV] = "1"
     if os.environ.get(_VERBOSE_ENV) == "1":
         return
-    # Read when transformers and diffusers are imported, here and in the ranks started later.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    # Read when transformers and diffusers are imported, here and in the ranks started later. A
+    # library imported before (Lightning imports transformers) has read its variable already: set
+    # its level too, unless the user chose one.
+    for library in ("transformers", "diffusers"):
+        variable = f"{library.upper()}_VERBOSITY"
+        if variable in os.environ:
+            continue
+        os.environ[variable] = "error"
+        if library in sys.modules:
+            importlib.import_module(f"{library}.utils.logging").set_verbosity_error()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     for pattern in _QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)

@@ -240,3 +240,24 @@ def test_every_subcommand_takes_json_alone_for_stdout_and_json_file_for_a_file(t
     assert json.loads((tmp_path / "named.json").read_text())["complete"] is True
     cli_here("eval", str(out), f"--json={tmp_path / 'eval.json'}")
     assert json.loads((tmp_path / "eval.json").read_text())["images"]
+
+
+@pytest.mark.slow
+def test_the_python_api_starts_quietly_in_the_readmes_import_order():
+    """The README's script imports Lightning first, and Lightning imports transformers, which reads
+    TRANSFORMERS_VERBOSITY at its import: the package sets transformers' level itself then. Its
+    start-up notices (image processors without torchvision) show with LIGHTNING_DIFFUSION_VERBOSE=1."""
+    script = ("from lightning.pytorch import Trainer\n"
+              "from lightning_diffusion import DiffusionModule\n"
+              "DiffusionModule('tiny:shapes')\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
+
+    def stderr(**extra):
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stderr
+
+    assert "[transformers]" not in stderr()
+    if "[transformers]" not in stderr(LIGHTNING_DIFFUSION_VERBOSE="1"):
+        pytest.skip("transformers says nothing at start-up here (torchvision installed): nothing to hide")
