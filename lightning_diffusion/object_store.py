@@ -295,11 +295,12 @@ class ObjectStore:
                 self._locked = True
                 break
             except FileExistsError:
+                seen = self._read(path)
                 holder = self._holder(self.lock_name)
                 if holder is not None:
                     return f"{self.url} is being written by another run ({holder}); wait for it to end, or use " \
                            "another writer.output_dir."
-                fs.rm(path)  # its run stopped beating: dead
+                self._remove_if_unchanged(path, seen)  # its run stopped beating: dead
         else:
             return f"{self.url}: another run took its lock at the same moment; run the command again."
         fs.invalidate_cache()
@@ -319,11 +320,46 @@ class ObjectStore:
         self._beating.start()
         return None
 
-    def _heartbeat(self, stop: threading.Event) -> None:
+    def _read(self, path: str) -> Optional[bytes]:
+        try:
+            return self.fs[0].cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def _remove_if_unchanged(self, path: str, seen: Optional[bytes]) -> bool:
+        """Remove a stale lock, unless it changed since it was judged stale: another run taking it
+        over at the same moment made its own, which stays (the next try finds it live). A store
+        without conditional deletes leaves the milliseconds between this read and the removal;
+        the heartbeat's ownership check (``beat``) catches a run that lost its lock that way."""
+        if seen is None or self._read(path) != seen:
+            return False
+        self.fs[0].rm(path)
+        return True
+
+    def beat(self) -> bool:
+        """One heartbeat: the lock's time renewed, if the lock is still this run's; False, said
+        once as an error, where another run took it over (this run was judged stale: its store
+        unreachable for longer than the stale time), whose lock is then left alone."""
         fs, root = self.fs
+        path = f"{root}/{self.lock_name}"
+        try:
+            held = json.loads(self._read(path) or b"{}")
+        except ValueError:
+            held = {}
+        if held.get("run") != self.run:
+            log.error(f"{self.url}: this run's lock was taken over by another run (host {held.get('host')}, pid "
+                      f"{held.get('pid')}) after its heartbeat lapsed; both may make the same images. Stop one; "
+                      f"`lightning-diffusion status {self.url}` shows the holder.")
+            self._locked = False  # the other run's lock: not removed at the end
+            return False
+        fs.pipe_file(path, self._lock_text())
+        return True
+
+    def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):
             try:
-                fs.pipe_file(f"{root}/{self.lock_name}", self._lock_text())
+                if not self.beat():
+                    return
             except Exception as err:  # the next beat tries again; STALE_S is four beats
                 log.warning(f"{self.url}: the lock's heartbeat failed ({_why(err)})")
 

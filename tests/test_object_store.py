@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_diffusion.object_store import ObjectStore
 from tests.conftest import REPO, run_cli, run_here
 
 pytest.importorskip("s3fs")
@@ -276,3 +277,27 @@ def test_a_store_that_goes_away_stops_the_run_in_one_line_and_the_same_command_r
     run_cli(*args)  # its lock names a process of this machine that is gone: taken over
     assert sorted(line["index"] for line in _bucket_lines(fs, "runs/outage")) == list(range(60))
     assert _members(_bucket_tars(fs, "runs/outage")).items() >= many_folder.items()
+
+
+def test_a_run_whose_lock_was_taken_over_stops_renewing_it_and_leaves_it(s3, caplog):
+    """A run judged stale (its store unreachable past the stale time) may find its lock taken over:
+    its heartbeat then says so once and stops, and its end does not remove the other run's lock. A
+    stale lock is removed only as it was judged: one renewed or replaced meanwhile stays."""
+    fs = s3.fs()
+    store = ObjectStore("s3://runs/taken", None)
+    assert store._take_lock() is None
+    try:
+        before = json.loads(fs.cat_file("runs/taken/.lock"))
+        assert store.beat() and json.loads(fs.cat_file("runs/taken/.lock"))["run"] == store.run == before["run"]
+        other = json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "other", "heartbeat": 1.0}).encode()
+        fs.pipe_file("runs/taken/.lock", other)
+        assert not store.beat()
+        assert "this run's lock was taken over by another run (host gpu-node-7, pid 4242)" in caplog.text
+        assert fs.cat_file("runs/taken/.lock") == other
+    finally:
+        store.release()
+    assert fs.cat_file("runs/taken/.lock") == other, "the other run's lock stays"
+
+    assert not store._remove_if_unchanged("runs/taken/.lock", b"what was judged stale")
+    assert fs.exists("runs/taken/.lock")
+    assert store._remove_if_unchanged("runs/taken/.lock", other) and not fs.exists("runs/taken/.lock")
