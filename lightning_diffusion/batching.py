@@ -127,7 +127,9 @@ def plan_batches(indices: np.ndarray, bucket_of_image: np.ndarray, cost_of_image
     """The batches of ``indices`` (sorted image indices; ``bucket_of_image`` and ``cost_of_image``
     give each one's bucket and cost): within each bucket in index order with ``bucket`` (buckets
     in the order of their first image), else consecutive images whatever their buckets."""
-    indices = np.asarray(indices, dtype=np.int64)
+    indices = np.asarray(indices)
+    if indices.dtype.kind not in "iu":
+        indices = indices.astype(np.int64)
     buckets = np.asarray(bucket_of_image)
     costs = np.asarray(cost_of_image, dtype=np.float64)
     if bucket and len(indices) and buckets.min() != buckets.max():
@@ -138,7 +140,7 @@ def plan_batches(indices: np.ndarray, bucket_of_image: np.ndarray, cost_of_image
         order = np.argsort(group_of_image, kind="stable")  # index order inside each group
         group_sizes = np.bincount(group_of_image, minlength=len(kinds))
     else:
-        order = np.arange(len(indices))
+        order = None  # index order: no permutation to hold
         group_sizes = np.asarray([len(indices)] if len(indices) else [], dtype=np.int64)
     group_starts = np.cumsum(group_sizes) - group_sizes
     per_group = -(-group_sizes // batch_size)  # batches a group makes
@@ -147,16 +149,26 @@ def plan_batches(indices: np.ndarray, bucket_of_image: np.ndarray, cost_of_image
     starts = group_starts[group_of_batch] + within * batch_size
     ends = np.minimum(starts + batch_size, (group_starts + group_sizes)[group_of_batch])
     sizes = ends - starts
-    mean = np.add.reduceat(costs[order], starts) / sizes if len(starts) else np.zeros(0)
-    batch_buckets = (buckets[order[starts]].astype(np.int64) if bucket and len(starts)
+    ordered_costs = costs if order is None else costs[order]
+    if not len(starts):
+        mean = np.zeros(0)
+    elif costs.strides == (0,):  # one cost for every image (image_facts' single kind)
+        mean = np.full(len(starts), float(costs[0]))
+    else:
+        mean = np.add.reduceat(ordered_costs, starts) / sizes
+    first_images = starts if order is None else order[starts]
+    batch_buckets = (buckets[first_images].astype(np.int64) if bucket and len(starts)
                      else np.full(len(starts), -1, dtype=np.int64))
-    return BatchPlan(indices[order], np.append(starts, len(order)).astype(np.int64), batch_buckets,
-                     mean * (batch_size if pad else sizes), batch_size, pad)
+    return BatchPlan(indices if order is None else indices[order], np.append(starts, len(indices)).astype(np.int64),
+                     batch_buckets, mean * (batch_size if pad else sizes), batch_size, pad)
 
 
 def image_facts(facts: SetFacts, set_of: Any, indices: np.ndarray, num_images_per_prompt: int,
                 bucket_of_position: Optional[dict[int, int]] = None) -> tuple[np.ndarray, np.ndarray]:
     """Each image's bucket and cost, from its record's set (``set_of``: record position -> set)."""
+    if len(facts.bucket) == 1 and not bucket_of_position:  # one kind of image: the same for all, held once
+        return (np.broadcast_to(np.int32(facts.bucket[0]), (len(indices),)),
+                np.broadcast_to(np.float64(facts.cost[0]), (len(indices),)))
     sets = np.frombuffer(set_of, dtype=np.uint32) if len(set_of) else np.zeros(0, np.uint32)
     positions = indices // num_images_per_prompt if num_images_per_prompt > 1 else indices
     image_sets = sets[positions]

@@ -102,7 +102,9 @@ def quiet(verbose: bool = False) -> None:
             continue
         os.environ[variable] = "error"
         if library in sys.modules:
-            importlib.import_module(f"{library}.utils.logging").set_verbosity_error()
+            levels = importlib.import_module(f"{library}.utils.logging")
+            if levels.get_verbosity() == logging.WARNING:  # the library's default: not one set in code
+                levels.set_verbosity_error()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     for pattern in _QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)

@@ -60,7 +60,9 @@ class PromptDataset(Dataset):
         self.seed = seed
         self.num_images_per_prompt = num_images_per_prompt
         self.total = len(records) * num_images_per_prompt
-        self.indices = np.arange(self.total, dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
+        self.indices = np.arange(self.total, dtype=np.int64) if indices is None else np.asarray(indices)
+        if self.indices.dtype.kind not in "iu":  # a list, an empty one: integers; an index array is kept as it is
+            self.indices = self.indices.astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -296,14 +298,23 @@ class PromptDataModule(pl.LightningDataModule):
         every sample's fields, about 0.1 ms an image on a CPU)."""
         return batch
 
-    def predict_dataloader(self) -> DataLoader:
+    def pending_images(self) -> np.ndarray:
+        """The images this run makes, in index order: its shard's, less those already made and the
+        rejected records'. 4 bytes an image where the set has fewer than 2**31."""
+        dtype = np.int32 if self.num_images < 2**31 else np.int64
+        first, step = (self.shard.shard_index, self.shard.num_shards) if self.shard is not None else (0, 1)
+        if not len(self.skip) and not self.rejected:
+            return np.arange(first, self.num_images, step, dtype=dtype)
         todo = np.zeros(self.num_images, dtype=bool)
-        todo[self.shard_images()] = True
+        todo[first::step] = True  # the shard's images, without an array of them
         if len(self.skip):
             todo[self.skip] = False
         if self.rejected:
             todo[self.rejected_images()] = False
-        pending = np.flatnonzero(todo)
+        return np.flatnonzero(todo).astype(dtype, copy=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        pending = self.pending_images()
         self.plan = self.batch_plan(pending)
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}

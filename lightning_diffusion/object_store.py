@@ -342,8 +342,17 @@ class ObjectStore:
         unreachable for longer than the stale time), whose lock is then left alone."""
         fs, root = self.fs
         path = f"{root}/{self.lock_name}"
+        found = self._read(path)
+        if found is None:  # removed meanwhile (by hand, or a takeover half done): made again, as a new lock
+            try:
+                fs.pipe_file(path, self._lock_text(), mode="create")
+                return True
+            except OSError as err:
+                if not _already_there(err):
+                    raise
+                found = self._read(path) or b"{}"  # another run made it first: judged below
         try:
-            held = json.loads(self._read(path) or b"{}")
+            held = json.loads(found)
         except ValueError:
             held = {}
         if held.get("run") != self.run:

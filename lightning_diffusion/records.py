@@ -31,6 +31,7 @@ import csv
 import glob
 import json
 import os
+import shlex
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -759,8 +760,9 @@ def _source(prompts: Union[str, os.PathLike], split: Optional[str]) -> _Source:
         return _Source("parquet", tuple(matches), text, base)
     if not path.exists():
         looks_like_a_prompt = " " in text and not path.suffix and os.sep not in text
+        as_list = shlex.quote(json.dumps([text]))
         raise PromptFileError(f"Prompt file {str(path)!r} does not exist."
-                              + (f" Prompts given in place are a list: --data.prompts '[{text}]'."
+                              + (f" Prompts given in place are a list: --data.prompts {as_list}."
                                  if looks_like_a_prompt else ""))
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():

@@ -116,15 +116,18 @@ def pixel_weights(x: torch.Tensor, shape_weight: float, edge_weight: float) -> t
 
 
 class Checkpoint:
-    """WORK_DIR/state.pt: the stage, its step, and everything needed to continue it bit for bit."""
+    """WORK_DIR/state.pt: the stage, its step, and everything needed to continue it: bit for bit on
+    the CPU; on a GPU with the same random streams, through kernels that are not bit-exact."""
 
     def __init__(self, work: Path, every: int, log) -> None:
         self.path, self.every, self.log = work / "state.pt", every, log
-        self.state = torch.load(self.path, weights_only=False) if self.path.exists() else None
+        self.state = torch.load(self.path, weights_only=False, map_location="cpu") if self.path.exists() else None
 
     def resume(self, stage: str) -> dict | None:
         if self.state and self.state["stage"] == stage:
             torch.set_rng_state(self.state["rng"])  # dropout in the text encoders draws from it
+            if DEVICE.type == "cuda" and self.state.get("cuda_rng") is not None:  # there, from the GPU's
+                torch.cuda.set_rng_state(self.state["cuda_rng"], DEVICE)
             self.log(f"{stage}: continuing from step {self.state['step']} ({self.path})")
             return self.state
         return None
@@ -134,7 +137,8 @@ class Checkpoint:
 
     def save(self, stage: str, step: int, finished: list[str], **parts) -> None:
         state = {**(self.state or {}), "stage": stage, "step": step, "finished": list(finished),
-                 "rng": torch.get_rng_state(), **parts}
+                 "rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state(DEVICE) if DEVICE.type == "cuda" else None, **parts}
         tmp = self.path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.path)

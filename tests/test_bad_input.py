@@ -127,7 +127,8 @@ CASES = [
      "model.call_kwargs.max_sequence_length must be an integer from 1 to 512, got 'long'"),
     ("missing prompt file", ["--data.prompts", "{d}/nope.txt"], "nope.txt' does not exist."),
     ("a prompt given as a file", ["--data.prompts", "a red circle"],
-     "Prompt file 'a red circle' does not exist. Prompts given in place are a list: --data.prompts '[a red circle]'."),
+     "Prompt file 'a red circle' does not exist. Prompts given in place are a list: "
+     """--data.prompts '["a red circle"]'."""),
     ("empty prompt file", ["--data.prompts", "{d}/empty.txt"], "No prompts found"),
     ("jsonl line not JSON", ["--data.prompts", "{d}/bad.jsonl"], "bad.jsonl:2: not valid JSON"),
     ("jsonl line without prompt", ["--data.prompts", "{d}/noprompt.jsonl"], "noprompt.jsonl:1: no 'prompt'"),

@@ -638,21 +638,28 @@ def test_the_readme_layout_names_every_module_and_command():
 @pytest.mark.slow
 def test_docs_check_fails_a_command_that_fails_and_a_missing_config(tmp_path):
     """scripts/docs-check (run by .ci/run over README.md and docs/) reports each failing block in one
-    line and exits 1: a command that exits non-zero, a parsed command whose config does not exist, a
-    mark it does not know; a block that works passes beside them."""
+    line and exits 1: a command that exits non-zero, a parsed command whose config does not exist or
+    with an option its command lacks (indented in a list, under srun), a mark it does not know, a
+    shell block by another name; a block that works passes beside them."""
     page = tmp_path / "page.md"
     page.write_text(
         "```python\nprint('fine')\n```\n\n"
         "```bash\nlightning-diffusion status no-such-folder\necho never\n```\n\n"
         "<!-- docs-check: parse (GPU) -->\n```bash\nlightning-diffusion predict --config configs/no-such.yaml\n```\n\n"
-        "<!-- docs-check: gpu -->\n```bash\nls\n```\n")
+        "<!-- docs-check: gpu -->\n```bash\nls\n```\n\n"
+        "- in a list:\n\n  <!-- docs-check: parse (cluster) -->\n  ```bash\n"
+        "  srun lightning-diffusion slurm --config configs/tiny.yaml --arrray 4 --data.prompts p.txt\n  ```\n\n"
+        "```sh\necho a shell block by another name\n```\n")
     proc = subprocess.run([sys.executable, "scripts/docs-check", str(page)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert [line.split()[0] for line in lines if line.startswith(("ok", "FAIL"))] == ["ok", "FAIL", "FAIL", "FAIL"]
+    assert [line.split()[0] for line in lines if line.startswith(("ok", "FAIL"))] == ["ok"] + ["FAIL"] * 5
     assert any("`lightning-diffusion status no-such-folder` exits 2" in line for line in lines), proc.stdout
     assert not any("never" in line for line in lines)  # the block stops at its first failure
     assert any("--config configs/no-such.yaml does not exist" in line for line in lines), proc.stdout
     assert any("unknown docs-check mark 'gpu'" in line for line in lines), proc.stdout
-    assert lines[-1] == "docs-check: 3 block(s) failed"
+    assert any("lightning-diffusion slurm: --arrray is not among its options" in line for line in lines)
+    assert not any("--data.prompts is not" in line for line in lines)  # a config key slurm passes on
+    assert any("a 'sh' block: name it bash" in line for line in lines)
+    assert lines[-1] == "docs-check: 5 block(s) failed"

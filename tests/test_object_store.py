@@ -281,14 +281,17 @@ def test_a_store_that_goes_away_stops_the_run_in_one_line_and_the_same_command_r
 
 def test_a_run_whose_lock_was_taken_over_stops_renewing_it_and_leaves_it(s3, caplog):
     """A run judged stale (its store unreachable past the stale time) may find its lock taken over:
-    its heartbeat then says so once and stops, and its end does not remove the other run's lock. A
-    stale lock is removed only as it was judged: one renewed or replaced meanwhile stays."""
+    its heartbeat then says so once and stops, and its end does not remove the other run's lock; a
+    lock removed meanwhile is made again. A stale lock is removed only as it was judged: one renewed
+    or replaced meanwhile stays."""
     fs = s3.fs()
     store = ObjectStore("s3://runs/taken", None)
     assert store._take_lock() is None
     try:
         before = json.loads(fs.cat_file("runs/taken/.lock"))
         assert store.beat() and json.loads(fs.cat_file("runs/taken/.lock"))["run"] == store.run == before["run"]
+        fs.rm("runs/taken/.lock")  # removed by hand: the next beat makes it again, the run keeps it
+        assert store.beat() and json.loads(fs.cat_file("runs/taken/.lock"))["run"] == store.run
         other = json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "other", "heartbeat": 1.0}).encode()
         fs.pipe_file("runs/taken/.lock", other)
         assert not store.beat()
