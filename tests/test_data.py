@@ -111,6 +111,26 @@ def test_skipped_indices_are_removed_before_the_split():
     assert [s["index"] for batch in loader for s in batch] == [3, 4, 5]
 
 
+def test_a_set_of_one_kind_is_planned_in_four_bytes_an_image(tmp_path):
+    """Planning a prompt set whose records share one kind of call holds the images left to make
+    (int32, in index order: the plan's order too) and a few numbers a batch; no per-image cost,
+    bucket or shard-member array. 250,000 images at batch 64: 5.1 bytes an image at the peak
+    (38 with int64 indices and those arrays), bound at 6."""
+    import tracemalloc
+
+    images = 250_000
+    path = tmp_path / "big.txt"
+    path.write_text("".join(f"prompt number {i}\n" for i in range(images)))
+    next(iter(PromptDataModule(["a"], batch_size=64).predict_dataloader()))  # the loader's imports, once
+    module = PromptDataModule(str(path), batch_size=64)
+    tracemalloc.start()
+    batch = next(iter(module.predict_dataloader()))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert [s["index"] for s in batch] == list(range(64)) and module.plan.order.dtype == np.int32
+    assert peak < 6 * images, f"{peak / images:.1f} bytes an image"
+
+
 @pytest.mark.slow
 def test_a_large_prompt_file_is_streamed(tmp_path):
     """The data module keeps 8 bytes a record (line offsets), not the records: peak traced memory
