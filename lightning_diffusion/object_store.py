@@ -45,7 +45,7 @@ import numpy as np
 
 from lightning_diffusion.console import log
 from lightning_diffusion.lock import pid_alive
-from lightning_diffusion.manifest import FAILED, REJECTED, RUN_FILE, RUN_META, recorded_conflict
+from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
 from lightning_diffusion.shard import Shard, select, shard_name
 
 HEARTBEAT_S = 30.0
@@ -114,6 +114,24 @@ def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> li
         return [f"writer.output_dir {url}: no right to write there ({_why(err)})."]
     except Exception as err:  # botocore's NoCredentialsError, EndpointConnectionError...
         return [f"writer.output_dir {url}: cannot write there ({_why(err)})."]
+    return []
+
+
+def read_problems(url: str, what: str, options: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Why ``url`` cannot be read (``what`` names it: "output", "reference"): as
+    ``access_problems``, with a listing instead of a probe object (nothing is written)."""
+    try:
+        fs, root = open_url(url, options)
+        fs.ls(root)
+    except FileNotFoundError:
+        return [f"{what} {url}: nothing there (no bucket or prefix of that name)."]
+    except ImportError as err:
+        return [f"{what} {url}: this store needs a package that is not installed ({err.name}): pip install s3fs "
+                "for s3://, gcsfs for gs://."]
+    except PermissionError as err:
+        return [f"{what} {url}: no right to read there ({_why(err)})."]
+    except Exception as err:
+        return [f"{what} {url}: cannot read there ({_why(err)})."]
     return []
 
 
@@ -433,6 +451,33 @@ class ObjectStore:
         failed = [line for blob in (fs.cat(failed_names, on_error="return") if failed_names else {}).values()
                   if not isinstance(blob, Exception) for line in _lines(blob)]
         return np.asarray(sorted(rank_of), dtype=np.int64), rank_of, failed
+
+    def download_records(self, into: Path) -> int:
+        """The recorded images as a folder (``into``): the tar shards they are in, and their
+        manifest lines as ``manifest.jsonl`` (each image once, as ``recorded`` counts it), for
+        readers of a folder (``eval``). Returns the images."""
+        return tried("downloading the records of", self.url, lambda: self._download_records(into))
+
+    def _download_records(self, into: Path) -> int:
+        fs, root = self.fs
+        fs.invalidate_cache()
+        listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)
+                   if entry.get("type") != "directory"}
+        names = fs.find(f"{root}/{MANIFESTS}")
+        blobs = fs.cat(names, on_error="return") if names else {}
+        kept: dict[int, dict[str, Any]] = {}
+        for _, blob in sorted(blobs.items()):
+            if isinstance(blob, Exception):
+                continue
+            for line in _lines(blob):
+                if listing.get(line.get("file")) == line.get("shard_bytes"):
+                    kept.setdefault(int(line["index"]), line)
+        into.mkdir(parents=True, exist_ok=True)
+        for tar in sorted({str(line["file"]) for line in kept.values()}):
+            fs.get_file(f"{root}/{tar}", str(into / tar))
+        with open(into / MANIFEST, "w") as f:
+            f.writelines(json.dumps(kept[index]) + "\n" for index in sorted(kept))
+        return len(kept)
 
     def prepare(self, settings: dict[str, Any], expected: Optional[int],
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:

@@ -304,3 +304,27 @@ def test_a_run_whose_lock_was_taken_over_stops_renewing_it_and_leaves_it(s3, cap
     assert not store._remove_if_unchanged("runs/taken/.lock", b"what was judged stale")
     assert fs.exists("runs/taken/.lock")
     assert store._remove_if_unchanged("runs/taken/.lock", other) and not fs.exists("runs/taken/.lock")
+
+
+@pytest.mark.slow
+def test_eval_reads_a_bucket_as_it_reads_the_folder(s3, folder_run, tmp_path, cli_here):
+    """``eval s3://...`` downloads the recorded shards and their manifest lines and reads them as a
+    folder: the same per-image rows as the folder of the same run, the URL named; a bucket of no
+    records and a prefix of no bucket are refused in one line."""
+    folder = tmp_path / "folder"
+    run_here(*_args(str(folder)))
+    run_here(*_args("s3://runs/evaluated"))
+    bucket = cli_here("eval", "s3://runs/evaluated", "--reference", str(folder), "--json")
+    assert bucket.returncode == 0, bucket.stderr
+    result = json.loads(bucket.stdout)
+    assert result["summary"]["folder"] == "s3://runs/evaluated" and result["summary"]["images"] == 6
+    assert result["summary"]["reference"]["max_abs"] == 0  # the same bytes as the folder's images
+    alone = json.loads(cli_here("eval", str(folder), "--json").stdout)
+    assert [row["index"] for row in result["images"]] == [row["index"] for row in alone["images"]]
+    s3.fs().pipe_file("runs/started/run.json", b"{}")  # a run that recorded nothing yet
+    empty = cli_here("eval", "s3://runs/started")
+    assert empty.returncode == 2 and "output s3://runs/started records no finished image." in empty.stderr
+    for url in ("s3://runs/nothing-here", "s3://no-such-bucket/run"):
+        missing = cli_here("eval", url)
+        assert missing.returncode == 2 and f"output {url}: nothing there" in missing.stderr, missing.stderr
+

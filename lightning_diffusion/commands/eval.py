@@ -14,16 +14,23 @@ Metrics of an output folder, read through its manifest (only finished images cou
   (``--features inception``, which needs the torch-fidelity package and ``--inception-weights``);
 * ``--clip DIR``: CLIP score (torchmetrics' definition) with a local CLIP model folder.
 
-Reads only; writes nothing. Exit code 0 on success, 2 for bad input (a one-line message).
+An object-store output or reference (``s3://bucket/prefix``, as ``writer.output_dir`` takes) is
+read as its folder would be: its recorded images' tar shards and manifest lines are downloaded into
+a temporary folder, removed at the end.
+
+Reads only; writes nothing (but that temporary folder). Exit code 0 on success, 2 for bad input (a
+one-line message).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import io
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -242,11 +249,12 @@ def evaluate(args) -> dict[str, Any]:
             row["adherence"] = shapes.adherence(images[i], scene)
         rows.append(row)
 
-    summary: dict[str, Any] = {"images": len(indices), "folder": str(folder)}
+    named = getattr(args, "urls", {})  # an object store's URL for the folder it was copied into
+    summary: dict[str, Any] = {"images": len(indices), "folder": named.get(str(folder), str(folder))}
     if compared:
         diffs = [r for r in rows if "max_abs" in r]
         summary["reference"] = {
-            "folder": str(ref_folder), "compared": len(diffs),
+            "folder": named.get(str(ref_folder), str(ref_folder)), "compared": len(diffs),
             "max_abs": max(r["max_abs"] for r in diffs),
             "psnr_mean": _mean([r["psnr"] for r in diffs]), "psnr_min": min(r["psnr"] for r in diffs),
             "ssim_mean": _mean([r["ssim"] for r in diffs]), "ssim_min": min(r["ssim"] for r in diffs),
@@ -262,7 +270,7 @@ def evaluate(args) -> dict[str, Any]:
         if ref_folder:
             real = [ref_images[i] for i in compared]
             fake = [images[i] for i in compared]
-            against = str(ref_folder)
+            against = named.get(str(ref_folder), str(ref_folder))
         else:
             side = images[indices[0]].shape[-1]
             # every caption is one (checked above): --fid without a reference draws them
@@ -364,6 +372,32 @@ def report(result: dict[str, Any], per_image: bool) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def local_copies(args):
+    """An object-store output (``s3://...``) or reference read as a folder: its recorded images'
+    tar shards and manifest lines downloaded into a temporary folder for the run of ``eval``;
+    the summary names the URL."""
+    from lightning_diffusion import object_store
+
+    with tempfile.TemporaryDirectory(prefix="lightning-diffusion-eval-") as tmp:
+        urls = {}
+        for key in ("output_dir", "reference"):
+            url = getattr(args, key)
+            if url is None or not object_store.is_url(url):
+                continue
+            what = "output" if key == "output_dir" else "reference"
+            problems = object_store.read_problems(url, what)
+            if problems:
+                raise ConfigError(problems[0])
+            folder = Path(tmp) / key
+            if not object_store.ObjectStore(url, None).download_records(folder):
+                raise ConfigError(f"{what} {url} records no finished image.")
+            urls[str(folder)] = url
+            setattr(args, key, str(folder))
+        args.urls = urls
+        yield
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-diffusion eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -379,7 +413,8 @@ def main(argv: list[str]) -> int:
     add_json_option(parser, "the result (every image's row included)")
     args = parser.parse_args(json_argv(argv))
     try:
-        result = evaluate(args)
+        with local_copies(args):
+            result = evaluate(args)
     except ConfigError as err:
         print(f"lightning-diffusion eval: {err}", file=sys.stderr)
         return 2
