@@ -217,6 +217,9 @@ def test_predict_help_shows_this_projects_keys_first_and_help_all_everything(cap
                   "default: tiny:shapes"):
         assert shown in short
     assert short.rstrip().endswith("--help-all shows every option, Lightning's training options included.")
+    strategy = short.split("--trainer.strategy STRATEGY", 1)[1].split("\n  -", 1)[0]
+    assert "ulysses" in strategy and "(default: data_parallel)" in strategy  # the project's names, not Lightning's
+    assert "DeepSpeed" not in strategy and '"auto"' not in strategy
     assert predict(["--help-all"]) == 0
     every = capsys.readouterr().out
     assert "--trainer.max_epochs" in every and "--optimizer" in every and len(every) > 2 * len(short)

@@ -53,7 +53,8 @@ def short_help(full: str) -> str:
         if len(prefixes) == 1:
             by_prefix.setdefault(prefixes.pop(), []).extend(entries)
     keep = tuple(f"--trainer.{key}" for key in INFERENCE_TRAINER_KEYS)
-    by_prefix["--trainer"] = [e for e in by_prefix.get("--trainer", [])
+    by_prefix["--trainer"] = [strategy_entry() if e.split()[0] == "--trainer.strategy" else e
+                              for e in by_prefix.get("--trainer", [])
                               if e.split()[0].rstrip(",").split(" ")[0].startswith(keep)]
     parts = ["usage: lightning-diffusion predict --config CONFIG [--GROUP.KEY VALUE ...]",
              "Make images (or videos) from prompt records with a diffusers pipeline; the same keys go in the YAML "
@@ -64,6 +65,19 @@ def short_help(full: str) -> str:
             parts.append(title + ":\n" + "\n".join(by_prefix[prefix]))
     parts.append("--help-all shows every option, Lightning's training options included.")
     return "\n\n".join(part.rstrip() for part in parts) + "\n"
+
+
+def strategy_entry() -> str:
+    """``--trainer.strategy`` as this project's names it (Lightning's own text says "auto" and lists
+    its training strategies)."""
+    import textwrap
+
+    from lightning_diffusion.strategies import STRATEGY_NAMES
+
+    text = (f"{', '.join(STRATEGY_NAMES)} (default: data_parallel), or a strategy's class_path with init_args "
+            "(ulysses_degree, tp_degree, ...; docs/strategies.md).")
+    return "  --trainer.strategy STRATEGY\n" + textwrap.fill(text, 80, initial_indent=" " * 24,
+                                                            subsequent_indent=" " * 24)
 
 
 def _entries(block: str) -> list[str]:
