@@ -315,6 +315,21 @@ def test_two_replicas_over_parquet_make_the_images_of_one_process(runs, tmp_path
     assert _manifest(tmp_path / "two") == _manifest(runs["parquet folder"])
 
 
+@pytest.mark.slow
+def test_a_three_task_array_over_parquet_makes_the_images_of_one_process(runs, tmp_path):
+    """Three shards of a job array over a folder of Parquet files, one after another into one
+    folder: together the images, bytes and manifest lines of one process over the same files."""
+    flags = ["--data.prompts", str(runs["jsonl"].parent / "in" / "three"), "--data.columns", "{prompt: caption}"]
+    for task in range(3):
+        run_here(*tiny_args(tmp_path / "array", *flags, *FAST, "--data.num_shards", "3", "--data.shard_index",
+                            str(task)))
+    assert _pictures(tmp_path / "array") == _pictures(runs["parquet folder"])
+    def by_index(out: Path) -> list[dict]:  # the tasks append in their own order
+        return sorted(_manifest(out), key=lambda line: line["index"])
+
+    assert by_index(tmp_path / "array") == by_index(runs["parquet folder"])
+
+
 def test_a_hub_datasets_split_is_its_files_named_by_it():
     names = ["README.md", "data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",
              "data/test-00000-of-00001.parquet", "validation/part.parquet", "data/latest-train.parquet"]
