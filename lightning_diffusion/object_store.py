@@ -99,39 +99,38 @@ def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> li
     """Why a run cannot write into ``url``: a store that cannot be reached, no credentials, a bucket
     that does not exist, no right to write (a probe object is made and removed). One line each,
     naming the URL and never a secret."""
-    root = url.split("://", 1)[-1]
-    try:
-        fs, root = open_url(url, options)
-        probe = f"{root}/.write-check-{os.urandom(6).hex()}"
-        fs.pipe_file(probe, b"")
-        fs.rm(probe)
-    except FileNotFoundError:
-        return [f"writer.output_dir {url}: the bucket {root.split('/', 1)[0]} does not exist; create it first."]
-    except ImportError as err:
-        return [f"writer.output_dir {url}: this store needs a package that is not installed ({err.name}): "
-                "pip install s3fs for s3://, gcsfs for gs://."]
-    except PermissionError as err:
-        return [f"writer.output_dir {url}: no right to write there ({_why(err)})."]
-    except Exception as err:  # botocore's NoCredentialsError, EndpointConnectionError...
-        return [f"writer.output_dir {url}: cannot write there ({_why(err)})."]
-    return []
+    bucket = url.split("://", 1)[-1].split("/", 1)[0]
+
+    def probe(fs: Any, root: str) -> None:
+        name = f"{root}/.write-check-{os.urandom(6).hex()}"
+        fs.pipe_file(name, b"")
+        fs.rm(name)
+
+    return _problems(url, options, "writer.output_dir", "write", probe,
+                     f"the bucket {bucket} does not exist; create it first.")
 
 
 def read_problems(url: str, what: str, options: Optional[Mapping[str, Any]] = None) -> list[str]:
     """Why ``url`` cannot be read (``what`` names it: "output", "reference"): as
     ``access_problems``, with a listing instead of a probe object (nothing is written)."""
+    return _problems(url, options, what, "read", lambda fs, root: fs.ls(root),
+                     "nothing there (no bucket or prefix of that name).")
+
+
+def _problems(url: str, options: Optional[Mapping[str, Any]], what: str, verb: str, probe: Any,
+              missing: str) -> list[str]:
     try:
         fs, root = open_url(url, options)
-        fs.ls(root)
+        probe(fs, root)
     except FileNotFoundError:
-        return [f"{what} {url}: nothing there (no bucket or prefix of that name)."]
+        return [f"{what} {url}: {missing}"]
     except ImportError as err:
         return [f"{what} {url}: this store needs a package that is not installed ({err.name}): pip install s3fs "
                 "for s3://, gcsfs for gs://."]
     except PermissionError as err:
-        return [f"{what} {url}: no right to read there ({_why(err)})."]
-    except Exception as err:
-        return [f"{what} {url}: cannot read there ({_why(err)})."]
+        return [f"{what} {url}: no right to {verb} there ({_why(err)})."]
+    except Exception as err:  # botocore's NoCredentialsError, EndpointConnectionError...
+        return [f"{what} {url}: cannot {verb} there ({_why(err)})."]
     return []
 
 
