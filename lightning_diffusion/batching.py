@@ -122,14 +122,19 @@ class BatchPlan:
         return line
 
 
+def index_array(indices: Any) -> np.ndarray:
+    """``indices`` as an integer array: an index array as it is (int32 where a run keeps them so), a
+    list or an empty one as int64."""
+    found = np.asarray(indices)
+    return found if found.dtype.kind in "iu" else found.astype(np.int64)
+
+
 def plan_batches(indices: np.ndarray, bucket_of_image: np.ndarray, cost_of_image: np.ndarray, batch_size: int,
                  bucket: bool = True, pad: bool = True) -> BatchPlan:
     """The batches of ``indices`` (sorted image indices; ``bucket_of_image`` and ``cost_of_image``
     give each one's bucket and cost): within each bucket in index order with ``bucket`` (buckets
     in the order of their first image), else consecutive images whatever their buckets."""
-    indices = np.asarray(indices)
-    if indices.dtype.kind not in "iu":
-        indices = indices.astype(np.int64)
+    indices = index_array(indices)
     buckets = np.asarray(bucket_of_image)
     costs = np.asarray(cost_of_image, dtype=np.float64)
     if bucket and len(indices) and buckets.min() != buckets.max():

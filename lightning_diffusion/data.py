@@ -24,7 +24,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, plan_batches
+from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.boundaries import RunPlan, run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
@@ -60,9 +60,7 @@ class PromptDataset(Dataset):
         self.seed = seed
         self.num_images_per_prompt = num_images_per_prompt
         self.total = len(records) * num_images_per_prompt
-        self.indices = np.arange(self.total, dtype=np.int64) if indices is None else np.asarray(indices)
-        if self.indices.dtype.kind not in "iu":  # a list, an empty one: integers; an index array is kept as it is
-            self.indices = self.indices.astype(np.int64)
+        self.indices = np.arange(self.total, dtype=np.int64) if indices is None else index_array(indices)
 
     def __len__(self) -> int:
         return len(self.indices)

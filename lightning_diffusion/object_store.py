@@ -37,7 +37,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -431,21 +431,28 @@ class ObjectStore:
         image counts when its manifest object names a tar of the recorded size."""
         return tried("reading the records at", self.url, self._recorded)
 
-    def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
+    def _recorded_lines(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Each manifest line that names a tar of its recorded size, with the rank that wrote it, in
+        the manifest objects' order (an image recorded twice: its first line counts)."""
         fs, root = self.fs
         fs.invalidate_cache()  # listings are read afresh: other ranks and tasks add to them
         listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)
                    if entry.get("type") != "directory"}
         names = fs.find(f"{root}/{MANIFESTS}")
         blobs = fs.cat(names, on_error="return") if names else {}  # one gone since the listing: skipped
-        rank_of: dict[int, int] = {}
         for name, blob in sorted(blobs.items()):
             if isinstance(blob, Exception):
                 continue
             rank = int(name.rsplit(".rank-", 1)[-1].split(".")[0]) if ".rank-" in name else 0
             for line in _lines(blob):
                 if listing.get(line.get("file")) == line.get("shard_bytes"):
-                    rank_of.setdefault(line["index"], rank)
+                    yield rank, line
+
+    def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
+        fs, root = self.fs
+        rank_of: dict[int, int] = {}
+        for rank, line in self._recorded_lines():
+            rank_of.setdefault(line["index"], rank)
         failed_names = fs.find(f"{root}/{FAILURES}")
         failed = [line for blob in (fs.cat(failed_names, on_error="return") if failed_names else {}).values()
                   if not isinstance(blob, Exception) for line in _lines(blob)]
@@ -459,18 +466,9 @@ class ObjectStore:
 
     def _download_records(self, into: Path) -> int:
         fs, root = self.fs
-        fs.invalidate_cache()
-        listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)
-                   if entry.get("type") != "directory"}
-        names = fs.find(f"{root}/{MANIFESTS}")
-        blobs = fs.cat(names, on_error="return") if names else {}
         kept: dict[int, dict[str, Any]] = {}
-        for _, blob in sorted(blobs.items()):
-            if isinstance(blob, Exception):
-                continue
-            for line in _lines(blob):
-                if listing.get(line.get("file")) == line.get("shard_bytes"):
-                    kept.setdefault(int(line["index"]), line)
+        for _, line in self._recorded_lines():
+            kept.setdefault(int(line["index"]), line)
         into.mkdir(parents=True, exist_ok=True)
         for tar in sorted({str(line["file"]) for line in kept.values()}):
             fs.get_file(f"{root}/{tar}", str(into / tar))
