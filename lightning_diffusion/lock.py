@@ -44,7 +44,8 @@ def lock_name(shard: Optional[tuple[int, int]]) -> str:
     return LOCK if shard is None else f"{LOCK}.{shard_name(shard)}"
 
 
-def _shard_of(name: str) -> Optional[Shard]:
+def shard_of_lock(name: str) -> Optional[Shard]:
+    """The shard whose lock file (or object) is called ``name``; None for any other name."""
     found = re.fullmatch(r"\.lock\.shard-(\d+)-of-(\d+)", name)
     return Shard(int(found.group(1)), int(found.group(2))) if found else None
 
@@ -53,7 +54,7 @@ def live_locks(folder: Path) -> dict[Optional[tuple[int, int]], str]:
     """The folder's live runs by shard (None: a run of the whole prompt set), described."""
     found: dict[Optional[tuple[int, int]], str] = {}
     for path in sorted(Path(folder).glob(f"{LOCK}*")):
-        shard = _shard_of(path.name)
+        shard = shard_of_lock(path.name)
         if path.name != LOCK and shard is None:
             continue
         holder = OutputLock(folder, shard).holder()

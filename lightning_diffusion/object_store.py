@@ -298,6 +298,23 @@ class ObjectStore:
             return None  # an earlier run of this SLURM job (requeued after a preemption): gone
         return f"host {held.get('host')}, pid {held.get('pid')}"
 
+    def live_locks(self) -> dict[Optional[tuple[int, int]], str]:
+        """The prefix's live runs by shard (None: a run of the whole prompt set), described: what
+        ``lock.live_locks`` says of a folder."""
+        from lightning_diffusion.lock import shard_of_lock
+
+        fs, root = self.fs
+        fs.invalidate_cache()
+        found: dict[Optional[tuple[int, int]], str] = {}
+        for name in sorted(entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)):
+            shard = shard_of_lock(name)
+            if name != ".lock" and shard is None:
+                continue
+            holder = self._holder(name)
+            if holder is not None:
+                found[shard] = holder
+        return found
+
     def _take_lock(self) -> Optional[str]:
         fs, root = self.fs
         path = f"{root}/{self.lock_name}"
@@ -457,6 +474,15 @@ class ObjectStore:
         failed = [line for blob in (fs.cat(failed_names, on_error="return") if failed_names else {}).values()
                   if not isinstance(blob, Exception) for line in _lines(blob)]
         return np.asarray(sorted(rank_of), dtype=np.int64), rank_of, failed
+
+    def rejected_images(self) -> set[int]:
+        """The images of records that cannot be made (the prefix's ``rejected.jsonl``)."""
+        fs, root = self.fs
+        try:
+            blob = fs.cat_file(f"{root}/{REJECTED}")
+        except FileNotFoundError:
+            return set()
+        return {int(i) for line in _lines(blob) for i in line.get("images", [])}
 
     def download_records(self, into: Path) -> int:
         """The recorded images as a folder (``into``): the tar shards they are in, and their

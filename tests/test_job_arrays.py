@@ -154,7 +154,7 @@ def test_resubmit_plans_the_incomplete_shards_that_are_not_running(tmp_path, cap
     from lightning_diffusion.config import read_config
 
     config = read_config(TINY, ["--data.prompts", FIVE_PROMPTS, "--writer.output_dir", str(out)], check=False)
-    plan = slurm_module.plan_array(args, config, out, 5)
+    plan = slurm_module.plan_array(args, config, slurm_module.Outputs(out), out, 5)
     assert plan["num_shards"] == 4 and plan["shards"] == [2]
     assert "shard 1: still running" in capsys.readouterr().out
     text = status_module.text(status_module.folder_status(out))

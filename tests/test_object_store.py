@@ -18,6 +18,7 @@ import pytest
 
 from lightning_diffusion.object_store import ObjectStore
 from tests.conftest import REPO, run_cli, run_here
+from tests.test_slurm import cluster, slurm  # noqa: F401  (the cluster fixture)
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -328,3 +329,56 @@ def test_eval_reads_a_bucket_as_it_reads_the_folder(s3, folder_run, tmp_path, cl
         missing = cli_here("eval", url)
         assert missing.returncode == 2 and f"output {url}: nothing there" in missing.stderr, missing.stderr
 
+
+
+# ----------------------------------------------------------------------------- SLURM without a shared folder
+
+
+def _slurm_predict(url: str, *extra: str) -> list[str]:
+    """``predict``'s flags for a SLURM job into ``url`` (the config is given to ``slurm`` itself)."""
+    return _args(url, *extra)[3:]
+
+
+def test_a_slurm_script_into_a_bucket_checks_no_shared_folder_and_keeps_its_logs_in_the_job_folder(s3, cli_here,
+                                                                                                    tmp_path):
+    config = str(REPO / "configs" / "tiny-flux.yaml")
+    proc = cli_here("slurm", "--config", config, "--job-dir", str(tmp_path / "jobs"), "--array", "3", "--",
+                    *_slurm_predict("s3://runs/slurm-script", "--data.prompts", TWELVE))
+    assert proc.returncode == 0, proc.stderr
+    script = proc.stdout
+    assert f"#SBATCH --output={tmp_path / 'jobs'}/slurm-%A_%a.out" in script.splitlines()
+    assert ".node-check" not in script and "OUT=" not in script, "no folder for the nodes to share"
+    assert "# The images go to s3://runs/slurm-script: the nodes need no shared folder." in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not (tmp_path / "jobs").exists(), "printing a script writes nothing"
+
+    missing = cli_here("slurm", "--config", config, "--array", "3", "--",
+                       *_slurm_predict("s3://no-such-bucket/x", "--data.prompts", TWELVE))
+    assert missing.returncode == 2 and "the bucket no-such-bucket does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr and SECRET not in missing.stderr
+    nothing = cli_here("slurm", "--config", config, "--resubmit", "--job-dir", str(tmp_path), "--",
+                       *_slurm_predict("s3://runs/slurm-script", "--data.prompts", TWELVE))
+    assert nothing.returncode == 2 and f"the job folder {tmp_path} holds no record of a job array" in nothing.stderr
+
+
+@pytest.mark.slow
+def test_a_slurm_job_array_writes_into_a_bucket_every_image_once_with_the_folders_bytes(s3, twelve_folder, cluster,
+                                                                                         tmp_path):
+    """Three array tasks on the local SLURM cluster write into one prefix; the nodes share no output
+    folder (the job folder holds only the script, logs and the array's record); every index once,
+    the folder run's bytes; ``--resubmit`` then reads the bucket and finds nothing to submit."""
+    fs = s3.fs()
+    config = str(REPO / "configs" / "tiny-flux.yaml")
+    predict = _slurm_predict("s3://runs/slurm", "--data.prompts", TWELVE)
+    proc = slurm("--config", config, "--array", "3", "--submit", "--wait", "--", *predict, cwd=tmp_path)
+    jobs = tmp_path / "lightning-diffusion-jobs" / "lightning-diffusion-tiny-flux"
+    logs = "".join(path.read_text(errors="replace")[-2000:] for path in sorted(jobs.glob("slurm-*.out")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:] + logs
+    assert "12 of 12 outputs in s3://runs/slurm/manifest/" in proc.stdout
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/slurm")) == list(range(12))
+    assert _members(_bucket_tars(fs, "runs/slurm")) == twelve_folder
+    assert sorted(path.name for path in jobs.iterdir()) == sorted(
+        ["array.json", "lightning-diffusion.sbatch", *(f"slurm-{path.stem[6:]}.out" for path in jobs.glob("slurm-*"))])
+    assert len(list(jobs.glob("slurm-*_*.out"))) == 3 and SECRET not in logs
+    again = slurm("--config", config, "--resubmit", "--", *predict, cwd=tmp_path)
+    assert again.returncode == 0 and "nothing to submit" in again.stdout, again.stdout + again.stderr

@@ -8,6 +8,11 @@ The rendered script asks for what Lightning needs (one task per device: ``--ntas
 every node sees the same output folder, and asks SLURM for ``SIGUSR1`` some minutes before the end.
 On that signal the run finishes the images in flight, merges the manifest, and its global rank 0
 requeues the job, which resumes from the manifest (see ``preemption``).
+
+With ``writer.output_dir`` in an object store (``s3://bucket/prefix``) the nodes share no folder:
+the script skips the shared-folder check, and the script, SLURM's logs and the job array's record go
+into ``--job-dir`` (default ``./lightning-diffusion-jobs/<job name>``), read back on this machine
+only; what the job has made is read from the bucket.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ from typing import Any, Optional
 
 from lightning_diffusion.config import check_config, read_config, report_config_error
 from lightning_diffusion.errors import ConfigError, raise_problems
-from lightning_diffusion.object_store import is_url
+from lightning_diffusion.object_store import access_problems, is_url
 from lightning_diffusion.preflight import build_strategy
 
 DEFAULT_SIGNAL_SECONDS = 300
 DEFAULT_CPUS_PER_TASK = 8
 SCRIPT_NAME = "lightning-diffusion.sbatch"
+JOBS_FOLDER = "lightning-diffusion-jobs"  # under the working folder: the jobs of a run into an object store
 # Job states after which a job runs no more (scontrol's names).
 FINAL_STATES = {
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -71,7 +77,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--resubmit", action="store_true",
                         help="submit an array of the shards of the output folder that are incomplete and not running")
     parser.add_argument("--shards", help="with --array or --resubmit: only these shards, e.g. 3,7")
-    parser.add_argument("--script", help=f"write the script here (default with --submit: <output_dir>/{SCRIPT_NAME})")
+    parser.add_argument("--job-dir", help="the folder for the script (with --submit), SLURM's logs and the job "
+                        "array's record (default: writer.output_dir; for writer.output_dir in an object store: "
+                        f"./{JOBS_FOLDER}/<job name>)")
+    parser.add_argument("--script", help=f"write the script here (default with --submit: <job dir>/{SCRIPT_NAME})")
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     parser.add_argument("--no-download", action="store_true",
                         help="with --submit: do not fetch the config's hub weights here first (the nodes then fetch "
@@ -168,15 +177,15 @@ def resources(trainer: Any, nodes: Optional[int], gpus_per_node: Optional[int],
     return {"nodes": node_count, "tasks_per_node": tasks, "gpus_per_node": None if on_cpu else tasks * per}
 
 
-def check_output_folder(output_dir: Path, create: bool) -> None:
-    """The folder (for the images and the job's log) can be created and written from here. Without
+def check_output_folder(output_dir: Path, create: bool, what: str = "the output folder") -> None:
+    """The folder (for the images, or the job's script and logs) can be created and written from here. Without
     ``create`` (``--script``: the script is only written) nothing is made: the nearest folder that
     exists must be one this user can write into."""
     if not create:
         existing = next((p for p in [output_dir, *output_dir.parents] if p.exists()), Path("/"))
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             why = "is not a folder" if not existing.is_dir() else "is not writable by this user"
-            raise ConfigError(f"cannot write the output folder {output_dir}: {existing} {why}.")
+            raise ConfigError(f"cannot write {what} {output_dir}: {existing} {why}.")
         return
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -184,20 +193,21 @@ def check_output_folder(output_dir: Path, create: bool) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise ConfigError(f"cannot write the output folder {output_dir}: {err.strerror or err}.") from None
+        raise ConfigError(f"cannot write {what} {output_dir}: {err.strerror or err}.") from None
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def script_value_problems(args: argparse.Namespace, config_path: Path, predict_args: list[str],
-                          output_dir: Path) -> list[str]:
+                          output_dir: Any, job_dir: Path) -> list[str]:
     """Values that reach the rendered script's ``#SBATCH`` lines or comments, where a newline or
     another control character would end the line and run the rest as a command: refused. (Words
     of the ``srun`` command line are quoted for the shell; ``#SBATCH`` lines cannot be quoted.)"""
     values = {"--job-name": args.job_name, "--partition": args.partition, "--account": args.account,
               "--time": args.time, "--mem": args.mem, "--config": str(config_path),
-              "writer.output_dir": str(output_dir), "the working folder": str(Path.cwd()),
+              "writer.output_dir": str(output_dir), "the job folder": str(job_dir),
+              "the working folder": str(Path.cwd()),
               **{f"--extra-sbatch {i + 1}": value for i, value in enumerate(args.extra_sbatch)},
               **{f"predict argument {i + 1}": word for i, word in enumerate(predict_args)}}
     problems = [f"{name} holds a control character (a newline, tab or escape), which would end the script's "
@@ -221,11 +231,16 @@ def command_prefix() -> list[str]:
     return [str(entry)] if entry.is_file() else [sys.executable, "-m", "lightning_diffusion"]
 
 
+def job_name(args: argparse.Namespace, config_path: Path) -> str:
+    return args.job_name or f"lightning-diffusion-{config_path.stem}"
+
+
 def render(
-    args: argparse.Namespace, config_path: Path, predict_args: list[str], output_dir: Path, res: dict[str, Any]
+    args: argparse.Namespace, config_path: Path, predict_args: list[str], outputs: Outputs, job_dir: Path,
+    res: dict[str, Any]
 ) -> str:
     q = shlex.quote
-    name = args.job_name or f"lightning-diffusion-{config_path.stem}"
+    name = job_name(args, config_path)
     sbatch = [
         f"--job-name={name}",
         f"--nodes={res['nodes']}",
@@ -254,7 +269,7 @@ def render(
         "--requeue",
         "--open-mode=append",
         f"--chdir={Path.cwd()}",
-        f"--output={output_dir}/slurm-{'%A_%a' if array is not None else '%j'}.out",
+        f"--output={job_dir}/slurm-{'%A_%a' if array is not None else '%j'}.out",
         *args.extra_sbatch,
     ]
     predict = [
@@ -265,7 +280,9 @@ def render(
         "CONFIG": str(config_path),
         "DATE": str(datetime.date.today()),
         "SBATCH": "\n".join(f"#SBATCH {option}" for option in sbatch),
-        "OUT": q(str(output_dir)),
+        "SHARED_FOLDER": (fill_template("slurm_shared_folder.sh", {"OUT": q(str(outputs.folder))}).rstrip("\n") + "\n"
+                          if outputs.folder is not None else
+                          f"# The images go to {outputs.url}: the nodes need no shared folder.\n"),
         "ARRAY_NOTE": (f" (array task $SLURM_ARRAY_TASK_ID: shard $SLURM_ARRAY_TASK_ID of {array['num_shards']})"
                        if array is not None else ""),
         "WEIGHTS": weights_lines(res["weights"]) if res.get("weights") else "",
@@ -337,17 +354,13 @@ def job_fields(job_id: str) -> Optional[dict[str, str]]:
     return fields
 
 
-def count_done(output_dir: Path) -> int:
+def count_done(outputs: Outputs) -> int:
     """Outputs in the manifest, and images of records that cannot be made (``rejected.jsonl``)."""
-    from lightning_diffusion.manifest import finished, rejected_images
-
-    if not output_dir.is_dir():
-        return 0
-    done = finished(output_dir).indices
-    return len(done) + len(rejected_images(output_dir) - set(done.tolist()))
+    done, rejected = outputs.made()
+    return len(done) + len(rejected)
 
 
-def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: float = 2.0) -> int:
+def wait_for(job_id: str, outputs: Outputs, log: Path, expected: Optional[int], poll_s: float = 2.0) -> int:
     """Follow the job until it ends; report its state, starts and the images in the manifest."""
     last_state, fields = None, None
     while True:
@@ -362,10 +375,10 @@ def wait_for(job_id: str, output_dir: Path, expected: Optional[int], poll_s: flo
         if state in FINAL_STATES:
             break
         time.sleep(poll_s)
-    done = count_done(output_dir)
+    done = count_done(outputs)
     total = f" of {expected}" if expected is not None else ""
     print(f"job {job_id}: {last_state or 'gone'}, exit code {(fields or {}).get('ExitCode', '?')}; "
-          f"{done}{total} outputs in {output_dir / 'manifest.jsonl'}; log: {output_dir}/slurm-{job_id}.out")
+          f"{done}{total} outputs in {outputs.manifest}; log: {log}")
     complete = expected is not None and done >= expected
     return 0 if last_state == "COMPLETED" or (last_state is None and complete) else 1
 
@@ -394,36 +407,97 @@ def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:
     return {"repo": repo, "snapshot": snapshot, "cache": str(hub.cache_folder(options))}
 
 
+# ----------------------------------------------------------------------------- what the job made
+
+
+class Outputs:
+    """Where the job's images are recorded, read from the submitting machine: a folder every node
+    sees, or an object-store prefix (read with ``writer.storage_options``)."""
+
+    def __init__(self, output: Any, options: Optional[dict[str, Any]] = None) -> None:
+        self.remote = is_url(output)
+        self.url = str(output).rstrip("/") if self.remote else None
+        self.folder = None if self.remote else Path(output)
+        self.options = options
+
+    @property
+    def manifest(self) -> str:
+        """Where the records are, for messages."""
+        return f"{self.url}/manifest/" if self.url else str(Path(str(self.folder)) / "manifest.jsonl")
+
+    def _store(self) -> Any:
+        from lightning_diffusion.object_store import ObjectStore
+
+        return ObjectStore(str(self.url), None, options=self.options)
+
+    def made(self) -> tuple[Any, set[int]]:
+        """The recorded images (a sorted integer array) and the rejected ones not among them."""
+        import numpy as np
+
+        from lightning_diffusion.manifest import finished, rejected_images
+
+        if self.url is not None:
+            store = self._store()
+            try:
+                indices, rejected = store.recorded()[0], store.rejected_images()
+            except FileNotFoundError:  # nothing written into the prefix yet
+                indices, rejected = np.zeros(0, dtype=np.int64), set()
+            finally:
+                store.release()
+        elif self.folder is not None and self.folder.is_dir():
+            indices, rejected = finished(self.folder).indices, rejected_images(self.folder)
+        else:
+            return np.zeros(0, dtype=np.int64), set()
+        return indices, rejected - set(indices.tolist())
+
+    def live(self) -> dict[Optional[tuple[int, int]], str]:
+        """The runs writing into it now, by shard (as ``lock.live_locks``)."""
+        from lightning_diffusion.lock import live_locks
+
+        if self.url is not None:
+            store = self._store()
+            try:
+                return store.live_locks()
+            except FileNotFoundError:
+                return {}
+            finally:
+                store.release()
+        return live_locks(self.folder) if self.folder is not None and self.folder.is_dir() else {}
+
+
 # ----------------------------------------------------------------------------- job arrays
 
-def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: int) -> dict[str, Any]:
+def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir: Path, total: int) -> dict[str, Any]:
     """The shards to submit: ``--shards`` or all of ``--array N``; with ``--resubmit`` only the
     incomplete ones. A shard whose run still writes (its lock) or whose task is still queued or
-    running is left out, and said so; shards of another count still running refuse the lot."""
+    running is left out, and said so; shards of another count still running refuse the lot.
+    ``job_dir`` holds the record of the arrays submitted before (``array.json``)."""
     from lightning_diffusion.commands import status
-    from lightning_diffusion.lock import live_locks
-    from lightning_diffusion.manifest import finished, rejected_images
     from lightning_diffusion.shard import in_shard, shard_size
 
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
-    count = args.array or status.shard_count(output_dir)
+    count = args.array or status.shard_count(job_dir)
     if count is None:
-        raise ConfigError(f"--resubmit: {output_dir} holds no shards of a job array; submit one with --array N.")
+        if outputs.url is None:
+            raise ConfigError(f"--resubmit: {job_dir} holds no shards of a job array; submit one with --array N.")
+        raise ConfigError(f"--resubmit: the job folder {job_dir} holds no record of a job array into {outputs.url} "
+                          "(--job-dir names the folder its --array submission used); submit one with --array N.")
     wanted = args.shards if args.shards is not None else list(range(count))
     beyond = [t for t in wanted if t >= count]
     if beyond:
         raise ConfigError(f"--shards {','.join(map(str, beyond))}: an array of {count} has shards 0 to {count - 1}.")
-    live = live_locks(output_dir) if output_dir.is_dir() else {}
-    states = status.task_states(output_dir) if output_dir.is_dir() else {}
+    live = outputs.live()
+    states = status.task_states(job_dir) if job_dir.is_dir() else {}
     queued = {n for n, tasks in states.items() if any(t["state"] in status.ACTIVE_STATES for t in tasks.values())}
     others = sorted({shard[1] for shard in live if shard is not None and shard[1] != count} | (queued - {count}))
     if None in live or others:
         what = "a run of the whole prompt set" if None in live else f"shards of an array of {others[0]}"
-        raise ConfigError(f"{output_dir} is being written by {what} (running or queued); shards of {count} would make "
+        where = outputs.url or outputs.folder
+        raise ConfigError(f"{where} is being written by {what} (running or queued); shards of {count} would make "
                           "some of the same images. Wait for it to end, or submit the same shard count.")
-    done = finished(output_dir).indices.tolist() if output_dir.is_dir() else []
-    accounted = set(done) | (rejected_images(output_dir) if output_dir.is_dir() else set())
+    done, rejected = outputs.made()
+    accounted = set(done.tolist()) | rejected
     shards = []
     for shard in wanted:
         task = states.get(count, {}).get(shard, {})
@@ -438,14 +512,14 @@ def plan_array(args: argparse.Namespace, config: Any, output_dir: Path, total: i
     return {"num_shards": count, "shards": shards, "max_concurrent": args.max_concurrent, "expected": total}
 
 
-def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
-    """``array.json``: every array submitted into the folder (``status`` and ``--resubmit`` read it)."""
+def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
+    """``array.json``: every array submitted from the job folder (``status`` and ``--resubmit`` read it)."""
     import json
 
     from lightning_diffusion.commands.status import ARRAY_FILE
     from lightning_diffusion.manifest import atomic_write
 
-    path = output_dir / ARRAY_FILE
+    path = job_dir / ARRAY_FILE
     try:
         submissions = json.loads(path.read_text()).get("submissions", [])
     except (OSError, ValueError):
@@ -455,10 +529,10 @@ def record_array(output_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
 
 
-def wait_for_array(job_id: str, output_dir: Path, expected: int, array: dict[str, Any], poll_s: float = 2.0) -> int:
+def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str, Any], poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
-    from lightning_diffusion.commands.status import ACTIVE_STATES, array_states, shard_status
-    from lightning_diffusion.manifest import finished
+    from lightning_diffusion.commands.status import ACTIVE_STATES, array_states
+    from lightning_diffusion.shard import Shard
 
     last: dict[int, str] = {}
     while True:
@@ -470,12 +544,16 @@ def wait_for_array(job_id: str, output_dir: Path, expected: int, array: dict[str
         if not any(state["state"] in ACTIVE_STATES for state in states.values()):
             break
         time.sleep(poll_s)
-    shards = shard_status(output_dir, finished(output_dir).indices, expected, array["num_shards"])
-    for shard in shards:
-        print(f"shard {shard['shard']}: {shard['done']} of {shard['expected']} outputs", flush=True)
-    done = sum(shard["done"] for shard in shards)
-    print(f"job {job_id}: {done} of {expected} outputs in {output_dir / 'manifest.jsonl'}", flush=True)
-    return 0 if all(shard["done"] >= shard["expected"] for shard in shards) else 1
+    indices, rejected = outputs.made()
+    complete = True
+    for index in range(array["num_shards"]):
+        shard = Shard(index, array["num_shards"])
+        done = len(shard.select(indices))
+        wanted = shard.size(expected) - len(shard.select(sorted(rejected)))
+        complete = complete and done >= wanted
+        print(f"shard {index}: {done} of {wanted} outputs", flush=True)
+    print(f"job {job_id}: {len(indices)} of {expected} outputs in {outputs.manifest}", flush=True)
+    return 0 if complete else 1
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -496,15 +574,21 @@ def main(argv: list[str]) -> int:
         if args.signal_seconds < 1:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
         config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
-        if is_url(config.writer.output_dir):
-            raise ConfigError(f"writer.output_dir {config.writer.output_dir} is an object store: the SLURM job keeps "
-                              "its script, logs and job-array records in the output folder, so it needs a folder "
-                              "every node sees; run predict under srun yourself for a bucket.")
-        output_dir = Path(config.writer.output_dir).expanduser().resolve()
-        raise_problems(script_value_problems(args, config_path, predict_args, output_dir))
+        output = config.writer.output_dir
+        if is_url(output):
+            outputs = Outputs(output, config.writer.get("storage_options"))
+            default_job_dir = Path.cwd() / JOBS_FOLDER / job_name(args, config_path)
+        else:
+            default_job_dir = Path(output).expanduser().resolve()
+            outputs = Outputs(default_job_dir)
+        job_dir = Path(args.job_dir).expanduser().resolve() if args.job_dir else default_job_dir
+        raise_problems(script_value_problems(args, config_path, predict_args, output, job_dir))
+        if outputs.url is not None and (args.submit or args.array is not None):
+            # the job's nodes reach the store as this machine does: same variables (sbatch passes them on)
+            raise_problems(access_problems(outputs.url, outputs.options))
         expected = expected_images(config)
         if args.array is not None or args.resubmit:
-            res["array"] = plan_array(args, config, output_dir, expected)
+            res["array"] = plan_array(args, config, outputs, job_dir, expected)
             if not res["array"]["shards"]:
                 print("nothing to submit: every shard asked for is complete or still running.")
                 return 0
@@ -520,9 +604,12 @@ def main(argv: list[str]) -> int:
         if args.submit and not args.no_download:  # after the checks: a job that cannot run fetches nothing
             res["weights"] = fetch_weights(config, str(config_path))
         if args.submit or args.script:
-            check_output_folder(output_dir, create=args.submit)
-        text = render(args, config_path, predict_args, output_dir, res)
-        script = Path(args.script).expanduser() if args.script else (output_dir / SCRIPT_NAME if args.submit else None)
+            if outputs.folder is not None:
+                check_output_folder(outputs.folder, create=args.submit)
+            if job_dir != outputs.folder:
+                check_output_folder(job_dir, create=args.submit, what="the job folder (--job-dir)")
+        text = render(args, config_path, predict_args, outputs, job_dir, res)
+        script = Path(args.script).expanduser() if args.script else (job_dir / SCRIPT_NAME if args.submit else None)
         if script is None:
             print(text, end="")
             return 0
@@ -534,15 +621,15 @@ def main(argv: list[str]) -> int:
             return 0
         job_id = submit(script)
         if "array" in res:
-            record_array(output_dir, job_id, res["array"])
+            record_array(job_dir, job_id, res["array"])
             shards = ",".join(str(t) for t in res["array"]["shards"])
             print(f"submitted job {job_id}: array of shards {shards} of {res['array']['num_shards']}; logs: "
-                  f"{output_dir}/slurm-{job_id}_<shard>.out", flush=True)
-            return wait_for_array(job_id, output_dir, expected, res["array"]) if args.wait else 0
-        print(f"submitted job {job_id}; log: {output_dir}/slurm-{job_id}.out", flush=True)
+                  f"{job_dir}/slurm-{job_id}_<shard>.out", flush=True)
+            return wait_for_array(job_id, outputs, expected, res["array"]) if args.wait else 0
+        print(f"submitted job {job_id}; log: {job_dir}/slurm-{job_id}.out", flush=True)
         if not args.wait:
             return 0
-        return wait_for(job_id, output_dir, expected)
+        return wait_for(job_id, outputs, job_dir / f"slurm-{job_id}.out", expected)
     except ValueError as err:
         return report_config_error(err, "lightning-diffusion slurm")
 

@@ -114,11 +114,7 @@ def bucket_status(url: str) -> dict[str, Any]:
     indices, _, failed = store.recorded()
     fs, root = store.fs
     names = [entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
-    try:
-        rejected_lines = [json.loads(line) for line in fs.cat_file(f"{root}/{REJECTED}").splitlines()]
-    except FileNotFoundError:
-        rejected_lines = []
-    rejected = {i for line in rejected_lines for i in line.get("images", [])} - set(indices.tolist())
+    rejected = store.rejected_images() - set(indices.tolist())
     expected, history = run.get("expected"), run.get("history") or []
     lock = store.lock_state(".lock")
     shards = []
