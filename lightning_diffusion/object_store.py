@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -212,6 +213,24 @@ def _lines(blob: bytes) -> list[dict[str, Any]]:
     return found
 
 
+STAGING = "lightning-diffusion-staging-"  # + host-pid-random: a process's folder of shards not yet uploaded
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def remove_dead_staging(parent: Path) -> None:
+    """Remove the staging folders in ``parent`` of processes of this machine that are gone (killed
+    before they could remove their own): their shards were not recorded, and a resume makes them
+    again."""
+    host = _host()
+    for path in parent.glob(f"{STAGING}{host}-*-*"):
+        pid = path.name[len(STAGING) + len(host) + 1:].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class ObjectStore:
     """An object-store prefix as a run's ``store.OutputStore``. ``staging_dir``: where this process
     builds its tar shards before they go up (a temporary folder when None)."""
@@ -226,10 +245,10 @@ class ObjectStore:
         self.allow_config_change = allow_config_change
         self.options = dict(options or {})
         self.run = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
-        parent = Path(staging_dir).expanduser() if staging_dir else None
-        if parent is not None:
-            parent.mkdir(parents=True, exist_ok=True)
-        self.local_dir = Path(tempfile.mkdtemp(prefix="lightning-diffusion-staging-", dir=parent))
+        parent = Path(staging_dir).expanduser() if staging_dir else Path(tempfile.gettempdir())
+        parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_staging(parent)
+        self.local_dir = Path(tempfile.mkdtemp(prefix=f"{STAGING}{_host()}-{os.getpid()}-", dir=parent))
         self.expected: Optional[int] = None
         self._fs: Optional[tuple[Any, str]] = None
         self._history: list = []

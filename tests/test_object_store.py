@@ -232,16 +232,20 @@ def many_folder(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_killed_mid_run_then_resumed_every_image_once_with_the_folders_bytes(s3, many_folder):
+def test_killed_mid_run_then_resumed_every_image_once_with_the_folders_bytes(s3, many_folder, tmp_path):
     fs = s3.fs()
-    proc = _start(_args("s3://runs/killed", "--data.prompts", MANY))
+    staging = ["--writer.staging_dir", str(tmp_path / "staging")]
+    proc = _start(_args("s3://runs/killed", "--data.prompts", MANY, *staging))
     _wait_for_lines(fs, "runs/killed", 2, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(_bucket_lines(fs, "runs/killed")) < 60
-    run_cli(*_args("s3://runs/killed", "--data.prompts", MANY))
+    left = list((tmp_path / "staging").iterdir())
+    assert len(left) == 1 and f"-{proc.pid}-" in left[0].name, "the killed run's staging folder stays"
+    run_cli(*_args("s3://runs/killed", "--data.prompts", MANY, *staging))
     assert sorted(line["index"] for line in _bucket_lines(fs, "runs/killed")) == list(range(60))
     assert _members(_bucket_tars(fs, "runs/killed")).items() >= many_folder.items()
+    assert not list((tmp_path / "staging").iterdir()), "the resume removed the dead run's staging folder"
 
 
 @pytest.mark.slow
