@@ -29,6 +29,13 @@ runs its first batch only (``Trainer(limit_predict_batches=1)``), and reports it
 wall time from ``Trainer.predict`` to its return (the data module's set-up, the record checks, the
 batch plan, the writer's set-up and one batch): ``start_up``, a row a format and count.
 
+``--shard-spread 100000`` instead measures how evenly a job array's ``--shards`` tasks share a mixed
+set's work, from the plan alone (no pipeline): each shard's computed cost (pixels x steps of its
+images, padded batches at their padded size) under the cost deal (``shard.deal_shards``) and under
+the index rule (image ``i`` to shard ``i % N``), for two sets of that many records: each prompt at
+four sizes in turn (a grid written by nested loops), and runs of random length of one size and
+step count (a set concatenated from sources).
+
 ``--object-store`` instead times the same one-process run into a bucket of a local S3 server (moto's
 server mode on 127.0.0.1, with s3fs as the client) beside the run into a folder, both with
 ``writer.format: webdataset`` (``bucket_ms_per_image``, ``folder_ms_per_image``).
@@ -167,6 +174,58 @@ def start_up(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps({"start_up": rows}, indent=2))
 
 
+SPREAD_SIZES = [(512, 512), (768, 768), (1024, 1024), (1024, 1536)]
+
+
+def spread_records(kind: str, count: int) -> list[dict[str, Any]]:
+    if kind == "grid":  # prompt p at the four sizes, one after the other
+        return [{"prompt": f"p {n // 4}", "height": SPREAD_SIZES[n % 4][0], "width": SPREAD_SIZES[n % 4][1]}
+                for n in range(count)]
+    rng = np.random.default_rng(0)
+    records: list[dict[str, Any]] = []
+    while len(records) < count:
+        (height, width), steps = SPREAD_SIZES[rng.integers(4)], int(rng.choice([20, 50]))
+        records += [{"prompt": f"p {len(records) + i}", "height": height, "width": width,
+                     "num_inference_steps": steps} for i in range(int(rng.integers(1, 200)))]
+    return records[:count]
+
+
+def shard_spread(args: argparse.Namespace) -> None:
+    """Each shard's computed cost under the cost deal and under the index rule, for mixed sets."""
+    from lightning_diffusion.batching import SetFacts, image_facts, plan_batches
+    from lightning_diffusion.data import shard_owners
+    from lightning_diffusion.records import read_records
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("grid", "runs"):
+            path = Path(tmp) / f"{kind}.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in spread_records(kind, args.shard_spread)))
+            records = read_records(str(path))
+            total = len(records)
+            indices = np.arange(total)
+            buckets, costs = image_facts(SetFacts.from_summary(records.summary), records.summary.set_of, indices, 1)
+            plan = plan_batches(indices, buckets, costs, args.batch_size)
+            per_image = np.repeat(plan.costs / plan.sizes, plan.sizes)  # a padded batch at its padded size
+            image_cost = np.empty(total)
+            image_cost[plan.order] = per_image
+            seconds, owners = timed(lambda: shard_owners(records, 1, args.batch_size, True, args.shards))
+            for rule, shard_of in (("cost deal", owners.astype(np.int64)), ("index rule", indices % args.shards)):
+                loads = np.bincount(shard_of, weights=image_cost, minlength=args.shards)
+                rows.append({"set": kind, "rule": rule, "records": total, "shards": args.shards,
+                             "spread_pct": round(100 * (loads.max() - loads.min()) / loads.mean(), 2),
+                             "spread_batches": round((loads.max() - loads.min()) / plan.costs.max(), 2),
+                             "plan_s": round(seconds, 2) if rule == "cost deal" else None})
+                print(json.dumps(rows[-1]), flush=True)
+    print("\n| set | rule | (max - min) / mean shard cost | max - min, in costliest batches | plan |\n"
+          "| --- | --- | ---: | ---: | ---: |")
+    for row in rows:
+        plan = f"{row['plan_s']} s" if row["plan_s"] is not None else ""
+        print(f"| {row['set']} | {row['rule']} | {row['spread_pct']}% | {row['spread_batches']} | {plan} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shard_spread": rows}, indent=2))
+
+
 def object_store(args: argparse.Namespace) -> None:
     """One process into a folder and into a local S3 server's bucket, tar shards both."""
     from moto.server import ThreadedMotoServer
@@ -216,6 +275,8 @@ def main() -> None:
     parser.add_argument("--prompts")
     parser.add_argument("--shard-index", type=int, default=0)
     parser.add_argument("--object-store", action="store_true", help="a bucket of a local S3 server against a folder")
+    parser.add_argument("--shard-spread", type=int, metavar="RECORDS",
+                        help="the job array shards' computed cost spread on mixed sets of this many records")
     args = parser.parse_args()
     if args.child:
         return child(args)
@@ -223,6 +284,8 @@ def main() -> None:
         return object_store(args)
     if args.start_up:
         return start_up(args)
+    if args.shard_spread:
+        return shard_spread(args)
 
     from lightning_diffusion.commands.status import folder_status
     from lightning_diffusion.manifest import finished

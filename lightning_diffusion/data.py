@@ -30,7 +30,7 @@ from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.inputs import record_inputs
 from lightning_diffusion.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
-from lightning_diffusion.shard import Shard, select, shard_members
+from lightning_diffusion.shard import Shard, deal_shards, select, shard_members
 from lightning_diffusion.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
 
 
@@ -129,6 +129,17 @@ def collate_batch(items: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return items[0]
 
 
+def shard_owners(records: Records, num_images_per_prompt: int, batch_size: int, bucket: bool,
+                 num_shards: int) -> np.ndarray:
+    """The shard of every image of the set among ``num_shards`` (``shard.deal_shards``): the whole
+    set's batch plan from the records alone, dealt by cost."""
+    total = len(records) * num_images_per_prompt
+    indices = np.arange(total, dtype=np.int32 if total < 2**31 else np.int64)
+    buckets, costs = image_facts(SetFacts.from_summary(records.summary), records.summary.set_of, indices,
+                                 num_images_per_prompt)
+    return deal_shards(plan_batches(indices, buckets, costs, batch_size, bucket), total, num_shards)
+
+
 def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Records, reading: dict[str, Any],
              shard: Optional[Shard] = None) -> RunPlan:
     """The ``RunPlan`` of a prompt set read as ``records`` with the ``data`` settings ``reading``
@@ -166,8 +177,8 @@ class PromptDataModule(pl.LightningDataModule):
             once links and ``..`` are resolved (for prompt files from elsewhere).
         num_shards: split the prompt set into this many shards (the tasks of a SLURM job array,
             each its own shard, writing into one output folder); 1: the whole set.
-        shard_index: make only this shard of ``num_shards`` (the images ``i`` with
-            ``i % num_shards == shard_index``).
+        shard_index: make only this shard of ``num_shards``: the shards are dealt the whole
+            set's batches by cost, as replicas are (``shard``), recorded in the output folder.
         max_pixels: the most pixels of one image or video frame a record (or the config) may ask
             for, input images included (checked from their headers, before they are decoded).
         max_prompt_chars: the most characters of a record's prompt or negative prompt (20,000 by
@@ -230,6 +241,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.facts: Optional[SetFacts] = None  # the module's buckets and costs of each call-argument set
         self.bucket_of_position: Optional[dict[int, int]] = None
         self.plan: Optional[BatchPlan] = None
+        self._shard: Optional[Shard] = None  # with its plan (``shard_owners``), made when first asked for
         # Read now so that a bad prompt file fails before any process starts or weights load.
         self.records: Records = read_records(prompts, max_prompt_chars, columns, keep_columns, split)
         problems = data_problems(settings, self.num_images)
@@ -248,7 +260,12 @@ class PromptDataModule(pl.LightningDataModule):
     @property
     def shard(self) -> Optional[Shard]:
         """The shard of the prompt set this run makes (``data.num_shards`` > 1), else None."""
-        return Shard(self.shard_index, self.num_shards) if self.num_shards > 1 else None
+        if self.num_shards <= 1:
+            return None
+        if self._shard is None:
+            self._shard = Shard(self.shard_index, self.num_shards).with_owners(
+                shard_owners(self.records, self.num_images_per_prompt, self.batch_size, self.bucket, self.num_shards))
+        return self._shard
 
     def shard_images(self) -> np.ndarray:
         """The indices this run is for: every image, or its shard's."""
@@ -300,11 +317,17 @@ class PromptDataModule(pl.LightningDataModule):
         """The images this run makes, in index order: its shard's, less those already made and the
         rejected records'. 4 bytes an image where the set has fewer than 2**31."""
         dtype = np.int32 if self.num_images < 2**31 else np.int64
-        first, step = (self.shard.shard_index, self.shard.num_shards) if self.shard is not None else (0, 1)
-        if not len(self.skip) and not self.rejected:
-            return np.arange(first, self.num_images, step, dtype=dtype)
-        todo = np.zeros(self.num_images, dtype=bool)
-        todo[first::step] = True  # the shard's images, without an array of them
+        shard = self.shard
+        if shard is None and not len(self.skip) and not self.rejected:
+            return np.arange(self.num_images, dtype=dtype)
+        # the shard's images (1 byte an image), without an array of their indices
+        if shard is None:
+            todo = np.ones(self.num_images, dtype=bool)
+        elif shard.owners is not None:
+            todo = np.asarray(shard.owners == shard.shard_index)
+        else:
+            todo = np.zeros(self.num_images, dtype=bool)
+            todo[shard.members(self.num_images)] = True
         if len(self.skip):
             todo[self.skip] = False
         if self.rejected:

@@ -47,7 +47,15 @@ import numpy as np
 from lightning_diffusion.console import log
 from lightning_diffusion.lock import pid_alive
 from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
-from lightning_diffusion.shard import Shard, select, shard_name
+from lightning_diffusion.shard import (
+    Shard,
+    owners_bytes,
+    owners_from_bytes,
+    plan_conflict,
+    plan_file,
+    select,
+    shard_name,
+)
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0
@@ -546,6 +554,10 @@ class ObjectStore:
             if conflict:
                 self.release()
                 return conflict, nothing
+        conflict = self._record_plan()
+        if conflict:
+            self.release()
+            return conflict, nothing
         self._history = list((self.read_json(self.record_name) or {}).get("history") or [])
         if self.shard is None:
             self._write_json(RUN_FILE, {**settings, "expected": expected, "history": self._history})
@@ -554,6 +566,31 @@ class ObjectStore:
                                                 "history": self._history})
         done, _, _ = self.recorded()
         return None, select(done, self.shard)
+
+    def _record_plan(self) -> Optional[str]:
+        """The shard plan (``shard.plan_file``): made by the first task of its count (a conditional
+        PUT), compared by the others."""
+        if self.shard is None or self.shard.owners is None:
+            return None
+        fs, root = self.fs
+        name = plan_file(self.shard.num_shards)
+        try:
+            tried(f"writing {name} at", self.url,
+                  lambda: fs.pipe_file(f"{root}/{name}", owners_bytes(self.shard.owners), mode="create"))
+            return None
+        except OSError as err:
+            if not _already_there(err):
+                raise
+        recorded = owners_from_bytes(tried(f"reading {name} at", self.url, lambda: fs.cat_file(f"{root}/{name}")))
+        return plan_conflict(recorded, self.shard, f"{self.url}/{name}")
+
+    def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
+        """The prefix's recorded shard plan of ``num_shards``; None where no task of it started."""
+        fs, root = self.fs
+        try:
+            return owners_from_bytes(fs.cat_file(f"{root}/{plan_file(num_shards)}"))
+        except FileNotFoundError:
+            return None
 
     def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
         fs, root = self.fs

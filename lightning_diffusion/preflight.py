@@ -18,7 +18,7 @@ import numpy as np
 
 from lightning_diffusion import lora
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.data import run_plan
+from lightning_diffusion.data import run_plan, shard_owners
 from lightning_diffusion.errors import ConfigError, is_int, run_check
 from lightning_diffusion.files import size_text
 from lightning_diffusion.lock import OutputLock, busy_message
@@ -27,7 +27,7 @@ from lightning_diffusion.object_store import access_problems, is_url
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
-from lightning_diffusion.shard import shard_size
+from lightning_diffusion.shard import Shard, shard_size
 from lightning_diffusion.validation import (
     MAX_PROMPT_CHARS,
     MODEL_CALL_ARGS,
@@ -44,12 +44,11 @@ _PNG_RATIO = 0.5
 
 def disk_space_problems(
     info: PipelineInfo, named: dict[str, Any], records: Sequence[Any], per_prompt: int, output_dir: str,
-    num_shards: int = 1, shard_index: int = 0, found: Optional[Finished] = None,
+    shard: Optional[Shard] = None, found: Optional[Finished] = None,
 ) -> list[str]:
     """The outputs still to make need more space than the output folder's file system has free.
     ``found``: the folder's finished images, when already read."""
     folder = Path(output_dir).expanduser()
-    shard = (shard_index, num_shards) if num_shards > 1 else None
     if found is None and folder.is_dir():
         found = finished(folder)
     done = len(found.in_shard(shard)) if found is not None else 0
@@ -212,8 +211,13 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     if info is not None and records is not None and not problems:
         folder = Path(writer["output_dir"]).expanduser()
         found = finished(folder) if folder.is_dir() else None
+        shard = None
+        if data.get("num_shards", 1) > 1:  # as the run deals it (``data.shard_owners``)
+            shard = Shard(data.get("shard_index", 0), data["num_shards"]).with_owners(shard_owners(
+                records, data["num_images_per_prompt"], data["batch_size"], data.get("bucket", True),
+                data["num_shards"]))
         problems += disk_space_problems(info, call_args, records, data["num_images_per_prompt"], writer["output_dir"],
-                                        data.get("num_shards", 1), data.get("shard_index", 0), found)
+                                        shard, found)
         if not writer.get("allow_config_change"):
             # The writer checks again when the run starts; here it costs no process start.
             plan = run_plan(data["prompts"], data["seed"], data["num_images_per_prompt"], records,
@@ -227,8 +231,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             if conflict:
                 problems.append(conflict)
         if here and not problems and found is not None and num_images is not None:
-            nothing_left = nothing_to_make(folder, found, records, num_images, data.get("num_shards", 1),
-                                           data.get("shard_index", 0))
+            nothing_left = nothing_to_make(folder, found, records, num_images, shard)
     return Verdict(problems, complete, nothing_left)
 
 
@@ -242,13 +245,12 @@ class Verdict:
     nothing_left: Optional[str] = None
 
 
-def nothing_to_make(folder: Path, found: Finished, records: Any, num_images: int, num_shards: int = 1,
-                    shard_index: int = 0) -> Optional[str]:
+def nothing_to_make(folder: Path, found: Finished, records: Any, num_images: int,
+                    shard: Optional[Shard] = None) -> Optional[str]:
     """The line that ends a run whose folder holds all of its images, before any process starts or
     any weight loads; None where the run has something to do: an image not in the manifest (failed
     records, rejected ones, a shard's others), lines a resume repairs, parts a resume merges, or
     records with input files (the writer checks that they did not change)."""
-    shard = (shard_index, num_shards) if num_shards > 1 else None
     expected = shard_size(num_images, shard)
     if (not (folder / MANIFEST).is_file() or found.untidy or found.conflicted or records.summary.with_inputs
             or any(folder.glob("manifest*.part-*.jsonl")) or any(folder.glob("failed*.part-*.jsonl"))

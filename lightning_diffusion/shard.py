@@ -1,23 +1,47 @@
 """``Shard``: one part of a prompt set, made by one task of a job array; the one home of the rule
 that says which images a shard holds.
 
-Shard ``T`` of ``N`` holds every image ``i`` with ``i % N == T``: an image keeps its index, seed and
-file name whatever the shard count, and the shards of one count share no image. ``None`` stands for
-a run of the whole prompt set wherever a shard is optional.
+The shards of ``N`` are dealt by cost, as a run's batches are dealt to its replicas: the whole
+set's batch plan (``batching.plan_batches``, from the records alone: each image's pixels x steps
+where the record gives them, never the pipeline's view, so any task and any reader plans the same)
+is dealt batch by batch, the costliest first, each to the shard with the least work so far
+(``BatchPlan.deal``). The deal is a pure function of the records, ``data.batch_size``,
+``data.bucket`` and ``N``: whichever task starts first plans what the others plan. It is recorded in
+the output folder as ``shards-of-N.u16`` (the shard of every image, 2 bytes little-endian each, in
+index order: ``numpy.fromfile(path, "<u2")``) by the first task that starts, so that ``status``
+and ``slurm --resubmit`` read it without the records; the other tasks check theirs against it.
+
+A ``Shard`` without that record (``owners`` None: a folder no task of this count has started in yet)
+holds every image ``i`` with ``i % N == T``. An image keeps its index, seed and file name whatever
+the shard count, and the shards of one count share no image. ``None`` stands for a run of the whole
+prompt set wherever a shard is optional.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+MAX_SHARDS = 2**16 - 1  # a shard number is kept in 2 bytes an image
 
-class Shard(NamedTuple):
-    """Shard ``shard_index`` of ``num_shards`` (a tuple, so that run.json records it as ``[T, N]``)."""
 
+class _Pair(NamedTuple):
     shard_index: int
     num_shards: int
+
+
+class Shard(_Pair):
+    """Shard ``shard_index`` of ``num_shards`` (a tuple, so that run.json records it as ``[T, N]``);
+    ``owners`` (set by ``with_owners``): the shard of every image of the set, where it is known."""
+
+    owners: Optional[np.ndarray] = None
+
+    def with_owners(self, owners: Optional[np.ndarray]) -> "Shard":
+        shard = Shard(self.shard_index, self.num_shards)
+        shard.owners = owners
+        return shard
 
     @property
     def name(self) -> str:
@@ -25,19 +49,32 @@ class Shard(NamedTuple):
         return f"shard-{self.shard_index}-of-{self.num_shards}"
 
     def holds(self, index: int) -> bool:
+        if self.owners is not None:
+            return 0 <= index < len(self.owners) and int(self.owners[index]) == self.shard_index
         return index % self.num_shards == self.shard_index
 
     def select(self, indices: Any) -> np.ndarray:
         """The ``indices`` (an integer array) that belong to this shard."""
         indices = np.asarray(indices, dtype=np.int64)
-        return indices[indices % self.num_shards == self.shard_index]
+        if self.owners is None:
+            return indices[indices % self.num_shards == self.shard_index]
+        inside = indices[(indices >= 0) & (indices < len(self.owners))]
+        return inside[self.owners[inside] == self.shard_index]
 
     def members(self, total: int) -> np.ndarray:
         """This shard's images among ``total``."""
-        return np.arange(self.shard_index, total, self.num_shards, dtype=np.int64)
+        if self.owners is None:
+            return np.arange(self.shard_index, total, self.num_shards, dtype=np.int64)
+        return np.flatnonzero(self.owners[:total] == self.shard_index)
 
     def size(self, total: int) -> int:
-        return len(range(self.shard_index, total, self.num_shards))
+        if self.owners is None:
+            return len(range(self.shard_index, total, self.num_shards))
+        return int(np.count_nonzero(self.owners[:total] == self.shard_index))
+
+
+def _as(shard: tuple[int, int]) -> Shard:
+    return shard if isinstance(shard, Shard) else Shard(*shard)
 
 
 def as_shard(shard: Optional[tuple[int, int]]) -> Optional[Shard]:
@@ -52,19 +89,72 @@ def shard_name(shard: Optional[tuple[int, int]]) -> Optional[str]:
 
 def in_shard(index: int, shard: Optional[tuple[int, int]]) -> bool:
     """Whether image ``index`` belongs to shard ``(T, N)`` (every image does to no shard: None)."""
-    return shard is None or Shard(*shard).holds(index)
+    return shard is None or _as(shard).holds(index)
 
 
 def select(indices: Any, shard: Optional[tuple[int, int]]) -> np.ndarray:
     """The ``indices`` that belong to ``shard`` (all of them for None)."""
-    return np.asarray(indices, dtype=np.int64) if shard is None else Shard(*shard).select(indices)
+    return np.asarray(indices, dtype=np.int64) if shard is None else _as(shard).select(indices)
 
 
 def shard_size(total: int, shard: Optional[tuple[int, int]]) -> int:
     """How many of ``total`` images a shard holds."""
-    return total if shard is None else Shard(*shard).size(total)
+    return total if shard is None else _as(shard).size(total)
 
 
 def shard_members(total: int, shard: Optional[tuple[int, int]]) -> np.ndarray:
     """The images of ``shard`` among ``total`` (every image for None)."""
-    return np.arange(total, dtype=np.int64) if shard is None else Shard(*shard).members(total)
+    return np.arange(total, dtype=np.int64) if shard is None else _as(shard).members(total)
+
+
+# ----------------------------------------------------------------------------- the deal and its record
+
+
+def deal_shards(plan: Any, total: int, num_shards: int) -> np.ndarray:
+    """The shard of each of ``total`` images: ``plan``'s batches (a ``batching.BatchPlan`` of the
+    whole set) dealt to ``num_shards`` by cost, the costliest first, each to the least loaded."""
+    batch_owner = np.zeros(len(plan), dtype=np.uint16)
+    for shard, positions in enumerate(plan.deal(num_shards)):
+        batch_owner[positions] = shard
+    owners = np.zeros(total, dtype=np.uint16)
+    owners[plan.order] = np.repeat(batch_owner, plan.sizes)
+    return owners
+
+
+def plan_file(num_shards: int) -> str:
+    """The name of the shard plan of ``num_shards`` in an output folder or prefix."""
+    return f"shards-of-{num_shards}.u16"
+
+
+def owners_bytes(owners: np.ndarray) -> bytes:
+    return np.asarray(owners, dtype="<u2").tobytes()
+
+
+def owners_from_bytes(blob: bytes) -> Optional[np.ndarray]:
+    """A recorded shard plan; None where the bytes cannot be one (an odd length)."""
+    return np.frombuffer(blob, dtype="<u2").astype(np.uint16) if len(blob) % 2 == 0 else None
+
+
+def recorded_owners(folder: Path, num_shards: int) -> Optional[np.ndarray]:
+    """The folder's shard plan of ``num_shards``; None where no task of that count has started."""
+    try:
+        return owners_from_bytes((Path(folder) / plan_file(num_shards)).read_bytes())
+    except OSError:
+        return None
+
+
+def folder_shard(folder: Path, shard_index: int, num_shards: int) -> Shard:
+    """Shard ``shard_index`` of ``num_shards`` as the folder's recorded plan deals it."""
+    return Shard(shard_index, num_shards).with_owners(recorded_owners(folder, num_shards))
+
+
+def plan_conflict(recorded: Optional[np.ndarray], shard: Shard, where: str) -> Optional[str]:
+    """Why a task of ``shard`` cannot run beside the plan ``recorded`` at ``where``: it deals the
+    images otherwise (other records, ``data.batch_size`` or ``data.bucket``), and tasks dealing
+    differently would leave images to no shard. None where they agree."""
+    if recorded is None or shard.owners is None or np.array_equal(recorded, shard.owners):
+        return None
+    return (f"{where} deals the prompt set's images to {shard.num_shards} shards otherwise than this run would "
+            f"({len(recorded):,} images recorded, {len(shard.owners):,} here): the first task of the array ran "
+            "with another prompt set, data.batch_size or data.bucket. Run every task with the same, or use another "
+            "shard count or output folder.")

@@ -40,7 +40,16 @@ from lightning_diffusion.manifest import (
     repair_manifest,
     settings_conflict,
 )
-from lightning_diffusion.shard import Shard, in_shard, select, shard_name
+from lightning_diffusion.shard import (
+    Shard,
+    in_shard,
+    owners_bytes,
+    plan_conflict,
+    plan_file,
+    recorded_owners,
+    select,
+    shard_name,
+)
 
 
 class OutputStore(Protocol):
@@ -169,6 +178,9 @@ class FolderStore:
                     return self._refuse(conflict)
                 if not run_file.is_file():
                     self._write_run_file(settings, run_file, total, history=[])
+                conflict = self._record_plan()
+                if conflict:
+                    return self._refuse(conflict)
             self._write_run_file({"shard": list(self.shard)})
         if any(self.folder.glob(PART_GLOB)):
             merge_manifest(self.folder, self.shard)
@@ -189,6 +201,19 @@ class FolderStore:
                                     + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
                                     "writer.allow_config_change=true to keep those pictures anyway.")
         return None, done
+
+    def _record_plan(self) -> Optional[str]:
+        """The shard plan (``shard.plan_file``): written by the first task of its count, checked by
+        the others. Called under the merge lock."""
+        assert self.shard is not None
+        owners = self.shard.owners
+        if owners is None:
+            return None
+        recorded = recorded_owners(self.folder, self.shard.num_shards)
+        if recorded is None:
+            atomic_write(self.folder / plan_file(self.shard.num_shards), lambda f: f.write(owners_bytes(owners)))
+            return None
+        return plan_conflict(recorded, self.shard, str(self.folder / plan_file(self.shard.num_shards)))
 
     def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
                         history: Optional[list] = None) -> None:

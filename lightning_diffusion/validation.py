@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_diffusion.errors import ConfigError, is_int, run_check
+from lightning_diffusion.shard import MAX_SHARDS
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
 # tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
@@ -618,6 +619,9 @@ def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None)
     if is_int(shards, 1) and not (is_int(index, 0) and index < shards):
         problems.append(f"data.shard_index must be an integer from 0 to data.num_shards - 1 = {shards - 1}, "
                         f"got {index!r}.")
+    if is_int(shards, 1) and shards > MAX_SHARDS:
+        problems.append(f"data.num_shards must be at most {MAX_SHARDS:,} (the shard plan keeps 2 bytes an image), "
+                        f"got {shards:,}.")
     if is_int(shards, 1) and num_images is not None and shards > num_images:
         problems.append(f"data.num_shards {shards} exceeds the {num_images} images of the prompt set: shards "
                         f"{num_images} to {shards - 1} would have nothing to make. Use at most {num_images} shards.")

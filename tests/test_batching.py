@@ -8,6 +8,7 @@ import pytest
 
 from lightning_diffusion import PromptDataModule
 from lightning_diffusion.batching import plan_batches
+from lightning_diffusion.shard import Shard
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 SIZES = [(32, 32), (48, 64), (64, 48)]
@@ -105,3 +106,49 @@ def test_a_mixed_set_gives_the_same_bytes_for_every_layout(tmp_path):
         run_here(*tiny_args(tmp_path / "shards", *args, "--data.num_shards", "2", "--data.shard_index", shard))
     ours = load_arrays(tmp_path / "shards")
     assert sorted(ours) == list(range(18)) and all(np.array_equal(ours[i], reference[i]) for i in range(18))
+
+
+# ----------------------------------------------------------------------------- job-array shards
+
+
+def _shard_costs(data, owners):
+    """Each shard's computed cost: its images' batches of the whole set's plan (``shard_owners``'s
+    own plan, from the records alone), and the costliest batch."""
+    from lightning_diffusion.batching import SetFacts, image_facts
+
+    total = data.num_images
+    indices = np.arange(total)
+    buckets, costs = image_facts(SetFacts.from_summary(data.records.summary), data.records.summary.set_of, indices,
+                                 data.num_images_per_prompt)
+    plan = plan_batches(indices, buckets, costs, data.batch_size)
+    loads = np.zeros(int(owners.max()) + 1)
+    for b in range(len(plan)):
+        batch = plan.batch(b)
+        assert len(set(owners[batch].tolist())) == 1, "a batch of the plan is dealt whole"
+        loads[owners[batch[0]]] += plan.costs[b]
+    return loads, plan.costs.max()
+
+
+@pytest.mark.parametrize("count", [2, 3, 8])
+def test_a_mixed_sets_array_shards_are_within_one_batch_of_each_other_in_computed_cost(tmp_path, count):
+    """Sizes that cost 1x to 16x and step counts 2 and 30, in runs of like records (as a set sorted
+    by source often is): the cost deal leaves the shards within one batch's cost of each other; the
+    index rule (image i to shard i % N) leaves them far apart on the same set."""
+    from lightning_diffusion.data import shard_owners
+
+    sizes, steps = [(32, 32), (64, 64), (128, 128)], [2, 30]
+    records = [{"prompt": f"p {n}", "height": sizes[(n // 7) % 3][0], "width": sizes[(n // 7) % 3][1],
+                "num_inference_steps": steps[(n // 5) % 2]} for n in range(600)]
+    data = PromptDataModule(str(write(tmp_path, records)), batch_size=4, num_shards=count)
+    owners = shard_owners(data.records, 1, 4, True, count)
+    assert np.array_equal(data.shard.owners, owners) and sorted(set(owners.tolist())) == list(range(count))
+    loads, costliest = _shard_costs(data, owners)
+    assert loads.max() - loads.min() <= costliest, (loads, costliest)
+    modulo = np.zeros(count)
+    cost_of = np.asarray([r["height"] * r["width"] * r["num_inference_steps"] for r in records], dtype=float)
+    np.add.at(modulo, np.arange(600) % count, cost_of)
+    dealt = np.zeros(count)
+    np.add.at(dealt, owners.astype(np.int64), cost_of)
+    assert dealt.max() - dealt.min() < modulo.max() - modulo.min(), (dealt, modulo)
+    members = [Shard(t, count).with_owners(owners).members(600) for t in range(count)]
+    assert sorted(np.concatenate(members).tolist()) == list(range(600)), "the shards partition the set"

@@ -233,6 +233,43 @@ def test_a_shard_merges_parts_runs_left_behind_but_not_its_siblings(tmp_path):
         (out / f"{index:06d}-left.png").write_bytes(b"png")
         (out / part).write_text(json.dumps({"index": index, "file": f"{index:06d}-left.png", "bytes": 3}) + "\n")
     run_here(*tiny_args(out, "--data.prompts", FIVE_PROMPTS, "--data.num_shards", "2", "--data.shard_index", "0",
-                        "--writer.allow_config_change", "true"))
+                        "--data.batch_size", "1", "--writer.allow_config_change", "true"))
+    # five batches of one image of equal cost, dealt in turn: shard 0 holds 0, 2 and 4
     assert [line["index"] for line in read_manifest_lines(out)] == [0, 2, 3, 4]
     assert not (out / "manifest.part-0.jsonl").exists() and (out / "manifest.shard-1-of-2.part-0.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_the_shard_plan_is_the_same_whichever_task_starts_first(tmp_path):
+    """A mixed-size set of 12 in 3 shards, the tasks run in the order 2, 0, 1 into one folder and
+    0, 1, 2 into another: the same plan recorded (the one the records give), the same images, each
+    once; ``status`` reads the plan from the folder. A task whose batch size deals otherwise than
+    the recorded plan is refused before it makes anything."""
+    from lightning_diffusion.data import shard_owners
+    from lightning_diffusion.records import read_records
+    from lightning_diffusion.shard import plan_file, recorded_owners
+
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"mixed {n}", "height": 32 if n < 8 else 64,
+                                           "width": 32 if n < 8 else 64}) + "\n" for n in range(12)))
+    args = ["--data.prompts", str(prompts), "--data.batch_size", "2", "--data.num_shards", "3"]
+    for order, name in (("201", "late"), ("012", "early")):
+        for task in order:
+            run_here(*tiny_args(tmp_path / name, *args, "--data.shard_index", task))
+    expected = shard_owners(read_records(str(prompts)), 1, 2, True, 3)
+    # 4 batches of 32x32 (cost 1 each) and 2 of 64x64 (cost 4 each): one costly batch to each of shards 0
+    # and 1, the four cheap ones to shard 2; each shard's cost is 4 (the index rule would give 12 images as 4, 4, 4)
+    assert np.bincount(expected, minlength=3).tolist() == [2, 2, 8] and set(expected[8:].tolist()) == {0, 1}
+    for name in ("late", "early"):
+        assert np.array_equal(recorded_owners(tmp_path / name, 3), expected), name
+        assert [line["index"] for line in read_manifest_lines(tmp_path / name)] == list(range(12))
+    assert (tmp_path / "late" / plan_file(3)).read_bytes() == (tmp_path / "early" / plan_file(3)).read_bytes()
+    late, early = load_arrays(tmp_path / "late"), load_arrays(tmp_path / "early")
+    assert all(np.array_equal(late[i], early[i]) for i in range(12))
+    status = status_module.folder_status(tmp_path / "late")
+    assert [(s["shard"], s["done"], s["expected"]) for s in status["shards"]] == [(0, 2, 2), (1, 2, 2), (2, 8, 8)]
+
+    run_here(*tiny_args(tmp_path / "mixed", *args, "--data.shard_index", "1"))
+    other = run_here(*tiny_args(tmp_path / "mixed", *args[:2], "--data.batch_size", "4", "--data.num_shards", "3",
+                                "--data.shard_index", "0"), check=False)
+    assert other.returncode != 0 and "deals the prompt set's images to 3 shards otherwise" in other.stderr

@@ -72,7 +72,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--array", type=int, metavar="N",
                         help="a job array of N tasks, task t making shard t of the prompt set (images i with "
-                        "i %% N == t), all writing into one output folder")
+                        "the set's batches dealt by cost), all writing into one output folder")
     parser.add_argument("--max-concurrent", type=int, metavar="K", help="with --array: at most K tasks at once")
     parser.add_argument("--resubmit", action="store_true",
                         help="submit an array of the shards of the output folder that are incomplete and not running")
@@ -450,6 +450,20 @@ class Outputs:
             return np.zeros(0, dtype=np.int64), set()
         return indices, rejected - set(indices.tolist())
 
+    def shard(self, shard_index: int, num_shards: int) -> Any:
+        """Shard ``shard_index`` of ``num_shards`` as the recorded plan deals it (``shard``)."""
+        from lightning_diffusion.shard import Shard, recorded_owners
+
+        if self.url is None:
+            owners = recorded_owners(Path(str(self.folder)), num_shards)
+        else:
+            store = self._store()
+            try:
+                owners = store.shard_plan(num_shards)
+            finally:
+                store.release()
+        return Shard(shard_index, num_shards).with_owners(owners)
+
     def live(self) -> dict[Optional[tuple[int, int]], str]:
         """The runs writing into it now, by shard (as ``lock.live_locks``)."""
         from lightning_diffusion.lock import live_locks
@@ -472,8 +486,10 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     incomplete ones. A shard whose run still writes (its lock) or whose task is still queued or
     running is left out, and said so; shards of another count still running refuse the lot.
     ``job_dir`` holds the record of the arrays submitted before (``array.json``)."""
+    import numpy as np
+
     from lightning_diffusion.commands import status
-    from lightning_diffusion.shard import in_shard, shard_size
+    from lightning_diffusion.shard import Shard
 
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
@@ -497,7 +513,8 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
         raise ConfigError(f"{where} is being written by {what} (running or queued); shards of {count} would make "
                           "some of the same images. Wait for it to end, or submit the same shard count.")
     done, rejected = outputs.made()
-    accounted = set(done.tolist()) | rejected
+    accounted = np.union1d(done, np.fromiter(rejected, dtype=np.int64, count=len(rejected)))
+    plan = outputs.shard(0, count).owners
     shards = []
     for shard in wanted:
         task = states.get(count, {}).get(shard, {})
@@ -505,8 +522,8 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
             job = f" (job {task['job']}, {task.get('state')})" if task else f" ({live.get((shard, count))})"
             print(f"shard {shard}: still running{job}; not submitted again.", flush=True)
             continue
-        made = sum(1 for i in accounted if in_shard(i, (shard, count)))
-        if args.resubmit and made >= shard_size(total, (shard, count)):
+        members = Shard(shard, count).with_owners(plan)
+        if args.resubmit and len(members.select(accounted)) >= members.size(total):
             continue
         shards.append(shard)
     return {"num_shards": count, "shards": shards, "max_concurrent": args.max_concurrent, "expected": total}
@@ -546,8 +563,9 @@ def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str
         time.sleep(poll_s)
     indices, rejected = outputs.made()
     complete = True
+    plan = outputs.shard(0, array["num_shards"]).owners
     for index in range(array["num_shards"]):
-        shard = Shard(index, array["num_shards"])
+        shard = Shard(index, array["num_shards"]).with_owners(plan)
         done = len(shard.select(indices))
         wanted = shard.size(expected) - len(shard.select(sorted(rejected)))
         complete = complete and done >= wanted

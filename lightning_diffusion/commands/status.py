@@ -36,7 +36,7 @@ from lightning_diffusion.manifest import (
     rejected_images,
 )
 from lightning_diffusion.object_store import is_url
-from lightning_diffusion.shard import Shard, in_shard, shard_size
+from lightning_diffusion.shard import Shard, recorded_owners
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -117,15 +117,17 @@ def bucket_status(url: str) -> dict[str, Any]:
     rejected = store.rejected_images() - set(indices.tolist())
     expected, history = run.get("expected"), run.get("history") or []
     lock = store.lock_state(".lock")
-    shards = []
+    shards, plans = [], {}
     for name in sorted(n for n in names if re.fullmatch(r"run\.shard-\d+-of-\d+\.json", n)):
         record = store.read_json(name) or {}
         index, count = record.get("shard", [0, 1])
+        if count not in plans:
+            plans[count] = store.shard_plan(count)
+        shard = Shard(index, count).with_owners(plans[count])
         shard_lock = store.lock_state(f".lock.shard-{index}-of-{count}")
         shard_history = record.get("history") or []
-        shards.append({"shard": index, "done": len(Shard(index, count).select(indices)),
-                       "expected": shard_size(expected or 0, (index, count)) - sum(
-                           1 for i in rejected if in_shard(i, (index, count))),
+        shards.append({"shard": index, "done": len(shard.select(indices)),
+                       "expected": shard.size(expected or 0) - len(shard.select(sorted(rejected))),
                        "running": bool(shard_lock and shard_lock["live"]), "slurm_job": None,
                        "runs": len(shard_history), "stats": run_stats(shard_history)})
     running = bool(lock and lock["live"]) or any(shard["running"] for shard in shards)
@@ -247,8 +249,10 @@ def shard_status(folder: Path, indices: np.ndarray, total: Optional[int],
         return []
     live = live_locks(folder)
     states = task_states(folder).get(count, {})
+    owners = recorded_owners(folder, count)
     shards = []
     for index in range(count):
+        shard = Shard(index, count).with_owners(owners)
         try:
             record = json.loads((folder / f"run.shard-{index}-of-{count}.json").read_text())
         except (OSError, ValueError):
@@ -257,8 +261,8 @@ def shard_status(folder: Path, indices: np.ndarray, total: Optional[int],
         lock = OutputLock(folder, (index, count)).describe() or {}
         shards.append({
             "shard": index,
-            "done": len(Shard(index, count).select(indices)),
-            "expected": shard_size(total, (index, count)) - sum(1 for i in rejected if in_shard(i, (index, count))),
+            "done": len(shard.select(indices)),
+            "expected": shard.size(total) - len(shard.select(sorted(rejected))),
             "running": (index, count) in live,
             "since": lock.get("since") if (index, count) in live else None,
             "slurm_job": lock.get("slurm_job") or (history[-1].get("slurm_job") if history else None),
