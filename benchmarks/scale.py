@@ -204,7 +204,8 @@ def shard_spread(args: argparse.Namespace) -> None:
             records = read_records(str(path))
             total = len(records)
             indices = np.arange(total)
-            buckets, costs = image_facts(SetFacts.from_summary(records.summary), records.summary.set_of, indices, 1)
+            summary = records.summary
+            buckets, costs = image_facts(SetFacts.from_summary(summary), summary.set_array(), indices, 1)
             plan = plan_batches(indices, buckets, costs, args.batch_size)
             per_image = np.repeat(plan.costs / plan.sizes, plan.sizes)  # a padded batch at its padded size
             image_cost = np.empty(total)

@@ -168,13 +168,14 @@ def plan_batches(indices: np.ndarray, bucket_of_image: np.ndarray, cost_of_image
                      batch_buckets, mean * (batch_size if pad else sizes), batch_size, pad)
 
 
-def image_facts(facts: SetFacts, set_of: Any, indices: np.ndarray, num_images_per_prompt: int,
+def image_facts(facts: SetFacts, set_of: np.ndarray, indices: np.ndarray, num_images_per_prompt: int,
                 bucket_of_position: Optional[dict[int, int]] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Each image's bucket and cost, from its record's set (``set_of``: record position -> set)."""
+    """Each image's bucket and cost, from its record's set (``set_of``: record position -> set, as
+    ``RecordSummary.set_array`` gives it)."""
     if len(facts.bucket) == 1 and not bucket_of_position:  # one kind of image: the same for all, held once
         return (np.broadcast_to(np.int32(facts.bucket[0]), (len(indices),)),
                 np.broadcast_to(np.float64(facts.cost[0]), (len(indices),)))
-    sets = np.frombuffer(set_of, dtype=np.uint32) if len(set_of) else np.zeros(0, np.uint32)
+    sets = np.asarray(set_of, dtype=np.uint32)
     positions = indices // num_images_per_prompt if num_images_per_prompt > 1 else indices
     image_sets = sets[positions]
     buckets = np.asarray(facts.bucket, dtype=np.int32)[image_sets]

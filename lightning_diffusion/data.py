@@ -135,7 +135,7 @@ def shard_owners(records: Records, num_images_per_prompt: int, batch_size: int, 
     set's batch plan from the records alone, dealt by cost."""
     total = len(records) * num_images_per_prompt
     indices = np.arange(total, dtype=np.int32 if total < 2**31 else np.int64)
-    buckets, costs = image_facts(SetFacts.from_summary(records.summary), records.summary.set_of, indices,
+    buckets, costs = image_facts(SetFacts.from_summary(records.summary), records.summary.set_array(), indices,
                                  num_images_per_prompt)
     return deal_shards(plan_batches(indices, buckets, costs, batch_size, bucket), total, num_shards)
 
@@ -304,7 +304,7 @@ class PromptDataModule(pl.LightningDataModule):
     def batch_plan(self, pending: np.ndarray) -> BatchPlan:
         """The batches of the ``pending`` images (``batching.plan_batches``)."""
         facts = self.facts or SetFacts.from_summary(self.records.summary)
-        buckets, costs = image_facts(facts, self.records.summary.set_of, pending, self.num_images_per_prompt,
+        buckets, costs = image_facts(facts, self.records.summary.set_array(), pending, self.num_images_per_prompt,
                                      self.bucket_of_position)
         return plan_batches(pending, buckets, costs, self.batch_size, self.bucket, self.pad)
 

@@ -148,22 +148,69 @@ class CallArgSet:
             found.setdefault(name, number)
 
 
+class Same(Sequence):
+    """``size`` times one value, held once: a prompt set's ``set_of`` while all its records share
+    one call-argument set."""
+
+    def __init__(self, value: int, size: int) -> None:
+        self._value, self._size = value, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, position):
+        if isinstance(position, slice):
+            return [self._value] * len(range(*position.indices(self._size)))
+        if not -self._size <= position < self._size:
+            raise IndexError(position)
+        return self._value
+
+    def __iter__(self) -> Iterator[int]:
+        return (self._value for _ in range(self._size))
+
+
 class RecordSummary:
-    """Every record's call-argument set (4 bytes a record), and the sets themselves.
+    """Every record's call-argument set (4 bytes a record once two records differ; none while all
+    share one), and the sets themselves.
 
     ``override_sets``, ``without_negative``... describe the records that are not rejected: the
     checks of the strategies (CFG branches, token splits) look at what will run.
     """
 
     def __init__(self) -> None:
-        self.set_of = array("I")  # record position -> index into ``sets`` (BAD_SET: rejected while read)
+        self._set_of: Optional[array] = None  # record position -> index into ``sets`` (BAD_SET: rejected while read)
+        self._same = 0  # while ``_set_of`` is None: the one set of every record so far
+        self._count = 0
         self.sets: list[CallArgSet] = []
         self._ids: dict[Any, int] = {}
         self.rejected_sets: frozenset[int] = frozenset()  # sets the pipeline refuses (``check_records``)
         self.large_seeds: dict[int, int] = {}  # position -> seed, for seeds near the generator's limit
 
+    @property
+    def set_of(self) -> Sequence[int]:
+        """Each record's set: an ``array`` of 4 bytes a record, or ``Same`` while all share one."""
+        return self._set_of if self._set_of is not None else Same(self._same, self._count)
+
+    def set_array(self) -> Any:
+        """``set_of`` as a uint32 numpy array (a broadcast of one value, no memory, while all share one)."""
+        import numpy as np
+
+        if self._set_of is None:
+            return np.broadcast_to(np.uint32(self._same), (self._count,))
+        return np.frombuffer(self._set_of, dtype=np.uint32) if self._count else np.zeros(0, np.uint32)
+
+    def _append(self, set_id: int) -> None:
+        if self._set_of is not None:
+            self._set_of.append(set_id)
+        elif not self._count or set_id == self._same:
+            self._same = set_id
+        else:  # a second set: every record's from now on
+            self._set_of = array("I", [self._same]) * self._count
+            self._set_of.append(set_id)
+        self._count += 1
+
     def add(self, record: dict[str, Any]) -> None:
-        number = len(self.set_of) + 1
+        number = self._count + 1
         overrides = {k: v for k, v in record.items() if k not in RECORD_FIELDS}
         # Records share a set when they set the same arguments and have the same fields, so that a
         # check of the set (an input the pipeline needs, a negative prompt it cannot take) is
@@ -179,13 +226,13 @@ class RecordSummary:
             set_id = self._ids[key] = len(self.sets)
             self.sets.append(CallArgSet(number, overrides))
         self.sets[set_id].add(number, record)
-        self.set_of.append(set_id)
+        self._append(set_id)
         seed = record.get("seed")
         if seed is not None and seed > SEED_MAX // 2:
             self.large_seeds[number - 1] = seed
 
     def add_bad(self) -> None:
-        self.set_of.append(BAD_SET)
+        self._append(BAD_SET)
 
     def positions(self, set_ids: Sequence[int]) -> Iterator[int]:
         """The positions of the records of these sets."""
@@ -287,16 +334,42 @@ class Records(Sequence):
                 yield position, self[position]
 
 
+class Offsets:
+    """Byte offsets of a file's lines in 4 bytes a line: each offset less its block's base (an
+    8-byte offset every ``BLOCK`` lines, or sooner where a block would span 4 GiB)."""
+
+    BLOCK = 4096
+
+    def __init__(self) -> None:
+        self.relative = array("I")
+        self.bases = array("q")
+        self.firsts = array("q")  # the first line of each block
+
+    def append(self, offset: int) -> None:
+        count = len(self.relative)
+        if not self.bases or count - self.firsts[-1] >= self.BLOCK or offset - self.bases[-1] >= 2**32:
+            self.bases.append(offset)
+            self.firsts.append(count)
+        self.relative.append(offset - self.bases[-1])
+
+    def __len__(self) -> int:
+        return len(self.relative)
+
+    def __getitem__(self, position: int) -> int:
+        block = bisect_right(self.firsts, position) - 1
+        return self.bases[block] + self.relative[position]
+
+
 class LineRecords(Records):
     """Records of a ``.txt`` or ``.jsonl`` file: every line checked once at start, then read on
-    demand through an index of byte offsets (an ``array`` of 8 bytes a record)."""
+    demand through an index of byte offsets (``Offsets``: 4 bytes a record)."""
 
     def __init__(self, path: Path, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> None:
         super().__init__(max_chars, columns)
         self.path = path
         self.where = str(path)
         self.jsonl = path.suffix.lower() == ".jsonl"
-        self.offsets = array("q")
+        self.offsets = Offsets()
         self.blanks = array("q")  # for each blank line: the records before it (for line numbers)
         self._file: Optional[Any] = None
         self._pid: Optional[int] = None

@@ -118,7 +118,7 @@ def _shard_costs(data, owners):
 
     total = data.num_images
     indices = np.arange(total)
-    buckets, costs = image_facts(SetFacts.from_summary(data.records.summary), data.records.summary.set_of, indices,
+    buckets, costs = image_facts(SetFacts.from_summary(data.records.summary), data.records.summary.set_array(), indices,
                                  data.num_images_per_prompt)
     plan = plan_batches(indices, buckets, costs, data.batch_size)
     loads = np.zeros(int(owners.max()) + 1)
