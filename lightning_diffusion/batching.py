@@ -96,9 +96,11 @@ class BatchPlan:
     def deal(self, replicas: int) -> list[np.ndarray]:
         """Batch positions for each replica: longest first, each to the replica with the least
         estimated work so far (ties: the lower rank). A pure function of the plan and ``replicas``."""
-        order = np.argsort(-self.costs, kind="stable")  # equal costs: the earlier batch first
         if replicas == 1:
-            return [order]
+            return [np.argsort(-self.costs, kind="stable")]  # equal costs: the earlier batch first
+        if len(self) and (self.costs == self.costs[0]).all():  # one cost: the deal is in turn, without a heap
+            return [np.arange(rank, len(self), replicas, dtype=np.int64) for rank in range(replicas)]
+        order = np.argsort(-self.costs, kind="stable")
         loads = [(0.0, rank) for rank in range(replicas)]
         dealt: list[list[int]] = [[] for _ in range(replicas)]
         for position, cost in zip(order.tolist(), self.costs[order].tolist()):
