@@ -180,6 +180,8 @@ def image_facts(facts: SetFacts, set_of: np.ndarray, indices: np.ndarray, num_im
     sets = np.asarray(set_of, dtype=np.uint32)
     positions = indices // num_images_per_prompt if num_images_per_prompt > 1 else indices
     image_sets = sets[positions]
+    if len(image_sets) and int(image_sets.max()) >= len(facts.bucket):  # lines rejected while read (BAD_SET)
+        image_sets = np.where(image_sets < len(facts.bucket), image_sets, 0)  # planned as any other: never made
     buckets = np.asarray(facts.bucket, dtype=np.int32)[image_sets]
     costs = np.asarray(facts.cost, dtype=np.float64)[image_sets]
     del image_sets

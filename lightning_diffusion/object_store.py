@@ -49,9 +49,10 @@ from lightning_diffusion.lock import pid_alive
 from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
 from lightning_diffusion.shard import (
     Shard,
+    adopt,
+    index_rule,
     owners_bytes,
     owners_from_bytes,
-    plan_conflict,
     plan_file,
     select,
     shard_name,
@@ -263,6 +264,7 @@ class ObjectStore:
         self._locked = False
         self._beat: Optional[threading.Event] = None
         self._beating: Optional[threading.Thread] = None
+        self.adopted = False  # the shard deals as the prefix's recorded plan, not as this run computed
 
     @property
     def fs(self) -> tuple[Any, str]:
@@ -554,7 +556,7 @@ class ObjectStore:
             if conflict:
                 self.release()
                 return conflict, nothing
-        conflict = self._record_plan()
+        conflict = self._record_plan(total)
         if conflict:
             self.release()
             return conflict, nothing
@@ -562,27 +564,34 @@ class ObjectStore:
         if self.shard is None:
             self._write_json(RUN_FILE, {**settings, "expected": expected, "history": self._history})
         else:
-            self._write_json(self.record_name, {"shard": list(self.shard), "expected": expected,
+            self._write_json(self.record_name, {"shard": list(self.shard), "expected": self.expected,
                                                 "history": self._history})
         done, _, _ = self.recorded()
         return None, select(done, self.shard)
 
-    def _record_plan(self) -> Optional[str]:
+    def _record_plan(self, total: Optional[int]) -> Optional[str]:
         """The shard plan (``shard.plan_file``): made by the first task of its count (a conditional
-        PUT), compared by the others."""
-        if self.shard is None or self.shard.owners is None:
+        PUT; the index rule where shards of that count ran before plans were recorded), adopted by
+        the others."""
+        if self.shard is None or self.shard.owners is None or total is None:
             return None
         fs, root = self.fs
-        name = plan_file(self.shard.num_shards)
+        count = self.shard.num_shards
+        name = plan_file(count)
+        earlier = any(entry.rsplit("/", 1)[-1].startswith("run.shard-") and entry.endswith(f"-of-{count}.json")
+                      for entry in fs.ls(root, detail=False))
+        mine = index_rule(total, count) if earlier and self.shard_plan(count) is None else self.shard.owners
         try:
             tried(f"writing {name} at", self.url,
-                  lambda: fs.pipe_file(f"{root}/{name}", owners_bytes(self.shard.owners), mode="create"))
-            return None
+                  lambda: fs.pipe_file(f"{root}/{name}", owners_bytes(mine), mode="create"))
         except OSError as err:
             if not _already_there(err):
                 raise
         recorded = owners_from_bytes(tried(f"reading {name} at", self.url, lambda: fs.cat_file(f"{root}/{name}")))
-        return plan_conflict(recorded, self.shard, f"{self.url}/{name}")
+        self.adopted = not np.array_equal(recorded, self.shard.owners)
+        problem = adopt(self.shard, recorded, total, f"{self.url}/{name}")
+        self.expected = self.shard.size(total)
+        return problem
 
     def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
         """The prefix's recorded shard plan of ``num_shards``; None where no task of it started."""

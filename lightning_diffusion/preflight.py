@@ -27,7 +27,7 @@ from lightning_diffusion.object_store import access_problems, is_url
 from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.records import RecordVerdicts, check_records, read_records
 from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
-from lightning_diffusion.shard import Shard, shard_size
+from lightning_diffusion.shard import Shard, adopt, plan_file, recorded_owners, shard_size
 from lightning_diffusion.validation import (
     MAX_PROMPT_CHARS,
     MODEL_CALL_ARGS,
@@ -212,10 +212,14 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
         folder = Path(writer["output_dir"]).expanduser()
         found = finished(folder) if folder.is_dir() else None
         shard = None
-        if data.get("num_shards", 1) > 1:  # as the run deals it (``data.shard_owners``)
-            shard = Shard(data.get("shard_index", 0), data["num_shards"]).with_owners(shard_owners(
-                records, data["num_images_per_prompt"], data["batch_size"], data.get("bucket", True),
-                data["num_shards"]))
+        if data.get("num_shards", 1) > 1:  # as the run deals it (``data.shard_owners``, or the folder's plan)
+            count = data["num_shards"]
+            shard = Shard(data.get("shard_index", 0), count).with_owners(shard_owners(
+                records, data["num_images_per_prompt"], data["batch_size"], data.get("bucket", True), count))
+            recorded = recorded_owners(folder, count) if folder.is_dir() else None
+            problem = adopt(shard, recorded, len(records) * data["num_images_per_prompt"],
+                            str(folder / plan_file(count)))
+            problems += [problem] if problem else []
         problems += disk_space_problems(info, call_args, records, data["num_images_per_prompt"], writer["output_dir"],
                                         shard, found)
         if not writer.get("allow_config_change"):

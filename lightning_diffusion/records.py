@@ -356,6 +356,10 @@ class Offsets:
         return len(self.relative)
 
     def __getitem__(self, position: int) -> int:
+        if position < 0:
+            position += len(self.relative)
+        if not 0 <= position < len(self.relative):
+            raise IndexError(position)
         block = bisect_right(self.firsts, position) - 1
         return self.bases[block] + self.relative[position]
 

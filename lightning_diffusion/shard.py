@@ -130,9 +130,10 @@ def owners_bytes(owners: np.ndarray) -> bytes:
     return np.asarray(owners, dtype="<u2").tobytes()
 
 
-def owners_from_bytes(blob: bytes) -> Optional[np.ndarray]:
-    """A recorded shard plan; None where the bytes cannot be one (an odd length)."""
-    return np.frombuffer(blob, dtype="<u2").astype(np.uint16) if len(blob) % 2 == 0 else None
+def owners_from_bytes(blob: bytes) -> np.ndarray:
+    """A recorded shard plan; an empty one where the bytes cannot be one (an odd length), which
+    ``adopt`` refuses as the plan of another set."""
+    return np.frombuffer(blob, dtype="<u2").astype(np.uint16) if len(blob) % 2 == 0 else np.zeros(0, np.uint16)
 
 
 def recorded_owners(folder: Path, num_shards: int) -> Optional[np.ndarray]:
@@ -148,13 +149,21 @@ def folder_shard(folder: Path, shard_index: int, num_shards: int) -> Shard:
     return Shard(shard_index, num_shards).with_owners(recorded_owners(folder, num_shards))
 
 
-def plan_conflict(recorded: Optional[np.ndarray], shard: Shard, where: str) -> Optional[str]:
-    """Why a task of ``shard`` cannot run beside the plan ``recorded`` at ``where``: it deals the
-    images otherwise (other records, ``data.batch_size`` or ``data.bucket``), and tasks dealing
-    differently would leave images to no shard. None where they agree."""
-    if recorded is None or shard.owners is None or np.array_equal(recorded, shard.owners):
+def adopt(shard: Shard, recorded: Optional[np.ndarray], total: int, where: str) -> Optional[str]:
+    """Make ``shard`` deal as the plan ``recorded`` at ``where`` does (the first task's: a task run
+    with another ``data.batch_size`` or ``data.bucket`` makes the recorded shard's images all the
+    same). Why it cannot: the plan is not one of ``total`` images (another prompt set). None when
+    adopted or when there is no plan."""
+    if recorded is None:
         return None
-    return (f"{where} deals the prompt set's images to {shard.num_shards} shards otherwise than this run would "
-            f"({len(recorded):,} images recorded, {len(shard.owners):,} here): the first task of the array ran "
-            "with another prompt set, data.batch_size or data.bucket. Run every task with the same, or use another "
-            "shard count or output folder.")
+    if len(recorded) != total or (len(recorded) and int(recorded.max()) >= shard.num_shards):
+        return (f"{where} deals {len(recorded):,} images to {shard.num_shards} shards, but this prompt set has "
+                f"{total:,}: the array's first task ran with another prompt set. Use another output folder, or "
+                "another shard count.")
+    shard.owners = recorded
+    return None
+
+
+def index_rule(total: int, num_shards: int) -> np.ndarray:
+    """The plan of shards that ran before plans were recorded: image ``i`` to shard ``i % N``."""
+    return (np.arange(total, dtype=np.int64) % num_shards).astype(np.uint16)

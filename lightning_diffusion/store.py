@@ -42,9 +42,10 @@ from lightning_diffusion.manifest import (
 )
 from lightning_diffusion.shard import (
     Shard,
+    adopt,
     in_shard,
+    index_rule,
     owners_bytes,
-    plan_conflict,
     plan_file,
     recorded_owners,
     select,
@@ -58,6 +59,7 @@ class OutputStore(Protocol):
     # A folder every node must see (the writer checks that before the run); False for a storage
     # the nodes reach on their own.
     needs_shared_folder: bool
+    adopted: bool  # after ``prepare``: the shard deals as the recorded plan, not as this run computed it
     # The storage as messages name it (a folder, a URL), and the local folder this process's
     # files are written into (the folder itself, or where tar shards wait for their upload).
     where: str
@@ -92,6 +94,10 @@ class OutputStore(Protocol):
         """Merge the ranks' parts: (lines by rank, every index made, failed images)."""
         ...
 
+    def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
+        """The recorded shard plan of ``num_shards`` (``shard.plan_file``); None where none is."""
+        ...
+
     def record(self, summary: dict[str, Any]) -> None:
         """Add the run's summary to its history."""
         ...
@@ -115,6 +121,7 @@ class FolderStore:
         self.expected: Optional[int] = None
         self._history: list = []
         self._lock: Optional[OutputLock] = None
+        self.adopted = False  # the shard deals as the folder's recorded plan, not as this run computed
 
     @property
     def parts_glob(self) -> str:
@@ -178,7 +185,7 @@ class FolderStore:
                     return self._refuse(conflict)
                 if not run_file.is_file():
                     self._write_run_file(settings, run_file, total, history=[])
-                conflict = self._record_plan()
+                conflict = self._record_plan(total)
                 if conflict:
                     return self._refuse(conflict)
             self._write_run_file({"shard": list(self.shard)})
@@ -202,18 +209,27 @@ class FolderStore:
                                     "writer.allow_config_change=true to keep those pictures anyway.")
         return None, done
 
-    def _record_plan(self) -> Optional[str]:
-        """The shard plan (``shard.plan_file``): written by the first task of its count, checked by
-        the others. Called under the merge lock."""
+    def _record_plan(self, total: Optional[int]) -> Optional[str]:
+        """The shard plan (``shard.plan_file``): written by the first task of its count (the index
+        rule where shards of that count ran before plans were recorded), adopted by the others.
+        Called under the merge lock."""
         assert self.shard is not None
-        owners = self.shard.owners
-        if owners is None:
+        owners, count = self.shard.owners, self.shard.num_shards
+        if owners is None or total is None:
             return None
-        recorded = recorded_owners(self.folder, self.shard.num_shards)
+        path = self.folder / plan_file(count)
+        recorded = recorded_owners(self.folder, count)
         if recorded is None:
-            atomic_write(self.folder / plan_file(self.shard.num_shards), lambda f: f.write(owners_bytes(owners)))
-            return None
-        return plan_conflict(recorded, self.shard, str(self.folder / plan_file(self.shard.num_shards)))
+            earlier = any(self.folder.glob(f"run.shard-*-of-{count}.json"))
+            recorded = index_rule(total, count) if earlier else owners
+            atomic_write(path, lambda f: f.write(owners_bytes(recorded)))
+        self.adopted = not np.array_equal(recorded, owners)
+        problem = adopt(self.shard, recorded, total, str(path))
+        self.expected = self.shard.size(total)
+        return problem
+
+    def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
+        return recorded_owners(self.folder, num_shards)
 
     def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
                         history: Optional[list] = None) -> None:

@@ -47,6 +47,7 @@ from lightning_diffusion.files import OutputFiles, resolve_layout, size_text, to
 from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED
 from lightning_diffusion.object_store import MANIFESTS, ObjectStore, is_url
 from lightning_diffusion.settings import WRITER, run_settings, writer_settings
+from lightning_diffusion.shard import adopt, plan_file
 from lightning_diffusion.store import FolderStore, OutputStore
 from lightning_diffusion.validation import writer_problems
 
@@ -320,13 +321,22 @@ class ImageWriter(BasePredictionWriter):
                                      self.storage_options, self.staging_dir)
         else:
             self.store = FolderStore(self.output_dir, self.plan.shard, self.allow_config_change)
-        result: tuple[Optional[str], Any] = (None, [])
+        result: tuple[Optional[str], Any, bool] = (None, [], False)
         if trainer.is_global_zero:
-            result = self.store.prepare(self.run_settings(module), self.expected, self.total)
+            result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted)
         # Every rank learns rank 0's verdict and raises the same error: nobody waits for a peer.
-        error, done = trainer.strategy.broadcast(result)
+        error, done, adopted = trainer.strategy.broadcast(result)
         if error:
             raise ConfigError(error)
+        if adopted and not trainer.is_global_zero:  # rank 0 took the folder's recorded shard plan: so does every rank
+            assert self.shard is not None
+            recorded = self.store.shard_plan(self.shard[1])
+            assert self.plan.shard is not None
+            problem = adopt(self.plan.shard, recorded, self.total, f"{self.store.where}/{plan_file(self.shard[1])}")
+            if recorded is None or problem:
+                raise ConfigError(problem or f"{self.store.where}: rank {trainer.global_rank} does not see the shard "
+                                  "plan rank 0 recorded there.")
+        self.expected = self.plan.expected
         if trainer.num_nodes > 1 and self.store.needs_shared_folder:
             self._check_shared(trainer)
         self.done = np.asarray(done, dtype=np.int64)

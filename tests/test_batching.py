@@ -152,3 +152,13 @@ def test_a_mixed_sets_array_shards_are_within_one_batch_of_each_other_in_compute
     assert dealt.max() - dealt.min() < modulo.max() - modulo.min(), (dealt, modulo)
     members = [Shard(t, count).with_owners(owners).members(600) for t in range(count)]
     assert sorted(np.concatenate(members).tolist()) == list(range(600)), "the shards partition the set"
+
+
+def test_a_shard_plan_deals_lines_rejected_while_read(tmp_path):
+    """A line that is not JSON is rejected while read (``on_bad_record: skip``); among records of
+    two kinds it is dealt as any image (never made) and the shards still partition the set."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "negative_prompt": "b"}\n{"prompt": "c"}\nnot json\n{"prompt": "d"}\n')
+    data = PromptDataModule(str(path), batch_size=1, num_shards=2, on_bad_record="skip")
+    owners = data.shard.owners
+    assert len(owners) == 4 and set(owners.tolist()) == {0, 1}

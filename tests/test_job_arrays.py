@@ -181,12 +181,15 @@ def test_bad_arrays_are_refused_before_anything_is_queued(tmp_path, argv, messag
 
 
 def test_the_array_script_gives_each_task_its_shard(tmp_path, capsys):
-    code = slurm_module.main(["--config", TINY, "--array", "4", "--max-concurrent", "2", "--",
-                              "--data.prompts", TWELVE, "--writer.output_dir", str(tmp_path / "out")])
+    predict = ["--data.prompts", TWELVE, "--writer.output_dir", str(tmp_path / "out"), "--data.batch_size"]
+    code = slurm_module.main(["--config", TINY, "--array", "4", "--max-concurrent", "2", "--", *predict, "2"])
     script = capsys.readouterr().out
     assert code == 0
     assert "#SBATCH --array=0-3%2" in script and "#SBATCH --output=" in script and "slurm-%A_%a.out" in script
     assert '--data.num_shards 4 --data.shard_index "$SLURM_ARRAY_TASK_ID" &' in script
+    # 12 images in batches of 4 are 3 batches: a fourth task would get none
+    assert slurm_module.main(["--config", TINY, "--array", "4", "--", *predict, "4"]) == 2
+    assert "fill only 3 shards; shards 3 would have nothing to make. Use --array 3" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- on the cluster
@@ -243,8 +246,8 @@ def test_a_shard_merges_parts_runs_left_behind_but_not_its_siblings(tmp_path):
 def test_the_shard_plan_is_the_same_whichever_task_starts_first(tmp_path):
     """A mixed-size set of 12 in 3 shards, the tasks run in the order 2, 0, 1 into one folder and
     0, 1, 2 into another: the same plan recorded (the one the records give), the same images, each
-    once; ``status`` reads the plan from the folder. A task whose batch size deals otherwise than
-    the recorded plan is refused before it makes anything."""
+    once; ``status`` reads the plan from the folder. A task run with another batch size makes the
+    recorded plan's shard; a task of another prompt set is refused before it makes anything."""
     from lightning_diffusion.data import shard_owners
     from lightning_diffusion.records import read_records
     from lightning_diffusion.shard import plan_file, recorded_owners
@@ -269,7 +272,30 @@ def test_the_shard_plan_is_the_same_whichever_task_starts_first(tmp_path):
     status = status_module.folder_status(tmp_path / "late")
     assert [(s["shard"], s["done"], s["expected"]) for s in status["shards"]] == [(0, 2, 2), (1, 2, 2), (2, 8, 8)]
 
+    # A task run with another batch size makes the recorded plan's shard (its batches cut its own way).
     run_here(*tiny_args(tmp_path / "mixed", *args, "--data.shard_index", "1"))
-    other = run_here(*tiny_args(tmp_path / "mixed", *args[:2], "--data.batch_size", "4", "--data.num_shards", "3",
-                                "--data.shard_index", "0"), check=False)
-    assert other.returncode != 0 and "deals the prompt set's images to 3 shards otherwise" in other.stderr
+    run_here(*tiny_args(tmp_path / "mixed", *args[:2], "--data.batch_size", "4", "--data.num_shards", "3",
+                        "--data.shard_index", "0"))
+    run_here(*tiny_args(tmp_path / "mixed", *args, "--data.shard_index", "2"))
+    assert np.array_equal(recorded_owners(tmp_path / "mixed", 3), expected)
+    assert [line["index"] for line in read_manifest_lines(tmp_path / "mixed")] == list(range(12))
+    other = run_here(*tiny_args(tmp_path / "mixed", "--data.prompts", "[one, two, three]", "--data.num_shards", "3",
+                                "--data.shard_index", "0", "--writer.allow_config_change", "true"), check=False)
+    assert other.returncode == 2 and "deals 12 images to 3 shards, but this prompt set has 3" in other.stderr
+
+
+def test_shards_of_a_folder_written_before_plans_were_recorded_keep_the_index_rule(tmp_path):
+    """A folder whose shard 0 of 2 ran before shard plans were recorded (its run record, no plan):
+    shard 1 records the index rule it ran by, and makes the odd images, not the cost deal's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.shard-0-of-2.json").write_text(json.dumps({"shard": [0, 2], "history": []}))
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p {n}", "height": 32 if n < 4 else 64,
+                                           "width": 32 if n < 4 else 64}) + "\n" for n in range(6)))
+    run_here(*tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "2", "--data.num_shards", "2",
+                        "--data.shard_index", "1"))
+    from lightning_diffusion.shard import recorded_owners
+
+    assert recorded_owners(out, 2).tolist() == [0, 1, 0, 1, 0, 1]
+    assert [line["index"] for line in read_manifest_lines(out)] == [1, 3, 5]

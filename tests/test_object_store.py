@@ -360,6 +360,13 @@ def test_a_slurm_script_into_a_bucket_checks_no_shared_folder_and_keeps_its_logs
                        *_slurm_predict("s3://no-such-bucket/x", "--data.prompts", TWELVE))
     assert missing.returncode == 2 and "the bucket no-such-bucket does not exist" in missing.stderr
     assert "Traceback" not in missing.stderr and SECRET not in missing.stderr
+    written = cli_here("slurm", "--config", config, "--", *_slurm_predict("s3://runs/slurm-script", "--data.prompts",
+                       TWELVE, "--writer.storage_options", json.dumps({"key": "env:MY_KEY", "secret": SECRET})))
+    assert written.returncode == 2 and SECRET not in written.stdout + written.stderr
+    assert "--writer.storage_options on the command line would be written into the job's script" in written.stderr
+    named = cli_here("slurm", "--config", config, "--", *_slurm_predict("s3://runs/slurm-script", "--data.prompts",
+                     TWELVE, "--writer.storage_options", json.dumps({"key": "env:MY_KEY", "secret": "env:MY_SECRET"})))
+    assert named.returncode == 0 and "env:MY_SECRET" in named.stdout, named.stderr
     nothing = cli_here("slurm", "--config", config, "--resubmit", "--job-dir", str(tmp_path), "--",
                        *_slurm_predict("s3://runs/slurm-script", "--data.prompts", TWELVE))
     assert nothing.returncode == 2 and f"the job folder {tmp_path} holds no record of a job array" in nothing.stderr
@@ -375,7 +382,7 @@ def test_a_slurm_job_array_writes_into_a_bucket_every_image_once_with_the_folder
     config = str(REPO / "configs" / "tiny-flux.yaml")
     predict = _slurm_predict("s3://runs/slurm", "--data.prompts", TWELVE)
     proc = slurm("--config", config, "--array", "3", "--submit", "--wait", "--", *predict, cwd=tmp_path)
-    jobs = tmp_path / "lightning-diffusion-jobs" / "lightning-diffusion-tiny-flux"
+    jobs = next((tmp_path / "lightning-diffusion-jobs").glob("lightning-diffusion-tiny-flux-*"))  # + the URL's tag
     logs = "".join(path.read_text(errors="replace")[-2000:] for path in sorted(jobs.glob("slurm-*.out")))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:] + logs
     assert "12 of 12 outputs in s3://runs/slurm/manifest/" in proc.stdout

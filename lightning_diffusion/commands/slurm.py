@@ -11,8 +11,8 @@ requeues the job, which resumes from the manifest (see ``preemption``).
 
 With ``writer.output_dir`` in an object store (``s3://bucket/prefix``) the nodes share no folder:
 the script skips the shared-folder check, and the script, SLURM's logs and the job array's record go
-into ``--job-dir`` (default ``./lightning-diffusion-jobs/<job name>``), read back on this machine
-only; what the job has made is read from the bucket.
+into ``--job-dir`` (default ``./lightning-diffusion-jobs/<job name>-<tag>``, a tag of the URL), read
+back on this machine only; what the job has made is read from the bucket.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--shards", help="with --array or --resubmit: only these shards, e.g. 3,7")
     parser.add_argument("--job-dir", help="the folder for the script (with --submit), SLURM's logs and the job "
                         "array's record (default: writer.output_dir; for writer.output_dir in an object store: "
-                        f"./{JOBS_FOLDER}/<job name>)")
+                        f"./{JOBS_FOLDER}/<job name>-<a tag of the URL>)")
     parser.add_argument("--script", help=f"write the script here (default with --submit: <job dir>/{SCRIPT_NAME})")
     parser.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     parser.add_argument("--no-download", action="store_true",
@@ -229,6 +229,38 @@ def command_prefix() -> list[str]:
     """How the compute nodes start this installation: its own entry point, by absolute path."""
     entry = Path(sys.executable).parent / "lightning-diffusion"
     return [str(entry)] if entry.is_file() else [sys.executable, "-m", "lightning_diffusion"]
+
+
+def _url_tag(url: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:8]
+
+
+def secret_problems(predict_args: list[str]) -> list[str]:
+    """A ``writer.storage_options`` value given on the command line goes into the script as it is:
+    refused unless it names an environment variable (``env:NAME``)."""
+    problems = []
+    for i, word in enumerate(predict_args):
+        name, sep, value = word.partition("=")
+        if not name.startswith("--writer.storage_options"):
+            continue
+        if not sep:
+            value = predict_args[i + 1] if i + 1 < len(predict_args) else ""
+        if "env:" not in value or any(v and not str(v).startswith("env:") for v in _values(value)):
+            problems.append(f"{name} on the command line would be written into the job's script: give its values "
+                            "as env:NAME (read from the environment on the nodes), or set them in the config.")
+    return problems
+
+
+def _values(text: str) -> list[Any]:
+    import yaml
+
+    try:
+        found = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return [text]
+    return list(found.values()) if isinstance(found, dict) else [found]
 
 
 def job_name(args: argparse.Namespace, config_path: Path) -> str:
@@ -450,19 +482,36 @@ class Outputs:
             return np.zeros(0, dtype=np.int64), set()
         return indices, rejected - set(indices.tolist())
 
-    def shard(self, shard_index: int, num_shards: int) -> Any:
-        """Shard ``shard_index`` of ``num_shards`` as the recorded plan deals it (``shard``)."""
-        from lightning_diffusion.shard import Shard, recorded_owners
+    def plan(self, num_shards: int, config: Any, total: int) -> Any:
+        """The shard of every image among ``num_shards``: the recorded plan (``shard``), else the one
+        the array's first task will record: the index rule where shards of that count ran before
+        plans were recorded, the cost deal of the config's records otherwise."""
+        from lightning_diffusion.data import shard_owners
+        from lightning_diffusion.records import read_data
+        from lightning_diffusion.shard import index_rule, recorded_owners
 
         if self.url is None:
-            owners = recorded_owners(Path(str(self.folder)), num_shards)
+            folder = Path(str(self.folder))
+            owners = recorded_owners(folder, num_shards)
+            earlier = folder.is_dir() and any(folder.glob(f"run.shard-*-of-{num_shards}.json"))
         else:
             store = self._store()
             try:
                 owners = store.shard_plan(num_shards)
+                earlier = owners is None and any(
+                    name.rsplit("/", 1)[-1].startswith("run.shard-") and name.endswith(f"-of-{num_shards}.json")
+                    for name in store.fs[0].ls(store.fs[1], detail=False))
+            except FileNotFoundError:
+                owners, earlier = None, False
             finally:
                 store.release()
-        return Shard(shard_index, num_shards).with_owners(owners)
+        if owners is not None:
+            return owners
+        if earlier:
+            return index_rule(total, num_shards)
+        data = config.data
+        return shard_owners(read_data(data), int(data.num_images_per_prompt), int(data.get("batch_size") or 1),
+                            bool(data.get("bucket", True)), num_shards)
 
     def live(self) -> dict[Optional[tuple[int, int]], str]:
         """The runs writing into it now, by shard (as ``lock.live_locks``)."""
@@ -514,7 +563,14 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
                           "some of the same images. Wait for it to end, or submit the same shard count.")
     done, rejected = outputs.made()
     accounted = np.union1d(done, np.fromiter(rejected, dtype=np.int64, count=len(rejected)))
-    plan = outputs.shard(0, count).owners
+    plan = outputs.plan(count, config, total)
+    empty = [t for t in range(count) if not Shard(t, count).with_owners(plan).size(total)]
+    if empty and args.array is not None and count <= total:  # more shards than images: check_config says so
+        batches = len(np.unique(plan)) if len(plan) else 0
+        raise ConfigError(f"--array {count}: the prompt set's batches (data.batch_size "
+                          f"{config.data.get('batch_size') or 1}) fill only {batches} shards; shards "
+                          f"{','.join(map(str, empty[:10]))}{'...' if len(empty) > 10 else ''} would have nothing to "
+                          f"make. Use --array {batches} or fewer, or a smaller data.batch_size.")
     shards = []
     for shard in wanted:
         task = states.get(count, {}).get(shard, {})
@@ -546,7 +602,8 @@ def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
 
 
-def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str, Any], poll_s: float = 2.0) -> int:
+def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str, Any], config: Any,
+                   poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
     from lightning_diffusion.commands.status import ACTIVE_STATES, array_states
     from lightning_diffusion.shard import Shard
@@ -563,7 +620,7 @@ def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str
         time.sleep(poll_s)
     indices, rejected = outputs.made()
     complete = True
-    plan = outputs.shard(0, array["num_shards"]).owners
+    plan = outputs.plan(array["num_shards"], config, expected)
     for index in range(array["num_shards"]):
         shard = Shard(index, array["num_shards"]).with_owners(plan)
         done = len(shard.select(indices))
@@ -595,12 +652,14 @@ def main(argv: list[str]) -> int:
         output = config.writer.output_dir
         if is_url(output):
             outputs = Outputs(output, config.writer.get("storage_options"))
-            default_job_dir = Path.cwd() / JOBS_FOLDER / job_name(args, config_path)
+            # one folder an output: array.json's submissions are of one prefix
+            default_job_dir = Path.cwd() / JOBS_FOLDER / f"{job_name(args, config_path)}-{_url_tag(output)}"
         else:
             default_job_dir = Path(output).expanduser().resolve()
             outputs = Outputs(default_job_dir)
         job_dir = Path(args.job_dir).expanduser().resolve() if args.job_dir else default_job_dir
-        raise_problems(script_value_problems(args, config_path, predict_args, output, job_dir))
+        raise_problems(script_value_problems(args, config_path, predict_args, output, job_dir)
+                       + secret_problems(predict_args))
         if outputs.url is not None and (args.submit or args.array is not None):
             # the job's nodes reach the store as this machine does: same variables (sbatch passes them on)
             raise_problems(access_problems(outputs.url, outputs.options))
@@ -643,7 +702,7 @@ def main(argv: list[str]) -> int:
             shards = ",".join(str(t) for t in res["array"]["shards"])
             print(f"submitted job {job_id}: array of shards {shards} of {res['array']['num_shards']}; logs: "
                   f"{job_dir}/slurm-{job_id}_<shard>.out", flush=True)
-            return wait_for_array(job_id, outputs, expected, res["array"]) if args.wait else 0
+            return wait_for_array(job_id, outputs, expected, res["array"], config) if args.wait else 0
         print(f"submitted job {job_id}; log: {job_dir}/slurm-{job_id}.out", flush=True)
         if not args.wait:
             return 0
