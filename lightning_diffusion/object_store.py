@@ -50,7 +50,7 @@ from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, R
 from lightning_diffusion.shard import (
     Shard,
     adopt,
-    index_rule,
+    first_plan,
     owners_bytes,
     owners_from_bytes,
     plan_file,
@@ -570,25 +570,25 @@ class ObjectStore:
         return None, select(done, self.shard)
 
     def _record_plan(self, total: Optional[int]) -> Optional[str]:
-        """The shard plan (``shard.plan_file``): made by the first task of its count (a conditional
-        PUT; the index rule where shards of that count ran before plans were recorded), adopted by
-        the others."""
+        """The shard plan (``shard.plan_file``): made by the first task of its count
+        (``shard.first_plan``, by a conditional PUT), adopted by the others."""
         if self.shard is None or self.shard.owners is None or total is None:
             return None
         fs, root = self.fs
-        count = self.shard.num_shards
+        owners, count = self.shard.owners, self.shard.num_shards
         name = plan_file(count)
-        earlier = any(entry.rsplit("/", 1)[-1].startswith("run.shard-") and entry.endswith(f"-of-{count}.json")
-                      for entry in fs.ls(root, detail=False))
-        mine = index_rule(total, count) if earlier and self.shard_plan(count) is None else self.shard.owners
-        try:
-            tried(f"writing {name} at", self.url,
-                  lambda: fs.pipe_file(f"{root}/{name}", owners_bytes(mine), mode="create"))
-        except OSError as err:
-            if not _already_there(err):
-                raise
-        recorded = owners_from_bytes(tried(f"reading {name} at", self.url, lambda: fs.cat_file(f"{root}/{name}")))
-        self.adopted = not np.array_equal(recorded, self.shard.owners)
+        recorded = tried(f"reading {name} at", self.url, lambda: self.shard_plan(count))
+        if recorded is None:
+            mine = first_plan(self, count, total, lambda: owners)
+            try:
+                tried(f"writing {name} at", self.url,
+                      lambda: fs.pipe_file(f"{root}/{name}", owners_bytes(mine), mode="create"))
+            except OSError as err:
+                if not _already_there(err):
+                    raise
+            recorded = owners_from_bytes(tried(f"reading {name} at", self.url,
+                                               lambda: fs.cat_file(f"{root}/{name}")))
+        self.adopted = not np.array_equal(recorded, owners)
         problem = adopt(self.shard, recorded, total, f"{self.url}/{name}")
         self.expected = self.shard.size(total)
         return problem
@@ -600,6 +600,12 @@ class ObjectStore:
             return owners_from_bytes(fs.cat_file(f"{root}/{plan_file(num_shards)}"))
         except FileNotFoundError:
             return None
+
+    def ran_shards_of(self, num_shards: int) -> bool:
+        """Whether shards of ``num_shards`` left their run records in the prefix."""
+        fs, root = self.fs
+        return any(re.fullmatch(rf"run\.shard-\d+-of-{num_shards}\.json", entry.rsplit("/", 1)[-1])
+                   for entry in fs.ls(root, detail=False))
 
     def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
         fs, root = self.fs

@@ -214,9 +214,11 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
         shard = None
         if data.get("num_shards", 1) > 1:  # as the run deals it (``data.shard_owners``, or the folder's plan)
             count = data["num_shards"]
-            shard = Shard(data.get("shard_index", 0), count).with_owners(shard_owners(
-                records, data["num_images_per_prompt"], data["batch_size"], data.get("bucket", True), count))
+            shard = Shard(data.get("shard_index", 0), count)
             recorded = recorded_owners(folder, count) if folder.is_dir() else None
+            if recorded is None:
+                shard.owners = shard_owners(records, data["num_images_per_prompt"], data["batch_size"],
+                                            data.get("bucket", True), count)
             problem = adopt(shard, recorded, len(records) * data["num_images_per_prompt"],
                             str(folder / plan_file(count)))
             problems += [problem] if problem else []

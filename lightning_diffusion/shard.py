@@ -9,18 +9,18 @@ is dealt batch by batch, the costliest first, each to the shard with the least w
 ``data.bucket`` and ``N``: whichever task starts first plans what the others plan. It is recorded in
 the output folder as ``shards-of-N.u16`` (the shard of every image, 2 bytes little-endian each, in
 index order: ``numpy.fromfile(path, "<u2")``) by the first task that starts, so that ``status``
-and ``slurm --resubmit`` read it without the records; the other tasks check theirs against it.
+and ``slurm --resubmit`` read it without the records; the other tasks take it (``adopt``). A folder
+that holds records of shards of ``N`` but no plan keeps the rule they ran by (``index_rule``).
 
-A ``Shard`` without that record (``owners`` None: a folder no task of this count has started in yet)
-holds every image ``i`` with ``i % N == T``. An image keeps its index, seed and file name whatever
-the shard count, and the shards of one count share no image. ``None`` stands for a run of the whole
-prompt set wherever a shard is optional.
+A ``Shard`` without a plan (``owners`` None) holds every image ``i`` with ``i % N == T``. An image
+keeps its index, seed and file name whatever the shard count, and the shards of one count share no
+image. ``None`` stands for a run of the whole prompt set wherever a shard is optional.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -144,11 +144,6 @@ def recorded_owners(folder: Path, num_shards: int) -> Optional[np.ndarray]:
         return None
 
 
-def folder_shard(folder: Path, shard_index: int, num_shards: int) -> Shard:
-    """Shard ``shard_index`` of ``num_shards`` as the folder's recorded plan deals it."""
-    return Shard(shard_index, num_shards).with_owners(recorded_owners(folder, num_shards))
-
-
 def adopt(shard: Shard, recorded: Optional[np.ndarray], total: int, where: str) -> Optional[str]:
     """Make ``shard`` deal as the plan ``recorded`` at ``where`` does (the first task's: a task run
     with another ``data.batch_size`` or ``data.bucket`` makes the recorded shard's images all the
@@ -165,5 +160,12 @@ def adopt(shard: Shard, recorded: Optional[np.ndarray], total: int, where: str) 
 
 
 def index_rule(total: int, num_shards: int) -> np.ndarray:
-    """The plan of shards that ran before plans were recorded: image ``i`` to shard ``i % N``."""
+    """The plan of shards that left records but no plan: image ``i`` to shard ``i % N``."""
     return (np.arange(total, dtype=np.int64) % num_shards).astype(np.uint16)
+
+
+def first_plan(store: Any, num_shards: int, total: int, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """The plan the first task of ``num_shards`` records in ``store`` (a ``FolderStore`` or an
+    ``ObjectStore`` that holds none): the cost deal (``compute()``), or the index rule where shards of
+    that count left their records there without a plan."""
+    return index_rule(total, num_shards) if store.ran_shards_of(num_shards) else compute()

@@ -43,8 +43,8 @@ from lightning_diffusion.manifest import (
 from lightning_diffusion.shard import (
     Shard,
     adopt,
+    first_plan,
     in_shard,
-    index_rule,
     owners_bytes,
     plan_file,
     recorded_owners,
@@ -96,6 +96,10 @@ class OutputStore(Protocol):
 
     def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
         """The recorded shard plan of ``num_shards`` (``shard.plan_file``); None where none is."""
+        ...
+
+    def ran_shards_of(self, num_shards: int) -> bool:
+        """Whether shards of ``num_shards`` left their run records here (``shard.first_plan``)."""
         ...
 
     def record(self, summary: dict[str, Any]) -> None:
@@ -210,9 +214,8 @@ class FolderStore:
         return None, done
 
     def _record_plan(self, total: Optional[int]) -> Optional[str]:
-        """The shard plan (``shard.plan_file``): written by the first task of its count (the index
-        rule where shards of that count ran before plans were recorded), adopted by the others.
-        Called under the merge lock."""
+        """The shard plan (``shard.plan_file``): written by the first task of its count
+        (``shard.first_plan``), adopted by the others. Called under the merge lock."""
         assert self.shard is not None
         owners, count = self.shard.owners, self.shard.num_shards
         if owners is None or total is None:
@@ -220,8 +223,7 @@ class FolderStore:
         path = self.folder / plan_file(count)
         recorded = recorded_owners(self.folder, count)
         if recorded is None:
-            earlier = any(self.folder.glob(f"run.shard-*-of-{count}.json"))
-            recorded = index_rule(total, count) if earlier else owners
+            recorded = first_plan(self, count, total, lambda: owners)
             atomic_write(path, lambda f: f.write(owners_bytes(recorded)))
         self.adopted = not np.array_equal(recorded, owners)
         problem = adopt(self.shard, recorded, total, str(path))
@@ -230,6 +232,10 @@ class FolderStore:
 
     def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
         return recorded_owners(self.folder, num_shards)
+
+    def ran_shards_of(self, num_shards: int) -> bool:
+        """Whether shards of ``num_shards`` left their run records here."""
+        return any(self.folder.glob(f"run.shard-*-of-{num_shards}.json"))
 
     def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
                         history: Optional[list] = None) -> None:

@@ -329,10 +329,10 @@ class ImageWriter(BasePredictionWriter):
         if error:
             raise ConfigError(error)
         if adopted and not trainer.is_global_zero:  # rank 0 took the folder's recorded shard plan: so does every rank
-            assert self.shard is not None
-            recorded = self.store.shard_plan(self.shard[1])
-            assert self.plan.shard is not None
-            problem = adopt(self.plan.shard, recorded, self.total, f"{self.store.where}/{plan_file(self.shard[1])}")
+            shard = self.plan.shard
+            assert shard is not None
+            recorded = self.store.shard_plan(shard.num_shards)
+            problem = adopt(shard, recorded, self.total, f"{self.store.where}/{plan_file(shard.num_shards)}")
             if recorded is None or problem:
                 raise ConfigError(problem or f"{self.store.where}: rank {trainer.global_rank} does not see the shard "
                                   "plan rank 0 recorded there.")

@@ -273,10 +273,12 @@ def test_the_shard_plan_is_the_same_whichever_task_starts_first(tmp_path):
     assert [(s["shard"], s["done"], s["expected"]) for s in status["shards"]] == [(0, 2, 2), (1, 2, 2), (2, 8, 8)]
 
     # A task run with another batch size makes the recorded plan's shard (its batches cut its own way).
+    # Batches of 4 alone would give shard 2 the images 4-7 (the recorded plan: 0-7).
     run_here(*tiny_args(tmp_path / "mixed", *args, "--data.shard_index", "1"))
     run_here(*tiny_args(tmp_path / "mixed", *args[:2], "--data.batch_size", "4", "--data.num_shards", "3",
-                        "--data.shard_index", "0"))
-    run_here(*tiny_args(tmp_path / "mixed", *args, "--data.shard_index", "2"))
+                        "--data.shard_index", "2"))
+    assert [line["index"] for line in read_manifest_lines(tmp_path / "mixed")] == [*range(8), 10, 11]
+    run_here(*tiny_args(tmp_path / "mixed", *args, "--data.shard_index", "0"))
     assert np.array_equal(recorded_owners(tmp_path / "mixed", 3), expected)
     assert [line["index"] for line in read_manifest_lines(tmp_path / "mixed")] == list(range(12))
     other = run_here(*tiny_args(tmp_path / "mixed", "--data.prompts", "[one, two, three]", "--data.num_shards", "3",

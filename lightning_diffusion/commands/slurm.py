@@ -462,6 +462,12 @@ class Outputs:
 
         return ObjectStore(str(self.url), None, options=self.options)
 
+    def _reader(self) -> Any:
+        """The output as a ``store.OutputStore`` that only reads (takes no lock)."""
+        from lightning_diffusion.store import FolderStore
+
+        return self._store() if self.url is not None else FolderStore(Path(str(self.folder)), None)
+
     def made(self) -> tuple[Any, set[int]]:
         """The recorded images (a sorted integer array) and the rejected ones not among them."""
         import numpy as np
@@ -484,34 +490,25 @@ class Outputs:
 
     def plan(self, num_shards: int, config: Any, total: int) -> Any:
         """The shard of every image among ``num_shards``: the recorded plan (``shard``), else the one
-        the array's first task will record: the index rule where shards of that count ran before
-        plans were recorded, the cost deal of the config's records otherwise."""
+        the array's first task will record (``shard.first_plan``)."""
         from lightning_diffusion.data import shard_owners
         from lightning_diffusion.records import read_data
-        from lightning_diffusion.shard import index_rule, recorded_owners
+        from lightning_diffusion.shard import first_plan
 
-        if self.url is None:
-            folder = Path(str(self.folder))
-            owners = recorded_owners(folder, num_shards)
-            earlier = folder.is_dir() and any(folder.glob(f"run.shard-*-of-{num_shards}.json"))
-        else:
-            store = self._store()
-            try:
-                owners = store.shard_plan(num_shards)
-                earlier = owners is None and any(
-                    name.rsplit("/", 1)[-1].startswith("run.shard-") and name.endswith(f"-of-{num_shards}.json")
-                    for name in store.fs[0].ls(store.fs[1], detail=False))
-            except FileNotFoundError:
-                owners, earlier = None, False
-            finally:
-                store.release()
-        if owners is not None:
-            return owners
-        if earlier:
-            return index_rule(total, num_shards)
         data = config.data
-        return shard_owners(read_data(data), int(data.num_images_per_prompt), int(data.get("batch_size") or 1),
-                            bool(data.get("bucket", True)), num_shards)
+
+        def compute() -> Any:
+            return shard_owners(read_data(data), int(data.num_images_per_prompt), int(data.get("batch_size") or 1),
+                                bool(data.get("bucket", True)), num_shards)
+
+        store = self._reader()
+        try:
+            owners = store.shard_plan(num_shards)
+            return owners if owners is not None else first_plan(store, num_shards, total, compute)
+        except FileNotFoundError:  # nothing written into the prefix yet
+            return compute()
+        finally:
+            store.release()
 
     def live(self) -> dict[Optional[tuple[int, int]], str]:
         """The runs writing into it now, by shard (as ``lock.live_locks``)."""
