@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
 from typing import NoReturn, Optional
 
-from lightning_diffusion import console
+from lightning_diffusion import console, interrupt
 from lightning_diffusion.commands import COMMANDS
 
 
@@ -61,8 +60,7 @@ def run() -> None:
     exception": exit -6 after every image is written), which SLURM and shells read as a failed
     job; a failed run ends the same way, with its traceback and exit code 1. In-process callers
     use ``main``."""
-    if [word for word in sys.argv[1:] if word != "--verbose"][:1] == ["predict"]:  # the others: Ctrl-C's default
-        signal.signal(signal.SIGINT, _interrupted_while_starting)
+    interrupt.take_start_up(sys.argv[1:])  # done already where the package was imported as the command line
     try:
         main()
         code = 0
@@ -97,19 +95,6 @@ def run() -> None:
             traceback.print_exc()
         code = 130 if isinstance(err, KeyboardInterrupt) else 1
     end_process(code)
-
-
-def _interrupted_while_starting(signum: int, frame: object) -> None:
-    """``predict``'s Ctrl-C until the run takes it over (``StopController.watch_interrupt``, which
-    gives back Python's own handler afterwards): imports, parsing, checks. A KeyboardInterrupt
-    raised inside a half-done import leaves modules half-initialised, and the next import of them
-    fails in ways no handler can word (a RecursionError in numpy's); nothing is written yet, so end
-    here, in one line (written with ``os.write``: the main thread may be inside a print)."""
-    os.write(2, (console.INTERRUPTED_LINE + "\n").encode())
-    os._exit(130)
-
-
-_interrupted_while_starting.starting_only = True  # type: ignore[attr-defined]  # for StopController
 
 
 def end_process(code: int) -> NoReturn:

@@ -21,6 +21,8 @@ import os
 import sys
 import warnings
 
+from lightning_diffusion.interrupt import INTERRUPTED_LINE as INTERRUPTED_LINE  # the last line of a Ctrl-C
+
 LOGGER = "lightning_diffusion"
 
 # Third-party start-up messages hidden by ``quiet`` (message patterns, matched from the start).
@@ -58,9 +60,6 @@ def configure() -> None:
 
 
 _VERBOSE_ENV = "LIGHTNING_DIFFUSION_VERBOSE"
-# The last line of a run that Ctrl-C ended before it could stop at a batch boundary.
-INTERRUPTED_LINE = ("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
-                    "resumes.")
 
 
 @contextlib.contextmanager

@@ -95,6 +95,31 @@ def test_each_run_has_its_own_context_handed_from_the_cli_to_the_strategy_and_th
     assert len(taken) == 2 and len(list(PlanSampler(dataset))) == 6
 
 
+def _blocked_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def test_a_ctrl_c_while_a_rank_starts_waits_for_the_first_line_of_the_package_then_ends_it(tmp_path):
+    """A rank that the launcher starts begins with SIGINT blocked, as here: a Ctrl-C during its
+    interpreter's start-up waits, and the package's first line ends the process in one line with
+    exit 130 (unblocked, the same SIGINT lands in some import and prints a traceback)."""
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", *tiny_args(tmp_path / "out")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_blocked_sigint)
+    proc.send_signal(signal.SIGINT)  # pending: the interpreter is still starting
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, STOPPED_LINES[0] + "\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_importing_the_package_leaves_ctrl_c_to_the_caller():
+    """Only the command line's ``predict`` takes Ctrl-C over while it starts; a Python caller (and
+    the other commands) keep Python's own handler."""
+    code = ("import signal, sys; sys.argv = ['my_script.py', 'predict']; import lightning_diffusion; "
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout == "True\n"
+
+
 STOPPED_LINES = ("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "
                  "resumes.", "lightning-diffusion: stopped after ")
 

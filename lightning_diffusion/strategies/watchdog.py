@@ -38,6 +38,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_diffusion import interrupt
 from lightning_diffusion.console import INTERRUPTED_LINE, log
 
 _ALL = {"all_ranks": True}  # a rank's own news: printed on every rank
@@ -68,9 +69,11 @@ class Launcher(_SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             inherited = os.environ.get(LAUNCHER_PID)
             os.environ[LAUNCHER_PID] = str(os.getpid())  # in the children's environment only
+            mask = interrupt.block_for_children()  # they unblock where Ctrl-C is handled
             try:
                 self._call_children_scripts()
             finally:
+                interrupt.restore(mask)
                 if inherited is None:
                     os.environ.pop(LAUNCHER_PID, None)
                 else:
@@ -113,6 +116,7 @@ class Watchdog:
             target = self._watch_children
         elif self.rank % self.processes_per_node != 0 and os.environ.get("LOCAL_RANK", "0") != "0":
             target = self._watch_parent
+            interrupt.unblock()  # started with SIGINT blocked by the Launcher
             self._die_with_parent()
             self._parent = launching_process()
         else:
