@@ -84,6 +84,7 @@ def _worst(ours: dict, ref: dict) -> float:
     return max(float(np.abs(ours[i] - ref[i]).max()) for i in ref)
 
 
+@pytest.mark.slow  # four pipelines' references: out of the quick loop
 def test_each_pipeline_makes_pictures_from_its_records_inputs(edits, tmp_path):
     """One process: every record gives an output of the configured size, named with its input files,
     and another input image gives another picture (records 0 and 1: same prompt and seed), by far
@@ -101,6 +102,7 @@ def test_each_pipeline_makes_pictures_from_its_records_inputs(edits, tmp_path):
     assert lines[1]["inputs"]["image"]["file"].endswith("in/c.png") and lines[1]["height"] == 64
 
 
+@pytest.mark.slow
 def test_kontext_batches_of_mixed_image_sizes_equal_batch_size_one(edits, tmp_path):
     """Kontext resizes a call's inputs to its first one's size: calls are made per input size, so a
     batch of 4 over 3 sizes gives the pictures of batch size 1."""

@@ -20,6 +20,7 @@ from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_c
 COMPILED_ATOL = 1e-4
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds, out of the quick loop
 def test_regional_compile_matches_eager_and_compiles_once_per_shape(reference, tmp_path):
     import torch._dynamo
 
