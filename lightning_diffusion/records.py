@@ -55,6 +55,14 @@ HF_DATASETS = "hf://datasets/"
 REPORTED = 20  # bad records named in a refusal; the rest are counted
 BAD_SET = 0xFFFFFFFF  # the call-argument set of a line rejected while reading
 _PRESENCE = ("negative_prompt", *INPUT_FIELDS)
+_PRESENCE_SET = frozenset(_PRESENCE)
+_NONE_PRESENT = (False,) * len(_PRESENCE)
+_RECORD_FIELD_SET = frozenset(RECORD_FIELDS)
+_INPUT_FIELD_SET = frozenset(INPUT_FIELDS)
+_LARGE_SEED = SEED_MAX // 2
+_PLAIN_FIELDS = frozenset(("prompt", "seed"))  # a record of these alone: no override, no field of _PRESENCE
+_PLAIN_KEY = ((), _NONE_PRESENT)
+_NO_FIELDS: Mapping[str, Any] = {}
 
 
 class PromptFileError(ConfigError):
@@ -121,31 +129,30 @@ class Columns:
 
 class CallArgSet:
     """One distinct set of call arguments given by records, and what the checks need of the
-    records that share it (counted while the file is read, so nothing is read twice)."""
+    records that share it (counted while the file is read, so nothing is read twice). Records
+    share a set only when they have the same fields present (``RecordSummary.add``), so the first
+    one says which input fields and whether a negative prompt its records have."""
 
     KEEP = 5  # record numbers kept for messages
 
-    def __init__(self, first: int, overrides: dict[str, Any]) -> None:
+    def __init__(self, first: int, overrides: dict[str, Any], record: Mapping[str, Any]) -> None:
         self.first = first          # the first record (from 1) that has it
         self.overrides = overrides
         self.count = 0
+        self.negative = record.get("negative_prompt") is not None
         self.without_negative = 0
         self.first_without_negative: list[int] = []
-        self.first_negative: Optional[int] = None
-        self.with_inputs: dict[str, int] = {}     # input field -> first record (from 1) that has it
-        self.without_inputs: dict[str, int] = {}  # input field -> first record that lacks it
+        self.first_negative: Optional[int] = first if self.negative else None
+        # input field -> first record (from 1) that has it / that lacks it
+        self.with_inputs = {name: first for name in INPUT_FIELDS if record.get(name) is not None}
+        self.without_inputs = {name: first for name in INPUT_FIELDS if record.get(name) is None}
 
-    def add(self, number: int, record: dict[str, Any]) -> None:
+    def add(self, number: int) -> None:
         self.count += 1
-        if record.get("negative_prompt") is None:
+        if not self.negative:
             self.without_negative += 1
             if len(self.first_without_negative) < self.KEEP:
                 self.first_without_negative.append(number)
-        elif self.first_negative is None:
-            self.first_negative = number
-        for name in INPUT_FIELDS:
-            found = self.with_inputs if record.get(name) is not None else self.without_inputs
-            found.setdefault(name, number)
 
 
 class Same(Sequence):
@@ -210,25 +217,38 @@ class RecordSummary:
         self._count += 1
 
     def add(self, record: dict[str, Any]) -> None:
-        number = self._count + 1
-        overrides = {k: v for k, v in record.items() if k not in RECORD_FIELDS}
         # Records share a set when they set the same arguments and have the same fields, so that a
         # check of the set (an input the pipeline needs, a negative prompt it cannot take) is
-        # every one of its records' verdict.
-        fields = tuple(record.get(name) is not None for name in _PRESENCE)
-        try:
-            key: Any = (tuple(sorted(overrides.items())), fields)
-            hash(key)
-        except TypeError:  # a list or mapping among the values
-            key = (json.dumps(overrides, sort_keys=True, default=repr), fields)
+        # every one of its records' verdict. (Set operations on the keys first: most records of a
+        # large set have only a prompt and a seed.)
+        overrides: dict[str, Any] = {}
+        if record.keys() <= _PLAIN_FIELDS:
+            key: Any = _PLAIN_KEY
+        else:
+            named = record.keys() - _RECORD_FIELD_SET
+            fields = _NONE_PRESENT if _PRESENCE_SET.isdisjoint(record) else tuple(
+                record.get(name) is not None for name in _PRESENCE)
+            overrides = {k: record[k] for k in named}
+            try:
+                key = (tuple(sorted(overrides.items())), fields)
+                hash(key)
+            except TypeError:  # a list or mapping among the values
+                key = (json.dumps(overrides, sort_keys=True, default=repr), fields)
+        self._add(key, overrides, record, record.get("seed"))
+
+    def add_plain(self, seed: Optional[int]) -> None:
+        """``add`` for a record of a prompt and perhaps a seed, nothing else (checked)."""
+        self._add(_PLAIN_KEY, {}, _NO_FIELDS, seed)
+
+    def _add(self, key: Any, overrides: dict[str, Any], record: Mapping[str, Any], seed: Optional[int]) -> None:
+        number = self._count + 1
         set_id = self._ids.get(key)
         if set_id is None:
             set_id = self._ids[key] = len(self.sets)
-            self.sets.append(CallArgSet(number, overrides))
-        self.sets[set_id].add(number, record)
+            self.sets.append(CallArgSet(number, overrides, record))
+        self.sets[set_id].add(number)
         self._append(set_id)
-        seed = record.get("seed")
-        if seed is not None and seed > SEED_MAX // 2:
+        if seed is not None and seed > _LARGE_SEED:
             self.large_seeds[number - 1] = seed
 
     def add_bad(self) -> None:
@@ -306,16 +326,27 @@ class Records(Sequence):
         """Check one parsed item; a bad one is kept as a rejected position (``constants``: it may
         hold a NaN or Infinity)."""
         try:
-            record = check_record(item, self.source(position), self.base, constants, self.max_chars)
-        except PromptFileError as err:
-            self._reject(position, err)
+            record = _checked(item, self.base, constants, self.max_chars)
+        except _Problem as problem:
+            self._reject(position, str(problem))
             return None
         self.summary.add(record)
         return record
 
-    def _reject(self, position: int, err: PromptFileError) -> None:
+    def _accept_plain(self, position: int, item: Any, constants: bool = True) -> None:
+        """``_accept`` for the reading pass, whose records are summarised, not kept: a record of a
+        prompt and perhaps a seed, as most of a large set are, is checked here in a few steps."""
+        if type(item) is dict and item.keys() <= _PLAIN_FIELDS:
+            prompt, seed = item.get("prompt"), item.get("seed")
+            if (type(prompt) is str and 0 < len(prompt) <= self.max_chars and not prompt.isspace()
+                    and (seed is None or (type(seed) is int and 0 <= seed <= SEED_MAX))):
+                self.summary.add_plain(seed)
+                return
+        self._accept(position, item, constants)
+
+    def _reject(self, position: int, reason: Union[str, PromptFileError]) -> None:
         source = self.source(position)
-        self.bad[position] = (source, str(err).removeprefix(f"{source}: "))
+        self.bad[position] = (source, str(reason).removeprefix(f"{source}: "))
         self.summary.add_bad()
 
     @property
@@ -344,13 +375,17 @@ class Offsets:
         self.relative = array("I")
         self.bases = array("q")
         self.firsts = array("q")  # the first line of each block
+        self._base = 0  # the current block's base, and the first line past it
+        self._end = 0
 
     def append(self, offset: int) -> None:
         count = len(self.relative)
-        if not self.bases or count - self.firsts[-1] >= self.BLOCK or offset - self.bases[-1] >= 2**32:
+        relative = offset - self._base
+        if count >= self._end or relative >= 2**32:
             self.bases.append(offset)
             self.firsts.append(count)
-        self.relative.append(offset - self.bases[-1])
+            self._base, self._end, relative = offset, count + self.BLOCK, 0
+        self.relative.append(relative)
 
     def __len__(self) -> int:
         return len(self.relative)
@@ -378,10 +413,13 @@ class LineRecords(Records):
         self._file: Optional[Any] = None
         self._pid: Optional[int] = None
         self._base = path.resolve().parent
+        shape = self.columns.shape if self.columns else None
         with path.open("rb") as f:
             offset = 0
             for raw in f:
-                if raw.strip():
+                if raw.isspace():
+                    self.blanks.append(len(self.offsets))
+                else:
                     position = len(self.offsets)
                     self.offsets.append(offset)
                     try:
@@ -389,9 +427,7 @@ class LineRecords(Records):
                     except PromptFileError as err:
                         self._reject(position, err)
                     else:
-                        self._accept(position, self.columns.shape(item)[0], constants)
-                else:
-                    self.blanks.append(len(self.offsets))
+                        self._accept_plain(position, shape(item)[0] if shape else item, constants)
                 offset += len(raw)
 
     @property
@@ -409,13 +445,22 @@ class LineRecords(Records):
             raise PromptFileError(f"{self.source(position)}: not valid UTF-8.") from None
         if not self.jsonl:
             return {"prompt": line.strip()}, False
-        try:
-            item = _DECODER.decode(line)
-        except json.JSONDecodeError as err:
-            raise PromptFileError(f"{self.source(position)}: not valid JSON ({err.msg}).") from None
-        finally:
-            constants, _CONSTANTS[:] = bool(_CONSTANTS), []
-        return item, constants
+        try:  # the decoder's scanner itself; what it leaves must be JSON whitespace, as ``decode`` asks
+            item, end = _DECODER.raw_decode(line)
+            whole = end == len(line) or not line[end:].strip(_JSON_WHITESPACE)
+        except json.JSONDecodeError:
+            whole = False
+        if not whole:  # leading whitespace, or no JSON value: ``decode`` reads it or words the problem
+            _CONSTANTS.clear()
+            try:
+                item = _DECODER.decode(line)
+            except json.JSONDecodeError as err:
+                _CONSTANTS.clear()
+                raise PromptFileError(f"{self.source(position)}: not valid JSON ({err.msg}).") from None
+        if _CONSTANTS:
+            _CONSTANTS.clear()
+            return item, True
+        return item, False
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -549,7 +594,8 @@ class TableRecords(Records):
                 first = self._total
                 for batch in batches:
                     for row in self._records(number, batch).to_pylist():
-                        self._accept(self._total, {k: v for k, v in row.items() if v is not None}, self.floats[number])
+                        self._accept_plain(self._total, {k: v for k, v in row.items() if v is not None},
+                                           self.floats[number])
                         self._total += 1
                 if self._total > first:
                     self.chunk_start.append(first)
@@ -953,6 +999,11 @@ def _non_finite_constant(name: str) -> float:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_non_finite_constant)
+_JSON_WHITESPACE = " \t\n\r"
+
+
+class _Problem(Exception):
+    """A record's problem, worded without its place (``check_record`` and ``Records`` add it)."""
 
 
 def check_record(item: Any, where: str, base: Optional[Path] = None, constants: bool = True,
@@ -960,34 +1011,46 @@ def check_record(item: Any, where: str, base: Optional[Path] = None, constants: 
     """One record's fields, checked without the pipeline; returns it with its input paths resolved
     against ``base`` (the prompt file's folder). Raises ``PromptFileError`` naming ``where``.
     ``constants``: it may hold a NaN or Infinity (a JSON line that had none is not searched)."""
+    try:
+        return _checked(item, base, constants, max_chars)
+    except _Problem as problem:
+        raise PromptFileError(f"{where}: {problem}") from None
+
+
+def _checked(item: Any, base: Optional[Path], constants: bool, max_chars: int) -> dict[str, Any]:
+    """``check_record``'s checks, once a record of the reading pass (kept lean: it runs for each of
+    millions of records); raises ``_Problem``."""
     if isinstance(item, str):
         item = {"prompt": item}
     if not isinstance(item, dict):
-        raise PromptFileError(f"{where}: expected a JSON object with a 'prompt' field.")
+        raise _Problem("expected a JSON object with a 'prompt' field.")
     prompt = item.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise PromptFileError(f"{where}: no 'prompt' (a non-empty string).")
+    if not isinstance(prompt, str) or not prompt or prompt.isspace():
+        raise _Problem("no 'prompt' (a non-empty string).")
     seed = item.get("seed")
-    if seed is not None and not (is_int(seed, 0) and seed <= SEED_MAX):
-        raise PromptFileError(f"{where}: 'seed' must be an integer from 0 to 2**64 - 1, got {seed!r}.")
+    if seed is not None and not (type(seed) is int and 0 <= seed <= SEED_MAX) and not (
+            is_int(seed, 0) and seed <= SEED_MAX):
+        raise _Problem(f"'seed' must be an integer from 0 to 2**64 - 1, got {seed!r}.")
     negative = item.get("negative_prompt")
     if negative is not None and not isinstance(negative, str):
-        raise PromptFileError(f"{where}: 'negative_prompt' must be a string.")
-    for name, text in (("prompt", prompt), ("negative_prompt", negative)):
-        if text is not None and len(text) > max_chars:
-            raise PromptFileError(f"{where}: {name!r} has {len(text):,} characters, over data.max_prompt_chars "
-                                  f"{max_chars:,} (raise it if you mean it).")
+        raise _Problem("'negative_prompt' must be a string.")
+    if len(prompt) > max_chars or (negative is not None and len(negative) > max_chars):
+        name, text = ("prompt", prompt) if len(prompt) > max_chars else ("negative_prompt", negative or "")
+        raise _Problem(f"{name!r} has {len(text):,} characters, over data.max_prompt_chars {max_chars:,} (raise "
+                       "it if you mean it).")
     places = non_finite(item) if constants else []
     if places:
-        raise PromptFileError(f"{where}: {', '.join(places)} is not a finite number (NaN and Infinity are refused).")
+        raise _Problem(f"{', '.join(places)} is not a finite number (NaN and Infinity are refused).")
     item = dict(item)
+    if _INPUT_FIELD_SET.isdisjoint(item):
+        return item
     for name in INPUT_FIELDS:
         value = item.get(name)
         if value is None:
             continue
         paths = value if isinstance(value, list) else [value]
         if not paths or not all(isinstance(p, str) and p.strip() for p in paths):
-            raise PromptFileError(f"{where}: {name!r} must be a path (or a list of paths), got {value!r}.")
+            raise _Problem(f"{name!r} must be a path (or a list of paths), got {value!r}.")
         resolved = [str((base or Path.cwd()) / Path(p).expanduser()) for p in paths]
         item[name] = resolved if isinstance(value, list) else resolved[0]
     return item

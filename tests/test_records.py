@@ -343,3 +343,42 @@ def test_skipped_records_under_two_replicas_are_the_ones_rank_zero_found(tmp_pat
     indices = [line["index"] for line in read_manifest_lines(out)]
     assert sorted(indices) == [1, 2, 4, 5, 7, 8] and len(indices) == len(set(indices))
     assert [json.loads(line)["record"] for line in (out / "rejected.jsonl").read_text().splitlines()] == [1, 4, 7]
+
+
+def test_the_reading_pass_judges_each_line_as_check_record_does(tmp_path):
+    """Most lines of a large set are a prompt and a seed, and the reading pass checks those in a
+    few steps of its own: every edge of those steps (Unicode whitespace, lengths at the limit, seeds
+    at the bounds, of other types, near the generator's limit) gets check_record's verdict, in a
+    .jsonl file and in Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lightning_diffusion.records import PromptFileError, check_record
+
+    limit = 2 ** 64 - 1
+    items = [{"prompt": "a cat"}, {"prompt": "a cat", "seed": 0}, {"prompt": "a cat", "seed": limit},
+             {"prompt": "a cat", "seed": limit + 1}, {"prompt": "a cat", "seed": -1}, {"prompt": "a cat", "seed": True},
+             {"prompt": "a cat", "seed": 1.0}, {"prompt": "a cat", "seed": None}, {"prompt": "\u3000\u2003"},
+             {"prompt": ""}, {"prompt": " \t"}, {"prompt": "x" * 12}, {"prompt": "x" * 13}, {"prompt": 7},
+             {"prompt": "a cat", "seed": limit // 2 + 1}, {"prompt": "a cat", "seed": 3, "height": 64},
+             {"prompt": "a cat", "negative_prompt": "x" * 13}, "a string", [1, 2]]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    expected = {}
+    for position, item in enumerate(items):
+        try:
+            check_record(item, "here", max_chars=12)
+        except PromptFileError as err:
+            expected[position] = str(err).removeprefix("here: ")
+    assert sorted(expected) == [3, 4, 5, 6, 8, 9, 10, 12, 13, 16, 18]  # what the list above is for
+    records = read_records(path, max_chars=12)
+    assert {p: reason for p, (_, reason) in records.bad.items()} == expected
+    assert records.summary.large_seeds == {2: limit, 14: limit // 2 + 1}
+    assert records.summary.count == len(items) - len(expected)
+
+    rows = [{"prompt": p, "seed": s} for p, s in [("a cat", 0), ("a cat", limit), ("\u3000", 1), ("", 2),
+                                                  ("x" * 13, 3), ("a cat", None), ("a cat", limit // 2 + 1)]]
+    table = pa.table({"prompt": [r["prompt"] for r in rows], "seed": pa.array([r["seed"] for r in rows], pa.uint64())})
+    pq.write_table(table, tmp_path / "p.parquet")
+    records = read_records(tmp_path / "p.parquet", max_chars=12)
+    assert sorted(records.bad) == [2, 3, 4] and records.summary.large_seeds == {1: limit, 6: limit // 2 + 1}
