@@ -8,13 +8,11 @@ registers the strategy names (``data_parallel``, ``context_parallel``...) with L
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
 
 from lightning_diffusion import interrupt
 
-if interrupt.command_line(sys.argv):  # Ctrl-C while the command line starts: one line, exit 130
-    interrupt.take_start_up(sys.argv[1:])
+interrupt.on_import()  # Ctrl-C while the command line starts: one line, exit 130
 
 from lightning_diffusion import console  # noqa: E402
 

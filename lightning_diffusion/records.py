@@ -228,7 +228,7 @@ class RecordSummary:
             named = record.keys() - _RECORD_FIELD_SET
             fields = _NONE_PRESENT if _PRESENCE_SET.isdisjoint(record) else tuple(
                 record.get(name) is not None for name in _PRESENCE)
-            overrides = {k: record[k] for k in named}
+            overrides = {k: v for k, v in record.items() if k in named}  # in the record's order
             try:
                 key = (tuple(sorted(overrides.items())), fields)
                 hash(key)
@@ -448,15 +448,21 @@ class LineRecords(Records):
         try:  # the decoder's scanner itself; what it leaves must be JSON whitespace, as ``decode`` asks
             item, end = _DECODER.raw_decode(line)
             whole = end == len(line) or not line[end:].strip(_JSON_WHITESPACE)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             whole = False
         if not whole:  # leading whitespace, or no JSON value: ``decode`` reads it or words the problem
             _CONSTANTS.clear()
             try:
                 item = _DECODER.decode(line)
             except json.JSONDecodeError as err:
-                _CONSTANTS.clear()
                 raise PromptFileError(f"{self.source(position)}: not valid JSON ({err.msg}).") from None
+            except (ValueError, RecursionError) as err:  # a number of thousands of digits; nesting past the stack
+                reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+                raise PromptFileError(f"{self.source(position)}: not valid JSON ({reason}).") from None
+            finally:
+                constants = bool(_CONSTANTS)
+                _CONSTANTS.clear()
+            return item, constants
         if _CONSTANTS:
             _CONSTANTS.clear()
             return item, True

@@ -363,7 +363,8 @@ def test_the_reading_pass_judges_each_line_as_check_record_does(tmp_path):
              {"prompt": "a cat", "seed": limit // 2 + 1}, {"prompt": "a cat", "seed": 3, "height": 64},
              {"prompt": "a cat", "negative_prompt": "x" * 13}, "a string", [1, 2]]
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    path.write_text("".join(json.dumps(item) + "\n" for item in items)
+                    + '{"prompt": "a cat", "seed": ' + "9" * 5000 + "}\n" + "[" * 100_000 + "\n")
     expected = {}
     for position, item in enumerate(items):
         try:
@@ -372,9 +373,22 @@ def test_the_reading_pass_judges_each_line_as_check_record_does(tmp_path):
             expected[position] = str(err).removeprefix("here: ")
     assert sorted(expected) == [3, 4, 5, 6, 8, 9, 10, 12, 13, 16, 18]  # what the list above is for
     records = read_records(path, max_chars=12)
-    assert {p: reason for p, (_, reason) in records.bad.items()} == expected
+    bad = {p: reason for p, (_, reason) in records.bad.items()}
+    assert {p: bad.pop(p) for p in (len(items), len(items) + 1)} == {  # the decoder's own limits: one record each
+        len(items): "not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has "
+                    "5000 digits).", len(items) + 1: "not valid JSON (nested too deeply)."}
+    assert bad == expected
     assert records.summary.large_seeds == {2: limit, 14: limit // 2 + 1}
     assert records.summary.count == len(items) - len(expected)
+    # ... and each record's call-argument set, as the full check of every record gives them
+    checked = read_records(items, max_chars=12)
+    assert list(records.summary.set_of)[:len(items)] == list(checked.summary.set_of)
+
+    def facts(summary):
+        return [(s.first, s.overrides, s.count, s.without_negative, s.first_without_negative, s.first_negative,
+                 s.with_inputs, s.without_inputs) for s in summary.sets]
+
+    assert facts(records.summary) == facts(checked.summary) and len(records.summary.sets) == 2  # plain; height
 
     rows = [{"prompt": p, "seed": s} for p, s in [("a cat", 0), ("a cat", limit), ("\u3000", 1), ("", 2),
                                                   ("x" * 13, 3), ("a cat", None), ("a cat", limit // 2 + 1)]]

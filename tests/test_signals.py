@@ -111,13 +111,33 @@ def test_a_ctrl_c_while_a_rank_starts_waits_for_the_first_line_of_the_package_th
     assert not (tmp_path / "out").exists()
 
 
-def test_importing_the_package_leaves_ctrl_c_to_the_caller():
-    """Only the command line's ``predict`` takes Ctrl-C over while it starts; a Python caller (and
-    the other commands) keep Python's own handler."""
-    code = ("import signal, sys; sys.argv = ['my_script.py', 'predict']; import lightning_diffusion; "
-            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
-    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout == "True\n"
+@pytest.mark.parametrize("argv, orig_argv, taken", [
+    (["-m", "predict"], ["python", "-m", "lightning_diffusion", "predict"], True),
+    (["-m", "predict"], ["python", "-u", "-m", "lightning_diffusion.cli", "predict"], True),
+    (["/venv/bin/lightning-diffusion", "predict"], ["/venv/bin/python", "/venv/bin/lightning-diffusion", "predict"],
+     True),
+    (["-m", "predict"], ["python", "-m", "myproj", "predict"], False),  # another module that imports the package
+    (["/venv/bin/lightning-diffusion", "predict"],  # a worker spawned with its parent's argv
+     ["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()", "--multiprocessing-fork"], False),
+    (["my_script.py", "predict"], ["python", "my_script.py", "predict"], False),
+], ids=["python -m", "python -u -m cli", "console script", "another -m", "spawned worker", "a script"])
+def test_only_the_command_line_itself_takes_ctrl_c_as_it_starts(argv, orig_argv, taken):
+    from lightning_diffusion import interrupt
+
+    assert interrupt.command_line(argv, orig_argv) is taken
+
+
+def test_another_module_run_with_dash_m_keeps_its_own_ctrl_c(tmp_path):
+    """``python -m myproj predict``, whose package imports lightning_diffusion, keeps Python's
+    handler (its own ``except KeyboardInterrupt`` runs), as a Python caller does."""
+    package = tmp_path / "myproj"
+    package.mkdir()
+    (package / "__init__.py").write_text("import lightning_diffusion  # noqa: F401\n")
+    (package / "__main__.py").write_text("import signal\nprint(signal.getsignal(signal.SIGINT) is "
+                                         "signal.default_int_handler)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    assert subprocess.run([sys.executable, "-m", "myproj", "predict"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, check=True).stdout == "True\n"
 
 
 STOPPED_LINES = ("lightning-diffusion: interrupted (Ctrl-C); the images recorded are kept, and the same command "

@@ -48,7 +48,7 @@ INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 # The launching process's pid, for its children: one whose launcher died before the child's watchdog
 # started (while it imported torch, say) would otherwise find only a live parent (init or a
 # subreaper) and wait at the rendezvous until RENDEZVOUS_TIMEOUT.
-LAUNCHER_PID = "LIGHTNING_DIFFUSION_LAUNCHER_PID"
+LAUNCHER_PID = interrupt.LAUNCHER_PID
 
 
 def _describe(code: int) -> str:
@@ -69,15 +69,15 @@ class Launcher(_SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             inherited = os.environ.get(LAUNCHER_PID)
             os.environ[LAUNCHER_PID] = str(os.getpid())  # in the children's environment only
-            mask = interrupt.block_for_children()  # they unblock where Ctrl-C is handled
+            mask = interrupt.block_for_children()  # they unblock as they import the package
             try:
                 self._call_children_scripts()
             finally:
-                interrupt.restore(mask)
                 if inherited is None:
                     os.environ.pop(LAUNCHER_PID, None)
                 else:
                     os.environ[LAUNCHER_PID] = inherited
+                interrupt.restore(mask)  # last: a Ctrl-C that waited lands here
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -116,7 +116,6 @@ class Watchdog:
             target = self._watch_children
         elif self.rank % self.processes_per_node != 0 and os.environ.get("LOCAL_RANK", "0") != "0":
             target = self._watch_parent
-            interrupt.unblock()  # started with SIGINT blocked by the Launcher
             self._die_with_parent()
             self._parent = launching_process()
         else:
