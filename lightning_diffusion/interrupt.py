@@ -77,7 +77,16 @@ def block_for_children() -> set:
     return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
-def restore(mask: set) -> None:
+def restore(mask: set, children: list) -> None:
+    """Give back the mask ``block_for_children`` took. A Ctrl-C that waited meanwhile did not reach
+    the ranks started after it: it is passed on to every child first (one that has it already
+    keeps one: a signal waiting twice is delivered once), then this process takes it."""
+    if signal.SIGINT in signal.sigpending():
+        for child in children:
+            try:
+                child.send_signal(signal.SIGINT)
+            except ProcessLookupError:
+                pass
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 

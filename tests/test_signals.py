@@ -111,6 +111,25 @@ def test_a_ctrl_c_while_a_rank_starts_waits_for_the_first_line_of_the_package_th
     assert not (tmp_path / "out").exists()
 
 
+def test_a_ctrl_c_during_the_launch_reaches_the_ranks_started_after_it(tmp_path):
+    """The launcher holds Ctrl-C while it starts the ranks; one that came meanwhile is passed on to
+    the ranks started after it (which the terminal's signal missed), then taken by the launcher:
+    the rank ends at once with the line and exit 130 (without it, it made every image)."""
+    script = (
+        "import os, signal, subprocess, sys\n"
+        "from lightning_diffusion import interrupt\n"
+        "mask = interrupt.block_for_children()\n"
+        "os.kill(os.getpid(), signal.SIGINT)  # waits: blocked, and this process has one thread\n"
+        f"rank = subprocess.Popen([sys.executable, '-m', 'lightning_diffusion', *{tiny_args(tmp_path / 'out')!r}],\n"
+        "                        stderr=subprocess.PIPE, text=True)\n"
+        "signal.signal(signal.SIGINT, lambda *_: None)  # this process outlives it here, to report\n"
+        "interrupt.restore(mask, [rank])\n"
+        "print(rank.wait(), repr(rank.stderr.read()))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.stdout == f"130 {STOPPED_LINES[0] + chr(10)!r}\n", done.stdout + done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("argv, orig_argv, taken", [
     (["-m", "predict"], ["python", "-m", "lightning_diffusion", "predict"], True),
     (["-m", "predict"], ["python", "-u", "-m", "lightning_diffusion.cli", "predict"], True),

@@ -77,7 +77,7 @@ class Launcher(_SubprocessScriptLauncher):
                     os.environ.pop(LAUNCHER_PID, None)
                 else:
                     os.environ[LAUNCHER_PID] = inherited
-                interrupt.restore(mask)  # last: a Ctrl-C that waited lands here
+                interrupt.restore(mask, list(getattr(self, "procs", [])))  # last: a Ctrl-C that waited lands here
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
