@@ -10,7 +10,7 @@ For each mode, two runs with the same processes, prompts, seeds and sizes:
 Runs alternate (a, b, a, b, ...) and the table gives medians. Each rank 0 reports the generation
 time (pipeline loaded, first image to last image) and its peak resident memory. Time / Iter is that
 time over images x steps, so it includes text encoding and decoding. On CPU both sides need the
-rehearsal patches of ``lightning_diffusion.compat``.
+rehearsal patches of ``lightning_diffusion.pipelines.compat``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def worker_diffusers(args: argparse.Namespace) -> None:
     from diffusers import ContextParallelConfig, DiffusionPipeline
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_diffusion import compat
-    from lightning_diffusion.pipelines import inspect_pipeline
+    from lightning_diffusion.pipelines import compat
+    from lightning_diffusion.pipelines.model_folder import inspect_pipeline
 
     dist.init_process_group("gloo")
     mode = MODES[args.mode]

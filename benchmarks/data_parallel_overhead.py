@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule, bare
-from lightning_diffusion.pipelines import inspect_pipeline
+from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+from lightning_diffusion.pipelines import bare
+from lightning_diffusion.pipelines.model_folder import inspect_pipeline
 
 
 def run_diffusers(path: str, prompts: list[str], batch_size: int, size: int, steps: int, out: Path) -> float:

@@ -11,7 +11,7 @@ list is the only reference, so a packed tile can be freed). Memory: the process'
 set size during the call above its size just before it (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``: no sampling), and what is still held after it, with the results alive.
 "before" is the exchange as it was (a list all-gather into per-rank buffers of a packed copy),
-kept here as the reference; "after" is ``lightning_diffusion.group_work.exchange`` (on gloo: one
+kept here as the reference; "after" is ``lightning_diffusion.strategies.group_work.exchange`` (on gloo: one
 in-place broadcast per rank); "after, all_gather_single" is the same with the all-gather into one
 tensor that it uses on NCCL, forced on gloo (whose version of it stages the whole output). Each
 variant runs in fresh processes. Prints a markdown table with the command that made it.
@@ -39,7 +39,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 def exchange_before(tensors: list[torch.Tensor], group, device) -> list[list[torch.Tensor]]:
     """The exchange before issue #39 (point 7): pack a copy, list all-gather into per-rank buffers."""
-    from lightning_diffusion.group_work import _ALIGN, _padded_bytes
+    from lightning_diffusion.strategies.group_work import _ALIGN, _padded_bytes
 
     size = dist.get_world_size(group)
     metas = [None] * size
@@ -85,7 +85,7 @@ def peak() -> int:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: str, out: str) -> None:
-    from lightning_diffusion import group_work
+    from lightning_diffusion.strategies import group_work
 
     if variant == "single":
         group_work._BROADCAST_BACKENDS = ()

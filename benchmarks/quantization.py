@@ -41,7 +41,7 @@ def build_medium(folder: Path) -> Path:
     import torch
     from diffusers import DiffusionPipeline, FluxTransformer2DModel
 
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     pipe = DiffusionPipeline.from_pretrained(tiny.resolve("tiny:flux"))
     torch.manual_seed(0)

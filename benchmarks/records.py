@@ -61,10 +61,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from lightning_diffusion import records as records_module
-    from lightning_diffusion.config import read_config
-    from lightning_diffusion.pipelines import inspect_pipeline
-    from lightning_diffusion.records import check_records, read_records
+    from lightning_diffusion.input import records as records_module
+    from lightning_diffusion.input.records import check_records, read_records
+    from lightning_diffusion.pipelines.model_folder import inspect_pipeline
+    from lightning_diffusion.run.config import read_config
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prompts.jsonl"

@@ -78,8 +78,8 @@ def child(args: argparse.Namespace) -> None:
     from lightning.pytorch import Trainer
 
     from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
-    from lightning_diffusion import manifest as manifest_module
-    from lightning_diffusion import store as store_module
+    from lightning_diffusion.output import folder_store as store_module
+    from lightning_diffusion.output import manifest as manifest_module
     from lightning_diffusion.strategies import DataParallelStrategy
 
     merges: list[float] = []
@@ -198,9 +198,9 @@ def spread_records(kind: str, count: int) -> list[dict[str, Any]]:
 
 def shard_spread(args: argparse.Namespace) -> None:
     """Each shard's computed cost under the cost deal and under the index rule, for mixed sets."""
-    from lightning_diffusion.batching import SetFacts, image_facts, plan_batches
-    from lightning_diffusion.data import shard_owners
-    from lightning_diffusion.records import read_records
+    from lightning_diffusion.input.batching import SetFacts, image_facts, plan_batches
+    from lightning_diffusion.input.data import shard_owners
+    from lightning_diffusion.input.records import read_records
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -295,7 +295,7 @@ def main() -> None:
         return shard_spread(args)
 
     from lightning_diffusion.commands.status import folder_status
-    from lightning_diffusion.manifest import finished
+    from lightning_diffusion.output.manifest import finished
 
     result: dict[str, Any] = {"images": args.images, "format": args.format, "fsync": args.fsync,
                               "batch_size": args.batch_size}

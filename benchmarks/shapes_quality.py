@@ -5,7 +5,7 @@ captions drawn exactly, the time to load the shipped weights and the quickstart'
     OMP_NUM_THREADS=2 python benchmarks/shapes_quality.py [--settings 20:1 20:3 12:3] [--out /tmp/shapes-quality]
 
 Each setting runs ``lightning-diffusion predict --config configs/tiny.yaml`` on the held-out
-captions (``lightning_diffusion.shapes.held_out_scenes()``, never trained on) and reads the folder
+captions (``lightning_diffusion.pipelines.shapes.held_out_scenes()``, never trained on) and reads the folder
 with ``lightning-diffusion eval --fid --json``; the table is printed in Markdown. Then ``--pairs``
 two-shape captions (``shapes.held_out_pairs()``) at the recommended settings: the share whose both
 shapes' colours are drawn (``both_colours``).
@@ -45,7 +45,7 @@ def main() -> None:
     import torch
     from diffusers import FluxPipeline
 
-    from lightning_diffusion import shapes, tiny
+    from lightning_diffusion.pipelines import shapes, tiny
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

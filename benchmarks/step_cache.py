@@ -75,7 +75,7 @@ def cli(*args: str, tries: int = 1) -> subprocess.CompletedProcess:
 
 
 def main() -> None:
-    from lightning_diffusion.shapes import caption, held_out_scenes
+    from lightning_diffusion.pipelines.shapes import caption, held_out_scenes
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=28)

@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     from diffusers import FluxTransformer2DModel, TensorParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_diffusion import compat
+    from lightning_diffusion.pipelines import compat
     from lightning_diffusion.strategies.sharded_load import load_sharded
 
     distributed = args.worker != "whole"

@@ -66,8 +66,8 @@ class PeakSampler:
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     from diffusers import DiffusionPipeline
 
-    from lightning_diffusion import tiny
-    from lightning_diffusion.group_work import GroupWork
+    from lightning_diffusion.pipelines import tiny
+    from lightning_diffusion.strategies.group_work import GroupWork
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

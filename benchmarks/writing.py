@@ -61,9 +61,10 @@ import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer
 from PIL import Image
 
-from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule, bare
-from lightning_diffusion.manifest import atomic_write
-from lightning_diffusion.pipelines import inspect_pipeline
+from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+from lightning_diffusion.output.manifest import atomic_write
+from lightning_diffusion.pipelines import bare
+from lightning_diffusion.pipelines.model_folder import inspect_pipeline
 
 from writing_parts import EncodeFiles, HandOverFiles  # benchmarks/: importable by the writer process too
 

@@ -1,7 +1,7 @@
 """Writer-process stand-ins for ``writing.py --paths ipc encode``: the hand-over to the writer
 process alone, and the writer's encoding without its file calls. In a module of their own, so that
 the writer process imports them (benchmarks/ is on its path as on the benchmark's), and importing
-``lightning_diffusion.files`` only, as the writer process does: not torch or Lightning, whose
+``lightning_diffusion.output.files`` only, as the writer process does: not torch or Lightning, whose
 import (seconds of CPU) would land on the first pairs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from PIL import Image
 
-from lightning_diffusion.files import OutputFiles, to_uint8
+from lightning_diffusion.output.files import OutputFiles, to_uint8
 
 
 class HandOverFiles(OutputFiles):

@@ -8,9 +8,13 @@ registers the strategy names (``data_parallel``, ``context_parallel``...) with L
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any, Optional, Sequence
 
-from lightning_diffusion import interrupt
+from lightning_diffusion.run import interrupt
 
 interrupt.on_import()  # Ctrl-C while the command line starts: one line, exit 130
 
@@ -23,10 +27,53 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "DiffusionModule": "lightning_diffusion.module",
-    "ImageProgressBar": "lightning_diffusion.progress",
-    "ImageWriter": "lightning_diffusion.writer",
-    "PromptDataModule": "lightning_diffusion.data",
+    "ImageProgressBar": "lightning_diffusion.run.progress",
+    "ImageWriter": "lightning_diffusion.output.writer",
+    "PromptDataModule": "lightning_diffusion.input.data",
 }
+
+
+# Modules that moved into the sub-packages, by their old names: a config, a script or a SLURM job
+# written with an old module path (the writer's class path before output/) keeps working.
+MOVED = {
+    "records": "input.records", "data": "input.data", "batching": "input.batching", "costs": "input.costs",
+    "inputs": "input.images", "verdicts": "input.verdicts",
+    "pipeline_facts": "pipelines.facts", "specs": "pipelines.specs", "tiny_zoo": "pipelines.tiny_zoo",
+    "loading": "pipelines.loading", "lora": "pipelines.lora", "quantization": "pipelines.quantization",
+    "cache": "pipelines.cache", "first_block_cache": "pipelines.first_block_cache", "tiny": "pipelines.tiny",
+    "shapes": "pipelines.shapes", "staged": "pipelines.staged", "compat": "pipelines.compat", "hub": "pipelines.hub",
+    "bare": "pipelines.bare",
+    "group_work": "strategies.group_work", "accelerators": "strategies.accelerators",
+    "writer": "output.writer", "store": "output.folder_store", "object_store": "output.object_store",
+    "manifest": "output.manifest", "files": "output.files", "background": "output.background", "lock": "output.lock",
+    "shard": "output.shard", "settings": "output.settings",
+    "config": "run.config", "config_guard": "run.config_guard", "preflight": "run.preflight",
+    "validation": "run.validation", "failures": "run.failures", "progress": "run.progress",
+    "interrupt": "run.interrupt", "preemption": "run.preemption", "run_context": "run.context",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A module's old dotted name imports as the module it moved to (the same module object)."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+        package, _, old = fullname.rpartition(".")
+        if package != __name__ or old not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}")
+        self._own_spec = module.__spec__  # the import machinery sets ``__spec__`` to the alias's next
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self._own_spec
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
 
 
 def __getattr__(name: str) -> Any:

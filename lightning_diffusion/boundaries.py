@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol, cast, runtime_checkable
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.shard import Shard, shard_size
+from lightning_diffusion.output.shard import Shard, shard_size
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from lightning_diffusion.batching import BatchPlan
-    from lightning_diffusion.run_context import RunContext
+    from lightning_diffusion.input.batching import BatchPlan
+    from lightning_diffusion.run.context import RunContext
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ import os
 import sys
 from typing import NoReturn, Optional
 
-from lightning_diffusion import console, interrupt
+from lightning_diffusion import console
 from lightning_diffusion.commands import COMMANDS
+from lightning_diffusion.run import interrupt
 
 
 def usage() -> str:
@@ -41,7 +42,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         print(f"lightning-diffusion: error: unknown command {words[0]!r}.{hint}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    from lightning_diffusion.config_guard import words_problems
+    from lightning_diffusion.run.config_guard import words_problems
 
     problems = words_problems(words[1:])  # before any parser quotes a file or imports a class_path
     if problems:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from lightning_diffusion.pipelines import PipelineInfo
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class ModelRequest:
         of per-record overrides applied (one set when there are no records)."""
         if not self.records:
             return [dict(self.call_args)]
-        from lightning_diffusion.records import summarize_records
+        from lightning_diffusion.input.records import summarize_records
 
         return [{**self.call_args, **overrides} for _, overrides in summarize_records(self.records).override_sets()]
 

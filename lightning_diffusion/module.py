@@ -11,21 +11,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_diffusion.batching import call_key
-from lightning_diffusion.cache import CacheStats, StepCache
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.costs import set_facts
-from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import raise_problems
-from lightning_diffusion.failures import CallFailures
-from lightning_diffusion.inputs import INPUT_FIELDS
-from lightning_diffusion.loading import PipelineLoading
-from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
-from lightning_diffusion.records import Records
-from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options
-from lightning_diffusion.validation import MODEL_CALL_ARGS, model_problems
-from lightning_diffusion.verdicts import RecordChecks
+from lightning_diffusion.input.batching import call_key
+from lightning_diffusion.input.costs import set_facts
+from lightning_diffusion.input.data import PromptDataModule
+from lightning_diffusion.input.images import INPUT_FIELDS
+from lightning_diffusion.input.records import Records
+from lightning_diffusion.input.verdicts import RecordChecks
+from lightning_diffusion.output.settings import OPTIONS, image_settings, recorded_options
+from lightning_diffusion.pipelines.cache import CacheStats, StepCache
+from lightning_diffusion.pipelines.loading import PipelineLoading
+from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
+from lightning_diffusion.run.failures import CallFailures
+from lightning_diffusion.run.validation import MODEL_CALL_ARGS, model_problems
 
 
 class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningModule, DiffusionModel):
@@ -137,7 +137,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         self.failures = 0  # records whose call failed in this run (``on_error: skip``)
         # This process's work in the run: images computed (padding included) and kept, seconds in calls.
         self.stats = {"computed": 0, "kept": 0, "busy_s": 0.0}
-        from lightning_diffusion import lora as lora_
+        from lightning_diffusion.pipelines import lora as lora_
 
         self.adapters = lora_.parse(lora)
         self.options = recorded_options(options)  # OPTIONS: recorded in run.json and each image's metadata
@@ -201,7 +201,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         self.replica_group = group
         if not self.split_work or self.pipeline is None or self.group_work is not None:
             return
-        from lightning_diffusion import group_work
+        from lightning_diffusion.strategies import group_work
 
         self.group_work = group_work.install(self.pipeline, group)
         if self.group_work is not None and self.global_rank == 0:
@@ -267,7 +267,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         for sample in batch:
             sizes = None
             if sample.get("inputs") and spec.shares_input_size:  # a call resizes every input to its first one's
-                from lightning_diffusion.inputs import input_sizes
+                from lightning_diffusion.input.images import input_sizes
 
                 sizes = input_sizes(sample["inputs"])
             key = call_key(self.call_arguments(sample), sorted(sample.get("inputs") or {}), sizes)
@@ -334,7 +334,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
             kwargs["negative_prompt"] = [n or "" for n in negatives]
         given: list[dict[str, Any]] = [{} for _ in samples]
         if samples[0].get("inputs"):
-            from lightning_diffusion import inputs
+            from lightning_diffusion.input import images as inputs
 
             images, given = inputs.load(samples)
             if self.info.spec.call_batch == 1:  # one prompt a call: its input itself, not a list of one

@@ -55,7 +55,7 @@ WORKERS = 0  # --data-workers: processes drawing batches ahead of the device
 
 def batch_at(seed: int, step: int, batch: int, exclude: set[str]) -> tuple[list[str], torch.Tensor]:
     """Training batch ``step``: its captions and images in [-1, 1], a function of (seed, step) alone."""
-    from lightning_diffusion import shapes
+    from lightning_diffusion.pipelines import shapes
 
     scenes = [s for s in shapes.sample_scenes(seed + step, batch * 2) if shapes.caption(s) not in exclude][:batch]
     images = torch.stack([shapes.render(s, seed=(seed + step) * 10_000 + i) for i, s in enumerate(scenes)])
@@ -195,7 +195,7 @@ def latent_stats(vae, seed: int, exclude: set[str]) -> tuple[float, float]:
 def round_trip(vae, n: int = 300) -> dict[str, float]:
     """The VAE's round trip of ``n`` exact held-out drawings, read by ``eval``'s detector: the share of
     colours and shapes that survive it (an upper bound on what the whole pipeline can draw)."""
-    from lightning_diffusion import shapes
+    from lightning_diffusion.pipelines import shapes
 
     scenes = shapes.held_out_scenes(n)
     kept = {"colour": 0, "shape": 0}
@@ -299,7 +299,7 @@ def train_flow(pipe, steps: int, batch: int, seed: int, exclude: set[str], text_
 def save(pipe, out: Path, dtype: str, steps: int, cfg: float) -> None:
     """The pipeline in safetensors (float16 by default: half the bytes; it loads in any dtype) and
     the settings DiffusionModule uses where a config sets nothing (pipelines.RECOMMENDED_FILE)."""
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     pipe.to("cpu", getattr(torch, dtype))
     pipe.save_pretrained(out, safe_serialization=True)
@@ -340,7 +340,7 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/tmp/train-shapes", help="the log and the checkpoint (not the package)")
     args = parser.parse_args()
 
-    from lightning_diffusion import shapes, tiny
+    from lightning_diffusion.pipelines import shapes, tiny
 
     global DEVICE, WORKERS
     DEVICE, WORKERS = torch.device(args.device), args.data_workers

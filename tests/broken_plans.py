@@ -37,7 +37,7 @@ class FirstRankLoraSliceTP(TensorParallelStrategy):
     def _fuse_sharded(self, pipeline, adapters):
         from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
 
-        from lightning_diffusion import lora
+        from lightning_diffusion.pipelines import lora
 
         class RankZero:  # the tp mesh as _local_shard reads it, always answering rank 0
             def __init__(self, mesh):

@@ -62,7 +62,7 @@ def no_process_group_left_behind():
 def tiny_cache(tmp_path_factory):
     cache = os.environ.get("LIGHTNING_DIFFUSION_CACHE") or str(tmp_path_factory.mktemp("tiny-cache"))
     os.environ["LIGHTNING_DIFFUSION_CACHE"] = cache
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     return tiny.resolve("tiny:flux")
 
@@ -223,7 +223,7 @@ def load_pngs(output_dir: Path) -> dict[int, np.ndarray]:
 def tiny_flux_with(folder: Path, component: str, cls: str, config: Optional[dict] = None) -> Path:
     """tiny:flux's configs, without weights (the checks before loading read configs only), with
     ``component`` naming diffusers' class ``cls`` (and ``config`` as its config.json, if given)."""
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     source, target = Path(tiny.resolve("tiny:flux")), folder / "model"
     for file in source.rglob("*.json"):

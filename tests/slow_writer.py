@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from lightning_diffusion import ImageWriter
-from lightning_diffusion.files import OutputFiles
+from lightning_diffusion.output.files import OutputFiles
 
 
 class SlowFiles(OutputFiles):

@@ -9,14 +9,14 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_diffusion.accelerators import (
+from lightning_diffusion.errors import NodeConfigError
+from lightning_diffusion.strategies import DeviceMapStrategy
+from lightning_diffusion.strategies.accelerators import (
     TaskBoundCUDAAccelerator,
     accelerator_for_job,
     gpus_bound_to_tasks,
     slurm_tasks_per_node,
 )
-from lightning_diffusion.errors import NodeConfigError
-from lightning_diffusion.strategies import DeviceMapStrategy
 
 TASK = {"SLURM_LOCALID": "3", "SLURM_PROCID": "3", "SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "8"}
 

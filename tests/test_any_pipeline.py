@@ -86,7 +86,7 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_one_process_equals_diffusers_called_directly(name, references):
-    from lightning_diffusion import bare
+    from lightning_diffusion.pipelines import bare
 
     out = references(name)
     lines = read_manifest_lines(out)
@@ -163,7 +163,7 @@ def test_every_diffusers_pipeline_class_is_derived_without_weights():
     not a pipeline of pictures (audio, embeddings, a combined pipeline that calls others)."""
     import diffusers
 
-    from lightning_diffusion.pipeline_facts import derive
+    from lightning_diffusion.pipelines.facts import derive
 
     classes = sorted({cls for name in dir(diffusers) if "Pipeline" in name
                       for cls in [getattr(diffusers, name)]
@@ -184,8 +184,8 @@ def test_every_diffusers_pipeline_class_is_derived_without_weights():
 
 def test_derived_facts_agree_with_the_registry():
     """A fact a registry entry sets must be the one the pipeline itself says, where it says one."""
-    from lightning_diffusion import specs, tiny
-    from lightning_diffusion.pipelines import inspect_pipeline
+    from lightning_diffusion.pipelines import specs, tiny
+    from lightning_diffusion.pipelines.model_folder import inspect_pipeline
 
     checked = 0
     for name in [n for n in tiny.names() if n != "tiny:shapes"]:
@@ -204,8 +204,8 @@ def test_derived_facts_agree_with_the_registry():
 
 
 def test_plan_counts_tokens_from_the_derived_geometry_and_recommends_what_predict_runs(tiny_cache):
-    from lightning_diffusion import tiny
     from lightning_diffusion.commands.plan import choose, facts_for, tokens
+    from lightning_diffusion.pipelines import tiny
 
     sd3 = facts_for(tiny.resolve("tiny:sd3"))
     assert tokens(sd3, 1024, 1024, None) - sd3.text_tokens == 64 * 64  # 8x VAE, 2x2 patches: 4,096 tokens

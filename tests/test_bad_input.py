@@ -368,7 +368,7 @@ def test_an_output_folder_on_a_read_only_file_system_is_refused_in_one_line(read
 
 
 def test_free_space_is_said_in_a_unit_that_shows_it():
-    from lightning_diffusion.files import size_text
+    from lightning_diffusion.output.files import size_text
 
     assert [size_text(n) for n in (512, 12_300, 4_500_000, 2.5e9, 3e12)] == ["512 bytes", "12.3 kB", "4.5 MB", "2.5 GB",
                                                                            "3.0 TB"]

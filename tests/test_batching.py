@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from lightning_diffusion import PromptDataModule
-from lightning_diffusion.batching import plan_batches
-from lightning_diffusion.shard import Shard
+from lightning_diffusion.input.batching import plan_batches
+from lightning_diffusion.output.shard import Shard
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 SIZES = [(32, 32), (48, 64), (64, 48)]
@@ -114,7 +114,7 @@ def test_a_mixed_set_gives_the_same_bytes_for_every_layout(tmp_path):
 def _shard_costs(data, owners):
     """Each shard's computed cost: its images' batches of the whole set's plan (``shard_owners``'s
     own plan, from the records alone), and the costliest batch."""
-    from lightning_diffusion.batching import SetFacts, image_facts
+    from lightning_diffusion.input.batching import SetFacts, image_facts
 
     total = data.num_images
     indices = np.arange(total)
@@ -134,7 +134,7 @@ def test_a_mixed_sets_array_shards_are_within_one_batch_of_each_other_in_compute
     """Sizes that cost 1x to 16x and step counts 2 and 30, in runs of like records (as a set sorted
     by source often is): the cost deal leaves the shards within one batch's cost of each other; the
     index rule (image i to shard i % N) leaves them far apart on the same set."""
-    from lightning_diffusion.data import shard_owners
+    from lightning_diffusion.input.data import shard_owners
 
     sizes, steps = [(32, 32), (64, 64), (128, 128)], [2, 30]
     records = [{"prompt": f"p {n}", "height": sizes[(n // 7) % 3][0], "width": sizes[(n // 7) % 3][1],

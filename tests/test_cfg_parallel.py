@@ -131,8 +131,8 @@ def test_the_split_is_a_named_removable_hook_outside_the_context_parallel_ones(t
     from diffusers import DiffusionPipeline
     from diffusers.hooks import HookRegistry, ModelHook
 
-    from lightning_diffusion import tiny
-    from lightning_diffusion.specs import spec_for
+    from lightning_diffusion.pipelines import tiny
+    from lightning_diffusion.pipelines.specs import spec_for
     from lightning_diffusion.strategies.cfg_parallel_hooks import HOOK_NAME, CFGSplit
 
     pipe = DiffusionPipeline.from_pretrained(tiny.resolve("tiny:qwenimage"))

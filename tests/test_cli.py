@@ -85,7 +85,7 @@ def test_help_lists_every_subcommand_with_one_line(capsys):
 
 
 def test_one_config_reader_takes_equals_and_nested_overrides(tmp_path):
-    from lightning_diffusion.config import read_config
+    from lightning_diffusion.run.config import read_config
 
     prompts = tmp_path / "other.txt"
     prompts.write_text("a fox\n")

@@ -26,9 +26,9 @@ def test_real_model_config_degrees_fit_its_devices_and_model(config):
     """The weights of these models are not here, so their sizes come from the published table:
     the degrees must multiply to devices x nodes, the heads must divide tp x ulysses, and the
     image and text tokens must divide the context-parallel degree (unless an anything-mode)."""
-    from lightning_diffusion.config import read_config
-    from lightning_diffusion.preflight import build_strategy, world_size
-    from lightning_diffusion.specs import published
+    from lightning_diffusion.pipelines.specs import published
+    from lightning_diffusion.run.config import read_config
+    from lightning_diffusion.run.preflight import build_strategy, world_size
 
     cfg = read_config(str(config), check=False)
     known = published(cfg.model.pretrained_model_name_or_path)

@@ -118,7 +118,7 @@ def test_ulysses_anything_is_suggested_only_where_it_can_split_the_heads(tmp_pat
     """30 heads over 8 ranks: diffusers pads to 32 (2 padding heads, fewer than the 4 per rank)."""
     import shutil
 
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     folder = tmp_path / "heads30"
     shutil.copytree(tiny.resolve("tiny:flux"), folder)

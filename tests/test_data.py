@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from lightning_diffusion.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.records import PromptFileError, read_records
+from lightning_diffusion.input.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset
+from lightning_diffusion.input.records import PromptFileError, read_records
 
 
 def test_txt_prompts_skip_blank_lines(tmp_path):

@@ -123,8 +123,8 @@ def test_device_rules_run_on_the_rank_even_after_the_command_line_checks_passed(
 
 
 def test_checks_that_need_the_world_size_are_left_to_the_ranks_when_devices_is_auto():
-    from lightning_diffusion.config import read_config
-    from lightning_diffusion.preflight import preflight
+    from lightning_diffusion.run.config import read_config
+    from lightning_diffusion.run.preflight import preflight
 
     verdict = preflight(read_config("configs/tiny-ulysses.yaml", check=False))
     assert (verdict.problems, verdict.complete) == ([], True)

@@ -8,7 +8,7 @@ when it looks like a project name:
   ``benchmarks/scale.py``) or a bare ``name.py`` / ``.md`` / ``.yaml`` / ``.sh``: the file is there
   (a bare name anywhere in the repository);
 * a dotted name whose first part is a module of the package, by its full or its last name
-  (``lightning_diffusion.writer.ImageWriter``, ``manifest.finished``, ``checks.context_modes``), or
+  (``lightning_diffusion.output.writer.ImageWriter``, ``manifest.finished``, ``checks.context_modes``), or
   a class of the package (``StopController.watch_interrupt``): each part is defined, read from the
   sources (class attributes, ``self.x`` and package base classes included; an attribute a class may
   inherit from a third-party base is looked for in that library's sources). ``module.x`` may also
@@ -64,13 +64,13 @@ FOREIGN = {"JobId", "KillWait", "PreemptParameters", "send_user_signal", "BeginT
 THIRD_PARTY = ("diffusers", "torch/distributed", "lightning/pytorch", "torch/__init__.py", "torch/nn/modules",
                "transformers/__init__.py", "torchao/quantization", "peft/tuners/lora")
 REPO_DIRS = {"configs", "docs", "scripts", "benchmarks", "tests", "examples", "lightning_diffusion", ".ci"}
-PACKAGE_DIRS = {"strategies", "commands", "models"}
+PACKAGE_DIRS = {"input", "pipelines", "strategies", "output", "run", "commands", "models"}
 CHECKED_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".sh")
 DATA_SUFFIXES = {"json", "jsonl", "txt", "csv", "png", "jpg", "jpeg", "webp", "mp4", "gif", "npy", "pt", "bin",
                  "safetensors", "tar", "sbatch", "out", "lock", "toml", "cfg", "yaml", "yml", "md", "py", "sh"}
 CONFIG_GROUPS = {"model": ("lightning_diffusion.module", "DiffusionModule"),
-                 "data": ("lightning_diffusion.data", "PromptDataModule"),
-                 "writer": ("lightning_diffusion.writer", "ImageWriter"),
+                 "data": ("lightning_diffusion.input.data", "PromptDataModule"),
+                 "writer": ("lightning_diffusion.output.writer", "ImageWriter"),
                  "trainer": (None, "Trainer")}
 SKIP_DIRS = {".git", ".venv", ".cache", "__pycache__", "outputs", "node_modules", ".mypy_cache", ".ruff_cache",
              ".pytest_cache"}
@@ -457,7 +457,7 @@ def check_dotted(word: str) -> Optional[str]:
     if first in CONFIG_GROUPS:
         if rest[0] in idx.config_keys[first]:
             return None
-        if first in ("data", "writer") and idx.resolve(f"lightning_diffusion.{first}", rest) is True:
+        if first in ("data", "writer") and idx.resolve(CONFIG_GROUPS[first][0], rest) is True:
             return None
         return f"{rest[0]!r} is no {first} config key (no parameter of {CONFIG_GROUPS[first][1]})"
     modules = idx.module_for(first) if first != "lightning_diffusion" else ["lightning_diffusion"]
@@ -593,10 +593,10 @@ def test_every_name_the_docs_write_exists():
 def test_the_check_reports_names_that_do_not_exist(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "THIRD_PARTY", ("lightning/pytorch/strategies",))  # fast
     text = "\n".join([
-        "Written by `writer.ImageWriter` (`lightning_diffusion.writer.ImageWriter.setup`), read by",
+        "Written by `writer.ImageWriter` (`lightning_diffusion.output.writer.ImageWriter.setup`), read by",
         "`manifest.finished` and `checks.context_modes`; see `strategies/checks.py`, `docs/tools.md`,",
         "`configs/tiny.yaml`, `StopController.watch_interrupt`, `--data.batch_size 4`, `ModelParallelStrategy`.",
-        "Gone: `writer.no_such_thing`, `lightning_diffusion.writer.NoWriter`, `strategies/nothing.py`,",
+        "Gone: `writer.no_such_thing`, `lightning_diffusion.output.writer.NoWriter`, `strategies/nothing.py`,",
         "`docs/nowhere.md`, `NoSuchStrategy`, `mesh.ParallelDims`, `StopController.no_method`,",
         "`model.no_such_key`, `configs/none.yaml`, `_NO_CONSTANT` and ``no_such_function``.",
         "[Tools](docs/tools.md#eval), [gone](docs/gone.md), [no anchor](docs/tools.md#no-such-heading)",
@@ -606,7 +606,8 @@ def test_the_check_reports_names_that_do_not_exist(monkeypatch):
     problems += [f"{where}: {why}" for where, target in link_targets("README.md", text)
                  if (why := check_link("README.md", target))]
     reported = [p.split(": ")[1] for p in problems if p.startswith("made-up.md:")]
-    assert reported == ["`writer.no_such_thing`", "`lightning_diffusion.writer.NoWriter`", "`strategies/nothing.py`",
+    assert reported == ["`writer.no_such_thing`", "`lightning_diffusion.output.writer.NoWriter`",
+                        "`strategies/nothing.py`",
                         "`docs/nowhere.md`", "`NoSuchStrategy`", "`mesh.ParallelDims`", "`StopController.no_method`",
                         "`model.no_such_key`", "`configs/none.yaml`", "`_NO_CONSTANT`", "`no_such_function`"], problems
     assert problems[0].startswith("made-up.md:4: `writer.no_such_thing`")
@@ -616,7 +617,7 @@ def test_the_check_reports_names_that_do_not_exist(monkeypatch):
     # The names of a docstring count from its first line.
     source = 'def f():\n    """Calls\n    ``manifest.no_such_function``."""\n'
     assert problems_in(docstring_mentions("x.py", source)) == [
-        "x.py:3: `manifest.no_such_function`: no_such_function is not defined in lightning_diffusion.manifest"]
+        "x.py:3: `manifest.no_such_function`: no_such_function is not defined in lightning_diffusion.output.manifest"]
 
 
 def test_the_readme_layout_names_every_module_and_command():

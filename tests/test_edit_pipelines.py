@@ -197,7 +197,7 @@ def test_a_killed_edit_run_resumes_with_each_record_once_and_the_same_pictures(e
     script = (
         "import sys, time\n"
         "from lightning_diffusion.cli import main\n"
-        "from lightning_diffusion.files import OutputFiles\n"
+        "from lightning_diffusion.output.files import OutputFiles\n"
         "encode = OutputFiles.encode\n"
         "def slow(self, *args):  # a second a picture: the kill lands mid-run\n"
         "    time.sleep(1.0)\n"

@@ -23,10 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_diffusion import DiffusionModule, group_work
+from lightning_diffusion import DiffusionModule
 from lightning_diffusion.cli import end_process
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.group_work import GroupWork, _one_hidden_state, exchange
+from lightning_diffusion.strategies import group_work
+from lightning_diffusion.strategies.group_work import GroupWork, _one_hidden_state, exchange
 from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args, tiny_flux_with
 
 ATOL = 1e-5
@@ -77,7 +78,7 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 def _split_worker(rank: int, name: str, port: int, out: str) -> None:
     from diffusers import DiffusionPipeline
 
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_diffusion import tiny
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.pipelines import tiny
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, tiny_args
 from tests.hub_server import HubServer
 from tests.test_slurm import cluster, job_log, submitted_job  # noqa: F401  (the cluster fixture)
@@ -139,7 +139,7 @@ def test_each_hub_failure_has_its_own_message(hub, tmp_path, model, extra, messa
 
 
 def test_a_download_larger_than_the_free_disk_is_refused_before_it_starts(tmp_path):
-    from lightning_diffusion import hub as hub_module
+    from lightning_diffusion.pipelines import hub as hub_module
 
     planned = hub_module.Plan(REPO_ID, "0" * 40, [hub_module.HubFile("transformer/huge.safetensors", 10**18, False),
                                                   hub_module.HubFile("model_index.json", 600, True)])
@@ -171,7 +171,7 @@ def test_the_hub_probe_goes_through_a_proxy_where_one_applies(monkeypatch):
 
     from huggingface_hub import constants
 
-    from lightning_diffusion import hub
+    from lightning_diffusion.pipelines import hub
 
     monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
     for name in ("HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):

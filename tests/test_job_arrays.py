@@ -24,8 +24,8 @@ import pytest
 
 from lightning_diffusion.commands import slurm as slurm_module
 from lightning_diffusion.commands import status as status_module
-from lightning_diffusion.lock import OutputLock, conflicting_runs, live_locks
-from lightning_diffusion.shard import Shard, in_shard, shard_size
+from lightning_diffusion.output.lock import OutputLock, conflicting_runs, live_locks
+from lightning_diffusion.output.shard import Shard, in_shard, shard_size
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
 from tests.test_slurm import cluster, job_log, slurm  # noqa: F401  (the cluster fixture)
 
@@ -151,7 +151,7 @@ def test_resubmit_plans_the_incomplete_shards_that_are_not_running(tmp_path, cap
     out = _folder_with_shards(tmp_path, [0, 4, 3])
     _own_lock(out, (1, 4))
     args, _ = slurm_module.parse_args(["--config", TINY, "--resubmit"])
-    from lightning_diffusion.config import read_config
+    from lightning_diffusion.run.config import read_config
 
     config = read_config(TINY, ["--data.prompts", FIVE_PROMPTS, "--writer.output_dir", str(out)], check=False)
     plan = slurm_module.plan_array(args, config, slurm_module.Outputs(out), out, 5)
@@ -248,9 +248,9 @@ def test_the_shard_plan_is_the_same_whichever_task_starts_first(tmp_path):
     0, 1, 2 into another: the same plan recorded (the one the records give), the same images, each
     once; ``status`` reads the plan from the folder. A task run with another batch size makes the
     recorded plan's shard; a task of another prompt set is refused before it makes anything."""
-    from lightning_diffusion.data import shard_owners
-    from lightning_diffusion.records import read_records
-    from lightning_diffusion.shard import plan_file, recorded_owners
+    from lightning_diffusion.input.data import shard_owners
+    from lightning_diffusion.input.records import read_records
+    from lightning_diffusion.output.shard import plan_file, recorded_owners
 
     prompts = tmp_path / "mixed.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"mixed {n}", "height": 32 if n < 8 else 64,
@@ -297,7 +297,7 @@ def test_shards_of_a_folder_written_before_plans_were_recorded_keep_the_index_ru
                                            "width": 32 if n < 4 else 64}) + "\n" for n in range(6)))
     run_here(*tiny_args(out, "--data.prompts", str(prompts), "--data.batch_size", "2", "--data.num_shards", "2",
                         "--data.shard_index", "1"))
-    from lightning_diffusion.shard import recorded_owners
+    from lightning_diffusion.output.shard import recorded_owners
 
     assert recorded_owners(out, 2).tolist() == [0, 1, 0, 1, 0, 1]
     assert [line["index"] for line in read_manifest_lines(out)] == [1, 3, 5]

@@ -31,7 +31,7 @@ def make_adapter(name: str, folder, seed: int = 0, rank: int = 4, alpha: int = 8
     from diffusers import DiffusionPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     pipe = DiffusionPipeline.from_pretrained(tiny.resolve(f"tiny:{name}"))
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS[name], init_lora_weights=False, **options)
@@ -73,7 +73,7 @@ def fused_reference(adapters, tmp_path_factory):
 def test_adapters_are_fused_as_diffusers_fuses_them_and_recorded(adapters, fused_reference):
     from diffusers import DiffusionPipeline
 
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     module = DiffusionModule("tiny:flux", lora=[{"path": str(adapters["flux"]), "scale": 0.7},
                                                 {"path": str(adapters["flux-2"].parent), "scale": 0.5}])
@@ -203,7 +203,7 @@ def test_our_in_place_fuse_gives_diffusers_fused_weights(options, tmp_path):
     they are) against diffusers' own fuse, for peft's rank and alpha rules."""
     from diffusers import DiffusionPipeline
 
-    from lightning_diffusion import lora, tiny
+    from lightning_diffusion.pipelines import lora, tiny
 
     path = tiny.resolve("tiny:flux")
     adapters = lora.parse([{"path": str(make_adapter("flux", tmp_path, **options)), "scale": 0.6}])
@@ -217,7 +217,7 @@ def test_our_in_place_fuse_gives_diffusers_fused_weights(options, tmp_path):
 def test_adapters_only_diffusers_can_fuse_are_refused_where_we_fuse_ourselves(tmp_path):
     from safetensors.torch import save_file
 
-    from lightning_diffusion import lora
+    from lightning_diffusion.pipelines import lora
 
     biased = tmp_path / "biased.safetensors"
     save_file({"transformer.proj_out.lora_A.weight": torch.randn(4, 64),

@@ -95,7 +95,7 @@ def _groups_worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from lightning_diffusion.compat import collective_timeout
+    from lightning_diffusion.pipelines.compat import collective_timeout
     from lightning_diffusion.strategies.parallel_dims import ParallelDims
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_diffusion.object_store import ObjectStore
+from lightning_diffusion.output.object_store import ObjectStore
 from tests.conftest import REPO, run_cli, run_here
 from tests.test_slurm import cluster, slurm  # noqa: F401  (the cluster fixture)
 

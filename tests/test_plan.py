@@ -7,8 +7,8 @@ import yaml
 
 from lightning_diffusion.cli import main
 from lightning_diffusion.commands.plan import ModelFacts, choose, facts_for, runner_up
-from lightning_diffusion.pipelines import safetensors_bytes
-from lightning_diffusion.specs import all_published
+from lightning_diffusion.pipelines.model_folder import safetensors_bytes
+from lightning_diffusion.pipelines.specs import all_published
 
 FLUX1, FLUX2 = "black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.2-dev"
 QWEN, WAN = "Qwen/Qwen-Image", "Wan-AI/Wan2.1-T2V-14B-Diffusers"

@@ -14,11 +14,11 @@ import torch
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
 from lightning_diffusion.errors import ConfigError, RecordFailure
-from lightning_diffusion.manifest import finished, scan_manifest
-from lightning_diffusion.pipelines import PipelineInfo
-from lightning_diffusion.records import check_records, read_records
-from lightning_diffusion.specs import SPECS
-from lightning_diffusion.validation import CALL_ARGS, call_arg_problems, record_args, record_keys
+from lightning_diffusion.input.records import check_records, read_records
+from lightning_diffusion.output.manifest import finished, scan_manifest
+from lightning_diffusion.pipelines.model_folder import PipelineInfo
+from lightning_diffusion.pipelines.specs import SPECS
+from lightning_diffusion.run.validation import CALL_ARGS, call_arg_problems, record_args, record_keys
 from tests.conftest import REPO, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 NAN_RECORD = '{"prompt": "x", "guidance_scale": NaN}'
@@ -206,7 +206,7 @@ def nan_model(tmp_path_factory):
 
     from safetensors.torch import load_file, save_file
 
-    from lightning_diffusion import tiny
+    from lightning_diffusion.pipelines import tiny
 
     folder = tmp_path_factory.mktemp("nan") / "flux"
     shutil.copytree(tiny.resolve("tiny:flux"), folder)
@@ -353,7 +353,7 @@ def test_the_reading_pass_judges_each_line_as_check_record_does(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lightning_diffusion.records import PromptFileError, check_record
+    from lightning_diffusion.input.records import PromptFileError, check_record
 
     limit = 2 ** 64 - 1
     items = [{"prompt": "a cat"}, {"prompt": "a cat", "seed": 0}, {"prompt": "a cat", "seed": limit},

@@ -186,7 +186,7 @@ def test_a_complete_folder_says_so_before_anything_loads(tmp_path, cli_here):
     assert "Loading" not in again.stderr and "batch plan" not in again.stderr
     assert (tmp_path / "manifest.jsonl").read_text() == manifest
     # A program that calls DiffusionCLI itself is not ended: it returns after an empty loop.
-    from lightning_diffusion.config import DiffusionCLI
+    from lightning_diffusion.run.config import DiffusionCLI
 
     cwd = os.getcwd()
     os.chdir(REPO)

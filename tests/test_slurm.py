@@ -372,7 +372,7 @@ def test_scancel_finishes_the_images_in_flight_and_a_new_job_resumes(cluster, tm
 def test_a_requeued_job_takes_over_the_lock_of_its_earlier_run(tmp_path, monkeypatch):
     import json
 
-    from lightning_diffusion.lock import OutputLock
+    from lightning_diffusion.output.lock import OutputLock
 
     # A fresh lock from a live-looking run on another host: refused, unless it is this SLURM job's.
     (tmp_path / ".lock").write_text(json.dumps({"host": "node7", "pid": 1, "slurm_job": "41"}))

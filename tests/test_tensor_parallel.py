@@ -15,8 +15,9 @@ import torch
 from lightning.pytorch import Trainer
 from safetensors.torch import load_file
 
-from lightning_diffusion import DiffusionModule, tiny
+from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.pipelines import tiny
 from lightning_diffusion.strategies import TensorParallelStrategy
 from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, tiny_args
 
@@ -102,7 +103,7 @@ def test_weights_that_are_not_safetensors(tmp_path):
 def test_parallel_models_live_on_the_meshs_device_type_and_the_ranks_own_gpu():
     """diffusers 0.42.1 would place a rank's shards on cuda:(rank % device count) whenever a GPU
     exists: wrong for a CPU mesh on a GPU machine and for ranks that own GPUs 4..7."""
-    from lightning_diffusion.compat import parallel_device
+    from lightning_diffusion.pipelines.compat import parallel_device
 
     assert parallel_device("cpu", None) == torch.device("cpu")
     assert parallel_device("cpu", 3) == torch.device("cpu")

@@ -44,7 +44,7 @@ def test_the_reference_run_takes_the_attention_backend_the_plan_runs_with():
     """A strategy's attention_backend (and ring's own choice on CUDA) reaches the one-device run as
     model.attention_backend; a model-level backend is already in the config both runs read."""
     from lightning_diffusion.commands.verify import plan_attention_backend
-    from lightning_diffusion.config import read_config
+    from lightning_diffusion.run.config import read_config
 
     strategy = ["--trainer.strategy.init_args.attention_backend", "native"]
     assert plan_attention_backend(read_config("configs/tiny-ulysses.yaml", strategy)) == "native"

@@ -2,9 +2,9 @@
 
 import pytest
 
-from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.files import image_filename
+from lightning_diffusion.input.data import PromptDataModule
+from lightning_diffusion.output.files import image_filename
 
 
 @pytest.mark.parametrize(
@@ -33,8 +33,8 @@ def test_prompt_file_that_is_not_utf8_is_refused(tmp_path):
 def test_a_writers_bug_keeps_its_traceback_and_a_file_system_error_is_one_line(tmp_path):
     """A full disk or a lost mount is said in one line (the message is all); anything else that a
     writer raises is a bug, and the CLI prints its traceback above that line for the report."""
-    from lightning_diffusion.background import WriteFailed
-    from lightning_diffusion.writer import writing_failed
+    from lightning_diffusion.output.background import WriteFailed
+    from lightning_diffusion.output.writer import writing_failed
 
     bug = writing_failed("TypeError: bad operand", tmp_path,
                          cause=WriteFailed("TypeError", "bad operand", "Traceback (most recent call last):\n  ...\n"))

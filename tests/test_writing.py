@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lightning_diffusion.files import EXIF_DESCRIPTION
+from lightning_diffusion.output.files import EXIF_DESCRIPTION
 from tests.conftest import REPO, read_manifest_lines, run_here, tiny_args
 from tests.test_resume import finished_lines
 
@@ -81,7 +81,7 @@ def test_background_writing_gives_the_files_and_manifest_of_writing_on_the_predi
 def test_the_pipe_frames_carry_arrays_exactly_and_a_cut_frame_reads_as_the_end(value):
     import io
 
-    from lightning_diffusion.background import receive, send
+    from lightning_diffusion.output.background import receive, send
 
     stream = io.BytesIO()
     send(stream, value)
@@ -112,7 +112,7 @@ def _writer_processes(pid: int) -> list[int]:
     for child in _children(pid):
         try:
             with open(f"/proc/{child}/cmdline") as f:
-                if "lightning_diffusion.background" in f.read():
+                if "lightning_diffusion.output.background" in f.read():
                     found.append(child)
         except FileNotFoundError:
             pass
@@ -177,7 +177,7 @@ def test_a_writer_process_that_dies_fails_the_run_and_a_killed_rank_leaves_no_wr
 def test_a_files_class_the_writer_process_cannot_import_is_refused(tmp_path):
     from lightning_diffusion import ImageWriter
     from lightning_diffusion.errors import ConfigError
-    from lightning_diffusion.files import OutputFiles
+    from lightning_diffusion.output.files import OutputFiles
 
     local = type("LocalFiles", (OutputFiles,), {"__module__": "__main__"})
     mine = type("MyWriter", (ImageWriter,), {"files_class": local})
@@ -338,7 +338,7 @@ def test_writers_that_take_no_batch_for_long_say_so_and_still_write_every_batch(
     waits for them longer than STALL_WARNING says so, and so does the close, naming the rank."""
     import logging
 
-    from lightning_diffusion import background
+    from lightning_diffusion.output import background
     from tests.slow_writer import SlowFiles
 
     monkeypatch.setattr(background, "STALL_WARNING", 0.4)

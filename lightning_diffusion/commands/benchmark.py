@@ -27,17 +27,17 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_diffusion import bare
 from lightning_diffusion.boundaries import ImageSource, PromptSource
 from lightning_diffusion.commands import add_json_option, json_argv
 from lightning_diffusion.commands import report as emit
-from lightning_diffusion.config import read_config, report_config_error
-from lightning_diffusion.data import PromptDataset
-from lightning_diffusion.inputs import record_inputs
+from lightning_diffusion.input.data import PromptDataset
+from lightning_diffusion.input.images import record_inputs
+from lightning_diffusion.input.records import read_data
 from lightning_diffusion.module import DiffusionModule
-from lightning_diffusion.pipelines import inspect_pipeline
-from lightning_diffusion.records import read_data
-from lightning_diffusion.writer import ImageWriter, gather_idle
+from lightning_diffusion.output.writer import ImageWriter, gather_idle
+from lightning_diffusion.pipelines import bare
+from lightning_diffusion.pipelines.model_folder import inspect_pipeline
+from lightning_diffusion.run.config import read_config, report_config_error
 
 
 class StepTimer(Callback):
@@ -166,7 +166,7 @@ def diffusers_loop(model: str, dtype: str, records: list[dict], batch_size: int,
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     pipe = bare.load(model, dtype, device, pipeline_class)
     if cache:
-        from lightning_diffusion.cache import build_config
+        from lightning_diffusion.pipelines.cache import build_config
 
         has_cfg = inspect_pipeline(model, pipeline_class).spec.cfg is not None
         config = build_config(cache, pipe, call_args.get("num_inference_steps"), has_cfg)
@@ -226,8 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.compare_diffusers:
         model, data = cfg.model, cfg.data
-        from lightning_diffusion.pipelines import inspect_pipeline
-        from lightning_diffusion.validation import MODEL_CALL_ARGS
+        from lightning_diffusion.pipelines.model_folder import inspect_pipeline
+        from lightning_diffusion.run.validation import MODEL_CALL_ARGS
 
         named = {k: model.get(k) for k in MODEL_CALL_ARGS}
         base, more = inspect_pipeline(model.pretrained_model_name_or_path).effective_call_args(

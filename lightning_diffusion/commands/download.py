@@ -14,9 +14,9 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from lightning_diffusion import hub
-from lightning_diffusion.config import read_config, report_config_error
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.pipelines import hub
+from lightning_diffusion.run.config import read_config, report_config_error
 
 
 def model_of(config: Any) -> tuple[str, dict[str, Any]]:
@@ -69,7 +69,7 @@ def fetch_prompts(config: Any, config_path: Optional[str], dry_run: bool = False
     """Plan (and unless ``dry_run`` fetch) a ``data.prompts`` of ``hf://datasets/NAME``: the Parquet
     files of ``data.split`` (``records.split_names``); the snapshot folder, or None for prompts
     from elsewhere."""
-    from lightning_diffusion import records
+    from lightning_diffusion.input import records
 
     prompts, split = config.data.get("prompts"), config.data.get("split") or "train"
     if not (isinstance(prompts, str) and prompts.startswith("hf://")):

@@ -7,7 +7,7 @@ Metrics of an output folder, read through its manifest (only finished images cou
 * prompt adherence, for prompts that are ``tiny:shapes`` captions: the share of images whose
   background and shape colours (and, stated separately, shape and position; for two-shape captions,
   ``both_colours``: each shape's colour drawn) match the caption, read by the analytic detector of
-  ``lightning_diffusion.shapes`` (no learned model);
+  ``lightning_diffusion.pipelines.shapes`` (no learned model);
 * ``--fid``: FID and KID (torchmetrics) against the reference folder, or, for shapes captions without
   one, against the captions drawn exactly by ``shapes.render``. Features come from a VAE encoder
   (``--features``; for shapes captions ``tiny:shapes`` by default: its latents pooled to 4x4) or from Inception
@@ -30,14 +30,13 @@ import importlib.util
 import io
 import math
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from lightning_diffusion.commands import add_json_option, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.manifest import MANIFEST, PART_GLOB, read_output, scan_manifest
+from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, read_output, scan_manifest
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 FEATURE_POOL = 4  # VAE latents pooled to 4x4: 64 features for 4 latent channels
@@ -111,7 +110,7 @@ class VAEFeatures:
         import torch
         from diffusers import AutoencoderKL
 
-        from lightning_diffusion import tiny
+        from lightning_diffusion.pipelines import tiny
 
         folder = Path(tiny.resolve(source))
         if not (folder / "vae").is_dir():
@@ -204,8 +203,8 @@ def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
 
 
 def evaluate(args) -> dict[str, Any]:
-    from lightning_diffusion import shapes
     from lightning_diffusion.commands.verify import compare
+    from lightning_diffusion.pipelines import shapes
 
     folder = Path(args.output_dir)
     ours = _entries(folder, "output")
@@ -377,22 +376,20 @@ def local_copies(args):
     """An object-store output (``s3://...``) or reference read as a folder: its recorded images'
     tar shards and manifest lines downloaded into a temporary folder for the run of ``eval``;
     the summary names the URL."""
-    from lightning_diffusion import object_store
+    from lightning_diffusion.output.store import open_store
 
-    with tempfile.TemporaryDirectory(prefix="lightning-diffusion-eval-") as tmp:
+    with contextlib.ExitStack() as stack:
         urls = {}
         for key in ("output_dir", "reference"):
-            url = getattr(args, key)
-            if url is None or not object_store.is_url(url):
+            location = getattr(args, key)
+            if location is None:
                 continue
+            store = open_store(location)
+            if store.needs_shared_folder:
+                continue  # a folder: read where it is
             what = "output" if key == "output_dir" else "reference"
-            problems = object_store.read_problems(url, what)
-            if problems:
-                raise ConfigError(problems[0])
-            folder = Path(tmp) / key
-            if not object_store.ObjectStore(url, None).download_records(folder):
-                raise ConfigError(f"{what} {url} records no finished image.")
-            urls[str(folder)] = url
+            folder = stack.enter_context(store.local_records(what))
+            urls[str(folder)] = store.where
             setattr(args, key, str(folder))
         args.urls = urls
         yield

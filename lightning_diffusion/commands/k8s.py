@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_diffusion.config import read_config, report_config_error
-from lightning_diffusion.object_store import is_url
+from lightning_diffusion.output.store import store_class
+from lightning_diffusion.run.config import read_config, report_config_error
 
 RENDEZVOUS_PORT = 29500
 DEFAULT_GRACE_SECONDS = 600
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
         print("lightning-diffusion k8s: error: --nodes and --gpus-per-node must be at least 1.", file=sys.stderr)
         return 2
     output = str(config.writer.output_dir)
-    if args.volume_claim == "none" and not is_url(output):
+    if args.volume_claim == "none" and store_class(output).needs_shared_folder:
         print(f"lightning-diffusion k8s: error: --volume-claim none leaves the pods no shared folder, and "
               f"writer.output_dir {output} is one: write into an object store (s3://...) or give a claim.",
               file=sys.stderr)

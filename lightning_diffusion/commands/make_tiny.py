@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_diffusion import specs
+from lightning_diffusion.pipelines import specs
 
 
 def main(argv: list[str]) -> int:

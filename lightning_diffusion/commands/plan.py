@@ -30,7 +30,7 @@ from typing import Optional
 import yaml
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.specs import PipelineSpec, all_published, cfg_supported, published
+from lightning_diffusion.pipelines.specs import PipelineSpec, all_published, cfg_supported, published
 
 # Beyond this many tokens per image one GPU spends most of its time in attention and its
 # activations grow large: split the sequence (the guide's "long sequences").
@@ -82,7 +82,7 @@ def facts_for(model: str) -> ModelFacts:
                           pixels_per_token=spec.pixels_per_token, text_tokens=sizes.text_tokens,
                           pipeline=spec.class_name, spec=spec, context=context_modes(spec, None),
                           tensor=spec.has_plan("_tp_plan"), cp_plan=spec.has_plan("_cp_plan"))
-    from lightning_diffusion.pipelines import component_bytes, inspect_pipeline
+    from lightning_diffusion.pipelines.model_folder import component_bytes, inspect_pipeline
 
     info = inspect_pipeline(model)
     folder = Path(info.path)
@@ -289,7 +289,7 @@ def prompt_set(prompts: str, height: int, width: int) -> tuple[int, dict[tuple[i
     call-argument sets (``records.RecordSummary``; every line is read once)."""
     if prompts.isdigit():
         return int(prompts), {}
-    from lightning_diffusion.records import read_records
+    from lightning_diffusion.input.records import read_records
 
     records = read_records(prompts)
     sizes: dict[tuple[int, int], int] = {}

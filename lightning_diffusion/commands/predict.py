@@ -9,10 +9,10 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
-from lightning_diffusion import preemption
-from lightning_diffusion.config import DiffusionCLI, config_error
 from lightning_diffusion.errors import ConfigError, NodeConfigError
-from lightning_diffusion.run_context import RunContext, first_process, first_process_of_node
+from lightning_diffusion.run import preemption
+from lightning_diffusion.run.config import DiffusionCLI, config_error
+from lightning_diffusion.run.context import RunContext, first_process, first_process_of_node
 
 SILENT_EXIT_DELAY = 2.0  # seconds a process that does not print a refusal waits before it exits
 

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_diffusion.config import check_config, read_config, report_config_error
 from lightning_diffusion.errors import ConfigError, raise_problems
-from lightning_diffusion.object_store import access_problems, is_url
-from lightning_diffusion.preflight import build_strategy
+from lightning_diffusion.run.config import check_config, read_config, report_config_error
+from lightning_diffusion.run.preflight import build_strategy
 
 DEFAULT_SIGNAL_SECONDS = 300
 DEFAULT_CPUS_PER_TASK = 8
@@ -416,7 +415,7 @@ def wait_for(job_id: str, outputs: Outputs, log: Path, expected: Optional[int], 
 
 
 def expected_images(config: Any) -> int:
-    from lightning_diffusion.records import read_data
+    from lightning_diffusion.input.records import read_data
 
     return len(read_data(config.data)) * int(config.data.num_images_per_prompt)
 
@@ -424,8 +423,8 @@ def expected_images(config: Any) -> int:
 def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:
     """A hub id: fetch its weights here (the login node has network; compute nodes often do not),
     or refuse to submit with the reason; None for a local model."""
-    from lightning_diffusion import hub
     from lightning_diffusion.commands.download import fetch_for, model_of
+    from lightning_diffusion.pipelines import hub
 
     repo, options = model_of(config)
     if not hub.is_hub_id(repo):
@@ -443,57 +442,36 @@ def fetch_weights(config: Any, config_path: str) -> Optional[dict[str, str]]:
 
 
 class Outputs:
-    """Where the job's images are recorded, read from the submitting machine: a folder every node
-    sees, or an object-store prefix (read with ``writer.storage_options``)."""
+    """Where the job's images are recorded, read from the submitting machine (``store.open_store``:
+    a folder every node sees, or an object-store prefix read with ``writer.storage_options``)."""
 
     def __init__(self, output: Any, options: Optional[dict[str, Any]] = None) -> None:
-        self.remote = is_url(output)
-        self.url = str(output).rstrip("/") if self.remote else None
-        self.folder = None if self.remote else Path(output)
+        from lightning_diffusion.output.store import open_store
+
+        self.store = open_store(output, options=options)
         self.options = options
+        # The folder the job's nodes share and its logs go into; None for a store they reach on their own.
+        self.folder = Path(output) if self.store.needs_shared_folder else None
+        self.url = None if self.store.needs_shared_folder else self.store.where
 
     @property
     def manifest(self) -> str:
         """Where the records are, for messages."""
-        return f"{self.url}/manifest/" if self.url else str(Path(str(self.folder)) / "manifest.jsonl")
-
-    def _store(self) -> Any:
-        from lightning_diffusion.object_store import ObjectStore
-
-        return ObjectStore(str(self.url), None, options=self.options)
-
-    def _reader(self) -> Any:
-        """The output as a ``store.OutputStore`` that only reads (takes no lock)."""
-        from lightning_diffusion.store import FolderStore
-
-        return self._store() if self.url is not None else FolderStore(Path(str(self.folder)), None)
+        return self.store.manifest_where
 
     def made(self) -> tuple[Any, set[int]]:
         """The recorded images (a sorted integer array) and the rejected ones not among them."""
-        import numpy as np
-
-        from lightning_diffusion.manifest import finished, rejected_images
-
-        if self.url is not None:
-            store = self._store()
-            try:
-                indices, rejected = store.recorded()[0], store.rejected_images()
-            except FileNotFoundError:  # nothing written into the prefix yet
-                indices, rejected = np.zeros(0, dtype=np.int64), set()
-            finally:
-                store.release()
-        elif self.folder is not None and self.folder.is_dir():
-            indices, rejected = finished(self.folder).indices, rejected_images(self.folder)
-        else:
-            return np.zeros(0, dtype=np.int64), set()
-        return indices, rejected - set(indices.tolist())
+        try:
+            return self.store.made()
+        finally:
+            self.store.release()
 
     def plan(self, num_shards: int, config: Any, total: int) -> Any:
         """The shard of every image among ``num_shards``: the recorded plan (``shard``), else the one
         the array's first task will record (``shard.first_plan``)."""
-        from lightning_diffusion.data import shard_owners
-        from lightning_diffusion.records import read_data
-        from lightning_diffusion.shard import first_plan
+        from lightning_diffusion.input.data import shard_owners
+        from lightning_diffusion.input.records import read_data
+        from lightning_diffusion.output.shard import first_plan
 
         data = config.data
 
@@ -501,28 +479,22 @@ class Outputs:
             return shard_owners(read_data(data), int(data.num_images_per_prompt), int(data.get("batch_size") or 1),
                                 bool(data.get("bucket", True)), num_shards)
 
-        store = self._reader()
         try:
-            owners = store.shard_plan(num_shards)
-            return owners if owners is not None else first_plan(store, num_shards, total, compute)
+            owners = self.store.shard_plan(num_shards)
+            return owners if owners is not None else first_plan(self.store, num_shards, total, compute)
         except FileNotFoundError:  # nothing written into the prefix yet
             return compute()
         finally:
-            store.release()
+            self.store.release()
 
     def live(self) -> dict[Optional[tuple[int, int]], str]:
         """The runs writing into it now, by shard (as ``lock.live_locks``)."""
-        from lightning_diffusion.lock import live_locks
-
-        if self.url is not None:
-            store = self._store()
-            try:
-                return store.live_locks()
-            except FileNotFoundError:
-                return {}
-            finally:
-                store.release()
-        return live_locks(self.folder) if self.folder is not None and self.folder.is_dir() else {}
+        try:
+            return self.store.live_locks()
+        except FileNotFoundError:
+            return {}
+        finally:
+            self.store.release()
 
 
 # ----------------------------------------------------------------------------- job arrays
@@ -535,7 +507,7 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     import numpy as np
 
     from lightning_diffusion.commands import status
-    from lightning_diffusion.shard import Shard
+    from lightning_diffusion.output.shard import Shard
 
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
@@ -587,7 +559,7 @@ def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     import json
 
     from lightning_diffusion.commands.status import ARRAY_FILE
-    from lightning_diffusion.manifest import atomic_write
+    from lightning_diffusion.output.manifest import atomic_write
 
     path = job_dir / ARRAY_FILE
     try:
@@ -603,7 +575,7 @@ def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str
                    poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
     from lightning_diffusion.commands.status import ACTIVE_STATES, array_states
-    from lightning_diffusion.shard import Shard
+    from lightning_diffusion.output.shard import Shard
 
     last: dict[int, str] = {}
     while True:
@@ -647,8 +619,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
         config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
         output = config.writer.output_dir
-        if is_url(output):
-            outputs = Outputs(output, config.writer.get("storage_options"))
+        outputs = Outputs(output, config.writer.get("storage_options"))
+        if outputs.folder is None:
             # one folder an output: array.json's submissions are of one prefix
             default_job_dir = Path.cwd() / JOBS_FOLDER / f"{job_name(args, config_path)}-{_url_tag(output)}"
         else:
@@ -659,7 +631,7 @@ def main(argv: list[str]) -> int:
                        + secret_problems(predict_args))
         if outputs.url is not None and (args.submit or args.array is not None):
             # the job's nodes reach the store as this machine does: same variables (sbatch passes them on)
-            raise_problems(access_problems(outputs.url, outputs.options))
+            raise_problems(outputs.store.write_problems())
         expected = expected_images(config)
         if args.array is not None or args.resubmit:
             res["array"] = plan_array(args, config, outputs, job_dir, expected)
@@ -711,7 +683,7 @@ def main(argv: list[str]) -> int:
 
 def _only_not_cached(err: ConfigError) -> bool:
     """The one problem is a hub model this machine neither has nor can reach (the other checks passed)."""
-    from lightning_diffusion import hub
+    from lightning_diffusion.pipelines import hub
 
     text = str(err)
     return hub.NOT_CACHED in text and "problems:" not in text.splitlines()[0] and hub.offline()

@@ -22,8 +22,9 @@ import numpy as np
 
 from lightning_diffusion.commands import add_json_option, json_argv, report
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.lock import OutputLock, live_locks
-from lightning_diffusion.manifest import (
+from lightning_diffusion.output.folder_store import FolderStore
+from lightning_diffusion.output.lock import OutputLock, live_locks
+from lightning_diffusion.output.manifest import (
     FAILED,
     FAILURES_GLOB,
     MANIFEST,
@@ -35,8 +36,8 @@ from lightning_diffusion.manifest import (
     recent_written,
     rejected_images,
 )
-from lightning_diffusion.object_store import is_url
-from lightning_diffusion.shard import Shard, recorded_owners
+from lightning_diffusion.output.shard import Shard, recorded_owners
+from lightning_diffusion.output.store import open_store
 
 COMPLETE, RUNNING, STOPPED = 0, 3, 4
 RATE_WINDOW_S = 300.0
@@ -96,16 +97,14 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     }
 
 
-def bucket_status(url: str) -> dict[str, Any]:
+def bucket_status(store: Any) -> dict[str, Any]:
     """``folder_status`` of an object-store prefix (``writer.output_dir: s3://...``): its run.json,
     manifest objects, shards' records and locks."""
-    from lightning_diffusion.object_store import ObjectStore, access_problems
-
-    store = ObjectStore(url, None)
+    url = store.where
     try:
         run = store.read_json(RUN_FILE)
     except Exception as err:  # the store cannot be reached: the same words as a run's refusal
-        problems = access_problems(url)
+        problems = store.write_problems()
         raise ConfigError(problems[0] if problems else f"{url}: {err}") from None
     finally:
         store.release()
@@ -334,8 +333,8 @@ def main(argv: list[str]) -> int:
     add_json_option(parser, "the status")
     args = parser.parse_args(json_argv(argv))
     try:
-        status = (bucket_status(args.output_dir) if is_url(args.output_dir)
-                  else folder_status(Path(args.output_dir).expanduser()))
+        store = open_store(args.output_dir)
+        status = folder_status(store.folder) if isinstance(store, FolderStore) else bucket_status(store)
     except ConfigError as err:
         print(f"lightning-diffusion status: error: {err}", file=sys.stderr)
         return 2

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from lightning_diffusion.commands import add_json_option, json_argv, report
-from lightning_diffusion.config import read_config, report_config_error
-from lightning_diffusion.pipelines import dtype_name
-from lightning_diffusion.records import read_data
+from lightning_diffusion.input.records import read_data
+from lightning_diffusion.pipelines.model_folder import dtype_name
+from lightning_diffusion.run.config import read_config, report_config_error
 
 # (max abs difference, min PSNR dB, min SSIM) on decoded images in [0, 1], by dtype. float32 runs
 # differ by rounding only (measured up to 2e-6); half-precision kernels reorder sums more freely.
@@ -59,7 +59,7 @@ def plan_attention_backend(config: Any) -> Optional[str]:
     it (its ``attention_backend``, or ring's choice on CUDA); None when the model's own
     ``model.attention_backend`` is set, which the reference run reads from the same config. The
     reference run takes it too, so that the two runs differ by the plan and not by the kernel."""
-    from lightning_diffusion.preflight import build_strategy, device_type, world_size
+    from lightning_diffusion.run.preflight import build_strategy, device_type, world_size
     from lightning_diffusion.strategies.checks import resolved_attention_backend
     from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 

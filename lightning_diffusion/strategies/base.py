@@ -34,12 +34,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_diffusion import compat, quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError, raise_problems
-from lightning_diffusion.run_context import RunContext
+from lightning_diffusion.input.data import PromptDataModule
+from lightning_diffusion.pipelines import compat, quantization
+from lightning_diffusion.run.context import RunContext
 from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
 
@@ -134,7 +134,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
     @property
     def gpus_bound_to_tasks(self) -> bool:
         """Whether each process sees only its own GPUs (``accelerators.TaskBoundCUDAAccelerator``)."""
-        from lightning_diffusion.accelerators import TaskBoundCUDAAccelerator
+        from lightning_diffusion.strategies.accelerators import TaskBoundCUDAAccelerator
 
         return isinstance(self.accelerator, TaskBoundCUDAAccelerator)
 
@@ -356,7 +356,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         watch.start()
 
     def _drain_writers(self) -> None:
-        from lightning_diffusion.writer import ImageWriter
+        from lightning_diffusion.output.writer import ImageWriter
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for callback in trainer.callbacks if trainer is not None else []:  # type: ignore[attr-defined]  # set by Trainer

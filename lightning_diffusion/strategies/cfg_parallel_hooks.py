@@ -24,7 +24,7 @@ import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 
 from lightning_diffusion.console import log
-from lightning_diffusion.specs import CFGBranches
+from lightning_diffusion.pipelines.specs import CFGBranches
 
 HOOK_NAME = "lightning_diffusion.cfg_split"
 

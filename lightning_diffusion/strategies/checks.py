@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_diffusion import quantization
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError, run_check
-from lightning_diffusion.specs import cfg_supported, spec_for
+from lightning_diffusion.pipelines import quantization
+from lightning_diffusion.pipelines.specs import cfg_supported, spec_for
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
 
 # from_pretrained options that diffusers cannot combine with a tensor-parallel load, and why.
@@ -75,7 +75,7 @@ def cfg_problems(class_name: str, call_args: dict[str, Any], default: Callable[[
         ]
     # the scale runs it: whether each image's negative pass runs is now up to its negative prompt
     if not entry.runs(scale, negative=False) and records is not None and call_args.get("negative_prompt") is None:
-        from lightning_diffusion.data import summarize_records
+        from lightning_diffusion.input.data import summarize_records
 
         summary = summarize_records(records)
         if summary.without_negative:
@@ -93,7 +93,7 @@ def planned_models(request: ModelRequest, plan: str, kind: str) -> dict[str, typ
     """A reader: the pipeline's diffusers models with ``plan`` (``_cp_plan``, ``_tp_plan``); raises a
     ConfigError that names what the pipeline can run instead and the diffusers models that have the
     plan when it has none (the rules run it through ``run_check``)."""
-    from lightning_diffusion.pipeline_facts import models_with_plan
+    from lightning_diffusion.pipelines.facts import models_with_plan
 
     planned = request.info.models_with(plan)
     if not planned:
@@ -213,7 +213,7 @@ def context_modes(spec: Any, facts: Any) -> tuple[str, ...]:
     Ulysses-anything, verified with its mask at degree 2. ``facts``: the pipeline's
     ``PipelineFacts``, or None to read the registry's transformer class."""
     if facts is None:
-        from lightning_diffusion.pipeline_facts import denoiser_facts
+        from lightning_diffusion.pipelines.facts import denoiser_facts
 
         facts = denoiser_facts(spec.class_name, spec.transformer_class)
     if not facts.cp_plan:
@@ -227,9 +227,9 @@ def context_modes(spec: Any, facts: Any) -> tuple[str, ...]:
 def reference_sequence_problems(request: ModelRequest, dims: ParallelDims, most: int = 3) -> list[str]:
     """Pipelines whose transformer sees the input image's tokens beside the output's (FLUX.1
     Kontext): each record's total, from its own image's size, must divide the degree."""
-    from lightning_diffusion.data import record_inputs
-    from lightning_diffusion.inputs import upright_size
-    from lightning_diffusion.specs import _load
+    from lightning_diffusion.input.data import record_inputs
+    from lightning_diffusion.input.images import upright_size
+    from lightning_diffusion.pipelines.specs import _load
 
     reference_tokens = request.info.spec.reference_tokens
     assert reference_tokens is not None  # called for such pipelines only (context_parallel_problems)
@@ -348,7 +348,7 @@ def tensor_parallel_problems(request: ModelRequest, dims: ParallelDims) -> list:
 def adapter_shardable_problems(request: ModelRequest, adapter: Any, planned: dict[str, type[Any]]) -> list:
     """An adapter whose update has another shape than its layer's weight (a control LoRA that widens
     an input) cannot be cut as the weight is cut; DoRA and biased adapters are refused by ``updates``."""
-    from lightning_diffusion import lora
+    from lightning_diffusion.pipelines import lora
 
     problems: list = []
     updates = run_check(problems, lora.updates, request.info.pipeline_class, adapter)

@@ -11,15 +11,15 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_diffusion import quantization
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems, run_check
-from lightning_diffusion.pipelines import component_bytes
-from lightning_diffusion.staged import StagedPipeline, stages_for
+from lightning_diffusion.pipelines import quantization
+from lightning_diffusion.pipelines.model_folder import component_bytes
+from lightning_diffusion.pipelines.staged import StagedPipeline, stages_for
+from lightning_diffusion.run.validation import integer
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
-from lightning_diffusion.validation import integer
 
 # The model a pipeline's weights are mostly in; "auto" spreads this one over devices, CPU and disk.
 DENOISERS = ("transformer", "unet")
@@ -163,7 +163,7 @@ class DeviceMapStrategy(MeshStrategy):
             return ["model.lora with a device map that may offload weights to the CPU or disk (offload_folder, "
                     "max_memory for cpu): an update cannot be fused into offloaded weights; drop them, or use "
                     "data_parallel."]
-        from lightning_diffusion import lora
+        from lightning_diffusion.pipelines import lora
 
         problems: list = []
         for adapter in request.lora:
@@ -252,7 +252,7 @@ class DeviceMapStrategy(MeshStrategy):
     def load_plan(self, request: ModelRequest) -> LoadPlan:
         info, plan = request.info, LoadPlan()
         if request.lora:  # diffusers' fuse would undo the placement (it re-enables sequential offload)
-            from lightning_diffusion import lora
+            from lightning_diffusion.pipelines import lora
 
             plan.fuse_adapters = lora.fuse_in_place
         if self.device_map == "balanced":

@@ -21,11 +21,12 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 
-from lightning_diffusion import compat
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems, run_check
-from lightning_diffusion.specs import spec_for
+from lightning_diffusion.pipelines import compat
+from lightning_diffusion.pipelines.specs import spec_for
+from lightning_diffusion.run.validation import attention_backend_problems, backend_dtype_problems
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.cfg_parallel_hooks import CFGSplit
 from lightning_diffusion.strategies.checks import (
@@ -38,7 +39,6 @@ from lightning_diffusion.strategies.checks import (
 from lightning_diffusion.strategies.context_parallel_hooks import enable_context_parallel, mode_name
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
 from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sharded
-from lightning_diffusion.validation import attention_backend_problems, backend_dtype_problems
 
 
 def _context_backend_problems(name: str) -> list[str]:
@@ -187,7 +187,7 @@ class MeshStrategy(DiffusionParallelStrategy):
         on a tensor-parallel model), cut as diffusers' ``_tp_plan`` cut the weights."""
         from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
 
-        from lightning_diffusion import lora
+        from lightning_diffusion.pipelines import lora
 
         specs = {name: resolve_tp_shard_specs(getattr(pipeline, name), type(getattr(pipeline, name))._tp_plan,
                                               self.tp_degree) for name in self._sharded}

@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_diffusion import compat
 from lightning_diffusion.errors import ConfigError, is_int, raise_problems
+from lightning_diffusion.pipelines import compat
 
 MESH_DIMS = ("dp", "cfg", "ring", "ulysses", "tp")
 

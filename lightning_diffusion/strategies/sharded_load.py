@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_diffusion import compat
 from lightning_diffusion.console import log
+from lightning_diffusion.pipelines import compat
 
 # from_pretrained options passed on to a sharded load (the others are refused before loading).
 PASSED_OPTIONS = ("revision", "variant", "token", "cache_dir")

@@ -38,8 +38,8 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_diffusion import interrupt
 from lightning_diffusion.console import INTERRUPTED_LINE, log
+from lightning_diffusion.run import interrupt
 
 _ALL = {"all_ranks": True}  # a rank's own news: printed on every rank
 

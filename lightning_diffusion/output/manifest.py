@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from lightning_diffusion.shard import select, shard_name
+from lightning_diffusion.output.shard import select, shard_name
 
 MANIFEST = "manifest.jsonl"
 # Every run's parts: ``manifest.part-R.jsonl`` for a run of the whole prompt set, and

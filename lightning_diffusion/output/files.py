@@ -22,8 +22,8 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.manifest import atomic_write, failures_part
-from lightning_diffusion.shard import in_shard
+from lightning_diffusion.output.manifest import atomic_write, failures_part
+from lightning_diffusion.output.shard import in_shard
 
 
 def slugify(prompt: str, max_length: int = 40) -> str:

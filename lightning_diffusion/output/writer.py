@@ -39,17 +39,16 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_diffusion.background import WriterProcess, WriterThreads
 from lightning_diffusion.boundaries import ImageSource, PromptSource, RunPlan, require, run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
-from lightning_diffusion.files import OutputFiles, resolve_layout, size_text, to_uint8
-from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED
-from lightning_diffusion.object_store import MANIFESTS, ObjectStore, is_url
-from lightning_diffusion.settings import WRITER, run_settings, writer_settings
-from lightning_diffusion.shard import adopt, plan_file
-from lightning_diffusion.store import FolderStore, OutputStore
-from lightning_diffusion.validation import writer_problems
+from lightning_diffusion.output.background import WriterProcess, WriterThreads
+from lightning_diffusion.output.files import OutputFiles, resolve_layout, size_text, to_uint8
+from lightning_diffusion.output.manifest import FAILED, REJECTED
+from lightning_diffusion.output.settings import WRITER, run_settings, writer_settings
+from lightning_diffusion.output.shard import adopt, plan_file
+from lightning_diffusion.output.store import OutputStore, open_store, store_class
+from lightning_diffusion.run.validation import writer_problems
 
 
 def summary_text(summary: dict[str, Any], manifest: str) -> str:
@@ -141,7 +140,7 @@ class ImageWriter(BasePredictionWriter):
 
     The files are written by ``files_class`` (``OutputFiles``; a subclass may encode otherwise:
     it is sent to the writer process, so it must live in an importable module); the folder's
-    bookkeeping (lock, run.json, the manifest parts and their merge) is a ``store.FolderStore``.
+    bookkeeping (lock, run.json, the manifest parts and their merge) is a ``folder_store.FolderStore``.
     The writer reads its data module as a ``boundaries.PromptSource`` (``PromptDataModule``) and its
     module as a ``boundaries.ImageSource`` (``DiffusionModule``), checked when the run starts.
 
@@ -221,8 +220,9 @@ class ImageWriter(BasePredictionWriter):
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
                               "script being run, so the writer process cannot import it: move it into a module, "
                               "or set writer.write_in: thread.")
-        self.remote = is_url(output_dir)  # an object store: its shards are built in staging_dir
-        self.output_dir = Path(output_dir).expanduser() if not self.remote else Path(staging_dir or ".")
+        # A folder; for a store the nodes reach on their own (a bucket), where its files are built.
+        shared = store_class(output_dir).needs_shared_folder
+        self.output_dir = Path(output_dir).expanduser() if shared else Path(staging_dir or ".")
         self.save_arrays = save_arrays
         self.video_format = video_format
         self.fps = fps
@@ -316,11 +316,9 @@ class ImageWriter(BasePredictionWriter):
         self.started_at, self.predicting_at = time.time(), None
         self.plan = data.run_plan()
         self.total, self.shard, self.expected = self.plan.num_images, self.plan.shard, self.plan.expected
-        if self.remote:
-            self.store = ObjectStore(self.settings["output_dir"], self.plan.shard, self.allow_config_change,
-                                     self.storage_options, self.staging_dir)
-        else:
-            self.store = FolderStore(self.output_dir, self.plan.shard, self.allow_config_change)
+        self.store = open_store(self.settings["output_dir"], self.plan.shard,
+                                allow_config_change=self.allow_config_change, options=self.storage_options,
+                                staging_dir=self.staging_dir)
         result: tuple[Optional[str], Any, bool] = (None, [], False)
         if trainer.is_global_zero:
             result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted)
@@ -481,7 +479,7 @@ class ImageWriter(BasePredictionWriter):
     def _manifest_where(self) -> str:
         """Where the run's manifest is, as the summary names it."""
         assert self.store is not None
-        return f"{self.store.where}/{MANIFESTS}/" if self.remote else str(self.output_dir / MANIFEST)
+        return self.store.manifest_where
 
     def _release(self) -> None:
         """The folder's lock given back (this process's staging folder removed)."""

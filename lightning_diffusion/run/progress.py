@@ -19,8 +19,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
 
 from lightning_diffusion.console import log
-from lightning_diffusion.manifest import part_counts
-from lightning_diffusion.writer import ImageWriter
+from lightning_diffusion.output.manifest import part_counts
+from lightning_diffusion.output.writer import ImageWriter
 
 
 def _clock(seconds: float) -> str:

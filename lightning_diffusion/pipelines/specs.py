@@ -1,7 +1,7 @@
 """What cannot be read from a pipeline itself: one ``PipelineSpec`` per diffusers pipeline class
 that needs more than its class and configs say.
 
-``pipeline_facts.derive`` reads the geometry, output, frames and plans of any pipeline from its
+``facts.derive`` reads the geometry, output, frames and plans of any pipeline from its
 class and saved configs; an entry here adds what cannot be read (how the two classifier-free-guidance
 branches are fed, for CFG parallel; a staged encode / denoise / decode, for ``DeviceMapStrategy``;
 the published sizes of well-known checkpoints, for ``plan`` without weights; a prompt-length text;
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
-    from lightning_diffusion.pipeline_facts import PipelineFacts
+    from lightning_diffusion.pipelines.facts import PipelineFacts
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class PipelineSpec:
 
     ``patch``: latent pixels packed into one token along each side. ``vae_scale``: the VAE's spatial
     downsampling (pixels per token side are ``vae_scale * patch``). Both, like every fact below that
-    ``pipeline_facts`` reads, are set here only to override what the pipeline says (``None``: read).
+    ``facts`` reads, are set here only to override what the pipeline says (``None``: read).
     ``text_length_arg``: the call argument that fixes the text-token count
     the transformer splits (padded to it), if any. ``prompt_length_text``: text tokens have each
     prompt's own length instead, so no context-parallel degree is known to divide them.
@@ -125,7 +125,7 @@ class PipelineSpec:
     cp_mask_modes: tuple[str, ...] = ("ulysses",)
 
     def resolved(self, facts: Optional["PipelineFacts"] = None) -> "PipelineSpec":
-        """This entry with every fact it leaves unset read from the pipeline (``pipeline_facts``),
+        """This entry with every fact it leaves unset read from the pipeline (``facts``),
         and the remaining unknowns at their neutral values (1 token a latent pixel, an 8x VAE,
         ``images``)."""
         def pick(name: str, derived: Any, neutral: Any) -> Any:
@@ -219,7 +219,8 @@ def all_published() -> list[str]:
 
 
 # Tiny copies of pipelines that need no entry here (``tiny_zoo.py``): NAME -> builder path.
-TINY_ZOO = {name: f"lightning_diffusion.tiny_zoo:build_{name}" for name in ("sdxl", "sd3", "flux2", "ltx", "cogvideox")}
+TINY_ZOO = {name: f"lightning_diffusion.pipelines.tiny_zoo:build_{name}"
+            for name in ("sdxl", "sd3", "flux2", "ltx", "cogvideox")}
 
 
 def _tiny_paths() -> dict[str, str]:
@@ -247,11 +248,11 @@ register(PipelineSpec(
     "FluxPipeline", patch=2, text_length_arg="max_sequence_length", text_length_max=512, default_size=(1024, 1024),
     transformer_class="FluxTransformer2DModel",
     cfg=CFGBranches(("encoder_hidden_states", "pooled_projections", "txt_ids"), "true_cfg_scale"),
-    stages="lightning_diffusion.staged:FluxStages",
+    stages="lightning_diffusion.pipelines.staged:FluxStages",
     published={"black-forest-labs/FLUX.1-dev": PublishedModel(
         {"transformer": 23.8, "text_encoder_2": 9.5, "text_encoder": 0.25, "vae": 0.17},
         heads=24, hidden=3072, layers=57, text_tokens=512)},
-    tiny="flux", tiny_builder="lightning_diffusion.tiny:build_flux",
+    tiny="flux", tiny_builder="lightning_diffusion.pipelines.tiny:build_flux",
 ))
 # FLUX.1's task pipelines on the same weights (``model.pipeline_class``): the same tokens, plan, CFG
 # branches and default size (they resize every input image to the call's height x width); no staged
@@ -262,15 +263,15 @@ for _task, _inputs in (("FluxImg2ImgPipeline", ("image",)), ("FluxInpaintPipelin
 register(replace(SPECS["FluxPipeline"], class_name="FluxFillPipeline", cfg=None, stages=None, published={},
                  record_args=(*RECORD_ARGS, "strength"),
                  inputs=("image", "mask_image"), tiny="flux-fill",
-                 tiny_builder="lightning_diffusion.tiny:build_flux_fill"))
+                 tiny_builder="lightning_diffusion.pipelines.tiny:build_flux_fill"))
 # Kontext edits an optional reference image (its tokens join the sequence; every input of a call is
 # resized to the first one's size); true CFG as FLUX.1's.
 register(replace(SPECS["FluxPipeline"], class_name="FluxKontextPipeline", stages=None,
                  published={"black-forest-labs/FLUX.1-Kontext-dev": SPECS["FluxPipeline"].published[
                      "black-forest-labs/FLUX.1-dev"]},  # the same 12B architecture
-                 shares_input_size=True, reference_tokens="lightning_diffusion.specs:kontext_tokens",
+                 shares_input_size=True, reference_tokens="lightning_diffusion.pipelines.specs:kontext_tokens",
                  record_args=(*RECORD_ARGS, "max_area"),
-                 tiny="flux-kontext", tiny_builder="lightning_diffusion.tiny:build_flux_kontext"))
+                 tiny="flux-kontext", tiny_builder="lightning_diffusion.pipelines.tiny:build_flux_kontext"))
 
 
 def kontext_tokens(image_size: Optional[tuple[int, int]], call_args: dict[str, Any]) -> tuple[int, int]:
@@ -303,14 +304,15 @@ register(PipelineSpec(
     cfg=CFGBranches(("encoder_hidden_states", "encoder_hidden_states_mask"), "true_cfg_scale"),
     published={"Qwen/Qwen-Image": PublishedModel(
         {"transformer": 40.9, "text_encoder": 16.6, "vae": 0.25}, heads=24, hidden=3072, layers=60, text_tokens=256)},
-    tiny="qwenimage", tiny_builder="lightning_diffusion.tiny:build_qwenimage",
+    tiny="qwenimage", tiny_builder="lightning_diffusion.pipelines.tiny:build_qwenimage",
 ))
 # Qwen-Image's edit pipelines: the input image reaches the text encoder (vision tokens in the prompt,
 # whose length therefore varies) and its latents join the sequence; true CFG as Qwen-Image's.
 # Edit-Plus takes one prompt a call (a list of images is several references for it).
 register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPlusPipeline", inputs=("image",),
                  published={"Qwen/Qwen-Image-Edit-2509": SPECS["QwenImagePipeline"].published["Qwen/Qwen-Image"]},
-                 call_batch=1, tiny="qwenimage-edit", tiny_builder="lightning_diffusion.tiny:build_qwenimage_edit"))
+                 call_batch=1, tiny="qwenimage-edit",
+                 tiny_builder="lightning_diffusion.pipelines.tiny:build_qwenimage_edit"))
 register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPipeline", published={}, inputs=("image",),
                  shares_input_size=True, tiny=None, tiny_builder=None))  # sized by a call's first image
 register(PipelineSpec(
@@ -321,10 +323,10 @@ register(PipelineSpec(
                     transformers=("transformer", "transformer_2")),
     published={"Wan-AI/Wan2.1-T2V-14B-Diffusers": PublishedModel(
         {"transformer": 28.6, "text_encoder": 11.4, "vae": 0.51}, heads=40, hidden=5120, layers=40, text_tokens=512)},
-    tiny="wan", tiny_builder="lightning_diffusion.tiny:build_wan",
+    tiny="wan", tiny_builder="lightning_diffusion.pipelines.tiny:build_wan",
 ))
 # Wan 2.1 image-to-video: the still (and, with a first-last-frame transformer, last_image) becomes
 # the video's first frame; one image a call (diffusers repeats it over the batch).
 register(replace(SPECS["WanPipeline"], class_name="WanImageToVideoPipeline", published={}, inputs=("image",),
                  call_batch=1, input_if_config=("last_image", "pos_embed_seq_len"),
-                 tiny="wan-i2v", tiny_builder="lightning_diffusion.tiny:build_wan_i2v"))
+                 tiny="wan-i2v", tiny_builder="lightning_diffusion.pipelines.tiny:build_wan_i2v"))

@@ -1,7 +1,7 @@
 """Tiny random-weight copies of pipelines the registry (``specs.py``) does not describe, built offline.
 
 Everything the project knows of these comes from the pipeline classes and their configs
-(``pipeline_facts``): they are how the tests hold "any diffusers pipeline" to the same promises
+(``facts``): they are how the tests hold "any diffusers pipeline" to the same promises
 as the registered ones (one process equal to diffusers called directly, replicas equal to one
 process, each plan the transformer has run with parity or refused before weights). ``tiny:NAME``
 builds one into the cache on first use (``specs.TINY_ZOO`` names them), as ``tiny.py`` does for the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_diffusion.tiny import _char_tokenizer, _save
+from lightning_diffusion.pipelines.tiny import _char_tokenizer, _save
 
 # Heads of every tiny denoiser: 4, so that Ulysses 2 and 4 and tp 2 divide them.
 _HEADS = 4

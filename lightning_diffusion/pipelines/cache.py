@@ -155,7 +155,7 @@ def _value_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
                 if name in options and (options[name] is not None or name == "threshold")
                 and not valid(options[name])]
     if options.get("taylor_factors_dtype") is not None:
-        from lightning_diffusion.pipelines import resolve_dtype
+        from lightning_diffusion.pipelines.model_folder import resolve_dtype
 
         try:
             resolve_dtype(options["taylor_factors_dtype"])
@@ -209,7 +209,7 @@ def build_config(cache: Mapping[str, Any], pipeline: Any, num_inference_steps: O
         if isinstance(options.get(tuple_field), list):  # YAML has lists, diffusers wants tuples
             options[tuple_field] = tuple(options[tuple_field])
     if isinstance(options.get("taylor_factors_dtype"), str):
-        from lightning_diffusion.pipelines import resolve_dtype
+        from lightning_diffusion.pipelines.model_folder import resolve_dtype
 
         options["taylor_factors_dtype"] = resolve_dtype(options["taylor_factors_dtype"])
     if kind in ("pyramid_attention_broadcast", "faster_cache"):
@@ -296,7 +296,7 @@ def install(cache: Mapping[str, Any], pipeline: Any, num_inference_steps: Option
         if not isinstance(component, CacheMixin):
             continue
         if kind == "first_block":
-            from lightning_diffusion.first_block_cache import install_first_block
+            from lightning_diffusion.pipelines.first_block_cache import install_first_block
 
             install_first_block(cast(torch.nn.Module, component), step_cache)  # a diffusers model
         else:

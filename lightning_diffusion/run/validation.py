@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_diffusion.errors import ConfigError, is_int, run_check
-from lightning_diffusion.shard import MAX_SHARDS
+from lightning_diffusion.output.shard import MAX_SHARDS
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
 # tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
@@ -172,7 +172,7 @@ def record_args(info: Any) -> list[str]:
 
 def record_keys(info: Any) -> list[str]:
     """Every key a record of this pipeline may have."""
-    from lightning_diffusion.inputs import INPUT_FIELDS
+    from lightning_diffusion.input.images import INPUT_FIELDS
 
     inputs = [name for name in INPUT_FIELDS if name in info.call_parameters]
     negative = ["negative_prompt"] if "negative_prompt" in info.call_parameters else []
@@ -270,8 +270,8 @@ def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
     returns the pipeline's info (None when the path itself is wrong) and the problems.
     ``records``: the prompt records' ``RecordSummary``, when known (their negative prompts decide whether a guidance
     pass on the negative runs, which some caches cannot share)."""
-    from lightning_diffusion import quantization
-    from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
+    from lightning_diffusion.pipelines import quantization
+    from lightning_diffusion.pipelines.model_folder import inspect_pipeline, resolve_dtype
 
     named = {key: settings.get(key) for key in MODEL_CALL_ARGS}
     call_kwargs = dict(settings.get("call_kwargs") or {})
@@ -381,7 +381,7 @@ def lora_problems(info: Any, spec: Any, quantized: Any) -> list:
 
     import torch
 
-    from lightning_diffusion import lora, quantization
+    from lightning_diffusion.pipelines import lora, quantization
 
     if importlib.util.find_spec("peft") is None:
         return ["model.lora needs the peft package, which is not installed: pip install peft."]
@@ -435,7 +435,7 @@ def lora_shape_problems(info: Any, adapter: Any, models: Mapping[str, Any], most
     """Low-rank pairs whose shapes do not fit the layer they update (an adapter for another size of
     the model): diffusers would fail with a size mismatch after every weight has loaded. A pair may
     widen a layer's input (FLUX.1's control adapters, which diffusers expands), never its output."""
-    from lightning_diffusion import lora
+    from lightning_diffusion.pipelines import lora
 
     state, _, _ = lora.read(info.pipeline_class, adapter)
     wrong = []
@@ -513,7 +513,7 @@ def model_cache_problems(info: Any, cache: Any, call_args: Mapping[str, Any], re
                          ) -> list[str]:
     """``model.cache`` against this pipeline, the call arguments and (when known) the records'
     ``RecordSummary`` (``records.summarize_records``)."""
-    from lightning_diffusion.cache import check_cache
+    from lightning_diffusion.pipelines.cache import check_cache
 
     problems = check_cache(cache, info.denoisers(), info.class_name, negative_branch(info, call_args, records),
                            separate_passes=info.spec.cfg is not None)
@@ -568,7 +568,7 @@ def column_problems(settings: Mapping[str, Any]) -> list[str]:
     """``data.columns`` (record field -> a source's column, or null: not read), ``data.keep_columns``
     (column names) and ``data.split`` (a dataset's split), by themselves; against a file:
     ``records.TableRecords``."""
-    from lightning_diffusion.inputs import INPUT_FIELDS
+    from lightning_diffusion.input.images import INPUT_FIELDS
 
     fields = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS, *CALL_ARGS)
     problems: list[str] = []
@@ -631,97 +631,17 @@ def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None)
 # ----------------------------------------------------------------------------- the writer section
 
 
-# Kernel file systems that hold no files of ours (writes fail or vanish); from /proc/mounts.
-PSEUDO_FILE_SYSTEMS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
-                       "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs", "autofs",
-                       "binfmt_misc", "efivarfs", "rpc_pipefs", "nsfs"}
-
-
-def mount_of(path: Path) -> Optional[tuple[str, str]]:
-    """The mount point and file system type that hold ``path`` (an existing path), from
-    /proc/mounts; None where that file is absent (not Linux)."""
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    resolved, best = str(path.resolve()), None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[0])):
-            best = (point, fields[2])
-    return best
-
-
-def _read_only(path: Path) -> bool:
-    """Whether ``path`` is on a read-only file system; False where statvfs cannot tell (a stale
-    network mount answers the write checks that follow instead)."""
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def output_dir_problems(path: Path) -> list[str]:
-    """``writer.output_dir``: a folder (or one that can be made) on a writable file system that
-    stores files: not below a file, not read-only, not a kernel pseudo file system (/proc, /sys)."""
-    if path.exists() and not path.is_dir():
-        return [f"writer.output_dir {str(path)!r} is a file, not a folder."]
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir():
-        return [f"writer.output_dir {str(path)!r} is below {str(existing)!r}, which is a file."]
-    mount = mount_of(existing)
-    if mount is not None and mount[1] in PSEUDO_FILE_SYSTEMS:
-        return [f"writer.output_dir {str(path)!r} is on {mount[0]}, a {mount[1]} file system of the kernel that "
-                "stores no files: choose a folder on a disk."]
-    if hasattr(os, "statvfs") and _read_only(existing):
-        where = f" ({mount[0]})" if mount is not None else ""
-        return [f"writer.output_dir {str(path)!r} is on a read-only file system{where}: choose a writable folder."]
-    if not os.access(existing, os.W_OK):
-        if existing == path:
-            return [f"writer.output_dir {str(path)!r} is not writable by this user."]
-        return [f"writer.output_dir {str(path)!r} cannot be created: {str(existing)!r} is not writable."]
-    return []
-
-
-def object_store_problems(settings: Mapping[str, Any]) -> list[str]:
-    """A ``writer.output_dir`` URL's settings (reaching the store is ``object_store.access_problems``)."""
-    url, problems = settings["output_dir"], []
-    if settings.get("format", "files") != "webdataset":
-        problems.append(f"writer.output_dir {url} is an object store, which takes tar shards uploaded whole: set "
-                        "writer.format: webdataset.")
-    if settings.get("save_arrays"):
-        problems.append(f"writer.save_arrays writes .npy files beside the images, which an object store "
-                        f"({url}) does not take; leave it off.")
-    options = settings.get("storage_options")
-    if options is not None and not (isinstance(options, Mapping) and all(isinstance(k, str) for k in options)):
-        problems.append(f"writer.storage_options must be a mapping of fsspec options, got {type(options).__name__}.")
-    staging = settings.get("staging_dir")
-    if staging is not None and (not isinstance(staging, (str, os.PathLike)) or not str(staging).strip()):
-        problems.append(f"writer.staging_dir must name a local folder, got {staging!r}.")
-    elif staging is not None:
-        problems += [p.replace("writer.output_dir", "writer.staging_dir")
-                     for p in output_dir_problems(Path(str(staging)).expanduser())]
-    return problems
-
-
 def writer_problems(settings: Mapping[str, Any]) -> list[str]:
     """``ImageWriter``'s arguments by name (absent ones take their defaults), against the writer
     group's declaration (``settings.WRITER``)."""
-    from lightning_diffusion.object_store import is_url
-    from lightning_diffusion.settings import WRITER
+    from lightning_diffusion.output.settings import WRITER
+    from lightning_diffusion.output.store import store_class
 
     output_dir = settings.get("output_dir", WRITER["output_dir"].default)
     named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
-    if is_url(output_dir):
-        problems: list[str] = object_store_problems(settings)
-    else:
-        problems = output_dir_problems(Path(str(output_dir)).expanduser()) if named else [
-            f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
-            "folder)."]
+    problems: list[str] = store_class(output_dir).settings_problems(settings) if named else [
+        f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
+        "folder)."]
     for name, option in WRITER.items():
         value, key = settings.get(name, option.default), f"writer.{name}"
         if option.choices:

@@ -12,11 +12,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_diffusion import compat, quantization
-from lightning_diffusion.cache import StepCache, install
 from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.pipelines import compat, quantization
+from lightning_diffusion.pipelines.cache import StepCache, install
 
 
 class PipelineLoading:
@@ -56,7 +56,7 @@ class PipelineLoading:
         """A hub id with network: the first process of each node fetches what ``from_pretrained``
         reads while the node's other processes wait, instead of every rank downloading (and
         locking) the same tens of gigabytes at once; offline, the cache was checked before loading."""
-        from lightning_diffusion import hub
+        from lightning_diffusion.pipelines import hub
 
         if not hub.is_hub_id(self.info.path) or hub.offline() or self.from_pretrained_kwargs.get("local_files_only"):
             return
@@ -106,7 +106,7 @@ class PipelineLoading:
                 log.warning(f"model.quantization: {left} of {name}'s {total} linear layers loaded in full precision "
                             "(a device map offloaded them: diffusers does not quantize weights on the CPU or disk)")
         if self.adapters:  # fused before any strategy hook, cache or compile sees the weights
-            from lightning_diffusion import lora
+            from lightning_diffusion.pipelines import lora
 
             (self.load_plan.fuse_adapters or lora.fuse)(pipeline, self.adapters)
             if self.global_rank == 0:

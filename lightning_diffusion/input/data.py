@@ -24,14 +24,14 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_diffusion.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.boundaries import RunPlan, run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
-from lightning_diffusion.inputs import record_inputs
-from lightning_diffusion.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
-from lightning_diffusion.shard import Shard, deal_shards, select, shard_members
-from lightning_diffusion.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
+from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
+from lightning_diffusion.input.images import record_inputs
+from lightning_diffusion.input.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
+from lightning_diffusion.output.shard import Shard, deal_shards, select, shard_members
+from lightning_diffusion.run.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
 
 
 def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) -> int:
@@ -144,7 +144,7 @@ def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Recor
              shard: Optional[Shard] = None) -> RunPlan:
     """The ``RunPlan`` of a prompt set read as ``records`` with the ``data`` settings ``reading``
     (``columns``, ``keep_columns``, ``split``): the data module's, and ``preflight``'s before a run."""
-    from lightning_diffusion.records import TableRecords
+    from lightning_diffusion.input.records import TableRecords
 
     one_file = isinstance(prompts, (str, os.PathLike)) and Path(prompts).expanduser().is_file()
     files = tuple(records.files) if isinstance(records, TableRecords) and not one_file else ()

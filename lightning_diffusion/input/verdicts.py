@@ -10,10 +10,10 @@ from typing import Any, Optional
 
 from lightning_diffusion.boundaries import run_strategy
 from lightning_diffusion.console import log
-from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import raise_problems
-from lightning_diffusion.records import RecordVerdicts, check_records
-from lightning_diffusion.validation import model_cache_problems, pixel_problems
+from lightning_diffusion.input.data import PromptDataModule
+from lightning_diffusion.input.records import RecordVerdicts, check_records
+from lightning_diffusion.run.validation import model_cache_problems, pixel_problems
 
 
 class RecordChecks:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_diffusion.pipelines import inspect_pipeline, resolve_dtype
+from lightning_diffusion.pipelines.model_folder import inspect_pipeline, resolve_dtype
 
 
 def load(model: str, dtype: str = "float32", device: Optional[torch.device] = None,

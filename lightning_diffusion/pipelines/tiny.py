@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_diffusion import compat
 from lightning_diffusion.console import no_progress_bars
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.pipelines import compat
 
 TINY_PREFIX = "tiny:"
 # Bump when a builder changes, so that stale caches are not reused.
@@ -169,7 +169,7 @@ def _word_tokenizer(model_max_length: int):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from lightning_diffusion.shapes import VOCABULARY
+    from lightning_diffusion.pipelines.shapes import VOCABULARY
 
     specials = ["<pad>", "</s>", "<unk>"]  # the end token must not be id 2 (CLIP's legacy pooling)
     vocab = {tok: i for i, tok in enumerate(specials + VOCABULARY)}
@@ -502,11 +502,11 @@ def is_tiny(name: str) -> bool:
 
 
 # Trained tiny pipelines shipped inside the package (``scripts/train_shapes.py`` made them).
-SHIPPED = {"shapes": Path(__file__).parent / "models" / "shapes"}
+SHIPPED = {"shapes": Path(__file__).parents[1] / "models" / "shapes"}
 
 
 def names() -> list[str]:
-    from lightning_diffusion import specs
+    from lightning_diffusion.pipelines import specs
     return [TINY_PREFIX + k for k in [*SHIPPED, *specs.tiny_names()]]
 
 
@@ -515,7 +515,7 @@ def resolve(name: str) -> str:
     on first use. Other names pass through."""
     if not is_tiny(name):
         return name
-    from lightning_diffusion import specs
+    from lightning_diffusion.pipelines import specs
 
     kind = name[len(TINY_PREFIX) :]
     if kind in SHIPPED:

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_diffusion.errors import ConfigError, is_int
-from lightning_diffusion.pipeline_facts import PipelineFacts, derive
-from lightning_diffusion.specs import PipelineSpec, spec_for
+from lightning_diffusion.pipelines.facts import PipelineFacts, derive
+from lightning_diffusion.pipelines.specs import PipelineSpec, spec_for
 
 # Arguments the project sets itself for every call; users must not pass them in call_kwargs. (A
 # ``negative_prompt`` there is the default of the records that have none of their own.)
@@ -103,7 +103,7 @@ class PipelineInfo:
 
     @property
     def facts(self) -> PipelineFacts:
-        """What the pipeline class and its configs say of it (``pipeline_facts.derive``)."""
+        """What the pipeline class and its configs say of it (``facts.derive``)."""
         if self._facts is None:
             self._facts = derive(self.pipeline_class, self.model_index, self.configs)
         return self._facts
@@ -333,7 +333,7 @@ def _read_json(path: str, filename: str, local: bool, hub_options: Optional[dict
     from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
     try:
-        from lightning_diffusion.hub import file_options
+        from lightning_diffusion.pipelines.hub import file_options
 
         return json.loads(Path(hf_hub_download(path, filename, **file_options(hub_options))).read_text())
     except RemoteEntryNotFoundError:  # the repository has no such file (not: it is not cached)
@@ -353,11 +353,11 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
     ``from_pretrained`` would read must be in the cache."""
     import diffusers
 
-    from lightning_diffusion import hub
+    from lightning_diffusion.pipelines import hub
 
     path = pretrained_model_name_or_path
     if isinstance(path, str) and path.startswith("tiny:"):
-        from lightning_diffusion import tiny  # builds the offline pipeline on first use
+        from lightning_diffusion.pipelines import tiny  # builds the offline pipeline on first use
 
         path = tiny.resolve(path)
     local = Path(path).expanduser().exists()

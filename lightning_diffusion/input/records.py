@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_diffusion import validation
 from lightning_diffusion.errors import ConfigError, is_int
-from lightning_diffusion.inputs import INPUT_FIELDS, file_problems
-from lightning_diffusion.validation import CALL_ARGS, MAX_PROMPT_CHARS, SEED_MAX, column_problems, non_finite
+from lightning_diffusion.input.images import INPUT_FIELDS, file_problems
+from lightning_diffusion.run import validation
+from lightning_diffusion.run.validation import CALL_ARGS, MAX_PROMPT_CHARS, SEED_MAX, column_problems, non_finite
 
 # Fields of a record that are not pipeline-call arguments.
 RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)

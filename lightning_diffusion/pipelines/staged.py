@@ -65,7 +65,7 @@ class FluxStages:
 
 def stages_for(class_name: str) -> type[Any]:
     """The staged encode/decode class of a pipeline (``PipelineSpec.stages``), or a ConfigError."""
-    from lightning_diffusion.specs import spec_for, with_stages
+    from lightning_diffusion.pipelines.specs import spec_for, with_stages
 
     stages = spec_for(class_name).stages_class()
     if stages is None:

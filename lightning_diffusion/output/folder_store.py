@@ -1,6 +1,6 @@
-"""Where a run's outputs are recorded: the storage side of ``ImageWriter``.
+"""An output folder as a ``store.OutputStore``.
 
-``OutputStore`` is what the writer asks of a storage; ``FolderStore`` is a folder that every rank
+``FolderStore`` is a folder that every rank
 sees (one file system: a local disk, NFS, Lustre, GPFS): its lock (``lock``), ``run.json`` and the
 shards' run records, the manifest parts each rank appends to and their merge (``manifest``). The
 files themselves are written by ``files.OutputFiles`` (encoding, atomic renames, tar shards), in
@@ -14,16 +14,18 @@ run on global rank 0 once every rank's writing has ended.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
 from lightning_diffusion.console import log
-from lightning_diffusion.files import stale_temporaries
-from lightning_diffusion.lock import OutputLock, busy_message
-from lightning_diffusion.manifest import (
+from lightning_diffusion.output.files import stale_temporaries
+from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
+from lightning_diffusion.output.manifest import (
     MANIFEST,
     PART_GLOB,
     REJECTED,
@@ -37,10 +39,11 @@ from lightning_diffusion.manifest import (
     part_counts,
     part_name,
     parts_glob,
+    rejected_images,
     repair_manifest,
     settings_conflict,
 )
-from lightning_diffusion.shard import (
+from lightning_diffusion.output.shard import (
     Shard,
     adopt,
     first_plan,
@@ -52,62 +55,61 @@ from lightning_diffusion.shard import (
     shard_name,
 )
 
+# Kernel file systems that hold no files of ours (writes fail or vanish); from /proc/mounts.
+PSEUDO_FILE_SYSTEMS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                       "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs", "autofs",
+                       "binfmt_misc", "efivarfs", "rpc_pipefs", "nsfs"}
 
-class OutputStore(Protocol):
-    """What ``ImageWriter`` asks of a storage (``FolderStore``)."""
 
-    # A folder every node must see (the writer checks that before the run); False for a storage
-    # the nodes reach on their own.
-    needs_shared_folder: bool
-    adopted: bool  # after ``prepare``: the shard deals as the recorded plan, not as this run computed it
-    # The storage as messages name it (a folder, a URL), and the local folder this process's
-    # files are written into (the folder itself, or where tar shards wait for their upload).
-    where: str
-    local_dir: Path
+def mount_of(path: Path) -> Optional[tuple[str, str]]:
+    """The mount point and file system type that hold ``path`` (an existing path), from
+    /proc/mounts; None where that file is absent (not Linux)."""
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    resolved, best = str(path.resolve()), None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, fields[2])
+    return best
 
-    def prepare(self, settings: dict[str, Any], expected: Optional[int],
-                total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
-        """Lock, compare ``settings`` with the recorded ones, recover a killed run's leftovers:
-        (the refusal or None, the indices already made). ``expected``: this run's images (its
-        shard's), ``total``: the prompt set's. On global rank 0 only."""
-        ...
 
-    def part(self, rank: int) -> Path:
-        """Where ``rank`` appends the manifest lines of what it writes."""
-        ...
+def _read_only(path: Path) -> bool:
+    """Whether ``path`` is on a read-only file system; False where statvfs cannot tell (a stale
+    network mount answers the write checks that follow instead)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
-    def publisher(self, rank: int) -> Any:
-        """What takes ``rank``'s closed tar shards on from ``local_dir`` (``files.OutputFiles.publish``)."""
-        ...
 
-    @property
-    def parts_glob(self) -> str:
-        """The files this run's ranks append their lines to (``ImageProgressBar`` counts them)."""
-        ...
+def output_dir_problems(path: Path) -> list[str]:
+    """``writer.output_dir``: a folder (or one that can be made) on a writable file system that
+    stores files: not below a file, not read-only, not a kernel pseudo file system (/proc, /sys)."""
+    if path.exists() and not path.is_dir():
+        return [f"writer.output_dir {str(path)!r} is a file, not a folder."]
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        return [f"writer.output_dir {str(path)!r} is below {str(existing)!r}, which is a file."]
+    mount = mount_of(existing)
+    if mount is not None and mount[1] in PSEUDO_FILE_SYSTEMS:
+        return [f"writer.output_dir {str(path)!r} is on {mount[0]}, a {mount[1]} file system of the kernel that "
+                "stores no files: choose a folder on a disk."]
+    if hasattr(os, "statvfs") and _read_only(existing):
+        where = f" ({mount[0]})" if mount is not None else ""
+        return [f"writer.output_dir {str(path)!r} is on a read-only file system{where}: choose a writable folder."]
+    if not os.access(existing, os.W_OK):
+        if existing == path:
+            return [f"writer.output_dir {str(path)!r} is not writable by this user."]
+        return [f"writer.output_dir {str(path)!r} cannot be created: {str(existing)!r} is not writable."]
+    return []
 
-    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
-        """``rejected.jsonl``: ``lines`` (``PromptSource.rejected_lines``) where this run leaves out
-        images (``rejected``) or an earlier run left the file."""
-        ...
-
-    def merge(self, done: np.ndarray) -> tuple[dict[int, int], np.ndarray, int]:
-        """Merge the ranks' parts: (lines by rank, every index made, failed images)."""
-        ...
-
-    def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
-        """The recorded shard plan of ``num_shards`` (``shard.plan_file``); None where none is."""
-        ...
-
-    def ran_shards_of(self, num_shards: int) -> bool:
-        """Whether shards of ``num_shards`` left their run records here (``shard.first_plan``)."""
-        ...
-
-    def record(self, summary: dict[str, Any]) -> None:
-        """Add the run's summary to its history."""
-        ...
-
-    def release(self) -> None:
-        ...
 
 
 class FolderStore:
@@ -126,6 +128,41 @@ class FolderStore:
         self._history: list = []
         self._lock: Optional[OutputLock] = None
         self.adopted = False  # the shard deals as the folder's recorded plan, not as this run computed
+
+    @classmethod
+    def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
+             options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> "FolderStore":
+        """``store.open_store``'s folder (``options`` and ``staging_dir`` are a bucket's)."""
+        return cls(Path(location).expanduser(), shard, allow_config_change)
+
+    # --- read side (``store.OutputStore``) ------------------------------------------------------
+
+    @property
+    def manifest_where(self) -> str:
+        return str(self.folder / MANIFEST)
+
+    @staticmethod
+    def settings_problems(settings: Mapping[str, Any]) -> list[str]:
+        return output_dir_problems(Path(str(settings["output_dir"])).expanduser())
+
+    def write_problems(self) -> list[str]:
+        return []  # the folder's checks are ``settings_problems`` and the lock's, when the run starts
+
+    def read_problems(self, what: str) -> list[str]:
+        return [] if self.folder.is_dir() else [f"{what} {self.folder} is not a folder."]
+
+    def made(self) -> tuple[np.ndarray, set[int]]:
+        if not self.folder.is_dir():
+            return np.zeros(0, dtype=np.int64), set()
+        indices = finished(self.folder).indices
+        return indices, rejected_images(self.folder) - set(indices.tolist())
+
+    def live_locks(self) -> dict[Optional[tuple[int, int]], str]:
+        return live_locks(self.folder) if self.folder.is_dir() else {}
+
+    @contextlib.contextmanager
+    def local_records(self, what: str) -> Iterator[Path]:
+        yield self.folder
 
     @property
     def parts_glob(self) -> str:
@@ -204,7 +241,7 @@ class FolderStore:
         done = found.in_shard(self.shard)
         with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
         if not self.allow_config_change and with_inputs:
-            from lightning_diffusion.inputs import changed_since
+            from lightning_diffusion.input.images import changed_since
 
             changed = changed_since(with_inputs)
             if changed:

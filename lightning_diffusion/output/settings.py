@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_diffusion.background import WRITE_IN
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.files import (
+from lightning_diffusion.output.background import WRITE_IN
+from lightning_diffusion.output.files import (
     FILES_PER_FOLDER,
     FORMATS,
     FSYNC,
@@ -28,7 +28,7 @@ from lightning_diffusion.files import (
     VIDEO_FORMATS,
     resolve_layout,
 )
-from lightning_diffusion.manifest import PROMPTS_HASH, prompts_hash
+from lightning_diffusion.output.manifest import PROMPTS_HASH, prompts_hash
 
 if TYPE_CHECKING:
     from lightning_diffusion.boundaries import RunPlan
@@ -94,7 +94,7 @@ def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
     scale (not by path, which may differ between machines that make the same pictures)."""
     if not options.get("lora"):
         return options
-    from lightning_diffusion import lora
+    from lightning_diffusion.pipelines import lora
 
     try:
         return {**options, "lora": lora.record(lora.parse(options["lora"]))}

@@ -21,15 +21,15 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
 from lightning_diffusion import console
-from lightning_diffusion.accelerators import accelerator_for_job
 from lightning_diffusion.boundaries import run_strategy
-from lightning_diffusion.data import PromptDataModule
 from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.module import DiffusionModule
-from lightning_diffusion.preflight import Verdict, preflight
-from lightning_diffusion.progress import ImageProgressBar
-from lightning_diffusion.run_context import RunContext, checked_by_launcher, first_process
-from lightning_diffusion.writer import ImageWriter
+from lightning_diffusion.output.writer import ImageWriter
+from lightning_diffusion.run.context import RunContext, checked_by_launcher, first_process
+from lightning_diffusion.run.preflight import Verdict, preflight
+from lightning_diffusion.run.progress import ImageProgressBar
+from lightning_diffusion.strategies.accelerators import accelerator_for_job
 
 console.quiet_lightning()
 

@@ -38,7 +38,7 @@ import traceback
 from typing import IO, Any, Optional, cast
 
 from lightning_diffusion.console import log
-from lightning_diffusion.files import OutputFiles
+from lightning_diffusion.output.files import OutputFiles
 
 WRITE_IN = ("process", "thread")
 STALL_WARNING = 300.0  # seconds a put or a close waits for the writers before it says so
@@ -209,7 +209,7 @@ def receive(stream: io.BufferedIOBase) -> Any:
 _CHILD = ("import signal; [signal.signal(getattr(signal, name), signal.SIG_IGN) for name in "
           "('SIGINT', 'SIGTERM', 'SIGUSR1') if hasattr(signal, name)]; "
           "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-          "from lightning_diffusion.background import child_main; child_main(sys.argv[2:])")
+          "from lightning_diffusion.output.background import child_main; child_main(sys.argv[2:])")
 
 
 # The writer in a session (so a process group) of its own: a terminal's Ctrl-C (SIGINT to the

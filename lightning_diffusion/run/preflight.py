@@ -16,19 +16,19 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from lightning_diffusion import lora
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.data import run_plan, shard_owners
 from lightning_diffusion.errors import ConfigError, is_int, run_check
-from lightning_diffusion.files import size_text
-from lightning_diffusion.lock import OutputLock, busy_message
-from lightning_diffusion.manifest import MANIFEST, Finished, finished, settings_conflict
-from lightning_diffusion.object_store import access_problems, is_url
-from lightning_diffusion.pipelines import PipelineInfo, dtype_name, resolve_dtype
-from lightning_diffusion.records import RecordVerdicts, check_records, read_records
-from lightning_diffusion.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
-from lightning_diffusion.shard import Shard, adopt, plan_file, recorded_owners, shard_size
-from lightning_diffusion.validation import (
+from lightning_diffusion.input.data import run_plan, shard_owners
+from lightning_diffusion.input.records import RecordVerdicts, check_records, read_records
+from lightning_diffusion.output.files import size_text
+from lightning_diffusion.output.lock import OutputLock, busy_message
+from lightning_diffusion.output.manifest import MANIFEST, Finished, finished, settings_conflict
+from lightning_diffusion.output.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
+from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
+from lightning_diffusion.output.store import open_store, store_class
+from lightning_diffusion.pipelines import lora
+from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
+from lightning_diffusion.run.validation import (
     MAX_PROMPT_CHARS,
     MODEL_CALL_ARGS,
     column_problems,
@@ -202,9 +202,9 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                    options["attention_backend"], options["quantization"],
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
-    if is_url(writer["output_dir"]):  # a bucket: its lock, settings and records are read when the run starts
-        if here and not problems:
-            problems += access_problems(writer["output_dir"], writer.get("storage_options"))
+    if not store_class(writer["output_dir"]).needs_shared_folder:  # a bucket: its lock, settings and records
+        if here and not problems:                                  # are read when the run starts
+            problems += open_store(writer["output_dir"], options=writer.get("storage_options")).write_problems()
         return Verdict(problems, complete, None)
     if not problems and is_int(data.get("num_shards", 1), 1) and is_int(data.get("shard_index", 0), 0):
         problems += busy_folder_problems(writer["output_dir"], data.get("num_shards", 1), data.get("shard_index", 0))

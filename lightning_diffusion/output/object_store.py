@@ -1,7 +1,7 @@
 """Outputs in an object store (``writer.output_dir: s3://bucket/prefix``, or any fsspec URL: ``gs://``,
 ``file://``...), for clusters whose nodes share no folder.
 
-What a folder's rename, append and lock give (``store.FolderStore``) is rebuilt on what an object
+What a folder's rename, append and lock give (``folder_store.FolderStore``) is rebuilt on what an object
 store guarantees: a PUT is whole (a reader sees the old object or the new one, never half), and a
 conditional PUT (``If-None-Match: *``, fsspec's ``mode="create"``) makes an object only where none
 is. So:
@@ -30,6 +30,7 @@ Kept free of torch and Lightning: the writer process imports it to upload.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -45,9 +46,11 @@ from typing import Any, Optional
 import numpy as np
 
 from lightning_diffusion.console import log
-from lightning_diffusion.lock import pid_alive
-from lightning_diffusion.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
-from lightning_diffusion.shard import (
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.output.folder_store import output_dir_problems
+from lightning_diffusion.output.lock import pid_alive
+from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
+from lightning_diffusion.output.shard import (
     Shard,
     adopt,
     first_plan,
@@ -254,10 +257,8 @@ class ObjectStore:
         self.allow_config_change = allow_config_change
         self.options = dict(options or {})
         self.run = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
-        parent = Path(staging_dir).expanduser() if staging_dir else Path(tempfile.gettempdir())
-        parent.mkdir(parents=True, exist_ok=True)
-        remove_dead_staging(parent)
-        self.local_dir = Path(tempfile.mkdtemp(prefix=f"{STAGING}{_host()}-{os.getpid()}-", dir=parent))
+        self.staging_dir = staging_dir
+        self._local_dir: Optional[Path] = None
         self.expected: Optional[int] = None
         self._fs: Optional[tuple[Any, str]] = None
         self._history: list = []
@@ -265,6 +266,73 @@ class ObjectStore:
         self._beat: Optional[threading.Event] = None
         self._beating: Optional[threading.Thread] = None
         self.adopted = False  # the shard deals as the prefix's recorded plan, not as this run computed
+
+    @classmethod
+    def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
+             options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> "ObjectStore":
+        """``store.open_store``'s bucket prefix."""
+        return cls(str(location), shard, allow_config_change, options, staging_dir)
+
+    @property
+    def local_dir(self) -> Path:
+        """This process's staging folder, made on first use (a store opened to read makes none)."""
+        if self._local_dir is None:
+            parent = Path(self.staging_dir).expanduser() if self.staging_dir else Path(tempfile.gettempdir())
+            parent.mkdir(parents=True, exist_ok=True)
+            remove_dead_staging(parent)
+            self._local_dir = Path(tempfile.mkdtemp(prefix=f"{STAGING}{_host()}-{os.getpid()}-", dir=parent))
+        return self._local_dir
+
+    # --- read side (``store.OutputStore``) ------------------------------------------------------
+
+    @property
+    def manifest_where(self) -> str:
+        return f"{self.url}/{MANIFESTS}/"
+
+    @staticmethod
+    def settings_problems(settings: Mapping[str, Any]) -> list[str]:
+        """A ``writer.output_dir`` URL's settings (reaching the store is ``write_problems``)."""
+        url, problems = settings["output_dir"], []
+        if settings.get("format", "files") != "webdataset":
+            problems.append(f"writer.output_dir {url} is an object store, which takes tar shards uploaded whole: set "
+                            "writer.format: webdataset.")
+        if settings.get("save_arrays"):
+            problems.append(f"writer.save_arrays writes .npy files beside the images, which an object store "
+                            f"({url}) does not take; leave it off.")
+        options = settings.get("storage_options")
+        if options is not None and not (isinstance(options, Mapping) and all(isinstance(k, str) for k in options)):
+            problems.append("writer.storage_options must be a mapping of fsspec options, got "
+                            f"{type(options).__name__}.")
+        staging = settings.get("staging_dir")
+        if staging is not None and (not isinstance(staging, (str, os.PathLike)) or not str(staging).strip()):
+            problems.append(f"writer.staging_dir must name a local folder, got {staging!r}.")
+        elif staging is not None:
+            problems += [p.replace("writer.output_dir", "writer.staging_dir")
+                         for p in output_dir_problems(Path(str(staging)).expanduser())]
+        return problems
+
+    def write_problems(self) -> list[str]:
+        return access_problems(self.url, self.options)
+
+    def read_problems(self, what: str) -> list[str]:
+        return read_problems(self.url, what, self.options)
+
+    def made(self) -> tuple[np.ndarray, set[int]]:
+        try:
+            indices, rejected = self.recorded()[0], self.rejected_images()
+        except FileNotFoundError:  # nothing written into the prefix yet
+            return np.zeros(0, dtype=np.int64), set()
+        return indices, rejected - set(indices.tolist())
+
+    @contextlib.contextmanager
+    def local_records(self, what: str) -> Iterator[Path]:
+        problems = self.read_problems(what)
+        if problems:
+            raise ConfigError(problems[0])
+        with tempfile.TemporaryDirectory(prefix="lightning-diffusion-records-") as folder:
+            if not self.download_records(Path(folder)):
+                raise ConfigError(f"{what} {self.url} records no finished image.")
+            yield Path(folder)
 
     @property
     def fs(self) -> tuple[Any, str]:
@@ -330,7 +398,7 @@ class ObjectStore:
     def live_locks(self) -> dict[Optional[tuple[int, int]], str]:
         """The prefix's live runs by shard (None: a run of the whole prompt set), described: what
         ``lock.live_locks`` says of a folder."""
-        from lightning_diffusion.lock import shard_of_lock
+        from lightning_diffusion.output.lock import shard_of_lock
 
         fs, root = self.fs
         fs.invalidate_cache()
@@ -450,7 +518,9 @@ class ObjectStore:
             except Exception as err:
                 log.warning(f"{self.url}: the lock could not be removed ({_why(err)}); it goes stale in "
                             f"{STALE_S:.0f} s.")
-        shutil.rmtree(self.local_dir, ignore_errors=True)
+        if self._local_dir is not None:
+            shutil.rmtree(self._local_dir, ignore_errors=True)
+            self._local_dir = None
 
     # ----------------------------------------------------------------- the run's records
 

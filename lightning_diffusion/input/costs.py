@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any, Optional
 
-from lightning_diffusion.batching import SetFacts, call_key
-from lightning_diffusion.inputs import record_inputs
+from lightning_diffusion.input.batching import SetFacts, call_key
+from lightning_diffusion.input.images import record_inputs
 
 
 def image_cost(info: Any, args: dict[str, Any], negative: bool) -> float:
@@ -45,7 +45,7 @@ def set_facts(info: Any, call_args: dict[str, Any], records: Any,
         costs.append(image_cost(info, args, entry.first_negative is not None))
     by_position: Optional[dict[int, int]] = None
     if info.spec.shares_input_size and any(entry.with_inputs for entry in summary.sets):
-        from lightning_diffusion.inputs import input_sizes
+        from lightning_diffusion.input.images import input_sizes
 
         by_position = {}
         sets = [i for i, entry in enumerate(summary.sets) if entry.with_inputs]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lightning_diffusion.shard import Shard, shard_name
+from lightning_diffusion.output.shard import Shard, shard_name
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0

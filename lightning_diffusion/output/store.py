@@ -1,0 +1,139 @@
+"""Where a run's outputs are recorded: ``OutputStore``, the one interface for writing and reading
+them, and ``open_store``, the one place that chooses a store for a location.
+
+A location is a folder every rank sees (``folder_store.FolderStore``) or an object-store prefix,
+``scheme://...`` (``object_store.ObjectStore``). Nothing outside this package asks which: a new
+kind of store is one class that follows ``OutputStore`` and one line in ``_KINDS``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ContextManager, Mapping, Optional, Protocol, Union
+
+import numpy as np
+
+from lightning_diffusion.output.shard import Shard
+
+Location = Union[str, "os.PathLike[str]"]
+
+
+class OutputStore(Protocol):
+    """Where a run's outputs are recorded, for writing (``ImageWriter``) and for reading (``status``,
+    ``eval``, ``slurm``, ``k8s``): ``FolderStore`` (a folder) or ``ObjectStore`` (a bucket prefix).
+    A store opened only to read takes no lock and makes no local folder."""
+
+    # A folder every node must see (the writer checks that before the run); False for a storage
+    # the nodes reach on their own.
+    needs_shared_folder: bool
+    adopted: bool  # after ``prepare``: the shard deals as the recorded plan, not as this run computed it
+    # The storage as messages name it (a folder, a URL), and the local folder this process's
+    # files are written into (the folder itself, or where tar shards wait for their upload).
+    where: str
+    local_dir: Path
+
+    def prepare(self, settings: dict[str, Any], expected: Optional[int],
+                total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
+        """Lock, compare ``settings`` with the recorded ones, recover a killed run's leftovers:
+        (the refusal or None, the indices already made). ``expected``: this run's images (its
+        shard's), ``total``: the prompt set's. On global rank 0 only."""
+        ...
+
+    def part(self, rank: int) -> Path:
+        """Where ``rank`` appends the manifest lines of what it writes."""
+        ...
+
+    def publisher(self, rank: int) -> Any:
+        """What takes ``rank``'s closed tar shards on from ``local_dir`` (``files.OutputFiles.publish``)."""
+        ...
+
+    @property
+    def parts_glob(self) -> str:
+        """The files this run's ranks append their lines to (``ImageProgressBar`` counts them)."""
+        ...
+
+    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
+        """``rejected.jsonl``: ``lines`` (``PromptSource.rejected_lines``) where this run leaves out
+        images (``rejected``) or an earlier run left the file."""
+        ...
+
+    def merge(self, done: np.ndarray) -> tuple[dict[int, int], np.ndarray, int]:
+        """Merge the ranks' parts: (lines by rank, every index made, failed images)."""
+        ...
+
+    def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
+        """The recorded shard plan of ``num_shards`` (``shard.plan_file``); None where none is."""
+        ...
+
+    def ran_shards_of(self, num_shards: int) -> bool:
+        """Whether shards of ``num_shards`` left their run records here (``shard.first_plan``)."""
+        ...
+
+    def record(self, summary: dict[str, Any]) -> None:
+        """Add the run's summary to its history."""
+        ...
+
+    def release(self) -> None:
+        """Give back what the store holds: the lock, a staging folder."""
+        ...
+
+    # --- the side every reader uses ------------------------------------------------------------
+
+    @property
+    def manifest_where(self) -> str:
+        """Where the records are, as messages name them."""
+        ...
+
+    @staticmethod
+    def settings_problems(settings: Mapping[str, Any]) -> list[str]:
+        """What this kind of store refuses among the writer's settings (``writer.output_dir`` and
+        the keys that go with it), before anything runs."""
+        ...
+
+    def write_problems(self) -> list[str]:
+        """Why a run could not write there now (a store that cannot be reached, no right to write);
+        one line each, naming no secret."""
+        ...
+
+    def read_problems(self, what: str) -> list[str]:
+        """Why it cannot be read (``what`` names it in the message: "output", "reference")."""
+        ...
+
+    def made(self) -> tuple[np.ndarray, set[int]]:
+        """The recorded images (a sorted integer array; empty where nothing is written yet) and the
+        images of rejected records that are not among them."""
+        ...
+
+    def live_locks(self) -> dict[Optional[tuple[int, int]], str]:
+        """The runs writing into it now, by shard (None: a whole run), each with its holder."""
+        ...
+
+    def local_records(self, what: str) -> ContextManager[Path]:
+        """The recorded images as a local folder that folder readers take (``eval``): the folder
+        itself, or the records downloaded into a temporary one for the ``with`` block."""
+        ...
+
+
+
+def _kinds() -> list[tuple[Any, type[OutputStore]]]:
+    """(does this location belong to the store, the store) in the order they are asked."""
+    from lightning_diffusion.output.folder_store import FolderStore
+    from lightning_diffusion.output.object_store import ObjectStore, is_url
+
+    return [(is_url, ObjectStore), (lambda location: True, FolderStore)]
+
+
+def store_class(location: Location) -> type[OutputStore]:
+    """The kind of store that ``location`` (``writer.output_dir``) names."""
+    return next(cls for belongs, cls in _kinds() if belongs(location))
+
+
+def open_store(location: Location, shard: Optional[Shard] = None, *, allow_config_change: bool = False,
+               options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> OutputStore:
+    """The store at ``location`` for a run of ``shard`` (None: the whole prompt set), or to read.
+    ``options``: ``writer.storage_options``; ``staging_dir``: where a store that uploads builds its
+    files first. Opening reads and writes nothing."""
+    cls: Any = store_class(location)
+    return cls.open(location, shard, allow_config_change=allow_config_change, options=options,
+                    staging_dir=staging_dir)
