@@ -46,6 +46,11 @@ class RankZeroFilter(logging.Filter):
 log = logging.getLogger(LOGGER)
 
 
+def counted(number: int, one: str, many: str = "") -> str:
+    """``1 batch``, ``2 batches``: a count and its noun (``many`` where the plural is not ``one`` + s)."""
+    return f"{number:,} {one if number == 1 else many or one + 's'}"
+
+
 def configure() -> None:
     if getattr(log, "_lightning_diffusion_configured", False):
         return

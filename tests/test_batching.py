@@ -162,3 +162,20 @@ def test_a_shard_plan_deals_lines_rejected_while_read(tmp_path):
     data = PromptDataModule(str(path), batch_size=1, num_shards=2, on_bad_record="skip")
     owners = data.shard.owners
     assert len(owners) == 4 and set(owners.tolist()) == {0, 1}
+
+
+def test_counts_of_one_read_in_the_singular():
+    """The start-up lines count in words a reader would write: 1 image, 1 batch, 1 bucket, 1
+    process, 1 output; the plural from 2 on."""
+    import numpy as np
+
+    from lightning_diffusion.console import counted
+    from lightning_diffusion.input.batching import BatchPlan
+    from lightning_diffusion.strategies.parallel_dims import ParallelDims
+
+    one = BatchPlan(np.array([0]), np.array([0, 1]), np.array([0]), np.array([1.0]), batch_size=1)
+    assert one.describe(1).startswith("batch plan: 1 image in 1 batch of 1 from 1 bucket, 0 padded")
+    two = BatchPlan(np.array([0, 1]), np.array([0, 1, 2]), np.array([0, 1]), np.array([1.0, 1.0]), batch_size=1)
+    assert two.describe(1).startswith("batch plan: 2 images in 2 batches of 1 from 2 buckets")
+    assert " over 1 process: " in ParallelDims(world_size=1).describe()
+    assert [counted(n, "output") for n in (0, 1, 2, 1000)] == ["0 outputs", "1 output", "2 outputs", "1,000 outputs"]

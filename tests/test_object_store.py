@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -312,10 +313,14 @@ def test_a_run_whose_lock_was_taken_over_stops_renewing_it_and_leaves_it(s3, cap
 
 
 @pytest.mark.slow
-def test_eval_reads_a_bucket_as_it_reads_the_folder(s3, folder_run, tmp_path, cli_here):
+def test_eval_reads_a_bucket_as_it_reads_the_folder(s3, folder_run, tmp_path, cli_here, monkeypatch):
     """``eval s3://...`` downloads the recorded shards and their manifest lines and reads them as a
     folder: the same per-image rows as the folder of the same run, the URL named; a bucket of no
-    records and a prefix of no bucket are refused in one line."""
+    records and a prefix of no bucket are refused in one line. A successful run into the bucket,
+    ``status`` and ``eval`` leave nothing in the temporary folder."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     folder = tmp_path / "folder"
     run_here(*_args(str(folder)))
     run_here(*_args("s3://runs/evaluated"))
@@ -332,6 +337,8 @@ def test_eval_reads_a_bucket_as_it_reads_the_folder(s3, folder_run, tmp_path, cl
     for url in ("s3://runs/nothing-here", "s3://no-such-bucket/run"):
         missing = cli_here("eval", url)
         assert missing.returncode == 2 and f"output {url}: nothing there" in missing.stderr, missing.stderr
+    assert cli_here("status", "s3://runs/evaluated").returncode == 0
+    assert not list(temporary.iterdir()), "no staging or download folder is left behind"
 
 
 

@@ -156,7 +156,7 @@ def test_a_resume_over_parquet_remakes_only_what_is_missing(runs, tmp_path):
     before = _pictures(runs["parquet"])
     flags = ["--data.prompts", str(runs["jsonl"].parent / "in" / "one.parquet"), "--data.columns", "{prompt: caption}"]
     proc = run_here(*tiny_args(out, *flags, *FAST))
-    assert "made 1 outputs, 5 skipped by resume" in proc.stderr
+    assert "made 1 output, 5 skipped by resume" in proc.stderr
     assert _pictures(out) == before
     assert [line["index"] for line in read_manifest_lines(out)] == list(range(len(RECORDS)))
 

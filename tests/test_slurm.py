@@ -149,6 +149,23 @@ def test_rendered_script_for_4_nodes_of_8_gpus(slurm_here, tmp_path):
     assert not out.exists(), "printing a script writes nothing"
 
 
+def test_a_time_limit_within_the_stop_signals_lead_is_warned(slurm_here, tmp_path):
+    """``--time 00:02:00`` with the default ``--signal-seconds 300``: the stop signal would come as
+    the job starts, so the script is still written and a warning says why and what to change; a
+    time limit past the lead, or in the day form, is not warned."""
+    short = slurm_here("--config", TINY, "--time", "00:02:00", "--", "--data.prompts", FIVE_PROMPTS,
+                       "--writer.output_dir", str(tmp_path / "a"), cwd=tmp_path)
+    assert short.returncode == 0 and "--signal=USR1@300" in short.stdout
+    assert ("warning: --time 00:02:00 (120 s) is not longer than --signal-seconds 300: SLURM sends the stop signal "
+            "(USR1) as the job starts") in short.stderr
+    assert short.stderr.count("warning: --time") == 1
+    for time_limit in ("00:06:00", "1-00", "UNLIMITED"):
+        fine = slurm_here("--config", TINY, "--time", time_limit, "--", "--data.prompts", FIVE_PROMPTS,
+                          "--writer.output_dir", str(tmp_path / "b"),
+                          cwd=tmp_path)
+        assert fine.returncode == 0 and "warning: --time" not in fine.stderr, (time_limit, fine.stderr)
+
+
 @pytest.mark.parametrize(
     "trainer, flags, expected",
     [

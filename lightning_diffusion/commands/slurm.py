@@ -221,6 +221,21 @@ def script_value_problems(args: argparse.Namespace, config_path: Path, predict_a
     return problems
 
 
+def time_limit_seconds(text: Optional[str]) -> Optional[int]:
+    """``--time`` in seconds, read as sbatch reads it (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``,
+    ``D-HH:MM``, ``D-HH:MM:SS``); None for none, ``UNLIMITED`` or a form it does not know."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", (text or "").strip())
+    if match is None:
+        return None
+    days, first, second, third = match.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        parts = [int(first), int(second or 0), int(third or 0)]
+        return int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    if third is not None:  # HH:MM:SS
+        return int(first) * 3600 + int(second) * 60 + int(third)
+    return int(first) * 60 + int(second or 0)  # MM[:SS]
+
+
 # ----------------------------------------------------------------------------- the script
 
 
@@ -617,6 +632,12 @@ def main(argv: list[str]) -> int:
             _slurm_command("sbatch")  # before the checks below, which take seconds
         if args.signal_seconds < 1:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
+        limit = time_limit_seconds(args.time)
+        if limit is not None and args.signal_seconds >= limit:
+            print(f"lightning-diffusion slurm: warning: --time {args.time} ({limit} s) is not longer than "
+                  f"--signal-seconds {args.signal_seconds}: SLURM sends the stop signal (USR1) as the job starts, "
+                  "so each run stops after its first batch. Give a longer --time or a smaller --signal-seconds "
+                  f"(below {limit}, and enough for one batch).", file=sys.stderr)
         config.trainer.num_nodes, config.trainer.devices = res["nodes"], res["tasks_per_node"]
         output = config.writer.output_dir
         outputs = Outputs(output, config.writer.get("storage_options"))

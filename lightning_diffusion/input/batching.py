@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from lightning_diffusion.console import counted
+
 
 @dataclass
 class SetFacts:
@@ -117,8 +119,8 @@ class BatchPlan:
     def describe(self, replicas: int) -> str:
         padded = self.padded
         share = f" ({100 * padded / (self.images + padded):.1f}% of those computed)" if self.images else ""
-        line = (f"batch plan: {self.images:,} images in {len(self):,} batches of {self.batch_size} from "
-                f"{self.num_buckets} bucket{'s' if self.num_buckets != 1 else ''}, {padded:,} padded{share}")
+        line = (f"batch plan: {counted(self.images, 'image')} in {counted(len(self), 'batch', 'batches')} of "
+                f"{self.batch_size} from {counted(self.num_buckets, 'bucket')}, {padded:,} padded{share}")
         if replicas > 1:
             line += "; estimated work per replica: " + ", ".join(f"{s:.2f}" for s in self.shares(replicas))
         return line

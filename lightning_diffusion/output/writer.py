@@ -40,7 +40,7 @@ import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_diffusion.boundaries import ImageSource, PromptSource, RunPlan, require, run_strategy
-from lightning_diffusion.console import log
+from lightning_diffusion.console import counted, log
 from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
 from lightning_diffusion.output.files import OutputFiles, resolve_layout, size_text, to_uint8
@@ -61,8 +61,8 @@ def summary_text(summary: dict[str, Any], manifest: str) -> str:
     left = "".join(f", {summary[key]:,} {key} ({name})" for key, name in (("rejected", REJECTED), ("failed", FAILED))
                    if summary.get(key))
     if summary.get("padded"):
-        left += f", {summary['padded']:,} padded images computed"
-    return (f"made {summary['made']:,} outputs, {summary['skipped']:,} skipped by resume{left}; "
+        left += f", {counted(summary['padded'], 'padded image')} computed"
+    return (f"made {counted(summary['made'], 'output')}, {summary['skipped']:,} skipped by resume{left}; "
             f"{summary['in_manifest']:,}{expected} in {manifest}; wall {summary['wall_s']:.1f} s, "
             f"load {summary['load_s']:.1f} s; "
             f"images/s per writing rank: {pace}")

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_diffusion.console import counted
 from lightning_diffusion.errors import ConfigError, is_int, raise_problems
 from lightning_diffusion.pipelines import compat
 
@@ -168,7 +169,7 @@ class ParallelDims:
     def describe(self) -> str:
         shape = ", ".join(f"{name}={value}" for name, value in self._shown().items())
         groups = "; ".join(f"replica {i}: ranks {group}" for i, group in enumerate(self.replica_groups()))
-        return f"device mesh ({shape}) over {self.world_size} processes: {groups}"
+        return f"device mesh ({shape}) over {counted(self.world_size, 'process', 'processes')}: {groups}"
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> dict[str, int]:
