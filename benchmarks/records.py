@@ -61,8 +61,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from lightning_diffusion.input import records as records_module
-    from lightning_diffusion.input.records import check_records, read_records
+    from lightning_diffusion.input import formats as records_module
+    from lightning_diffusion.input.formats import read_records
+    from lightning_diffusion.input.record_checks import check_records
     from lightning_diffusion.pipelines.model_folder import inspect_pipeline
     from lightning_diffusion.run.config import read_config
 

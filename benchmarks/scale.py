@@ -200,7 +200,7 @@ def shard_spread(args: argparse.Namespace) -> None:
     """Each shard's computed cost under the cost deal and under the index rule, for mixed sets."""
     from lightning_diffusion.input.batching import SetFacts, image_facts, plan_batches
     from lightning_diffusion.input.data import shard_owners
-    from lightning_diffusion.input.records import read_records
+    from lightning_diffusion.input.formats import read_records
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

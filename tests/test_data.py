@@ -7,7 +7,8 @@ import pytest
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.input.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset
-from lightning_diffusion.input.records import PromptFileError, read_records
+from lightning_diffusion.input.formats import read_records
+from lightning_diffusion.input.records import PromptFileError
 
 
 def test_txt_prompts_skip_blank_lines(tmp_path):

@@ -249,7 +249,7 @@ def test_the_shard_plan_is_the_same_whichever_task_starts_first(tmp_path):
     once; ``status`` reads the plan from the folder. A task run with another batch size makes the
     recorded plan's shard; a task of another prompt set is refused before it makes anything."""
     from lightning_diffusion.input.data import shard_owners
-    from lightning_diffusion.input.records import read_records
+    from lightning_diffusion.input.formats import read_records
     from lightning_diffusion.output.shard import plan_file, recorded_owners
 
     prompts = tmp_path / "mixed.jsonl"

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightning_diffusion import PromptDataModule
-from lightning_diffusion.input.records import TableRecords, read_records, split_names
+from lightning_diffusion.input.formats import read_records, split_names
+from lightning_diffusion.input.tables import TableRecords
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 from tests.test_bad_input import OPENED  # its audit hook records every weight file opened
 
@@ -410,7 +411,7 @@ def test_kept_columns_reach_the_files_metadata_and_the_reading_is_part_of_the_fo
 
 @pytest.mark.slow
 def test_a_million_jsonl_lines_cost_four_bytes_each(tmp_path):
-    """A ``.jsonl`` record is read by its byte offset, kept in 4 bytes (``records.Offsets``); a set
+    """A ``.jsonl`` record is read by its byte offset, kept in 4 bytes (``formats.Offsets``); a set
     of one kind of call holds no per-record set. Bound: 5 bytes a record."""
     rows = 10 ** 6
     path = tmp_path / "big.jsonl"
@@ -427,7 +428,7 @@ def test_a_million_jsonl_lines_cost_four_bytes_each(tmp_path):
 
 def test_line_offsets_past_four_gib_read_back():
     """Offsets of lines far apart (a block would span 4 GiB: a new block starts) and many lines."""
-    from lightning_diffusion.input.records import Offsets
+    from lightning_diffusion.input.formats import Offsets
 
     offsets = Offsets()
     wanted = [n * 10 for n in range(10_000)] + [2**32 + 5, 2**33, 2**33 + 1, 3 * 2**40]

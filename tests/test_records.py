@@ -14,7 +14,8 @@ import torch
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
 from lightning_diffusion.errors import ConfigError, RecordFailure
-from lightning_diffusion.input.records import check_records, read_records
+from lightning_diffusion.input.formats import read_records
+from lightning_diffusion.input.record_checks import check_records
 from lightning_diffusion.output.manifest import finished, scan_manifest
 from lightning_diffusion.pipelines.model_folder import PipelineInfo
 from lightning_diffusion.pipelines.specs import SPECS

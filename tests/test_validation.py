@@ -6,7 +6,8 @@ import pytest
 
 from lightning_diffusion import DiffusionModule, ImageWriter
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.input.records import check_records, read_records
+from lightning_diffusion.input.formats import read_records
+from lightning_diffusion.input.record_checks import check_records
 from lightning_diffusion.strategies import MeshError, ParallelDims
 from lightning_diffusion.strategies.checks import cfg_problems
 

@@ -31,8 +31,8 @@ from lightning_diffusion.boundaries import ImageSource, PromptSource
 from lightning_diffusion.commands import add_json_option, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.input.data import PromptDataset
+from lightning_diffusion.input.formats import read_data
 from lightning_diffusion.input.images import record_inputs
-from lightning_diffusion.input.records import read_data
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.output.writer import ImageWriter, gather_idle
 from lightning_diffusion.pipelines import bare

@@ -67,17 +67,17 @@ def fetch_for(config: Any, config_path: Optional[str], dry_run: bool = False, ou
 
 def fetch_prompts(config: Any, config_path: Optional[str], dry_run: bool = False, out=sys.stdout) -> Optional[str]:
     """Plan (and unless ``dry_run`` fetch) a ``data.prompts`` of ``hf://datasets/NAME``: the Parquet
-    files of ``data.split`` (``records.split_names``); the snapshot folder, or None for prompts
+    files of ``data.split`` (``formats.split_names``); the snapshot folder, or None for prompts
     from elsewhere."""
-    from lightning_diffusion.input import records
+    from lightning_diffusion.input import formats
 
     prompts, split = config.data.get("prompts"), config.data.get("split") or "train"
     if not (isinstance(prompts, str) and prompts.startswith("hf://")):
         return None
-    name, revision = records.hub_dataset(prompts)
+    name, revision = formats.hub_dataset(prompts)
     if hub.offline():  # nothing can be fetched: enough if the cache holds the split
         try:
-            found = records.read_records(prompts, split=split, columns=config.data.get("columns"))
+            found = formats.read_records(prompts, split=split, columns=config.data.get("columns"))
         except ConfigError as err:
             raise ConfigError(f"{err} (HF_HUB_OFFLINE=1 is set: nothing can be fetched from here.)") from None
         print(f"{prompts} (split {split}): {len(found):,} records in the cache (HF_HUB_OFFLINE=1: nothing fetched)",
@@ -88,7 +88,7 @@ def fetch_prompts(config: Any, config_path: Optional[str], dry_run: bool = False
     try:
         info = HfApi().dataset_info(name, revision=revision, files_metadata=True)
         sizes = {s.rfilename: s.size for s in info.siblings or []}
-        chosen = records.split_names([f for f in sizes if f.endswith(".parquet")], split)
+        chosen = formats.split_names([f for f in sizes if f.endswith(".parquet")], split)
         if not chosen:
             raise ConfigError(f"{prompts} has no Parquet file of split {split!r} on the hub (its files: "
                               f"{', '.join(sorted(sizes)[:12]) or 'none'}); lightning-diffusion reads a dataset's "

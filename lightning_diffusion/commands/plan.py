@@ -289,7 +289,7 @@ def prompt_set(prompts: str, height: int, width: int) -> tuple[int, dict[tuple[i
     call-argument sets (``records.RecordSummary``; every line is read once)."""
     if prompts.isdigit():
         return int(prompts), {}
-    from lightning_diffusion.input.records import read_records
+    from lightning_diffusion.input.formats import read_records
 
     records = read_records(prompts)
     sizes: dict[tuple[int, int], int] = {}

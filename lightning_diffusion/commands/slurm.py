@@ -430,7 +430,7 @@ def wait_for(job_id: str, outputs: Outputs, log: Path, expected: Optional[int], 
 
 
 def expected_images(config: Any) -> int:
-    from lightning_diffusion.input.records import read_data
+    from lightning_diffusion.input.formats import read_data
 
     return len(read_data(config.data)) * int(config.data.num_images_per_prompt)
 
@@ -485,7 +485,7 @@ class Outputs:
         """The shard of every image among ``num_shards``: the recorded plan (``shard``), else the one
         the array's first task will record (``shard.first_plan``)."""
         from lightning_diffusion.input.data import shard_owners
-        from lightning_diffusion.input.records import read_data
+        from lightning_diffusion.input.formats import read_data
         from lightning_diffusion.output.shard import first_plan
 
         data = config.data

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lightning_diffusion.commands import add_json_option, json_argv, report
-from lightning_diffusion.input.records import read_data
+from lightning_diffusion.input.formats import read_data
 from lightning_diffusion.pipelines.model_folder import dtype_name
 from lightning_diffusion.run.config import read_config, report_config_error
 

@@ -28,8 +28,10 @@ from lightning_diffusion.boundaries import RunPlan, run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
+from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.images import record_inputs
-from lightning_diffusion.input.records import Records, RecordVerdicts, call_overrides, read_records, summarize_records  # noqa: F401
+from lightning_diffusion.input.record_checks import RecordVerdicts
+from lightning_diffusion.input.records import Records, call_overrides, summarize_records  # noqa: F401
 from lightning_diffusion.output.shard import Shard, deal_shards, select, shard_members
 from lightning_diffusion.run.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
 
@@ -144,7 +146,7 @@ def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Recor
              shard: Optional[Shard] = None) -> RunPlan:
     """The ``RunPlan`` of a prompt set read as ``records`` with the ``data`` settings ``reading``
     (``columns``, ``keep_columns``, ``split``): the data module's, and ``preflight``'s before a run."""
-    from lightning_diffusion.input.records import TableRecords
+    from lightning_diffusion.input.tables import TableRecords
 
     one_file = isinstance(prompts, (str, os.PathLike)) and Path(prompts).expanduser().is_file()
     files = tuple(records.files) if isinstance(records, TableRecords) and not one_file else ()

@@ -12,7 +12,7 @@ from lightning_diffusion.boundaries import run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.input.data import PromptDataModule
-from lightning_diffusion.input.records import RecordVerdicts, check_records
+from lightning_diffusion.input.record_checks import RecordVerdicts, check_records
 from lightning_diffusion.run.validation import model_cache_problems, pixel_problems
 
 

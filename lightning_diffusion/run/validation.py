@@ -567,7 +567,7 @@ ON_ERROR = ("fail", "skip")
 def column_problems(settings: Mapping[str, Any]) -> list[str]:
     """``data.columns`` (record field -> a source's column, or null: not read), ``data.keep_columns``
     (column names) and ``data.split`` (a dataset's split), by themselves; against a file:
-    ``records.TableRecords``."""
+    ``tables.TableRecords``."""
     from lightning_diffusion.input.images import INPUT_FIELDS
 
     fields = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS, *CALL_ARGS)

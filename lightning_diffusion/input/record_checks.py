@@ -1,0 +1,117 @@
+"""Records checked against the pipeline, before any weight loads: the allow-list of record fields,
+each distinct set of call arguments once (every record that has it shares its verdict), input
+fields and files record by record. ``RecordVerdicts`` holds the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from lightning_diffusion.input.images import file_problems
+from lightning_diffusion.input.records import REPORTED, CallArgSet, as_records
+from lightning_diffusion.run import validation
+from lightning_diffusion.run.validation import SEED_MAX
+
+
+@dataclass
+class RecordVerdicts:
+    """The records that cannot be made: position -> (``file:line``, reason)."""
+
+    rejected: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.rejected)
+
+    def report(self, most: int = REPORTED) -> str:
+        """One refusal naming the first ``most`` records and counting the rest."""
+        shown = [": ".join(self.rejected[p]) for p in sorted(self.rejected)[:most]]
+        more = len(self.rejected) - len(shown)
+        count = len(self.rejected)
+        head = f"{count} prompt record{'s' if count > 1 else ''} cannot be made"
+        tail = f"\n    ... and {more:,} more" if more else ""
+        return (f"{head} (data.on_bad_record: skip makes the others and lists these in rejected.jsonl):\n    "
+                + "\n    ".join(shown) + tail)
+
+    def refusal(self, num_records: int, on_bad_record: str) -> list[str]:
+        """Why these verdicts refuse the run: any bad record under ``data.on_bad_record: fail``;
+        under ``skip``, only a set where every record is bad."""
+        if self and on_bad_record != "skip":
+            return [self.report()]
+        if self.rejected and len(self.rejected) == num_records:
+            return ["every prompt record is rejected: " + self.report()]
+        return []
+
+    def image_indices(self, num_images_per_prompt: int) -> list[int]:
+        """The image indices of the rejected records."""
+        return [p * num_images_per_prompt + c for p in sorted(self.rejected) for c in range(num_images_per_prompt)]
+
+
+def check_records(info: Any, records: Sequence[Any], call_args: Optional[dict[str, Any]] = None,
+                  inputs_root: Optional[str] = None, max_pixels: Optional[int] = None,
+                  num_images_per_prompt: int = 1) -> RecordVerdicts:
+    """Every record against the pipeline ``info`` describes: the lines rejected while reading, each
+    distinct set of call arguments (``validation.call_arg_problems``, with the config's
+    ``call_args`` under it), input fields the pipeline needs or cannot take, a negative prompt it
+    cannot take, seeds that leave the generator's range, and input files (``inputs.file_problems``).
+    Rejected sets leave the summary the strategies read. The outcome is kept on ``records`` (the
+    launching process checks, then runs as rank 0 with the same records)."""
+    records = as_records(records)
+    max_pixels = max_pixels or validation.MAX_PIXELS
+    key = json.dumps([info.path, info.class_name, call_args, inputs_root, max_pixels, num_images_per_prompt],
+                     sort_keys=True, default=repr)
+    if records.verdicts is not None and records._verdicts_key == key:
+        return records.verdicts
+    summary = records.summary
+    reasons: dict[int, str] = {}
+    for set_id, entry in enumerate(summary.sets):
+        found = validation.call_arg_problems(info, entry.overrides, base=call_args, max_pixels=max_pixels, record=True)
+        found += _field_problems(info, entry)
+        if found:
+            reasons[set_id] = " ".join(found)
+    rejected = dict(records.bad)
+    for position in summary.positions(list(reasons)):
+        rejected[position] = (records.source(position), reasons[summary.set_of[position]])
+    for position, seed in summary.large_seeds.items():
+        if position not in rejected and seed + num_images_per_prompt - 1 > SEED_MAX:
+            rejected[position] = (records.source(position), f"seed {seed} + {num_images_per_prompt - 1} (its last "
+                                  "copy's) passes the generator's largest seed, 2**64 - 1.")
+    with_inputs = [i for i, entry in enumerate(summary.sets) if entry.with_inputs]
+    if with_inputs:
+        found_files = file_problems(records, summary.positions(with_inputs), inputs_root, max_pixels)
+        for position, problems in found_files.items():
+            before = rejected.get(position, (records.source(position), ""))
+            rejected[position] = (before[0], " ".join(filter(None, [before[1], *problems])))
+    summary.rejected_sets = frozenset(reasons)
+    records.verdicts, records._verdicts_key = RecordVerdicts(rejected), key
+    return records.verdicts
+
+
+_TASKS = {"image": " (image-to-image on FLUX.1 weights: model.pipeline_class: FluxImg2ImgPipeline)",
+          "mask_image": " (inpainting on FLUX.1 weights: model.pipeline_class: FluxInpaintPipeline)"}
+
+
+def _field_problems(info: Any, entry: CallArgSet) -> list[str]:
+    """Input fields and a negative prompt that this pipeline (or these weights) cannot take or needs."""
+    problems = []
+    for name in entry.with_inputs:
+        if name not in info.call_parameters:
+            hint = _TASKS.get(name, "") if info.class_name == "FluxPipeline" else ""
+            problems.append(f"it has {name}, which {info.class_name} does not take{hint}.")
+    if info.spec.input_if_config is not None:  # an input these weights either need or cannot take
+        name, key = info.spec.input_if_config
+        needed = info.configs.get("transformer", {}).get(key) is not None
+        if name in entry.with_inputs and not needed:
+            problems.append(f"it has {name}, which these {info.class_name} weights cannot take (their transformer "
+                            f"config sets no {key}).")
+        if name in entry.without_inputs and needed:
+            problems.append(f"it has no {name}, which these {info.class_name} weights need (their transformer config "
+                            f"sets {key}).")
+    for name in info.spec.inputs:
+        if name in entry.without_inputs:
+            problems.append(f"it has no {name}, which {info.class_name} needs (a path in the record: "
+                            f"{{\"prompt\": ..., \"{name}\": \"in/0001.png\"}}).")
+    if entry.first_negative is not None and "negative_prompt" not in info.call_parameters:
+        problems.append(f"it has a negative_prompt, which {info.class_name} does not take.")
+    return problems
