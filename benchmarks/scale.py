@@ -295,7 +295,7 @@ def main() -> None:
         return shard_spread(args)
 
     from lightning_diffusion.commands.status import folder_status
-    from lightning_diffusion.output.manifest import finished
+    from lightning_diffusion.output.recorded import finished
 
     result: dict[str, Any] = {"images": args.images, "format": args.format, "fsync": args.fsync,
                               "batch_size": args.batch_size}

@@ -8,7 +8,7 @@ when it looks like a project name:
   ``benchmarks/scale.py``) or a bare ``name.py`` / ``.md`` / ``.yaml`` / ``.sh``: the file is there
   (a bare name anywhere in the repository);
 * a dotted name whose first part is a module of the package, by its full or its last name
-  (``lightning_diffusion.output.writer.ImageWriter``, ``manifest.finished``, ``checks.context_modes``), or
+  (``lightning_diffusion.output.writer.ImageWriter``, ``recorded.finished``, ``checks.context_modes``), or
   a class of the package (``StopController.watch_interrupt``): each part is defined, read from the
   sources (class attributes, ``self.x`` and package base classes included; an attribute a class may
   inherit from a third-party base is looked for in that library's sources). ``module.x`` may also
@@ -594,7 +594,7 @@ def test_the_check_reports_names_that_do_not_exist(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "THIRD_PARTY", ("lightning/pytorch/strategies",))  # fast
     text = "\n".join([
         "Written by `writer.ImageWriter` (`lightning_diffusion.output.writer.ImageWriter.setup`), read by",
-        "`manifest.finished` and `checks.context_modes`; see `strategies/checks.py`, `docs/tools.md`,",
+        "`recorded.finished` and `checks.context_modes`; see `strategies/checks.py`, `docs/tools.md`,",
         "`configs/tiny.yaml`, `StopController.watch_interrupt`, `--data.batch_size 4`, `ModelParallelStrategy`.",
         "Gone: `writer.no_such_thing`, `lightning_diffusion.output.writer.NoWriter`, `strategies/nothing.py`,",
         "`docs/nowhere.md`, `NoSuchStrategy`, `mesh.ParallelDims`, `StopController.no_method`,",

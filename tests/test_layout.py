@@ -64,7 +64,8 @@ def test_only_the_output_package_tells_a_folder_from_a_url():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Name) and node.id == "is_url" or (
-                    isinstance(node, ast.ImportFrom) and node.module == "lightning_diffusion.output.object_store"
+                    isinstance(node, ast.ImportFrom) and node.module in (
+                        "lightning_diffusion.output.object_store", "lightning_diffusion.output.bucket")
                     and any(alias.name in ("is_url", "ObjectStore", "access_problems") for alias in node.names)):
                 askers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not askers, askers

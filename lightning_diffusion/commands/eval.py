@@ -36,7 +36,8 @@ from typing import Any
 from lightning_diffusion.commands import add_json_option, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, read_output, scan_manifest
+from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB
+from lightning_diffusion.output.recorded import read_output, scan_manifest
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 FEATURE_POOL = 4  # VAE latents pooled to 4x4: 64 features for 4 latent channels

@@ -31,11 +31,11 @@ from lightning_diffusion.output.manifest import (
     REJECTED,
     RUN_FILE,
     count_lines,
-    finished,
     part_counts,
     recent_written,
     rejected_images,
 )
+from lightning_diffusion.output.recorded import finished
 from lightning_diffusion.output.shard import Shard, recorded_owners
 from lightning_diffusion.output.store import open_store
 

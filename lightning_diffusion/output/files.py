@@ -159,7 +159,7 @@ class OutputFiles:
     files_per_folder: int = FILES_PER_FOLDER
     format: str = "files"
     samples_per_shard: int = SAMPLES_PER_SHARD
-    # Where a closed tar shard goes from here (``object_store.Uploader``: a bucket), before its lines
+    # Where a closed tar shard goes from here (``bucket.Uploader``: a bucket), before its lines
     # are appended; None: it stays in ``output_dir``.
     publish: Optional[Any] = None
 

@@ -32,7 +32,6 @@ from lightning_diffusion.output.manifest import (
     RUN_FILE,
     RUN_META,
     atomic_write,
-    finished,
     merge_failures,
     merge_lock,
     merge_manifest,
@@ -40,9 +39,9 @@ from lightning_diffusion.output.manifest import (
     part_name,
     parts_glob,
     rejected_images,
-    repair_manifest,
     settings_conflict,
 )
+from lightning_diffusion.output.recorded import finished, repair_manifest
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,

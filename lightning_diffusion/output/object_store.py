@@ -47,6 +47,21 @@ import numpy as np
 
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.output.bucket import (
+    FAILURES,
+    MANIFESTS,
+    STAGING,
+    Uploader,
+    _already_there,
+    _host,
+    _lines,
+    _why,
+    access_problems,
+    open_url,
+    read_problems,
+    remove_dead_staging,
+    tried,
+)
 from lightning_diffusion.output.folder_store import output_dir_problems
 from lightning_diffusion.output.lock import pid_alive
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
@@ -63,184 +78,6 @@ from lightning_diffusion.output.shard import (
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0
-UPLOAD_TRIES = 5  # an upload waits 1, 2, 4 and 8 s between tries, then the run stops
-MANIFESTS = "manifest"
-FAILURES = "failed"
-
-
-def is_url(output_dir: Any) -> bool:
-    """Whether ``writer.output_dir`` names an object store (``scheme://...``) rather than a folder."""
-    return isinstance(output_dir, str) and "://" in output_dir
-
-
-def resolved_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
-    """``writer.storage_options`` with each ``env:NAME`` value read from the environment."""
-    resolved: dict[str, Any] = {}
-    for key, value in (options or {}).items():
-        if isinstance(value, str) and value.startswith("env:"):
-            name = value[4:]
-            if name not in os.environ:
-                raise OSError(f"writer.storage_options.{key} reads the environment variable {name}, which is not set")
-            value = os.environ[name]
-        resolved[key] = value
-    return resolved
-
-
-def open_url(url: str, options: Optional[Mapping[str, Any]] = None) -> tuple[Any, str]:
-    """(fsspec file system, path inside it) of ``url``."""
-    import fsspec
-
-    options = resolved_options(options)
-    if url.startswith("s3://"):  # a request is tried twice by the client; an upload's tries are Uploader's
-        options.setdefault("config_kwargs", {"retries": {"max_attempts": 2, "mode": "standard"},
-                                             "connect_timeout": 10})
-    # a fresh client: fsspec's cache would keep one made with other credentials or endpoint
-    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
-    if hasattr(fs, "retries"):  # s3fs's own loop around each request (5 tries by default)
-        fs.retries = 1
-    return fs, root.rstrip("/")
-
-
-def _why(err: BaseException) -> str:
-    """What went wrong, in words that never carry a secret (the type, and the first line of the
-    message: botocore's name the endpoint, the bucket or the missing credentials)."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> list[str]:
-    """Why a run cannot write into ``url``: a store that cannot be reached, no credentials, a bucket
-    that does not exist, no right to write (a probe object is made and removed). One line each,
-    naming the URL and never a secret."""
-    bucket = url.split("://", 1)[-1].split("/", 1)[0]
-
-    def probe(fs: Any, root: str) -> None:
-        name = f"{root}/.write-check-{os.urandom(6).hex()}"
-        fs.pipe_file(name, b"")
-        fs.rm(name)
-
-    return _problems(url, options, "writer.output_dir", "write", probe,
-                     f"the bucket {bucket} does not exist; create it first.")
-
-
-def read_problems(url: str, what: str, options: Optional[Mapping[str, Any]] = None) -> list[str]:
-    """Why ``url`` cannot be read (``what`` names it: "output", "reference"): as
-    ``access_problems``, with a listing instead of a probe object (nothing is written)."""
-    return _problems(url, options, what, "read", lambda fs, root: fs.ls(root),
-                     "nothing there (no bucket or prefix of that name).")
-
-
-def _problems(url: str, options: Optional[Mapping[str, Any]], what: str, verb: str, probe: Any,
-              missing: str) -> list[str]:
-    try:
-        fs, root = open_url(url, options)
-        probe(fs, root)
-    except FileNotFoundError:
-        return [f"{what} {url}: {missing}"]
-    except ImportError as err:
-        return [f"{what} {url}: this store needs a package that is not installed ({err.name}): pip install s3fs "
-                "for s3://, gcsfs for gs://."]
-    except PermissionError as err:
-        return [f"{what} {url}: no right to {verb} there ({_why(err)})."]
-    except Exception as err:  # botocore's NoCredentialsError, EndpointConnectionError...
-        return [f"{what} {url}: cannot {verb} there ({_why(err)})."]
-    return []
-
-
-ANSWERS = (FileNotFoundError, FileExistsError, ValueError)  # a missing or existing object, bad JSON
-
-
-def tried(what: str, url: str, call: Any, answers: tuple[type[BaseException], ...] = ANSWERS) -> Any:
-    """``call()``, tried ``UPLOAD_TRIES`` times, 1, 2, 4 and 8 s apart; then an OSError in one line
-    naming ``what`` and the URL. ``answers`` are not failures: raised at once."""
-    for attempt in range(UPLOAD_TRIES):
-        try:
-            return call()
-        except answers:
-            raise
-        except Exception as err:
-            if attempt == UPLOAD_TRIES - 1:
-                raise OSError(f"{what} {url} failed {UPLOAD_TRIES} times ({_why(err)})") from err
-            time.sleep(2.0 ** attempt)
-
-
-class Uploader:
-    """Puts a rank's closed tar shards into the store (``files.OutputFiles.publish``): the tar
-    whole, then its manifest object; each PUT tried ``UPLOAD_TRIES`` times with backoff. Sent to
-    the writer process by pickling: the file system is opened there."""
-
-    def __init__(self, url: str, options: Optional[Mapping[str, Any]], rank: int, run: str) -> None:
-        self.url, self.options, self.rank, self.run = url, dict(options or {}), rank, run
-        self._fs: Optional[tuple[Any, str]] = None
-        self._failed: Optional[str] = None  # an upload that failed every try: the later ones are not tried
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fs": None}
-
-    @property
-    def fs(self) -> tuple[Any, str]:
-        if self._fs is None:
-            self._fs = open_url(self.url, self.options)
-        return self._fs
-
-    def _put(self, what: str, put: Any) -> None:
-        if self._failed is not None:  # the run stops with that one; the queued shards wait for a resume
-            raise OSError(self._failed)
-        try:
-            tried(f"uploading {what} to", self.url, put, answers=())  # an upload retries whatever failed
-        except OSError as err:
-            self._failed = str(err)
-            raise
-
-    def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:
-        fs, root = self.fs
-        self._put(local.name, lambda: fs.put_file(str(local), f"{root}/{local.name}"))
-        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
-        name = f"{MANIFESTS}/{local.name}.rank-{self.rank}.jsonl"
-        self._put(name, lambda: fs.pipe_file(f"{root}/{name}", text))
-
-    def failures(self, local: Path) -> None:
-        fs, root = self.fs
-        name = f"{FAILURES}/{self.run}.rank-{self.rank}.jsonl"
-        self._put(name, lambda: fs.pipe_file(f"{root}/{name}", local.read_bytes()))
-
-
-def _already_there(err: BaseException) -> bool:
-    """A conditional PUT refused because the object exists: s3fs says FileExistsError for AWS's
-    412; an S3-compatible store may answer 412 or 409 without the header s3fs looks for."""
-    text = f"{err} {err.__cause__ or ''}"
-    return isinstance(err, FileExistsError) or any(
-        word in text for word in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
-
-
-def _lines(blob: bytes) -> list[dict[str, Any]]:
-    found = []
-    for raw in blob.splitlines():
-        try:
-            line = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(line, dict) and isinstance(line.get("index"), int):
-            found.append(line)
-    return found
-
-
-STAGING = "lightning-diffusion-staging-"  # + host-pid-random: a process's folder of shards not yet uploaded
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-
-
-def remove_dead_staging(parent: Path) -> None:
-    """Remove the staging folders in ``parent`` of processes of this machine that are gone (killed
-    before they could remove their own): their shards were not recorded, and a resume makes them
-    again."""
-    host = _host()
-    for path in parent.glob(f"{STAGING}{host}-*-*"):
-        pid = path.name[len(STAGING) + len(host) + 1:].split("-", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 class ObjectStore:

@@ -118,8 +118,9 @@ class OutputStore(Protocol):
 
 def _kinds() -> list[tuple[Any, type[OutputStore]]]:
     """(does this location belong to the store, the store) in the order they are asked."""
+    from lightning_diffusion.output.bucket import is_url
     from lightning_diffusion.output.folder_store import FolderStore
-    from lightning_diffusion.output.object_store import ObjectStore, is_url
+    from lightning_diffusion.output.object_store import ObjectStore
 
     return [(is_url, ObjectStore), (lambda location: True, FolderStore)]
 

@@ -23,7 +23,8 @@ from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.record_checks import RecordVerdicts, check_records
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
-from lightning_diffusion.output.manifest import MANIFEST, Finished, finished, settings_conflict
+from lightning_diffusion.output.manifest import MANIFEST, settings_conflict
+from lightning_diffusion.output.recorded import Finished, finished
 from lightning_diffusion.output.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
 from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
 from lightning_diffusion.output.store import open_store, store_class

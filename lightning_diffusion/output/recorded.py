@@ -1,0 +1,391 @@
+"""What an output folder records as made: every manifest line checked against its file, read
+without Lightning or torch (``status`` and the checks before a run read it from a login node too).
+
+``scan_manifest`` gives each line's verdict; ``finished`` keeps only the indices of the images
+that count (8 bytes each), reading each line once with a pattern and stating each file once;
+``repair_manifest`` rewrites a manifest that holds lines that do not count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, atomic_write, merge_lock
+from lightning_diffusion.output.shard import select
+
+# The names the writer gives an output: ``000123-a-red-fox.png`` (in a numbered subfolder in the
+# sharded layout), or member ``000000123.png`` of tar shard ``shard-000000100.tar``: the output's
+# own index first (``files_class`` subclasses may change the rest). A manifest line naming anything
+# else (``run.json``, ``../x``, another output's file) is not this output.
+_OUTPUT_FILE = re.compile(r"(?:\d{5,}/)?(\d{6,})-[^/]*")
+_SHARD_FILE = re.compile(r"shard-\d{9,}\.tar")
+_SHARD_MEMBER = re.compile(r"(\d{9,})\.[^/]+")
+
+# A manifest line as the writer writes it (keys in this order); other lines are read as JSON.
+_LINE = re.compile(rb'\{"index": (\d+), .*?"file": "([^"\\]*)"(?:, "member": "([^"\\]*)")?, "bytes": (\d+)')
+_SHARD_BYTES = re.compile(rb'"shard_bytes": (\d+)')
+
+
+# ``finished``'s reading of a whole block of lines at once: each key the check needs found in the
+# whole block by its literal (an unescaped quote is never inside a JSON string, so a key's text
+# cannot stand in a prompt), one a line, in the lines' order; a block where a key is not once a
+# line (input files, adapters, a line of another shape) is read line by line.
+_BLOCK_KEYS = {key: re.compile(pattern) for key, pattern in (
+    ("index", rb'\{"index": (\d+), '), ("file", rb'"file": "([^"\\\n]*)"'), ("member", rb'"member": "([^"\\\n]*)"'),
+    ("bytes", rb'"bytes": (\d+)'), ("shard_bytes", rb'"shard_bytes": (\d+)'))}
+_BLOCK = 8 << 20  # bytes read at once
+
+
+def _inside(folder: Path, name: str) -> bool:
+    """A manifest's file name stays inside its folder (no absolute path, no ``..``)."""
+    return bool(name) and not name.startswith(("/", "\\")) and ".." not in name.replace("\\", "/").split("/")
+
+
+def writer_name(index: int, name: str, member: Optional[str]) -> bool:
+    """``name`` (and ``member``) are named for output ``index`` as the writer names outputs."""
+    if member is None:
+        found = _OUTPUT_FILE.fullmatch(name)
+        return found is not None and int(found.group(1)) == index
+    found = _SHARD_MEMBER.fullmatch(member)
+    return _SHARD_FILE.fullmatch(name) is not None and found is not None and int(found.group(1)) == index
+
+
+def _finished(file: Path | str, size: Optional[int], sizes: Optional[dict[str, Optional[int]]] = None) -> bool:
+    """The file of a manifest line is there and whole (its size is recorded, so a truncated file is
+    caught with a stat, without reading every image on resume). ``sizes``: files already looked at
+    (a tar shard holds many outputs: one stat for all)."""
+    path = os.fspath(file)
+    if sizes is not None and path in sizes:
+        found = sizes[path]
+    else:
+        try:
+            stat = os.lstat(path)  # a link, even to a file of the recorded size, is not an output
+            found = stat.st_size if (stat.st_mode & 0o170000) == 0o100000 else None  # a regular file
+        except OSError:
+            found = None
+        if sizes is not None:
+            sizes[path] = found
+    return found is not None and (size is None or found == size)
+
+
+def read_output(folder: str | os.PathLike, entry: dict[str, Any]) -> bytes:
+    """An output's bytes, from its file or its tar shard's member (``writer.format: webdataset``)."""
+    path = Path(folder) / str(entry["file"])
+    if entry.get("member"):
+        import tarfile
+
+        with tarfile.open(path) as tar:
+            member = tar.extractfile(str(entry["member"]))
+            assert member is not None
+            return member.read()
+    return path.read_bytes()
+
+
+def _parse(raw: bytes) -> Optional[tuple[int, str, Optional[str], Optional[int]]]:
+    """(index, file, tar member, size to check) of a manifest line; None for one that is not."""
+    match = _LINE.match(raw) if raw.endswith(b"}\n") else None  # a line cut short keeps no closing brace
+    if match is not None:
+        index, name, member, size = match.groups()
+        if member is None:
+            return int(index), name.decode(), None, int(size)
+        shard = _SHARD_BYTES.search(raw, match.end())
+        return int(index), name.decode(), member.decode(), int(shard.group(1)) if shard else None
+    try:
+        entry = json.loads(raw)
+        return (int(entry["index"]), str(entry.get("file", "")), entry.get("member"),
+                entry.get("shard_bytes", entry.get("bytes")))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class _Looked:
+    """What a scan has already looked at: shards' sizes and verdicts (one stat for all members)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.prefix = os.fspath(folder) + os.sep
+        self.sizes: dict[str, Optional[int]] = {}
+        self.shards: dict[tuple[str, Optional[int]], bool] = {}
+
+    def shard_ok(self, name: str, size: Optional[int], trusted: bool) -> bool:
+        verdict = self.shards.get((name, size))
+        if verdict is None:
+            verdict = self.shards[(name, size)] = _inside(self.folder, name) and (
+                trusted or _finished(self.prefix + name, size, self.sizes))
+        return verdict
+
+
+def _check_lines(looked: _Looked, where: str, lines: Any, trusted: bool, keep: Any, problems: list[str]) -> None:
+    """Each complete line of ``lines`` ((number, raw) pairs) checked: parsed, inside the folder, its
+    file whole unless ``trusted``; ``keep(index, key, raw, where, number)`` for those that count."""
+    for number, raw in lines:
+        if not raw.endswith(b"\n"):
+            continue  # a write in progress (or cut by a kill)
+        parsed = _parse(raw)
+        if parsed is None:
+            problems.append(f"{where}:{number}: not a manifest line")
+            continue
+        index, name, member, size = parsed
+        if _inside(looked.folder, name) and not writer_name(index, name, member):
+            shown = name + (f" member {member}" if member is not None else "")
+            problems.append(f"{where}:{number}: {shown!r} is not what the writer names output {index}")
+            continue
+        if member is not None and looked.shard_ok(name, size, trusted):
+            keep(index, (name, member), raw, where, number)
+        elif not _inside(looked.folder, name):
+            problems.append(f"{where}:{number}: {name!r} is outside the output folder")
+        elif trusted or (member is None and _finished(looked.prefix + name, size)):
+            keep(index, (name, member), raw, where, number)
+        else:
+            problems.append(f"{where}:{number}: {name!r} is missing or not the size recorded")
+
+
+def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: Any) -> list[str]:
+    """The one reading of manifest files, line by line (``_check_lines``); returns what did not
+    count, as ``file:line: why``."""
+    problems: list[str] = []
+    looked = _Looked(folder)
+    for file in files:
+        if file.is_file():
+            with file.open("rb") as f:
+                _check_lines(looked, file.name, enumerate(f, start=1), trust_manifest and file.name == MANIFEST,
+                             keep, problems)
+    return problems
+
+
+def _read_blocks(looked: _Looked, file: Path, indices: array, keep: Any, problems: list[str]) -> None:
+    """``file``'s lines block by block: a block whose lines all have the writer's shape
+    (``_block_columns``) is read with a pattern and arrays (a million lines in about a second),
+    any other line by line."""
+    first = 1
+    with file.open("rb") as f:
+        rest = b""
+        while True:
+            data = f.read(_BLOCK)
+            block = rest + data
+            end = block.rfind(b"\n") + 1 if data else len(block)
+            block, rest = block[:end], block[end:]
+            if block:
+                count = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+                found = None
+                if block.endswith(b"\n") and b'"inputs": {' not in block:
+                    found = _block_columns(block, count)
+                if found is not None:
+                    _keep_block(looked, file.name, first, found, indices, problems)
+                else:
+                    _check_lines(looked, file.name, enumerate(block.splitlines(keepends=True), start=first), False,
+                                 keep, problems)
+                first += count
+            if not data:
+                return
+
+
+def _block_columns(block: bytes, count: int) -> Optional[tuple]:
+    """The columns of a block whose ``count`` lines all have the writer's shape, else None."""
+    columns = {key: _BLOCK_KEYS[key].findall(block) for key in ("index", "file", "bytes", "member", "shard_bytes")}
+    if not (len(columns["index"]) == len(columns["file"]) == len(columns["bytes"]) == count
+            and len(columns["member"]) == len(columns["shard_bytes"]) in (0, count)
+            and block.count(b"}\n") == count):  # every line whole: a line cut short is read line by line
+        return None
+    members = np.full(count, bool(columns["member"]))
+    tar_bytes = np.asarray(columns["shard_bytes"]).astype(np.int64) if columns["member"] else np.zeros(count, np.int64)
+    member_names = np.asarray(columns["member"]) if columns["member"] else np.full(count, b"")
+    return (np.asarray(columns["index"]).astype(np.int64), np.asarray(columns["file"]), members,
+            np.asarray(columns["bytes"]).astype(np.int64), tar_bytes, member_names)
+
+
+def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: array, problems: list[str]) -> None:
+    index, name, members, size, tar_bytes, member_names = found
+    ok = np.zeros(len(index), dtype=bool)
+    named = np.array([writer_name(i, n.decode(), m.decode() if is_member else None)
+                      for i, n, m, is_member in zip(index.tolist(), name.tolist(), member_names.tolist(),
+                                                    members.tolist())], dtype=bool)
+    if members.any():  # one verdict per shard (and recorded size)
+        names, inverse = np.unique(name[members], return_inverse=True)
+        for n, value in enumerate(names.tolist()):
+            rows = np.flatnonzero(members)[inverse.ravel() == n]
+            for recorded in np.unique(tar_bytes[rows]).tolist():
+                chosen = rows[tar_bytes[rows] == recorded]
+                ok[chosen] = looked.shard_ok(value.decode(), recorded, False)
+    for row in np.flatnonzero(~members).tolist():  # loose files: one look each
+        text = name[row].decode()
+        ok[row] = _inside(looked.folder, text) and _finished(looked.prefix + text, int(size[row]))
+    ok &= named
+    for row in np.flatnonzero(~ok).tolist():
+        text = name[row].decode() + (f" member {member_names[row].decode()}" if members[row] else "")
+        why = ("is outside the output folder" if not _inside(looked.folder, text)
+               else f"is not what the writer names output {index[row]}" if not named[row]
+               else "is missing or not the size recorded")
+        problems.append(f"{where}:{first + row}: {text!r} {why}")
+    indices.extend(index[ok].tolist())
+
+
+def _files(folder: Path, parts: Optional[list[Path]]) -> list[Path]:
+    return [folder / MANIFEST, *(sorted(folder.glob(PART_GLOB)) if parts is None else parts)]
+
+
+def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None,
+                  trust_manifest: bool = False) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Finished images by index, their whole lines (the merged manifest plus parts left by a running
+    or killed run), and what was not counted, as ``file:line: why`` (``parts``: these parts only,
+    not every one; ``trust_manifest``: the merged manifest's lines count without a look at their
+    files). A line that does not parse (cut by a kill), a line whose file is gone or has another
+    size than recorded (truncated, replaced), a line whose file lies outside the folder, and two
+    lines for one index with different files do not count: those images are made again. An
+    unterminated last line is a write in progress, not a problem. For a whole folder of a large
+    run, ``finished`` reads the same in a fraction of the memory."""
+    folder = Path(output_dir)
+    entries: dict[int, dict[str, Any]] = {}
+    keys: dict[int, tuple[tuple[str, Optional[str]], str]] = {}
+    conflicts: list[tuple[int, str, str]] = []
+
+    unreadable: list[str] = []
+
+    def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
+        where = f"{name}:{number}"
+        try:
+            entry = json.loads(raw)
+        except ValueError:  # its fields where a reader looks for them, cut or garbled elsewhere
+            unreadable.append(f"{where}: not a manifest line")
+            return
+        if index in keys and keys[index][0] != key:
+            conflicts.append((index, where, keys[index][1]))
+            return
+        keys[index] = (key, where)
+        entries[index] = entry
+
+    problems = _scan(folder, _files(folder, parts), trust_manifest, keep) + unreadable
+    for index, where, first in conflicts:
+        problems.append(f"{where}: image {index} is also {keys[index][0][0]!r} ({first}); neither counts")
+        entries.pop(index, None)
+    return entries, problems
+
+
+@dataclass
+class Finished:
+    """The finished images of a folder in compact form: their indices (sorted, 8 bytes each),
+    what did not count, and the whole lines of those that name input files (a resume checks them)."""
+
+    indices: np.ndarray
+    problems: list[str]
+    with_inputs: dict[int, dict[str, Any]]
+    conflicted: frozenset[int] = frozenset()
+    untidy: bool = False  # the merged manifest holds lines that do not count (see ``repair_manifest``)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def in_shard(self, shard: Optional[tuple[int, int]]) -> np.ndarray:
+        return select(self.indices, shard)
+
+
+def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) -> Finished:
+    """``scan_manifest``'s verdicts for every line, keeping only each image's index (and its line
+    when it names input files): a resume or ``status`` of a million-image folder reads each line
+    once with a pattern (its JSON only where the pattern does not fit) and stats each file once
+    (a tar shard once for all its members). Two lines for one index (rare: a merge cut by a kill
+    repeats a part) are looked at again, alone, to tell a repeat from a conflict."""
+    folder = Path(output_dir)
+    files = _files(folder, parts)
+    indices = array("q")
+    with_inputs: dict[int, dict[str, Any]] = {}
+
+    def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+        indices.append(index)
+        if b'"inputs": {' in raw:
+            with_inputs[index] = json.loads(raw)
+
+    problems: list[str] = []
+    looked = _Looked(folder)
+    cut, in_manifest = False, 0
+    for file in files:
+        if file.is_file():
+            _read_blocks(looked, file, indices, keep, problems)
+            if file.name == MANIFEST:
+                cut = _cut(file)
+                in_manifest = len(indices)
+    index_array = np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
+    untidy = cut or any(problem.startswith(MANIFEST + ":") for problem in problems)
+    if not untidy and (folder / MANIFEST).is_file():
+        merged = index_array[:in_manifest]
+        untidy = len(np.unique(merged)) != len(merged)
+    unique, counts = np.unique(index_array, return_counts=True)
+    repeated = set(unique[counts > 1].tolist())
+    conflicted: set[int] = set()
+    if repeated:  # the lines of those indices, with their files: a repeat counts, a conflict does not
+        seen: dict[int, tuple[Any, str]] = {}
+
+        def compare(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+            if index not in repeated:
+                return
+            where = f"{name}:{number}"
+            if index in seen and seen[index][0] != key:
+                problems.append(f"{where}: image {index} is also in {seen[index][1]} with another file; neither counts")
+                conflicted.add(index)
+            seen.setdefault(index, (key, where))
+
+        _scan(folder, files, False, compare)
+        if conflicted:
+            unique = np.setdiff1d(unique, np.asarray(sorted(conflicted), dtype=np.int64), assume_unique=True)
+            for index in conflicted:
+                with_inputs.pop(index, None)
+    return Finished(unique, problems, with_inputs, frozenset(conflicted), untidy)
+
+
+def _cut(file: Path) -> bool:
+    """The file ends inside a line (a merge killed mid-write)."""
+    with file.open("rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        if not end:
+            return False
+        f.seek(end - 1)
+        return f.read(1) != b"\n"
+
+
+def repair_manifest(output_dir: str | os.PathLike, found: Finished) -> int:
+    """Rewrite ``manifest.jsonl`` with only the lines that count, once each, when ``found``
+    (``finished`` of the folder, its parts merged) says it holds others: a line cut by a kill, a
+    line whose file is gone or truncated (the image is made again and appended), a repeat or a
+    conflict. Merges only append, so without this a resume would leave the stale line beside the
+    new one. Rare, and then the whole file is read once; the rewrite is atomic, under the merge
+    lock, and keeps the lines a sibling shard appended since ``found`` was read. Returns the lines
+    dropped."""
+    if not found.untidy:
+        return 0
+    folder = Path(output_dir)
+    path = folder / MANIFEST
+    with merge_lock(folder):
+        written = np.zeros(int(found.indices.max()) + 1 if len(found.indices) else 0, dtype=bool)
+        dropped = int(_cut(path))
+
+        def write(out) -> None:
+            nonlocal written, dropped
+            chunk: list[bytes] = []
+
+            def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+                nonlocal written, dropped
+                if index >= len(written):  # appended by a sibling shard since ``found``
+                    written = np.concatenate([written, np.zeros(index + 1 - len(written) + len(written) // 2, bool)])
+                if index in found.conflicted or written[index]:
+                    dropped += 1
+                    return
+                written[index] = True
+                chunk.append(raw)
+                if len(chunk) >= 10_000:
+                    out.write(b"".join(chunk))
+                    chunk.clear()
+
+            problems = _scan(folder, [path], False, keep)  # the lines that do not count
+            dropped += len(problems)
+            out.write(b"".join(chunk))
+
+        atomic_write(path, write)
+    return dropped
