@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from lightning_diffusion.commands import slurm as slurm_module
+from lightning_diffusion.commands import slurm_jobs
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
 
 ATOL = 1e-5
@@ -85,7 +86,7 @@ def nodes_idle() -> bool:
 
 
 def job_fields(job: str) -> dict[str, str]:
-    return slurm_module.job_fields(job) or {}
+    return slurm_jobs.job_fields(job) or {}
 
 
 def submitted_job(proc: subprocess.CompletedProcess) -> str:
