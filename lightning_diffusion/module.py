@@ -25,7 +25,8 @@ from lightning_diffusion.pipelines.cache import CacheStats, StepCache
 from lightning_diffusion.pipelines.loading import PipelineLoading
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.run.failures import CallFailures
-from lightning_diffusion.run.validation import MODEL_CALL_ARGS, model_problems
+from lightning_diffusion.run.model_checks import model_problems
+from lightning_diffusion.run.validation import MODEL_CALL_ARGS
 
 
 class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningModule, DiffusionModel):

@@ -128,7 +128,7 @@ def test_half_precision_backends_in_float32_are_refused_before_loading(backend):
     and for a strategy's, on the planned device type."""
     import torch
 
-    from lightning_diffusion.run.validation import backend_dtype_problems
+    from lightning_diffusion.run.model_checks import backend_dtype_problems
     from lightning_diffusion.strategies import ContextParallelStrategy
 
     assert "needs bfloat16 or float16" in " ".join(backend_dtype_problems(backend, torch.float32))

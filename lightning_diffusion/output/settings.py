@@ -98,7 +98,7 @@ def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
 
     try:
         return {**options, "lora": lora.record(lora.parse(options["lora"]))}
-    except ConfigError:  # reported by validation.model_problems
+    except ConfigError:  # reported by model_checks.model_problems
         return options
 
 

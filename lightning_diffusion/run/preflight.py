@@ -30,13 +30,13 @@ from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_o
 from lightning_diffusion.output.store import open_store, store_class
 from lightning_diffusion.pipelines import lora
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
+from lightning_diffusion.run.model_checks import model_problems
 from lightning_diffusion.run.validation import (
     MAX_PROMPT_CHARS,
     MODEL_CALL_ARGS,
     column_problems,
     data_problems,
     devices_problems,
-    model_problems,
     writer_problems,
 )
 

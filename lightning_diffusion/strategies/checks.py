@@ -10,7 +10,7 @@ entry points raise them, through ``errors.raise_problems``: the CLI's ``check_co
 A reader computes a value and raises a ``ConfigError`` when there is none (``planned_models``,
 ``resolved_attention_backend``); a rule runs it through ``errors.run_check``, which turns the refusal
 into a problem. The attention backend's name has one rule for the model's and the strategy's:
-``validation.attention_backend_problems``.
+``model_checks.attention_backend_problems``.
 
 The rules read only a ``ModelRequest`` (configs, spec, call arguments, records) and the
 ``ParallelDims``: no weight is read and no collective runs, so the CLI's preflight and every rank run
@@ -381,7 +381,7 @@ def resolved_attention_backend(backend: Optional[str], device: torch.device, dim
     if backend == "native":
         raise ConfigError("Ring attention on CUDA needs an attention backend that returns the log-sum-exp, and "
                           "native does not: use _native_cudnn (bfloat16 or float16), flash or sage, or leave it unset.")
-    if backend is not None:  # a half-precision backend in float32: validation.backend_dtype_problems
+    if backend is not None:  # a half-precision backend in float32: model_checks.backend_dtype_problems
         return backend
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(

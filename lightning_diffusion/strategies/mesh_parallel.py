@@ -26,7 +26,7 @@ from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems, run_check
 from lightning_diffusion.pipelines import compat
 from lightning_diffusion.pipelines.specs import spec_for
-from lightning_diffusion.run.validation import attention_backend_problems, backend_dtype_problems
+from lightning_diffusion.run.model_checks import attention_backend_problems, backend_dtype_problems
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.cfg_parallel_hooks import CFGSplit
 from lightning_diffusion.strategies.checks import (
@@ -43,7 +43,7 @@ from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sha
 
 def _context_backend_problems(name: str) -> list[str]:
     """A strategy's attention backend under context parallelism: a diffusers backend that supports it
-    (``validation.attention_backend_problems``; whether its package is installed is checked for the
+    (``model_checks.attention_backend_problems``; whether its package is installed is checked for the
     model's backend only)."""
     return attention_backend_problems(name, "attention_backend", installed=False, context_parallel=True)
 

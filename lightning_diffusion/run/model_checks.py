@@ -1,0 +1,316 @@
+"""The model section checked before any weight loads (``DiffusionModule``'s arguments by name):
+the pipeline's folder and class, the call arguments, and each option against the pipeline
+(attention backend, compile, VAE tiling and slicing, step cache, LoRA adapters, quantization).
+Rules follow ``validation``'s convention: each returns its problems.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from lightning_diffusion.errors import ConfigError, run_check
+from lightning_diffusion.run.validation import (
+    MAX_PIXELS,
+    MAX_STEPS,
+    MODEL_CALL_ARGS,
+    call_arg_problems,
+    integer,
+    pixel_problems,
+)
+
+COMPILE_MODES = ("regional", "full")
+
+
+def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
+                   max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[Any], list]:
+    """Every weight-free check of the model section (``DiffusionModule``'s arguments by name);
+    returns the pipeline's info (None when the path itself is wrong) and the problems.
+    ``records``: the prompt records' ``RecordSummary``, when known (their negative prompts decide whether a guidance
+    pass on the negative runs, which some caches cannot share)."""
+    from lightning_diffusion.pipelines import quantization
+    from lightning_diffusion.pipelines.model_folder import inspect_pipeline, resolve_dtype
+
+    named = {key: settings.get(key) for key in MODEL_CALL_ARGS}
+    call_kwargs = dict(settings.get("call_kwargs") or {})
+    from_pretrained_kwargs = dict(settings.get("from_pretrained_kwargs") or {})
+    problems: list = []
+    run_check(problems, resolve_dtype, settings.get("torch_dtype", "float32"))
+    if settings.get("attention_backend") is not None:
+        problems += attention_backend_problems(settings["attention_backend"])
+        if not problems:
+            problems += backend_dtype_problems(settings["attention_backend"],
+                                               resolve_dtype(settings.get("torch_dtype", "float32")))
+    if settings.get("quantization") is not None and "quantization_config" in from_pretrained_kwargs:
+        problems.append("model.quantization and model.from_pretrained_kwargs.quantization_config both quantize: keep "
+                        "model.quantization.")
+    path_problems: list = []
+    info = run_check(path_problems, inspect_pipeline, settings["pretrained_model_name_or_path"],
+                     settings.get("pipeline_class"), from_pretrained_kwargs)
+    if info is None:
+        # The path is wrong: still report what needs no pipeline.
+        steps = named.get("num_inference_steps")
+        return None, [*path_problems, *problems, *(integer(steps, "model.num_inference_steps", 1, MAX_STEPS)
+                                                   if steps is not None else [])]
+    given = {k: v for k, v in named.items() if v is not None}
+    problems += call_arg_problems(info, given, max_pixels=max_pixels, where="model")
+    if call_kwargs:
+        problems += call_arg_problems(info, call_kwargs, base=given, max_pixels=max_pixels, where="model.call_kwargs")
+    if not set(given) & {"height", "width"}:  # the folder's or the pipeline's default size
+        base, _ = info.effective_call_args(named, call_kwargs)
+        problems += pixel_problems(info, base, max_pixels)
+    negative = call_kwargs.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        problems.append(f"model.call_kwargs.negative_prompt is the default negative prompt of every record: "
+                        f"give one string, not {negative!r} (records set their own in the prompt file).")
+    cache = settings.get("cache")
+    if cache is not None:
+        base, extra = info.effective_call_args(named, call_kwargs)
+        problems += model_cache_problems(info, cache, {**base, **extra}, records)
+    problems += vae_tiling_problems(info, settings.get("vae_tiling"))
+    problems += compile_problems(info, settings.get("compile"))
+    if settings.get("lora"):
+        problems += lora_problems(info, settings["lora"], settings.get("quantization"))
+    if settings.get("quantization") is not None:
+        classes = {name: info.component_class(name) for name in info.model_index}
+        problems += quantization.check(settings["quantization"], info.model_index, classes, tuple(info.denoisers()))
+    if settings.get("vae_slicing") and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}),
+                                                    "use_slicing"):
+        problems.append(f"model.vae_slicing: {info.class_name}'s VAE cannot decode sample by sample; "
+                        "remove model.vae_slicing.")
+    return info, problems
+
+
+def attention_backend_problems(name: Any, where: str = "model.attention_backend", installed: bool = True,
+                               context_parallel: bool = False) -> list[str]:
+    """The one attention-backend rule, for the model's backend and a strategy's: ``name`` is a
+    diffusers attention backend; ``installed``: its package is installed (the model's);
+    ``context_parallel``: it supports context parallelism in the installed diffusers (a
+    context-parallel strategy's). ``where`` names the setting in the messages."""
+    from diffusers.models.attention_dispatch import (
+        AttentionBackendName,
+        _AttentionBackendRegistry,
+        _check_attention_backend_requirements,
+    )
+
+    try:
+        backend = AttentionBackendName(name)
+    except ValueError:
+        return [f"{where} {name!r} is not a diffusers attention backend; choose one of: "
+                f"{', '.join(sorted(b.value for b in AttentionBackendName))}."]
+    if installed:
+        try:
+            _check_attention_backend_requirements(backend)
+        except (RuntimeError, ImportError) as err:
+            return [f"{where} {name!r}: {err}"]
+    if context_parallel and not _AttentionBackendRegistry._is_context_parallel_available(backend):
+        return [f"{where} {name!r} cannot do context parallelism; choose one of: "
+                f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}."]
+    return []
+
+
+def backend_dtype_problems(name: str, dtype: Any, where: str = "model.attention_backend") -> list[str]:
+    """A backend whose kernels take half precision only (flash, sage, ``_native_cudnn``...: read
+    from the backend's own constraints in diffusers) with float32 weights would fail at the first
+    step, after every weight loaded: diffusers checks the dtype only under ``DIFFUSERS_ATTN_CHECKS``."""
+    import torch
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    try:
+        backend = AttentionBackendName(name)
+    except ValueError:
+        return []  # named by attention_backend_problems
+    checks = {getattr(check, "__name__", "") for check in _AttentionBackendRegistry._constraints.get(backend, ())}
+    if "_check_qkv_dtype_bf16" in checks and dtype != torch.bfloat16:
+        need = "bfloat16"
+    elif "_check_qkv_dtype_bf16_or_fp16" in checks and dtype not in (torch.bfloat16, torch.float16):
+        need = "bfloat16 or float16"
+    else:
+        return []
+    return [f"{where} {name!r} needs {need} (its kernels take half precision only), but model.torch_dtype is "
+            f"{str(dtype).removeprefix('torch.')}: set model.torch_dtype to bfloat16, or choose a backend that takes "
+            "float32 (native, _native_efficient, flex, xformers)."]
+
+
+def lora_problems(info: Any, spec: Any, quantized: Any) -> list:
+    """``model.lora``: files, scales, targets that are modules of this pipeline, and no adapter on
+    a component that loads quantized (an update cannot be fused into quantized weights)."""
+    import importlib.util
+
+    import torch
+
+    from lightning_diffusion.pipelines import lora, quantization
+
+    if importlib.util.find_spec("peft") is None:
+        return ["model.lora needs the peft package, which is not installed: pip install peft."]
+    problems: list = []
+    adapters = run_check(problems, lora.parse, spec)
+    if adapters is None:
+        return problems
+    modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
+    models = {}  # and the models themselves, empty (meta device), for the updates' shapes
+    for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
+        cls = info.component_class(name)
+        if isinstance(cls, type) and hasattr(cls, "from_config") and name in info.configs:
+            with torch.device("meta"):
+                model = cls.from_config(info.configs[name])
+            modules[name] = {n for n, _ in model.named_modules()}
+            models[name] = model
+    loadable = list(getattr(info.pipeline_class, "_lora_loadable_modules", []))
+    for n, adapter in enumerate(adapters):
+        try:
+            found = lora.targets(info.pipeline_class, adapter)
+            missing = lora.unknown_targets(info.pipeline_class, adapter, modules)
+        except ConfigError as err:
+            problems.append(str(err))
+            continue
+        except Exception as err:  # a file diffusers cannot read as an adapter
+            problems.append(f"model.lora[{n}]: {adapter.file} is not a LoRA adapter diffusers can read "
+                            f"({type(err).__name__}: {err}).")
+            continue
+        strays = sorted(set(found) - set(loadable))
+        if strays:
+            problems.append(f"model.lora[{n}]: {adapter.name}'s layers name no component of {info.class_name} that "
+                            f"takes adapters ({', '.join(loadable)}): they start with {', '.join(strays[:3])}. A file "
+                            "saved without its component prefix? Its keys should start with "
+                            f"'{loadable[0] if loadable else 'transformer'}.'.")
+        elif missing:
+            problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no layer of "
+                            f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                            "(an adapter for another model?).")
+        else:
+            problems += [f"model.lora[{n}]: {p}" for p in lora_shape_problems(info, adapter, models)]
+    if quantized is not None and not problems:
+        both = [c for c in quantization.quantized(quantized, tuple(info.denoisers()))
+                if any(c in lora.targets(info.pipeline_class, a) for a in adapters)]
+        if both:
+            problems.append(f"model.lora: {', '.join(both)} loads quantized (model.quantization), and an adapter "
+                            "cannot be fused into quantized weights: leave it out of model.quantization.components.")
+    return problems
+
+
+def lora_shape_problems(info: Any, adapter: Any, models: Mapping[str, Any], most: int = 3) -> list[str]:
+    """Low-rank pairs whose shapes do not fit the layer they update (an adapter for another size of
+    the model): diffusers would fail with a size mismatch after every weight has loaded. A pair may
+    widen a layer's input (FLUX.1's control adapters, which diffusers expands), never its output."""
+    from lightning_diffusion.pipelines import lora
+
+    state, _, _ = lora.read(info.pipeline_class, adapter)
+    wrong = []
+    for key, a in state.items():
+        if not key.endswith(".lora_A.weight") or a.ndim != 2:
+            continue
+        component, _, module = key[: -len(".lora_A.weight")].partition(".")
+        b = state.get(key.replace(".lora_A.", ".lora_B."))
+        model = models.get(component)
+        try:
+            weight = model.get_submodule(module).weight if model is not None else None
+        except AttributeError:
+            continue  # not a module of it: named by the layer check
+        if weight is None or b is None or weight.ndim != 2:
+            continue
+        if b.shape[0] != weight.shape[0] or a.shape[1] < weight.shape[1] or a.shape[0] != b.shape[1]:
+            wrong.append(f"{component}.{module} ({tuple(weight.shape[::-1])} in x out) gets an update of "
+                         f"{a.shape[1]} x {b.shape[0]} (rank {a.shape[0]}/{b.shape[1]})")
+    if not wrong:
+        return []
+    more = f" and {len(wrong) - most} more" if len(wrong) > most else ""
+    return [f"{adapter.name} does not fit {info.class_name}'s layers: {'; '.join(wrong[:most])}{more} (an adapter "
+            "for another size of the model?)."]
+
+
+def compile_problems(info: Any, mode: Any) -> list[str]:
+    """``model.compile``: ``regional`` (``compile_repeated_blocks``: each distinct transformer block
+    compiled once and reused) needs denoisers that name their repeated blocks; ``full`` compiles
+    each denoiser whole."""
+    if mode is None:
+        return []
+    if mode not in COMPILE_MODES:
+        return [f"model.compile is regional, full or null, not {mode!r}."]
+    if mode == "regional":
+        for name, cls in info.denoisers().items():
+            if cls is not None and not getattr(cls, "_repeated_blocks", None):  # None: an absent component
+                which = cls.__name__ if isinstance(cls, type) else "unknown"
+                return [f"model.compile: regional compiles a transformer's repeated blocks, and {info.class_name}'s "
+                        f"{name} ({which}) names none; use model.compile: full."]
+    return []
+
+
+def vae_tiling_problems(info: Any, vae_tiling: Any) -> list[str]:
+    """``model.vae_tiling``: ``true``, or the settings of the VAE's ``enable_tiling``, for a VAE
+    that has a tiled decode."""
+    if vae_tiling is None or vae_tiling is False:
+        return []
+    if vae_tiling is not True and not isinstance(vae_tiling, dict):
+        return [f"model.vae_tiling is true, false or the settings of the VAE's enable_tiling (a mapping), "
+                f"not {vae_tiling!r}."]
+    vae = info.component_class("vae")
+    if not callable(getattr(vae, "enable_tiling", None)) or not _vae_has(vae, info.configs.get("vae", {}),
+                                                                          "use_tiling"):
+        which = f"its VAE ({vae.__name__})" if isinstance(vae, type) else "it has no VAE that"
+        return [f"model.vae_tiling: {info.class_name} cannot decode by tiles: {which} has no tiled decoding; "
+                "remove model.vae_tiling."]
+    if isinstance(vae_tiling, dict):
+        accepted = [name for name in inspect.signature(vae.enable_tiling).parameters if name != "self"]
+        unknown = sorted(set(vae_tiling) - set(accepted))
+        if unknown:
+            takes = f"takes {', '.join(accepted)}" if accepted else "takes no settings (use model.vae_tiling: true)"
+            return [f"model.vae_tiling: {vae.__name__}.enable_tiling {takes}; unknown: {', '.join(unknown)}."]
+        problems = [problem for k, v in vae_tiling.items() if v is not None
+                    for problem in integer(v, f"model.vae_tiling.{k}")]
+        for side in ("height", "width"):
+            tile, stride = vae_tiling.get(f"tile_sample_min_{side}"), vae_tiling.get(f"tile_sample_stride_{side}")
+            if not problems and tile is not None and stride is not None and stride > tile:
+                problems.append(f"model.vae_tiling: tile_sample_stride_{side} {stride} is larger than "
+                                f"tile_sample_min_{side} {tile}: tiles must overlap (stride <= tile size).")
+        return problems
+    return []
+
+
+def model_cache_problems(info: Any, cache: Any, call_args: Mapping[str, Any], records: Optional[Any] = None
+                         ) -> list[str]:
+    """``model.cache`` against this pipeline, the call arguments and (when known) the records'
+    ``RecordSummary`` (``records.summarize_records``)."""
+    from lightning_diffusion.pipelines.cache import check_cache
+
+    problems = check_cache(cache, info.denoisers(), info.class_name, negative_branch(info, call_args, records),
+                           separate_passes=info.spec.cfg is not None)
+    if isinstance(cache, dict) and cache.get("type") == "magcache":
+        sets = records.override_sets() if records is not None else []
+        steps = {overrides.get("num_inference_steps") for _, overrides in sets} - {None}
+        if steps - {call_args.get("num_inference_steps")}:
+            problems.append("model.cache: magcache's ratios are laid out for one step count, and prompt records set "
+                            f"num_inference_steps {sorted(steps)}; give every record the config's step count.")
+    return problems
+
+
+def negative_branch(info: Any, call_args: Mapping[str, Any], summary: Optional[Any] = None) -> bool:
+    """Whether some image runs a guidance pass on a negative prompt (true CFG): the scale above 1
+    and, where the pipeline needs one, a negative prompt in the config or a record (``summary``:
+    the records' ``RecordSummary``)."""
+    entry = info.spec.cfg
+    if entry is None:
+        return False
+    scales = {call_args.get(entry.scale_arg, info.call_default(entry.scale_arg))}
+    if summary is not None:
+        scales |= {overrides.get(entry.scale_arg) for _, overrides in summary.override_sets()} - {None}
+    negative = call_args.get("negative_prompt") is not None or (summary is not None
+                                                                 and summary.first_negative is not None)
+    return any(entry.runs(scale, negative) for scale in scales)
+
+
+def _vae_has(vae: Optional[type[Any]], config: dict[str, Any], attribute: str) -> bool:
+    """Whether a VAE class decodes by tiles (``use_tiling``) or by sample (``use_slicing``):
+    diffusers' VAEs say so by an attribute set in ``__init__``, so the class is built from its
+    config on the meta device (no memory)."""
+    import torch
+
+    if not isinstance(vae, type):
+        return False
+    try:
+        with torch.device("meta"):
+            model = vae.from_config(config)
+    except Exception:  # a config this class cannot build: leave the verdict to the load
+        return True
+    return hasattr(model, attribute)
