@@ -336,9 +336,24 @@ def test_an_unknown_key_in_a_config_file_is_named_with_a_suggestion(command, tmp
     proc = cli_here(command, "--config", "configs/tiny-flux.yaml", "--config", str(tmp_path / "bad.yaml"))
     assert proc.returncode == 2
     line = proc.stderr.strip()
-    assert line.startswith("lightning-diffusion: error: unknown key ") and "\n" not in line
-    assert ("data.batchsize; did you mean data.batch_size?" in line
-            or "model.num_steps; did you mean model.num_inference_steps?" in line), line
+    assert line == ("lightning-diffusion: error: 2 unknown keys: data.batchsize (did you mean data.batch_size?), "
+                    "model.num_steps (did you mean model.num_inference_steps?) (lightning-diffusion predict --help "
+                    "lists every key)"), line
+
+
+def test_every_unknown_key_of_the_flags_and_the_files_is_named_at_once(tmp_path, cli_here):
+    """Typos in flags and in a config file come in one message, each with its suggestion; keys under
+    one that takes a whole value (a cache's settings, a strategy's init_args) are not unknown."""
+    (tmp_path / "bad.yaml").write_text(
+        "model:\n  cache: {type: first_block, threshold: 0.2}\n  num_stepz: 3\ntrainer:\n  strategy:\n"
+        "    class_path: lightning_diffusion.strategies.ContextParallelStrategy\n    init_args: {ulysses_degree: 2}\n")
+    proc = cli_here("predict", "--config", "configs/tiny-flux.yaml", "--config", str(tmp_path / "bad.yaml"),
+                    "--data.batchsize", "2", "--model.heigth=64", "--trainer.devices", "1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "lightning-diffusion: error: 3 unknown keys: model.num_stepz (did you mean model.num_inference_steps?), "
+        "data.batchsize (did you mean data.batch_size?), model.heigth (did you mean model.height?) "
+        "(lightning-diffusion predict --help lists every key)"), proc.stderr
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import difflib
 import re
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
@@ -52,9 +53,9 @@ def _known_keys(parser: Any) -> list[str]:
     return keys
 
 
-def _suggest(key: str, keys: list[str]) -> str:
-    """``did you mean model.num_inference_steps?`` for ``model.num_steps``: the closest key of the
-    same group (by its last part), else of all keys."""
+def _closest(key: str, keys: list[str]) -> Optional[str]:
+    """``model.num_inference_steps`` for ``model.num_steps``: the closest key of the same group (by
+    its last part), else of all keys; None when none is close."""
     group, _, leaf = key.rpartition(".")
     same = [k for k in keys if k.rpartition(".")[0] == group]
     leaves = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in same], n=1, cutoff=0.5)
@@ -62,6 +63,11 @@ def _suggest(key: str, keys: list[str]) -> str:
     if match is None:
         close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
         match = close[0] if close else None
+    return match
+
+
+def _suggest(key: str, keys: list[str]) -> str:
+    match = _closest(key, keys)
     return f"; did you mean {match}?" if match else ""
 
 
@@ -85,14 +91,67 @@ def friendly_parser_error(message: str, keys: list[str]) -> str:
     return " ".join(line.strip() for line in message.strip().splitlines()[:3])
 
 
+def unknown_keys(words: list[str], keys: list[str]) -> list[str]:
+    """Every key that ``words`` (a command line: ``--group.key`` flags and the YAML files of its
+    ``--config``) sets and the parser does not know, in the order given. A key under one that takes
+    a whole value (``trainer.strategy.init_args.ulysses``, ``model.cache.type``) is known."""
+    import yaml
+
+    known = {k for k in keys if not k.endswith(".help")}
+    groups = {k.rpartition(".")[0] for k in known if "." in k}
+    groups |= {".".join(g.split(".")[:i]) for g in list(groups) for i in range(1, g.count(".") + 1)}
+
+    def unknown(key: str) -> bool:
+        parts = key.split(".")
+        return not any(".".join(parts[:i]) in known - groups for i in range(1, len(parts) + 1)) and key not in groups
+
+    found: list[str] = []
+
+    def look(value: Any, prefix: str) -> None:
+        for name, inner in (value.items() if isinstance(value, dict) else []):
+            key = f"{prefix}{name}"
+            if key in groups and key not in known - groups:
+                look(inner, key + ".")
+            elif unknown(key) and key not in found:
+                found.append(key)
+
+    for i, word in enumerate(words):
+        if word == "--config" and i + 1 < len(words) or word.startswith("--config="):
+            path = words[i + 1] if word == "--config" else word.split("=", 1)[1]
+            try:
+                look(yaml.safe_load(Path(path).read_text()), "")
+            except (OSError, ValueError, yaml.YAMLError):
+                continue
+        elif word.startswith("--") and len(word) > 2:
+            key = word[2:].split("=", 1)[0].rstrip("+")
+            if key not in ("config", "help", "print_config") and unknown(key) and key not in found:
+                found.append(key)
+    return found
+
+
 class _Parser(LightningArgumentParser):
-    """Parse errors as one line that starts with the problem, not 70 lines of usage."""
+    """Parse errors as one line that starts with the problem, not 70 lines of usage; every unknown
+    key of the command line and its config files at once."""
+
+    words: list[str] = []  # the command line the last parse read (set by the top parser)
+
+    def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        _Parser.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, *rest, **kwargs)
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         if not self.exit_on_error:
             super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
-        sys.stderr.write(f"lightning-diffusion: error: {friendly_parser_error(message, _known_keys(parser))}\n")
+        keys = _known_keys(parser)
+        text = friendly_parser_error(message, keys)
+        if text.startswith("unknown key "):
+            unknown = unknown_keys(_Parser.words, keys)
+            if len(unknown) > 1:
+                named = ", ".join(key + (f" (did you mean {match}?)" if (match := _closest(key, keys)) else "")
+                                  for key in unknown)
+                text = f"{len(unknown)} unknown keys: {named} (lightning-diffusion predict --help lists every key)"
+        sys.stderr.write(f"lightning-diffusion: error: {text}\n")
         self.exit(2)
 
 
