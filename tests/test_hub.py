@@ -107,6 +107,8 @@ def test_offline_messages_name_what_is_missing_and_how_to_fetch_it(hub, tmp_path
     assert (f"{REPO_ID} is not in the Hugging Face cache ({home / 'hub'}) and HF_HUB_OFFLINE=1 is set" in nothing.stderr
             and "lightning-diffusion download --config" in nothing.stderr), nothing.stderr
     assert "has no model_index.json" not in nothing.stderr  # the old, false message
+    assert "Fetch it where there is network: lightning-diffusion download --config" in nothing.stderr
+    assert "nodes share" not in nothing.stderr  # no cluster is assumed
 
     assert cli(hub, home, "download", "--config", "configs/tiny-flux.yaml", "--model.pretrained_model_name_or_path",
                REPO_ID).returncode == 0

@@ -397,3 +397,12 @@ def test_the_reading_pass_judges_each_line_as_check_record_does(tmp_path):
     pq.write_table(table, tmp_path / "p.parquet")
     records = read_records(tmp_path / "p.parquet", max_chars=12)
     assert sorted(records.bad) == [2, 3, 4] and records.summary.large_seeds == {1: limit, 6: limit // 2 + 1}
+
+
+def test_a_misspelt_prompt_field_is_named_with_the_field_it_should_be(tmp_path, cli_here):
+    (tmp_path / "p.jsonl").write_text('{"promt": "a red circle", "seed": 3}\n{"prompt": "a blue square"}\n')
+    proc = cli_here("predict", "--config", "configs/tiny-flux.yaml", "--data.prompts", str(tmp_path / "p.jsonl"),
+                    "--writer.output_dir", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert (f"{tmp_path / 'p.jsonl'}:1: no 'prompt' (a non-empty string). It has 'promt' (did you mean "
+            "'prompt'?), which no record may hold.") in proc.stderr, proc.stderr

@@ -171,7 +171,7 @@ def test_eval_refuses_bad_input_in_one_line(quickstart, cli_here, tmp_path):
         proc = cli_here("eval", *args)
         assert proc.returncode == 2 and proc.stdout == ""
         message = proc.stderr.strip()
-        assert "\n" not in message and message.startswith("lightning-diffusion eval: ")
+        assert "\n" not in message and message.startswith("lightning-diffusion eval: error: ")
         return message
 
     before = sorted(p.name for p in quickstart.iterdir())
@@ -289,3 +289,18 @@ def test_training_batches_are_the_same_for_any_number_of_workers():
     assert [c for c, _ in drawn] == [c for c, _ in plain]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(drawn, plain))
     assert plain[0][0] != plain[1][0]  # consecutive batches differ
+
+
+def test_a_kid_estimate_below_zero_reads_as_no_measurable_difference():
+    """KID's unbiased estimate comes out below 0 for sets that do not differ measurably (common at
+    10 images): the report shows 0 and says why; the JSON keeps the estimate."""
+    from lightning_diffusion.commands.eval import report
+
+    fid = {"fid": 12.5, "kid": -0.0012, "kid_std": 0.004, "fid_images": 10, "features": "tiny:shapes",
+           "against": "x"}
+    text = report({"summary": {"folder": "out", "images": 10, "fid": fid}, "images": []}, per_image=False)
+    assert ("FID 12.500, KID 0.0000 +- 0.0040 (10 images, tiny:shapes features, against x; KID's unbiased "
+            "estimate, -0.0012, is below 0: no measurable difference)") in text
+    fid["kid"] = 0.02
+    text = report({"summary": {"folder": "out", "images": 10, "fid": fid}, "images": []}, per_image=False)
+    assert "KID 0.0200 +- 0.0040 (10 images, tiny:shapes features, against x)" in text

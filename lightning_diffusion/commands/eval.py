@@ -363,8 +363,11 @@ def report(result: dict[str, Any], per_image: bool) -> str:
         lines.append("prompt adherence (shapes captions): " + ", ".join(parts))
     if "fid" in summary:
         f = summary["fid"]
-        lines.append(f"FID {f['fid']:.3f}, KID {f['kid']:.4f} +- {f['kid_std']:.4f} ({f['fid_images']} images, "
-                     f"{f['features']} features, against {f['against']})")
+        # KID's estimate is unbiased, so below 0 where the sets do not differ measurably: shown as 0
+        below = (f"; KID's unbiased estimate, {f['kid']:.4f}, is below 0: no measurable difference"
+                 if f["kid"] < 0 else "")
+        lines.append(f"FID {f['fid']:.3f}, KID {max(f['kid'], 0.0):.4f} +- {f['kid_std']:.4f} ({f['fid_images']} "
+                     f"images, {f['features']} features, against {f['against']}{below})")
         if "warning" in f:
             lines.append(f"warning: {f['warning']}")
     if "clip_score" in summary:
@@ -414,7 +417,7 @@ def main(argv: list[str]) -> int:
         with local_copies(args):
             result = evaluate(args)
     except ConfigError as err:
-        print(f"lightning-diffusion eval: {err}", file=sys.stderr)
+        print(f"lightning-diffusion eval: error: {err}", file=sys.stderr)
         return 2
     emit(args.json, _finite(result), lambda: print(report(result, args.per_image or len(result["images"]) <= 20)),
          default=str, repeats_json=True)

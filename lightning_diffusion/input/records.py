@@ -441,7 +441,7 @@ def _checked(item: Any, base: Optional[Path], constants: bool, max_chars: int) -
         raise _Problem("expected a JSON object with a 'prompt' field.")
     prompt = item.get("prompt")
     if not isinstance(prompt, str) or not prompt or prompt.isspace():
-        raise _Problem("no 'prompt' (a non-empty string).")
+        raise _Problem("no 'prompt' (a non-empty string)." + ("" if "prompt" in item else _unknown_fields(item)))
     seed = item.get("seed")
     if seed is not None and not (type(seed) is int and 0 <= seed <= SEED_MAX) and not (
             is_int(seed, 0) and seed <= SEED_MAX):
@@ -469,6 +469,17 @@ def _checked(item: Any, base: Optional[Path], constants: bool, max_chars: int) -
         resolved = [str((base or Path.cwd()) / Path(p).expanduser()) for p in paths]
         item[name] = resolved if isinstance(value, list) else resolved[0]
     return item
+
+
+def _unknown_fields(item: dict[str, Any]) -> str:
+    """`` It has 'promt' (did you mean 'prompt'?).``: the fields no record may hold, each with the
+    closest one it may (for a refusal's message; the allow-list itself is ``check_records``')."""
+    import difflib
+
+    unknown = [str(key) for key in item if key not in COLUMN_FIELDS]
+    named = [repr(key) + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+        key, COLUMN_FIELDS, n=1, cutoff=0.6)) else "") for key in unknown]
+    return f" It has {', '.join(named)}, which no record may hold." if named else ""
 
 
 def call_overrides(record: dict[str, Any]) -> dict[str, Any]:

@@ -132,8 +132,8 @@ def message(err: BaseException, repo: str, options: Optional[dict[str, Any]] = N
         current = current.__cause__ or current.__context__
     for e in chain:
         if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
-            return (f"{repo} {NOT_CACHED} ({cache_folder(options)}) and {offline_reason()}. Fetch it on a "
-                    f"machine with network into a cache these nodes share: {download_command(config)}; or set "
+            return (f"{repo} {NOT_CACHED} ({cache_folder(options)}) and {offline_reason()}. Fetch it where there "
+                    f"is network: {download_command(config)} (for a cluster, into a cache every node sees); or set "
                     "HF_HOME to the folder that holds it.")
         if isinstance(e, GatedRepoError):
             return (f"{repo} is a gated repository: accept its licence on https://huggingface.co/{repo} with your "
@@ -153,7 +153,8 @@ def message(err: BaseException, repo: str, options: Optional[dict[str, Any]] = N
                     "choose a variant its files have.")
         if _network_error(e):
             return (f"the hub cannot be reached for {repo} ({type(e).__name__}: {e}); run this where there is network, "
-                    f"or fetch the weights elsewhere into a cache these nodes share: {download_command(config)}.")
+                    f"or fetch the weights there first: {download_command(config)} (for a cluster, into a cache every "
+                    "node sees).")
     return None
 
 
