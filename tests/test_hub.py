@@ -109,6 +109,13 @@ def test_offline_messages_name_what_is_missing_and_how_to_fetch_it(hub, tmp_path
     assert "has no model_index.json" not in nothing.stderr  # the old, false message
     assert "Fetch it where there is network: lightning-diffusion download --config" in nothing.stderr
     assert "nodes share" not in nothing.stderr  # no cluster is assumed
+    # Rendering a SLURM script needs no weights: written, with a warning (the job checks the model)
+    script = tmp_path / "job.sbatch"
+    rendered = cli(hub, home, "slurm", "--config", "configs/tiny-flux.yaml", "--script", str(script), "--",
+                   "--model.pretrained_model_name_or_path", REPO_ID, "--writer.output_dir", str(tmp_path / "out"),
+                   offline=True)
+    assert rendered.returncode == 0 and script.is_file(), rendered.stderr
+    assert "warning: the model was not checked here" in rendered.stderr
 
     assert cli(hub, home, "download", "--config", "configs/tiny-flux.yaml", "--model.pretrained_model_name_or_path",
                REPO_ID).returncode == 0

@@ -448,9 +448,10 @@ def main(argv: list[str]) -> int:
             # predict's checks, on the config as the job runs it (on the cluster's GPUs)
             check_config(config, here=False)
         except ConfigError as err:
-            if args.submit or args.script or not _only_not_cached(err):
+            if args.submit or not _only_not_cached(err):
                 raise
-            # A preview on a laptop without the weights or the network: the job checks the model when it starts.
+            # A script rendered (or previewed) on a laptop without the weights or the network: the job checks
+            # the model when it starts, and --submit fetches the weights before it submits.
             print(f"lightning-diffusion slurm: warning: the model was not checked here: {err}", file=sys.stderr)
         if args.submit and not args.no_download:  # after the checks: a job that cannot run fetches nothing
             res["weights"] = fetch_weights(config, str(config_path))
