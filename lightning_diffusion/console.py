@@ -29,7 +29,9 @@ LOGGER = "lightning_diffusion"
 _QUIET_WARNINGS = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",
     r"The `srun` command is available on your system but is not used",
-    r"LightningCLI's args parameter is intended to run from within Python",
+    # torch's notice about the collectives diffusers' context parallelism calls: once a rank, a run's
+    # worth of repeats of a line no user can act on.
+    r"`torch\.distributed\._functional_collectives\.\w+` is deprecated",
 )
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
 

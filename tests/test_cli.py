@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from lightning_diffusion.cli import main
-from tests.conftest import REPO, load_arrays, read_manifest_lines, run_here, tiny_args
+from tests.conftest import REPO, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 
 def test_tiny_config_writes_images_manifest_and_png_metadata(tmp_path):
@@ -264,3 +264,13 @@ def test_the_python_api_starts_quietly_in_the_readmes_import_order():
     assert "[transformers]" not in stderr()
     if "[transformers]" not in stderr(LIGHTNING_DIFFUSION_VERBOSE="1"):
         pytest.skip("transformers says nothing at start-up here (torchvision installed): nothing to hide")
+
+
+@pytest.mark.slow
+def test_verbose_shows_the_libraries_messages_but_not_lightning_clis_warning_about_our_own_call(tmp_path):
+    """``--verbose`` keeps third-party start-up messages; LightningCLI's warning that it was given
+    args while sys.argv has words is about this package's own call (by design), so it is never shown."""
+    proc = run_cli("--verbose", "predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(tmp_path),
+                   "--data.prompts", '["a red circle on a white background"]')
+    assert "LightningCLI's args parameter" not in proc.stderr, proc.stderr[-2000:]
+    assert "made 1 output" in proc.stderr

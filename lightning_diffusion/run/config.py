@@ -169,6 +169,9 @@ class DiffusionCLI(LightningCLI):
         self._parses_argv = args is None or list(args) == [w for w in sys.argv[1:] if w != "--verbose"]
         self._exit_when_complete = self._parses_argv if exit_when_complete is None else exit_when_complete
         self.run_context = run_context if run_context is not None else RunContext()
+        # LightningCLI warns when it is given args while sys.argv has words: by design here, and said
+        # even under --verbose, since it is about this package's own call, not the run.
+        warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended to run from within")
         if self._parses_argv and checked_by_launcher():
             self.run_context.checked = True
         super().__init__(
