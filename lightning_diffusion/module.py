@@ -267,7 +267,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         spec = self.info.spec
         for sample in batch:
             sizes = None
-            if sample.get("inputs") and spec.shares_input_size:  # a call resizes every input to its first one's
+            if sample.get("inputs"):  # a call takes its inputs at one size (``costs.set_facts``)
                 from lightning_diffusion.input.images import input_sizes
 
                 sizes = input_sizes(sample["inputs"])

@@ -176,3 +176,31 @@ def test_inputs_that_leave_data_inputs_root_are_refused(tmp_path, cli_here):
     assert f"prompts.jsonl:3: image {root}/in/link.png leaves data.inputs_root {root} (it resolves to {outside})" \
         in proc.stderr
     assert "prompts.jsonl:1:" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_records_whose_images_differ_in_size_are_not_resized_to_a_batch_neighbours(tmp_path):
+    """A pipeline outside the registry (SDXL image-to-image, whose output takes its input's size)
+    with a 64x64 and a 96x64 input in one batch: each picture is the one its record makes alone
+    (same seed, same batch size), at its own input's size, not resized to its neighbour's."""
+    rng = np.random.default_rng(0)
+    (tmp_path / "in").mkdir()
+    records = []
+    for i, (w, h) in enumerate([(64, 64), (96, 64)]):
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(tmp_path / "in" / f"{i}.png")
+        records.append({"prompt": f"picture {i}", "image": f"in/{i}.png", "seed": 11})
+    common = ["--config", "configs/tiny-flux.yaml", "--model.pretrained_model_name_or_path", "tiny:sdxl",
+              "--model.pipeline_class", "StableDiffusionXLImg2ImgPipeline", "--model.height", "null",
+              "--model.width", "null", "--model.call_kwargs", "{}", "--model.num_inference_steps", "4",
+              "--data.batch_size", "2", "--writer.save_arrays", "true"]
+    (tmp_path / "both.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_here("predict", *common, "--data.prompts", str(tmp_path / "both.jsonl"), "--writer.output_dir",
+             str(tmp_path / "both"))
+    together = load_arrays(tmp_path / "both")
+    for i, record in enumerate(records):
+        (tmp_path / f"alone{i}.jsonl").write_text(json.dumps(record) + "\n")
+        run_here("predict", *common, "--data.prompts", str(tmp_path / f"alone{i}.jsonl"), "--writer.output_dir",
+                 str(tmp_path / f"alone{i}"))
+        alone = load_arrays(tmp_path / f"alone{i}")[0]
+        assert together[i].shape == alone.shape == (64, 64 + 32 * i, 3)
+        assert np.array_equal(together[i], alone), f"record {i} depends on its batch neighbour"

@@ -2,8 +2,9 @@
 pipeline's view of the records that ``batching`` cuts batches by and deals over replicas.
 
 An image's cost is its latent tokens x denoising steps x guidance passes; images share a call when
-every call argument is the same (``batching.call_key``) and, for a pipeline that resizes every
-input to the first one's size, their input images have one size.
+every call argument is the same (``batching.call_key``) and their input images have one size (a
+pipeline's image processor takes a batch's inputs at one size, often the first one's: a picture
+would depend on its batch neighbours).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def image_cost(info: Any, args: dict[str, Any], negative: bool) -> float:
 def set_facts(info: Any, call_args: dict[str, Any], records: Any,
               rejected: Container[int] = ()) -> tuple[SetFacts, Optional[dict[int, int]]]:
     """For each call-argument set of ``records`` (``Records``): the key its images are batched by
-    and an image's cost; with a pipeline that resizes every input to the first one's size, the
-    bucket of each record with inputs (by position; ``rejected`` positions left out)."""
+    and an image's cost; where records have input images, the bucket of each such record, by its
+    inputs' sizes too (by position; ``rejected`` positions left out)."""
     summary = records.summary
     keys: dict[str, int] = {}
     buckets, costs = [], []
@@ -44,7 +45,7 @@ def set_facts(info: Any, call_args: dict[str, Any], records: Any,
         buckets.append(keys.setdefault(call_key(args, sorted(entry.with_inputs)), len(keys)))
         costs.append(image_cost(info, args, entry.first_negative is not None))
     by_position: Optional[dict[int, int]] = None
-    if info.spec.shares_input_size and any(entry.with_inputs for entry in summary.sets):
+    if any(entry.with_inputs for entry in summary.sets):
         from lightning_diffusion.input.images import input_sizes
 
         by_position = {}

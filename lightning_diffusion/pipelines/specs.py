@@ -85,8 +85,7 @@ class PipelineSpec:
     the per-record input files it needs (``image``, ``mask_image``), read from each prompt record.
     ``call_batch``: the most prompts one call may take (Qwen-Image-Edit-Plus refuses two; Wan's
     image-to-video repeats one image over its batch), so longer batches are called in pieces.
-    ``shares_input_size``: a call resizes every input to its first input's size (FLUX.1 Kontext), so
-    samples share a call only with inputs of their own size. ``reference_tokens``: dotted path of a
+    ``reference_tokens``: dotted path of a
     function ``(image_size, call_args) -> (output_tokens, reference_tokens)`` for pipelines whose
     transformer sees the input image's tokens beside the output's (context-parallel checks per record).
     ``input_if_config``: ``(input, key)``: records have ``input`` exactly when the transformer's
@@ -117,7 +116,6 @@ class PipelineSpec:
     tiny_builder: Optional[str] = None
     inputs: tuple[str, ...] = ()
     call_batch: Optional[int] = None
-    shares_input_size: bool = False
     reference_tokens: Optional[str] = None
     input_if_config: Optional[tuple[str, str]] = None
     text_length_max: Optional[int] = None
@@ -269,7 +267,7 @@ register(replace(SPECS["FluxPipeline"], class_name="FluxFillPipeline", cfg=None,
 register(replace(SPECS["FluxPipeline"], class_name="FluxKontextPipeline", stages=None,
                  published={"black-forest-labs/FLUX.1-Kontext-dev": SPECS["FluxPipeline"].published[
                      "black-forest-labs/FLUX.1-dev"]},  # the same 12B architecture
-                 shares_input_size=True, reference_tokens="lightning_diffusion.pipelines.specs:kontext_tokens",
+                 reference_tokens="lightning_diffusion.pipelines.specs:kontext_tokens",
                  record_args=(*RECORD_ARGS, "max_area"),
                  tiny="flux-kontext", tiny_builder="lightning_diffusion.pipelines.tiny:build_flux_kontext"))
 
@@ -314,7 +312,7 @@ register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPlusPipeli
                  call_batch=1, tiny="qwenimage-edit",
                  tiny_builder="lightning_diffusion.pipelines.tiny:build_qwenimage_edit"))
 register(replace(SPECS["QwenImagePipeline"], class_name="QwenImageEditPipeline", published={}, inputs=("image",),
-                 shares_input_size=True, tiny=None, tiny_builder=None))  # sized by a call's first image
+                 tiny=None, tiny_builder=None))
 register(PipelineSpec(
     "WanPipeline", patch=2, default_size=(480, 832), output="frames", frames_arg="num_frames", temporal_scale=4,
     default_frames=81, transformer_class="WanTransformer3DModel", text_length_max=512,
