@@ -414,3 +414,27 @@ def test_ctrl_c_while_starting_up_is_one_line(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("lightning-diffusion: "), err[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_two_ranks_start_is_one_line(tmp_path):
+    """The terminal's Ctrl-C reaches every process of the job: a rank still starting ends quietly,
+    and the launching process alone says the line."""
+    from lightning_diffusion.run.interrupt import INTERRUPTED_LINE
+
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", "predict", "--config", "configs/tiny.yaml",
+                             "--trainer.devices", "2", "--trainer.strategy", "data_parallel",
+                             "--writer.output_dir", str(tmp_path / "out")], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline:  # until the launcher has started its second rank
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if children or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.count(INTERRUPTED_LINE) == 1 and "Traceback" not in err, err[-3000:]

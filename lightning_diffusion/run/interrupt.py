@@ -32,8 +32,10 @@ _SCRIPT = "lightning-diffusion"
 
 def interrupted_while_starting(signum: int, frame: object) -> None:
     """``predict``'s Ctrl-C until the run takes it over: the line, written with ``os.write`` (the
-    main thread may be inside a print), and exit 130 without the interpreter's teardown."""
-    os.write(2, (INTERRUPTED_LINE + "\n").encode())
+    main thread may be inside a print), and exit 130 without the interpreter's teardown. A rank the
+    launcher started ends without it: the terminal's Ctrl-C reached the launcher too, which says it."""
+    if LAUNCHER_PID not in os.environ:
+        os.write(2, (INTERRUPTED_LINE + "\n").encode())
     os._exit(130)
 
 
