@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_diffusion.input.records import (
     COLUMN_FIELDS,
@@ -25,8 +25,12 @@ from lightning_diffusion.input.records import (
 )
 from lightning_diffusion.run.validation import MAX_PROMPT_CHARS
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-def _text_type(kind: Any) -> bool:
+
+def _text_type(kind: pa.DataType) -> bool:
     import pyarrow.types as types
 
     if types.is_dictionary(kind):
@@ -34,13 +38,13 @@ def _text_type(kind: Any) -> bool:
     return bool(types.is_string(kind) or types.is_large_string(kind) or types.is_string_view(kind))
 
 
-def _integer_type(kind: Any) -> bool:
+def _integer_type(kind: pa.DataType) -> bool:
     import pyarrow.types as types
 
     return bool(types.is_integer(kind) or (types.is_dictionary(kind) and types.is_integer(kind.value_type)))
 
 
-def _holds_bytes(kind: Any) -> bool:
+def _holds_bytes(kind: pa.DataType) -> bool:
     """Whether a column of this Arrow type holds bytes somewhere (which JSON cannot)."""
     import pyarrow.types as types
 
@@ -109,7 +113,7 @@ class TableRecords(Records):
         number = bisect_right(self.file_start, position) - 1
         return f"{self.files[number]}:row {position - self.file_start[number]}"
 
-    def _records(self, number: int, batch: Any) -> Any:
+    def _records(self, number: int, batch: Union[pa.Table, pa.RecordBatch]) -> Union[pa.Table, pa.RecordBatch]:
         """A batch of file ``number``'s rows as record fields: its columns renamed (an empty cell
         is an absent field)."""
         import pyarrow as pa
@@ -118,7 +122,7 @@ class TableRecords(Records):
         kind = pa.Table if isinstance(batch, pa.Table) else pa.RecordBatch
         return kind.from_arrays([batch.column(column) for _, column in fields], names=[name for name, _ in fields])
 
-    def _columns(self, path: Path, schema: Any) -> list[str]:
+    def _columns(self, path: Path, schema: pa.Schema) -> list[str]:
         """The columns of a file to read, after its schema is checked against ``data.columns``
         (and the record fields it has noted)."""
         import pyarrow.types as types
@@ -176,7 +180,7 @@ class TableRecords(Records):
             source = pa.memory_map(str(path))
             stream = source.read(6) != b"ARROW1"
             source.seek(0)
-            reader: Any = None if stream else pa.ipc.open_file(source)
+            reader: Optional[pa.ipc.RecordBatchFileReader] = None if stream else pa.ipc.open_file(source)
             schema = pa.ipc.read_schema(pa.ipc.read_message(source)) if reader is None else reader.schema
         except (pa.ArrowException, OSError, EOFError) as err:
             raise PromptFileError(f"{path}: not an Arrow file of a dataset ({str(err).splitlines()[0]}).") from None
@@ -198,7 +202,7 @@ class TableRecords(Records):
                                       "(save the dataset with datasets' save_to_disk).")
             yield offset, iter([pa.ipc.read_record_batch(message, schema).select(self.projections[number])])
 
-    def _handle(self, number: int) -> Any:
+    def _handle(self, number: int) -> Union[pq.ParquetFile, pa.MemoryMappedFile, pa.ipc.RecordBatchFileReader]:
         if self._pid != os.getpid():  # one set of handles per process (DataLoader workers)
             self._handles, self._chunks, self._pid = {}, OrderedDict(), os.getpid()
         if number not in self._handles:
@@ -213,7 +217,7 @@ class TableRecords(Records):
                 self._handles[number] = source if self.streams[number] else pa.ipc.open_file(source)
         return self._handles[number]
 
-    def _chunk(self, chunk: int) -> Any:
+    def _chunk(self, chunk: int) -> Union[pa.Table, pa.RecordBatch]:
         handle = self._handle(self.chunk_file[chunk])
         if chunk in self._chunks:
             self._chunks.move_to_end(chunk)

@@ -29,9 +29,22 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers.hooks.faster_cache import FasterCacheConfig
+    from diffusers.hooks.first_block_cache import FirstBlockCacheConfig
+    from diffusers.hooks.mag_cache import MagCacheConfig
+    from diffusers.hooks.pyramid_attention_broadcast import PyramidAttentionBroadcastConfig
+    from diffusers.hooks.taylorseer_cache import TaylorSeerCacheConfig
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from torch.distributed import ProcessGroup
+
+    # The diffusers config classes of ``CACHE_TYPES``.
+    CacheConfig = Union[FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig, PyramidAttentionBroadcastConfig,
+                        FasterCacheConfig]
 
 CACHE_TYPES = {
     "first_block": "FirstBlockCacheConfig",
@@ -66,19 +79,19 @@ def _config_class(kind: str) -> type:
     return getattr(diffusers, CACHE_TYPES[kind])
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_positive_int(value: Any) -> bool:
+def _is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _is_timestep_range(value: Any) -> bool:
+def _is_timestep_range(value: object) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_number(v) for v in value)
 
 
-def _is_number_list(value: Any) -> bool:
+def _is_number_list(value: object) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(map(_is_number, value))
 
 
@@ -97,7 +110,7 @@ _THRESHOLD_RULE = (lambda v: _is_number(v) and 0 < v <= 1,
 
 
 def check_cache(
-    cache: Any,
+    cache: object,
     transformers: Mapping[str, Optional[type]],
     class_name: str,
     negative_branch: bool,
@@ -198,8 +211,8 @@ class _NoPipeline:
     current_timestep = 500
 
 
-def build_config(cache: Mapping[str, Any], pipeline: Any, num_inference_steps: Optional[int],
-                 separate_passes: bool) -> Any:
+def build_config(cache: Mapping[str, Any], pipeline: Union[DiffusionPipeline, _NoPipeline],
+                 num_inference_steps: Optional[int], separate_passes: bool) -> CacheConfig:
     """The diffusers config of ``cache`` for a loaded ``pipeline`` (callbacks read its current
     timestep). ``separate_passes``: the pipeline runs its guidance passes one after the other (its
     ``PipelineSpec`` has ``cfg``), so FasterCache must not split batches into guidance halves."""
@@ -252,11 +265,11 @@ class StepCache:
     def __init__(self, kind: str, threshold: float) -> None:
         self.kind = kind
         self.threshold = threshold
-        self.group: Any = None
+        self.group: Optional[ProcessGroup] = None
         self.stats = CacheStats()
         self.counting = True
 
-    def set_group(self, group: Any) -> None:
+    def set_group(self, group: Optional[ProcessGroup]) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -284,7 +297,7 @@ class StepCache:
             self.stats.skipped_calls += reused == len(compute)
 
 
-def install(cache: Mapping[str, Any], pipeline: Any, num_inference_steps: Optional[int],
+def install(cache: Mapping[str, Any], pipeline: DiffusionPipeline, num_inference_steps: Optional[int],
             separate_passes: bool = True) -> StepCache:
     """Install ``cache`` on every cache-capable transformer of ``pipeline``."""
     from diffusers.models.cache_utils import CacheMixin

@@ -8,7 +8,7 @@ of the group, decides whether the remaining blocks run. Imported only when the c
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -16,6 +16,12 @@ from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.hooks._helpers import TransformerBlockRegistry
 from diffusers.hooks.hooks import BaseState, CacheContext, StateManager
 from diffusers.utils.torch_utils import unwrap_module
+
+if TYPE_CHECKING:
+    from lightning_diffusion.pipelines.cache import StepCache
+
+    # What a transformer block returns: its hidden states, or a tuple holding them and the encoder's.
+    _BlockOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
 HEAD_HOOK = "lightning_diffusion.fbc_head"
 BLOCK_HOOK = "lightning_diffusion.fbc_block"
@@ -37,7 +43,7 @@ class FirstBlockState(BaseState):
         self.compute: list[bool] = []
 
 
-def install_first_block(model: torch.nn.Module, step_cache: Any) -> None:
+def install_first_block(model: torch.nn.Module, step_cache: StepCache) -> None:
     """Hooks on the first block (decides), the blocks after it (skip or run) and the last (records).
     ``step_cache``: a ``cache.StepCache`` (its ``decide`` and ``count``)."""
     blocks = [block for name, child in model.named_children()
@@ -66,7 +72,7 @@ class _Block:
             return (hidden,)
         return hidden, get(self.meta.encoder_hidden_states_argument_name, args, kwargs)
 
-    def outputs(self, output: Any) -> tuple:
+    def outputs(self, output: _BlockOutput) -> tuple:
         if not isinstance(output, tuple):
             return (output,)
         parts: tuple = (output[self.meta.return_hidden_states_index],)
@@ -74,7 +80,7 @@ class _Block:
             parts += (output[self.meta.return_encoder_hidden_states_index],)
         return parts
 
-    def output(self, parts: tuple) -> Any:
+    def output(self, parts: tuple) -> _BlockOutput:
         """The block's return value made of (hidden, encoder) ``parts``."""
         if self.meta.return_encoder_hidden_states_index is None:
             return parts[0]
@@ -96,7 +102,7 @@ class _FirstBlockHook(ModelHook):
 
     fn_ref: Any  # diffusers' HookFunctionReference, whose original_forward it types as None (its initial value)
 
-    def __init__(self, state_manager: Any) -> None:
+    def __init__(self, state_manager: StateManager) -> None:
         super().__init__()
         self.state_manager = state_manager
 
@@ -111,7 +117,7 @@ class _HeadHook(_FirstBlockHook):
 
     _is_stateful = True
 
-    def __init__(self, state_manager: Any, step_cache: Any) -> None:
+    def __init__(self, state_manager: StateManager, step_cache: StepCache) -> None:
         super().__init__(state_manager)
         self.step_cache = step_cache
 
@@ -120,13 +126,13 @@ class _HeadHook(_FirstBlockHook):
         return module
 
     @torch.compiler.disable(recursive=False)
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def new_forward(self, module: torch.nn.Module, *args: object, **kwargs: object) -> _BlockOutput:
         # Under model.compile only the block's own forward is traced (see _BlockHook.new_forward).
         output = self.fn_ref.original_forward(*args, **kwargs)
         return self._decide(args, kwargs, output)
 
     @torch.compiler.disable
-    def _decide(self, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _decide(self, args: tuple, kwargs: dict, output: _BlockOutput) -> _BlockOutput:
         if self.state_manager._context is None:  # a pipeline without cache contexts
             self.state_manager.set_context(CacheContext(name="inference"))
         state = self.state_manager.get_state()
@@ -152,12 +158,12 @@ class _BlockHook(_FirstBlockHook):
     """On every other block: pass the inputs through when every image reuses; run otherwise. The
     last block records the remaining blocks' residuals and mixes computed and reused images."""
 
-    def __init__(self, state_manager: Any, is_tail: bool) -> None:
+    def __init__(self, state_manager: StateManager, is_tail: bool) -> None:
         super().__init__(state_manager)
         self.is_tail = is_tail
 
     @torch.compiler.disable(recursive=False)
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def new_forward(self, module: torch.nn.Module, *args: object, **kwargs: object) -> _BlockOutput:
         # Under model.compile, dynamo skips this frame and the decisions around it (run eagerly)
         # and traces only the block's own forward: guards on the cache's state (the guidance
         # branch's name, which images reuse, the last block) would otherwise make a graph per
@@ -172,11 +178,11 @@ class _BlockHook(_FirstBlockHook):
         return not any(self.state_manager.get_state().compute)
 
     @torch.compiler.disable
-    def _pass_through(self, args: tuple, kwargs: dict) -> Any:
+    def _pass_through(self, args: tuple, kwargs: dict) -> _BlockOutput:
         return self.block.output(self.block.inputs(args, kwargs))
 
     @torch.compiler.disable
-    def _record(self, output: Any) -> Any:
+    def _record(self, output: _BlockOutput) -> _BlockOutput:
         state = self.state_manager.get_state()
         parts = self.block.outputs(output)
         residuals = tuple(p - h.to(p.device) for p, h in zip(parts, state.head))

@@ -22,11 +22,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from lightning_diffusion.errors import ConfigError
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from torch.distributed.device_mesh import DeviceMesh
 
 ADAPTER_KEYS = ("path", "weight_name", "scale", "allow_pickle")
 
@@ -49,7 +53,7 @@ class Adapter:
         return digest.hexdigest()
 
 
-def parse(spec: Any) -> list[Adapter]:
+def parse(spec: object) -> list[Adapter]:
     """``model.lora`` as adapters; every problem is raised together."""
     if spec is None:
         return []
@@ -179,7 +183,7 @@ def unknown_targets(pipeline_class: type, adapter: Adapter, modules: Mapping[str
     return missing
 
 
-def fuse(pipeline: Any, adapters: Sequence[Adapter]) -> None:
+def fuse(pipeline: DiffusionPipeline, adapters: Sequence[Adapter]) -> None:
     """diffusers' load, weight, fuse and unload on whole (unsharded) weights."""
     if not adapters:
         return
@@ -193,8 +197,9 @@ def fuse(pipeline: Any, adapters: Sequence[Adapter]) -> None:
     pipeline.unload_lora_weights()
 
 
-def fuse_in_place(pipeline: Any, adapters: Sequence[Adapter], shard_specs: Optional[Mapping[str, Mapping[str, Any]]]
-                  = None, tp_mesh: Any = None) -> None:
+def fuse_in_place(pipeline: DiffusionPipeline, adapters: Sequence[Adapter],
+                  shard_specs: Optional[Mapping[str, Mapping[str, Any]]] = None, tp_mesh: Optional[DeviceMesh] = None
+                  ) -> None:
     """Add every adapter's update to the weights where they are (on their devices, placed by a
     device map), and of a sharded weight only this rank's slice (``shard_specs``: component ->
     diffusers' ``TPShardSpec`` by parameter name, on ``tp_mesh``)."""

@@ -243,6 +243,29 @@ class PipelineInfo:
                              "leave it out.")
         return wrong
 
+    def run_problems(self, given: set[str], record_fields: set[str]) -> list[str]:
+        """Why a run of prompts to pictures cannot drive this pipeline, read from its class before any
+        weight loads: no ``prompt`` argument (one stage of a larger pipeline), an output that holds no
+        pictures, an argument without a default that neither the config (``given``) nor the prompt
+        records (``record_fields``: what a record may carry) give, an optional package its module
+        uses but that is not installed."""
+        name = self.class_name
+        parameters = inspect.signature(self.pipeline_class.__call__).parameters
+        problems = []
+        if "prompt" not in parameters:
+            problems.append(f"{name} takes no prompt (its __call__ has no prompt argument): it is a stage of a larger "
+                            "pipeline; run the pipeline that makes pictures from prompts.")
+        if self.facts.output is None:
+            problems.append(f"{name} makes no pictures: {self.facts.why_not}.")
+        needed = [arg for arg, p in parameters.items() if arg not in ("self", "prompt") and p.default is p.empty
+                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and arg not in given | record_fields]
+        if needed:
+            problems.append(f"{name} needs {', '.join(needed)} (no default), which neither the config nor a prompt "
+                            "record can give.")
+        problems += [f"{name} needs the package {package}, which is not installed: pip install {package}."
+                     for package in missing_packages(self.pipeline_class)]
+        return problems
+
     def call_argument_problems(self, names: set[str], where: str) -> list[str]:
         problems = []
         reserved = names & set(RESERVED_CALL_ARGS)
@@ -263,6 +286,61 @@ class PipelineInfo:
                 f"It accepts: {', '.join(sorted(self.call_parameters - set(RESERVED_CALL_ARGS)))}."
             )
         return problems
+
+
+def missing_packages(pipeline_class: type) -> list[str]:
+    """The optional packages the module of ``pipeline_class`` imports only when they are installed
+    (diffusers' ``if is_ftfy_available(): import ftfy``) and then uses without asking again, that
+    are not installed here: its call would end in a ``NameError`` after the weights load."""
+    import ast
+    import importlib
+
+    from lightning_diffusion.pipelines import compat
+
+    compat.apply_pipeline_patches()
+    module = inspect.getmodule(pipeline_class)
+    try:
+        tree = ast.parse(inspect.getsource(module)) if module is not None else None
+    except (OSError, TypeError):
+        return []
+    if tree is None:
+        return []
+    utils = importlib.import_module("diffusers.utils")
+    missing = []
+    for node in tree.body:
+        if not isinstance(node, ast.If) or node.orelse:
+            continue
+        check = _availability_check(node.test)
+        imports = [statement for statement in node.body if isinstance(statement, (ast.Import, ast.ImportFrom))]
+        if check is None or len(imports) != len(node.body):
+            continue  # not a bare guarded import (one that also sets a flag lets its uses check the flag)
+        names = {(alias.asname or alias.name).split(".")[0] for statement in imports for alias in statement.names}
+        asked = sum(1 for n in ast.walk(tree) if isinstance(n, ast.Call) and _availability_check(n) == check)
+        # asked again elsewhere: the module copes without the package (Sana cleans no captions then)
+        present = all(hasattr(module, name) for name in names)  # a workaround of ``compat`` stands in
+        if not getattr(utils, check)() and not present and asked == 1 and _used_unguarded(tree, names, check):
+            missing.append(check[len("is_"):-len("_available")])
+    return missing
+
+
+def _availability_check(test: Any) -> Optional[str]:
+    """``is_ftfy_available`` for ``if is_ftfy_available():``; None for any other test."""
+    import ast
+
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Name):
+        return test.func.id if re.fullmatch(r"is_\w+_available", test.func.id) else None
+    return None
+
+
+def _used_unguarded(node: Any, names: set[str], check: str) -> bool:
+    """Whether one of ``names`` is read somewhere under ``node`` but not under ``if check():``."""
+    import ast
+
+    if isinstance(node, ast.If) and _availability_check(node.test) == check:
+        return any(_used_unguarded(child, names, check) for child in node.orelse)
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in names:
+        return True
+    return any(_used_unguarded(child, names, check) for child in ast.iter_child_nodes(node))
 
 
 # Argument types that only Python code can pass (tensors, callables, images, generators): a config

@@ -19,11 +19,20 @@ import importlib.util
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import torch
 
 from lightning_diffusion.errors import ConfigError, NodeConfigError, run_check
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from diffusers.quantizers.pipe_quant_config import PipelineQuantizationConfig
+    from diffusers.quantizers.quantization_config import QuantizationConfigMixin as DiffusersQuantizationConfig
+    from transformers.utils.quantization_config import QuantizationConfigMixin as TransformersQuantizationConfig
+
+    # A backend config of one component: diffusers' class for diffusers models, transformers' for text encoders.
+    BackendConfig = Union[DiffusersQuantizationConfig, TransformersQuantizationConfig]
 
 # Backends that quantize full-precision weights while they load, and the package each needs.
 BACKEND_PACKAGES = {
@@ -81,7 +90,7 @@ def components(spec: Mapping[str, Any], default: tuple[str, ...]) -> list[str]:
     return [chosen] if isinstance(chosen, str) else list(chosen)
 
 
-def check(spec: Any, model_index: Mapping[str, Any], classes: Mapping[str, Optional[type]],
+def check(spec: object, model_index: Mapping[str, Any], classes: Mapping[str, Optional[type]],
           default: tuple[str, ...]) -> list:
     """``model.quantization`` against the installed backends and the pipeline's components
     (``model_index``: component name to ``[library, class]``; ``classes``: name to class, where
@@ -162,7 +171,7 @@ def _arguments(cls: type[Any]) -> list[str]:
             if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 
 
-def _build(spec: Mapping[str, Any], library: str) -> Any:
+def _build(spec: Mapping[str, Any], library: str) -> BackendConfig:
     """The backend config for one component of ``library`` (diffusers or transformers)."""
     backend = spec["backend"]
     extra = {k: v for k, v in spec.items() if k not in RESERVED}
@@ -189,19 +198,20 @@ def _build(spec: Mapping[str, Any], library: str) -> Any:
 
 
 def component_configs(spec: Mapping[str, Any], model_index: Mapping[str, Any],
-                      default: tuple[str, ...]) -> dict[str, Any]:
+                      default: tuple[str, ...]) -> dict[str, BackendConfig]:
     """Each quantized component's backend config (its ``from_pretrained(quantization_config=...)``)."""
     return {name: _build(spec, model_index[name][0]) for name in components(spec, default)}
 
 
-def pipeline_config(configs: Mapping[str, Any]) -> Any:
+def pipeline_config(configs: Mapping[str, BackendConfig]) -> PipelineQuantizationConfig:
     """The ``PipelineQuantizationConfig`` of ``DiffusionPipeline.from_pretrained`` for ``configs``."""
     from diffusers import PipelineQuantizationConfig
 
     return PipelineQuantizationConfig(quant_mapping=dict(configs))
 
 
-def left_unquantized(pipeline: Any, spec: Mapping[str, Any], names: Sequence[str]) -> dict[str, tuple[int, int]]:
+def left_unquantized(pipeline: DiffusionPipeline, spec: Mapping[str, Any], names: Sequence[str]
+                     ) -> dict[str, tuple[int, int]]:
     """torchao: the quantized components' linear layers that loaded in full precision (a device map
     offloaded them: diffusers does not quantize weights placed on the CPU or disk), as
     ``{component: (left, linear layers)}``; other backends are not inspected."""

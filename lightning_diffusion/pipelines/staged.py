@@ -11,11 +11,15 @@ small class per pipeline, named by its ``PipelineSpec.stages``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
 from lightning_diffusion.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 
 
 @contextlib.contextmanager
@@ -40,7 +44,7 @@ class FluxStages:
     encoders = ("text_encoder", "text_encoder_2")
 
     @staticmethod
-    def encode(pipe: Any, prompts: list[str], negatives: Optional[list[str]], device, kwargs: dict) -> dict:
+    def encode(pipe: FluxPipeline, prompts: list[str], negatives: Optional[list[str]], device, kwargs: dict) -> dict:
         length = kwargs.get("max_sequence_length", 512)
         embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=length)
         out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
@@ -52,7 +56,7 @@ class FluxStages:
         return out
 
     @staticmethod
-    def decode(pipe: Any, latents: torch.Tensor, kwargs: dict) -> Any:
+    def decode(pipe: FluxPipeline, latents: torch.Tensor, kwargs: dict) -> np.ndarray:
         height = kwargs.get("height") or pipe.default_sample_size * pipe.vae_scale_factor
         width = kwargs.get("width") or pipe.default_sample_size * pipe.vae_scale_factor
         latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
@@ -74,7 +78,7 @@ def stages_for(class_name: str) -> type[Any]:
 
 
 class _Output:
-    def __init__(self, images: Any) -> None:
+    def __init__(self, images: np.ndarray) -> None:
         self.images = images
 
 
@@ -93,7 +97,7 @@ class StagedPipeline:
 
     @torch.no_grad()
     def __call__(self, prompt: list[str], negative_prompt: Optional[list[str]] = None, output_type: str = "np",
-                 **kwargs: Any) -> _Output:
+                 **kwargs: object) -> _Output:
         pipe = self.pipeline
         encoders = [getattr(pipe, name, None) for name in self.stages.encoders]
         with resident(encoders, self.device):

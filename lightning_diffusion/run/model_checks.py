@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.errors import ConfigError, run_check
 from lightning_diffusion.run.validation import (
@@ -20,11 +20,18 @@ from lightning_diffusion.run.validation import (
     pixel_problems,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_diffusion.input.records import RecordSummary
+    from lightning_diffusion.pipelines.lora import Adapter
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
+
 COMPILE_MODES = ("regional", "full")
 
 
-def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
-                   max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[Any], list]:
+def model_problems(settings: Mapping[str, Any], records: Optional[RecordSummary] = None,
+                   max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[PipelineInfo], list]:
     """Every weight-free check of the model section (``DiffusionModule``'s arguments by name);
     returns the pipeline's info (None when the path itself is wrong) and the problems.
     ``records``: the prompt records' ``RecordSummary``, when known (their negative prompts decide whether a guidance
@@ -82,7 +89,7 @@ def model_problems(settings: Mapping[str, Any], records: Optional[Any] = None,
     return info, problems
 
 
-def attention_backend_problems(name: Any, where: str = "model.attention_backend", installed: bool = True,
+def attention_backend_problems(name: object, where: str = "model.attention_backend", installed: bool = True,
                                context_parallel: bool = False) -> list[str]:
     """The one attention-backend rule, for the model's backend and a strategy's: ``name`` is a
     diffusers attention backend; ``installed``: its package is installed (the model's);
@@ -110,7 +117,7 @@ def attention_backend_problems(name: Any, where: str = "model.attention_backend"
     return []
 
 
-def backend_dtype_problems(name: str, dtype: Any, where: str = "model.attention_backend") -> list[str]:
+def backend_dtype_problems(name: str, dtype: torch.dtype, where: str = "model.attention_backend") -> list[str]:
     """A backend whose kernels take half precision only (flash, sage, ``_native_cudnn``...: read
     from the backend's own constraints in diffusers) with float32 weights would fail at the first
     step, after every weight loaded: diffusers checks the dtype only under ``DIFFUSERS_ATTN_CHECKS``."""
@@ -133,7 +140,7 @@ def backend_dtype_problems(name: str, dtype: Any, where: str = "model.attention_
             "float32 (native, _native_efficient, flex, xformers)."]
 
 
-def lora_problems(info: Any, spec: Any, quantized: Any) -> list:
+def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[str, Any]]) -> list:
     """``model.lora``: files, scales, targets that are modules of this pipeline, and no adapter on
     a component that loads quantized (an update cannot be fused into quantized weights)."""
     import importlib.util
@@ -190,7 +197,7 @@ def lora_problems(info: Any, spec: Any, quantized: Any) -> list:
     return problems
 
 
-def lora_shape_problems(info: Any, adapter: Any, models: Mapping[str, Any], most: int = 3) -> list[str]:
+def lora_shape_problems(info: PipelineInfo, adapter: Adapter, models: Mapping[str, Any], most: int = 3) -> list[str]:
     """Low-rank pairs whose shapes do not fit the layer they update (an adapter for another size of
     the model): diffusers would fail with a size mismatch after every weight has loaded. A pair may
     widen a layer's input (FLUX.1's control adapters, which diffusers expands), never its output."""
@@ -220,7 +227,7 @@ def lora_shape_problems(info: Any, adapter: Any, models: Mapping[str, Any], most
             "for another size of the model?)."]
 
 
-def compile_problems(info: Any, mode: Any) -> list[str]:
+def compile_problems(info: PipelineInfo, mode: object) -> list[str]:
     """``model.compile``: ``regional`` (``compile_repeated_blocks``: each distinct transformer block
     compiled once and reused) needs denoisers that name their repeated blocks; ``full`` compiles
     each denoiser whole."""
@@ -237,7 +244,7 @@ def compile_problems(info: Any, mode: Any) -> list[str]:
     return []
 
 
-def vae_tiling_problems(info: Any, vae_tiling: Any) -> list[str]:
+def vae_tiling_problems(info: PipelineInfo, vae_tiling: object) -> list[str]:
     """``model.vae_tiling``: ``true``, or the settings of the VAE's ``enable_tiling``, for a VAE
     that has a tiled decode."""
     if vae_tiling is None or vae_tiling is False:
@@ -245,7 +252,7 @@ def vae_tiling_problems(info: Any, vae_tiling: Any) -> list[str]:
     if vae_tiling is not True and not isinstance(vae_tiling, dict):
         return [f"model.vae_tiling is true, false or the settings of the VAE's enable_tiling (a mapping), "
                 f"not {vae_tiling!r}."]
-    vae = info.component_class("vae")
+    vae: Any = info.component_class("vae")  # a class or None; its enable_tiling is read once known callable
     if not callable(getattr(vae, "enable_tiling", None)) or not _vae_has(vae, info.configs.get("vae", {}),
                                                                           "use_tiling"):
         which = f"its VAE ({vae.__name__})" if isinstance(vae, type) else "it has no VAE that"
@@ -268,7 +275,7 @@ def vae_tiling_problems(info: Any, vae_tiling: Any) -> list[str]:
     return []
 
 
-def model_cache_problems(info: Any, cache: Any, call_args: Mapping[str, Any], records: Optional[Any] = None
+def model_cache_problems(info: PipelineInfo, cache: object, call_args: Mapping[str, Any], records: Optional[Any] = None
                          ) -> list[str]:
     """``model.cache`` against this pipeline, the call arguments and (when known) the records'
     ``RecordSummary`` (``records.summarize_records``)."""
@@ -285,7 +292,7 @@ def model_cache_problems(info: Any, cache: Any, call_args: Mapping[str, Any], re
     return problems
 
 
-def negative_branch(info: Any, call_args: Mapping[str, Any], summary: Optional[Any] = None) -> bool:
+def negative_branch(info: PipelineInfo, call_args: Mapping[str, Any], summary: Optional[RecordSummary] = None) -> bool:
     """Whether some image runs a guidance pass on a negative prompt (true CFG): the scale above 1
     and, where the pipeline needs one, a negative prompt in the config or a record (``summary``:
     the records' ``RecordSummary``)."""

@@ -29,10 +29,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.errors import is_int
 from lightning_diffusion.output.shard import MAX_SHARDS
+
+if TYPE_CHECKING:
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
 # tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
@@ -54,7 +57,7 @@ MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "
 # ----------------------------------------------------------------------------- value rules
 
 
-def integer(value: Any, name: str, minimum: Optional[int] = 1, maximum: Optional[int] = None) -> list[str]:
+def integer(value: object, name: str, minimum: Optional[int] = 1, maximum: Optional[int] = None) -> list[str]:
     """``value`` is an ``int`` (not a ``bool``) in [``minimum``, ``maximum``]."""
     if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
         return []
@@ -63,7 +66,7 @@ def integer(value: Any, name: str, minimum: Optional[int] = 1, maximum: Optional
     return [f"{name} must be an integer >= {minimum}, got {value!r}."]
 
 
-def devices_problems(devices: Any, num_nodes: Any) -> list[str]:
+def devices_problems(devices: object, num_nodes: object) -> list[str]:
     """``trainer.devices`` as Lightning takes it (a count, ``auto``, -1 for all, or a list of
     device indices such as ``[0, 1]`` or ``"0,1"``) and ``trainer.num_nodes`` a count: refused here,
     in one line, rather than by Lightning's accelerator with a traceback."""
@@ -93,13 +96,13 @@ def number(value: Any, name: str, low: Optional[float] = None, high: Optional[fl
     return [f"{name} must be in {bracket}{low:g}, {high:g}], got {value!r}."]
 
 
-def one_of(value: Any, name: str, choices: Sequence[Any]) -> list[str]:
+def one_of(value: object, name: str, choices: Sequence[Any]) -> list[str]:
     if value in choices:
         return []
     return [f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}."]
 
 
-def non_finite(value: Any, path: str = "") -> list[str]:
+def non_finite(value: object, path: str = "") -> list[str]:
     """The places of non-finite numbers (NaN, Infinity) in a value: ``guidance_scale``,
     ``sigmas[3]``... (they make black images that would be recorded as finished, and are not JSON)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -111,7 +114,7 @@ def non_finite(value: Any, path: str = "") -> list[str]:
     return []
 
 
-def finite(value: Any, name: str) -> list[str]:
+def finite(value: object, name: str) -> list[str]:
     """No NaN or Infinity anywhere in ``value`` (a number, or a mapping or list holding numbers)."""
     places = non_finite(value)
     return [f"{name}{'' if p == 'the value' else '.' + p}: not a finite number (NaN and Infinity are refused)."
@@ -139,7 +142,7 @@ class ArgRule:
     low_open: bool = False
     high_from: Optional[str] = None
 
-    def problems(self, name: str, value: Any, limits: Mapping[str, Optional[int]]) -> list[str]:
+    def problems(self, name: str, value: object, limits: Mapping[str, Optional[int]]) -> list[str]:
         if self.kind in ("size", "frames"):
             return []  # the pipeline's own rules: ``PipelineInfo.size_problems`` and ``frames_problems``
         high = limits.get(self.high_from) if self.high_from else self.high
@@ -165,12 +168,12 @@ CALL_ARGS: dict[str, ArgRule] = {
 }
 
 
-def record_args(info: Any) -> list[str]:
+def record_args(info: PipelineInfo) -> list[str]:
     """The call arguments a record may set for this pipeline: its spec's, that its call takes."""
     return [name for name in info.spec.record_args if name in info.call_parameters and name in CALL_ARGS]
 
 
-def record_keys(info: Any) -> list[str]:
+def record_keys(info: PipelineInfo) -> list[str]:
     """Every key a record of this pipeline may have."""
     from lightning_diffusion.input.images import INPUT_FIELDS
 
@@ -179,7 +182,7 @@ def record_keys(info: Any) -> list[str]:
     return ["prompt", "seed", *negative, *inputs, *record_args(info)]
 
 
-def call_arg_problems(info: Any, values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None,
+def call_arg_problems(info: PipelineInfo, values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None,
                       max_pixels: Optional[int] = MAX_PIXELS, record: bool = False, where: str = "") -> list[str]:
     """Problems of call arguments ``values``. ``base``: the call arguments ``values`` override (a
     record's over the config's); ``record``: ``values`` come from a prompt record, which may set
@@ -224,7 +227,7 @@ def call_arg_problems(info: Any, values: Mapping[str, Any], base: Optional[Mappi
     return problems
 
 
-def pixel_problems(info: Any, call_args: Mapping[str, Any], max_pixels: Optional[int]) -> list[str]:
+def pixel_problems(info: PipelineInfo, call_args: Mapping[str, Any], max_pixels: Optional[int]) -> list[str]:
     """An image (or frame) of more than ``max_pixels`` pixels: refused before it is found by the
     device's memory (``None``: no budget)."""
     default = info.spec.default_size or (None, None)
@@ -245,7 +248,7 @@ def pixel_problems(info: Any, call_args: Mapping[str, Any], max_pixels: Optional
     return []
 
 
-def strength_problems(info: Any, args: Mapping[str, Any]) -> list[str]:
+def strength_problems(info: PipelineInfo, args: Mapping[str, Any]) -> list[str]:
     """An image-to-image ``strength`` that runs no denoising step (diffusers raises only after loading)."""
     if "strength" not in info.call_parameters:
         return []

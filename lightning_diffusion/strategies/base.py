@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 
 import lightning.pytorch as pl
 import torch
@@ -42,6 +42,15 @@ from lightning_diffusion.pipelines import compat, quantization
 from lightning_diffusion.run.context import RunContext
 from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+
+    from lightning_diffusion.pipelines.staged import StagedPipeline
+
+T = TypeVar("T")
 
 # Lightning's (and NCCL's) 30-minute default lets a job hang half an hour after a rank dies.
 DEFAULT_TIMEOUT_S = 600.0
@@ -196,7 +205,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
     def load_plan(self, request: ModelRequest) -> LoadPlan:
         return LoadPlan()
 
-    def setup_pipeline(self, pipeline: Any) -> Any:
+    def setup_pipeline(self, pipeline: DiffusionPipeline) -> Union[DiffusionPipeline, StagedPipeline]:
         """Parallelise or wrap the placed pipeline (nothing for data parallel); returns what to call."""
         return pipeline
 
@@ -269,7 +278,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             )
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+    def predict_step(self, *args: object, **kwargs: object) -> object:
         watch = self._stall_watch
         if watch is None:
             return self._predict_step(*args, **kwargs)
@@ -279,7 +288,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         finally:
             watch.batch_ended()
 
-    def _predict_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _predict_step(self, *args: object, **kwargs: object) -> object:
         if self.run_context.stop.should_stop():
             if self.writes_outputs and not self._said_stopped:
                 self._said_stopped = True
@@ -292,7 +301,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             self.run_context.stop.count(len(outputs))
         return outputs
 
-    def _call_context(self) -> Any:
+    def _call_context(self) -> AbstractContextManager[None]:
         """``torch.inference_mode`` for the pipeline call of a replica of one rank on gloo.
 
         Lightning predicts under ``no_grad`` whenever the process group is gloo (its loops: gloo's
@@ -397,7 +406,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         return self._idle_group
 
     @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: T, src: int = 0) -> T:
         if not _distributed_is_initialized():
             return obj
         holder = [obj]

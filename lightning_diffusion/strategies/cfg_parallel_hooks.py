@@ -17,7 +17,7 @@ without one, or a config without a negative branch, is refused before loading.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,14 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from lightning_diffusion.console import log
 from lightning_diffusion.pipelines.specs import CFGBranches
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from torch.distributed import ProcessGroup
+
+    # What a transformer's forward returns: its output class, or a tuple with ``return_dict=False``.
+    _Prediction = Union[Transformer2DModelOutput, tuple[torch.Tensor, ...]]
 
 HOOK_NAME = "lightning_diffusion.cfg_split"
 
@@ -39,7 +47,7 @@ class _SplitHook(ModelHook):
         super().__init__()
         self.split = split
 
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def new_forward(self, module: torch.nn.Module, *args: object, **kwargs: object) -> _Prediction:
         self.split.denoising = True
         return self.split.forward(self.fn_ref.original_forward, args, kwargs)
 
@@ -50,7 +58,7 @@ class CFGSplit:
     of ``encode_prompt``'s outputs (a pipeline method, not a module, so it is wrapped on the
     instance). ``remove()`` takes both off."""
 
-    def __init__(self, pipeline: Any, entry: CFGBranches, group: Any, branch: int) -> None:
+    def __init__(self, pipeline: DiffusionPipeline, entry: CFGBranches, group: ProcessGroup, branch: int) -> None:
         self.entry = entry
         self.group = group
         self.branch = branch  # 0: this rank computes cond, 1: uncond
@@ -62,7 +70,7 @@ class CFGSplit:
         self.pipeline = pipeline
         original_encode = pipeline.encode_prompt
 
-        def encode_prompt(*args: Any, **kwargs: Any) -> Any:
+        def encode_prompt(*args: object, **kwargs: object) -> object:
             if self.denoising:  # a new pipeline call
                 self.encoded, self.denoising, self.pending = [], False, None
             outputs = original_encode(*args, **kwargs)
@@ -91,7 +99,7 @@ class CFGSplit:
             return None
         return tuple(self.encoded[0]), tuple(self.encoded[1])
 
-    def forward(self, inner: Callable, args: tuple, kwargs: dict) -> Any:
+    def forward(self, inner: Callable, args: tuple, kwargs: dict) -> _Prediction:
         names = self.entry.kwargs
         branches = self.branches()
         if self.pending is not None:
@@ -123,7 +131,7 @@ class CFGSplit:
         return _with_prediction(output, both[0])
 
 
-def _same(value: Any, recorded: Any) -> bool:
+def _same(value: object, recorded: object) -> bool:
     if value is recorded:
         return True
     if isinstance(value, torch.Tensor) and isinstance(recorded, torch.Tensor) and value.shape == recorded.shape:
@@ -131,7 +139,7 @@ def _same(value: Any, recorded: Any) -> bool:
     return False
 
 
-def _with_prediction(output: Any, prediction: torch.Tensor) -> Any:
+def _with_prediction(output: _Prediction, prediction: torch.Tensor) -> _Prediction:
     if isinstance(output, tuple):
         return (prediction, *output[1:])
     return type(output)(sample=prediction)

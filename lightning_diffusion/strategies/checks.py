@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -30,6 +30,11 @@ from lightning_diffusion.errors import ConfigError, run_check
 from lightning_diffusion.pipelines import quantization
 from lightning_diffusion.pipelines.specs import cfg_supported, spec_for
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from lightning_diffusion.pipelines.facts import PipelineFacts
+    from lightning_diffusion.pipelines.lora import Adapter
+    from lightning_diffusion.pipelines.specs import PipelineSpec
 
 # from_pretrained options that diffusers cannot combine with a tensor-parallel load, and why.
 TP_INCOMPATIBLE_OPTIONS = {
@@ -172,7 +177,7 @@ def context_parallel_problems(request: ModelRequest, dims: ParallelDims, ulysses
     return []
 
 
-def context_mask_problems(class_name: str, spec: Any, facts: Any, dims: ParallelDims, anything: bool
+def context_mask_problems(class_name: str, spec: PipelineSpec, facts: PipelineFacts, dims: ParallelDims, anything: bool
                           ) -> list[str]:
     """A transformer whose ``_cp_plan`` splits a text attention mask with the sequence gets the wrong
     mask under some of diffusers 0.42.1's context-parallel attentions: ring applies each rank's
@@ -206,7 +211,7 @@ def context_mask_problems(class_name: str, spec: Any, facts: Any, dims: Parallel
 ULYSSES_ANYTHING_2 = "ulysses_anything_2"
 
 
-def context_modes(spec: Any, facts: Any) -> tuple[str, ...]:
+def context_modes(spec: PipelineSpec, facts: Optional[PipelineFacts]) -> tuple[str, ...]:
     """The context-parallel attentions predict runs for this pipeline: ``ulysses`` and ``ring``;
     none without a ``_cp_plan``; Ulysses alone when its plan splits a text mask
     (``context_mask_problems``); ``ULYSSES_ANYTHING_2`` alone for a prompt-length text, which needs
@@ -345,7 +350,7 @@ def tensor_parallel_problems(request: ModelRequest, dims: ParallelDims) -> list:
     return []
 
 
-def adapter_shardable_problems(request: ModelRequest, adapter: Any, planned: dict[str, type[Any]]) -> list:
+def adapter_shardable_problems(request: ModelRequest, adapter: Adapter, planned: dict[str, type[Any]]) -> list:
     """An adapter whose update has another shape than its layer's weight (a control LoRA that widens
     an input) cannot be cut as the weight is cut; DoRA and biased adapters are refused by ``updates``."""
     from lightning_diffusion.pipelines import lora

@@ -10,12 +10,15 @@ inputs and gather the output along the sequence, following the model's ``_cp_pla
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def enable_context_parallel(component: torch.nn.Module, cp_mesh: Any, ring: int, ulysses: int,
+
+def enable_context_parallel(component: torch.nn.Module, cp_mesh: DeviceMesh, ring: int, ulysses: int,
                             ulysses_anything: bool, ring_anything: bool, backend: Optional[str],
                             rank: int, world_size: int, device: torch.device) -> None:
     """Split ``component``'s sequence over ``cp_mesh`` (``ring`` x ``ulysses`` ranks)."""

@@ -39,14 +39,24 @@ import inspect
 import math
 import sys
 import textwrap
-from types import FrameType
-from typing import Any, Callable, Optional
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 
 from lightning_diffusion.console import log
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.vae import DecoderOutput
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from torch.distributed import ProcessGroup
+
+    # What a diffusers VAE's ``decode`` returns: its output class, or a tuple with ``return_dict=False``.
+    _Decoded = Union[DecoderOutput, tuple[torch.Tensor, ...]]
+
+T = TypeVar("T")
 
 HOOK_NAME = "lightning_diffusion.group_split"
 # VAE classes whose tiled decode the tile deal is tested on (tests/test_group_work.py).
@@ -65,7 +75,7 @@ class _TilesDecoded(Exception):
     """Raised by pass one where the blending starts: this rank's tiles are done."""
 
 
-def exchange(tensors: list[torch.Tensor], group: Any, device: torch.device) -> list[list[torch.Tensor]]:
+def exchange(tensors: list[torch.Tensor], group: ProcessGroup, device: torch.device) -> list[list[torch.Tensor]]:
     """Every rank's ``tensors`` (any number, shapes and dtypes) on every rank of ``group``, by rank:
     one all-gather of their shapes and one of their bytes, each rank's padded to the longest rank's.
 
@@ -111,7 +121,7 @@ def exchange(tensors: list[torch.Tensor], group: Any, device: torch.device) -> l
     return result
 
 
-def _backend(group: Any, device: torch.device) -> str:
+def _backend(group: ProcessGroup, device: torch.device) -> str:
     """The backend that carries ``device``'s tensors in ``group`` (``cpu:gloo,cuda:nccl`` -> one)."""
     backend = str(dist.get_backend(group))
     if ":" in backend:
@@ -124,7 +134,7 @@ def _padded_bytes(shape: tuple, dtype: torch.dtype) -> int:
     return count + (-count) % _ALIGN
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def _map_tensors(value: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
     """``value`` with ``fn`` applied to every tensor in it (model outputs, tuples, lists); the
     fields of ``NOT_GATHERED`` become ``None``."""
     if isinstance(value, torch.Tensor):
@@ -146,7 +156,7 @@ class _Hook(ModelHook):
         super().__init__()
         self.route = route
 
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def new_forward(self, module: torch.nn.Module, *args: object, **kwargs: object) -> object:
         return self.route(self.fn_ref.original_forward, args, kwargs)
 
 
@@ -154,7 +164,7 @@ class GroupWork:
     """Installed on a loaded pipeline on each rank of a group (see the module docstring);
     ``remove()`` takes it off. ``tiles``: deal the tiles of a tiled decode (the VAE has tiling on)."""
 
-    def __init__(self, pipeline: Any, group: Any) -> None:
+    def __init__(self, pipeline: DiffusionPipeline, group: ProcessGroup) -> None:
         self.pipeline = pipeline
         self.group = group
         self.rank = dist.get_rank(group)
@@ -213,7 +223,7 @@ class GroupWork:
     def _chunk(self, batch: int) -> int:
         return -(-batch // self.size)
 
-    def _take(self, value: Any, batch: int) -> Any:
+    def _take(self, value: object, batch: int) -> object:
         """This rank's slice of a batch tensor, padded to the chunk with copies of its last row."""
         if not (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch):
             return value
@@ -224,7 +234,7 @@ class GroupWork:
             part = torch.cat([part, part[-1:].expand(chunk - part.shape[0], *part.shape[1:])])
         return part
 
-    def _gather(self, output: Any, batch: int) -> Any:
+    def _gather(self, output: T, batch: int) -> T:
         """``output`` of a slice -> the whole batch's: every tensor whose first dimension is the
         chunk is all-gathered and concatenated, the padding rows dropped."""
         chunk = self._chunk(batch)
@@ -245,7 +255,7 @@ class GroupWork:
         def replace(tensor: torch.Tensor) -> torch.Tensor:
             return next(whole) if tensor.dim() >= 1 and tensor.shape[0] == chunk else tensor
 
-        return _map_tensors(output, replace)
+        return cast(T, _map_tensors(output, replace))  # the same structure, its tensors replaced
 
     def _exchange(self, tensors: list[torch.Tensor], device: torch.device) -> list[list[torch.Tensor]]:
         parts = exchange(tensors, self.group, device)
@@ -254,7 +264,7 @@ class GroupWork:
 
     # ----------------------------------------------------------------- text encoders
 
-    def encode(self, forward: Callable, args: tuple, kwargs: dict, encoder: str = "") -> Any:
+    def encode(self, forward: Callable, args: tuple, kwargs: dict, encoder: str = "") -> object:
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 1]
         batch = tensors[0].shape[0] if tensors else 0
         if batch < 2 or any(t.shape[0] != batch for t in tensors):
@@ -299,7 +309,7 @@ class GroupWork:
 
     # ----------------------------------------------------------------- VAE decoding
 
-    def decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def decode(self, z: torch.Tensor, *args: object, **kwargs: object) -> _Decoded:
         if self.tiles and self._will_tile(z):
             if getattr(self.vae, "use_slicing", False) and z.shape[0] > 1:
                 # diffusers decodes sample by sample then; so do we, each one's tiles dealt out.
@@ -344,14 +354,14 @@ class GroupWork:
         for name in ("blend_v", "blend_h"):
             blend = getattr(vae, name)
 
-            def blended(*args: Any, _blend: Callable = blend, **kwargs: Any) -> Any:
+            def blended(*args: object, _blend: Callable = blend, **kwargs: object) -> torch.Tensor:
                 if self.mode == "collect":
                     raise _TilesDecoded
                 return _blend(*args, **kwargs)
 
             setattr(vae, name, blended)
 
-    def decoder_call(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    def decoder_call(self, forward: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         if self.mode == "off":
             return forward(*args, **kwargs)
         if self.new_tile:
@@ -368,7 +378,7 @@ class GroupWork:
         x = args[0] if args else next(iter(kwargs.values()))
         return x.new_zeros((x.shape[0], 1, *(1,) * (x.dim() - 2)))  # cat along frames still works
 
-    def _decode_tiles(self, z: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    def _decode_tiles(self, z: torch.Tensor, args: tuple, kwargs: dict) -> _Decoded:
         self.mode, self.calls, self.new_tile, self.mine = "collect", [], True, {}
         try:
             self._original_decode(z, *args, **kwargs)
@@ -430,7 +440,7 @@ def _only_hidden_state(output: Any, index: int) -> Any:
 _CALL_MACHINERY = ("torch.nn.modules.", "diffusers.hooks.", "accelerate.hooks", __name__)
 
 
-def _names(code: Any) -> set[str]:
+def _names(code: CodeType) -> set[str]:
     """The attribute and global names a code object and the code nested in it use."""
     names = set(code.co_names)
     for constant in code.co_consts:
@@ -522,17 +532,17 @@ def _one_hidden_state(function: Callable) -> Optional[tuple[str, int, int, int]]
     return encoder, indices.pop(), first + call.lineno - 1, first + call_end - 1
 
 
-def _sample(output: Any) -> torch.Tensor:
+def _sample(output: _Decoded) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output.sample
 
 
-def _with_sample(output: Any, sample: torch.Tensor) -> Any:
+def _with_sample(output: _Decoded, sample: torch.Tensor) -> _Decoded:
     if isinstance(output, tuple):
         return (sample, *output[1:])
     return type(output)(**{**output, "sample": sample})
 
 
-def install(pipeline: Any, group: Any) -> Optional[GroupWork]:
+def install(pipeline: DiffusionPipeline, group: Optional[ProcessGroup]) -> Optional[GroupWork]:
     """Split ``pipeline``'s text encoding and decoding over ``group`` (``None``: nothing to split)."""
     if group is None or dist.get_world_size(group) < 2:
         return None
