@@ -46,6 +46,9 @@ class RankZeroFilter(logging.Filter):
 
 
 log = logging.getLogger(LOGGER)
+# The user's own ``OMP_NUM_THREADS`` (None: unset), read as the package is first imported, before a
+# launcher sets one for its ranks: a strategy then sets the threads per process itself.
+USER_THREADS = os.environ.get("OMP_NUM_THREADS")
 
 
 def counted(number: int, one: str, many: str = "") -> str:

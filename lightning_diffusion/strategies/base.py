@@ -10,6 +10,7 @@ degrees and implement the contract.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
@@ -34,7 +35,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_diffusion.console import log
+from lightning_diffusion import console
+from lightning_diffusion.console import counted, log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.input.data import PromptDataModule
@@ -61,6 +63,21 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
 # The backends' own collective timeout comes this long after the strategy's, at which the stall
 # watch ends a stuck rank with a message (NCCL's watchdog would abort it without a word).
 BACKEND_GRACE = timedelta(seconds=60)
+
+
+def cpu_threads(local_processes: int, environ: Optional[dict[str, str]] = None) -> tuple[int, str]:
+    """The intra-op threads of one of a node's ``local_processes`` processes, and why: SLURM's
+    ``--cpus-per-task`` where a task has it, else the cores this process may run on over the
+    processes that share them (each taking all of them would oversubscribe the node: a 2-process
+    CPU run was 3x slower)."""
+    environ = dict(os.environ) if environ is None else environ
+    per_task = environ.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and int(per_task) > 0:
+        return int(per_task), f"SLURM's {per_task} CPUs a task"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    processes = max(1, local_processes)
+    return max(1, cores // processes), (f"{counted(cores, 'core')} over {counted(processes, 'process', 'processes')}"
+                                        " of this node")
 
 
 class DiffusionParallelStrategy(ParallelStrategy):
@@ -220,6 +237,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.lightning_module is not None
+        if console.USER_THREADS is None:  # the node's cores shared by its processes, not each taking all
+            threads, why = cpu_threads(self.num_processes)
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)  # for what this rank starts
+            log.info(f"CPU threads: {threads} a process ({why}; OMP_NUM_THREADS sets another count)")
         request = self._request()
         # Every rank checks before the process group starts, so a problem cannot hang a rank;
         # ranks started by the CLI trust the check their launching process made on the config.
