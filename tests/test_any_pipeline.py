@@ -239,3 +239,47 @@ def test_a_failed_pipeline_call_is_one_line_and_its_traceback_with_verbose(tmp_p
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr and "cogvideox_transformer_3d.py" in proc.stderr
     assert "lightning-diffusion: error: image 0 (inline prompts:1) failed: RuntimeError" in proc.stderr
+
+
+def _model_folder(folder: Path, class_name: str, components: dict) -> Path:
+    """A model folder of ``class_name`` as far as the checks before loading read it: its
+    ``model_index.json`` and the components' configs (no weight: each refusal must come first)."""
+    folder.mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": class_name, "_diffusers_version": "0.42.1",
+                                                         **components}))
+    for name, (library, cls) in components.items():
+        if library == "diffusers":
+            (folder / name).mkdir()
+            (folder / name / "config.json").write_text(json.dumps({"_class_name": cls}))
+    return folder
+
+
+@pytest.mark.parametrize("class_name, components, message", [
+    ("KandinskyV22PriorPipeline", {"prior": ["diffusers", "PriorTransformer"]},
+     "KandinskyV22PriorPipeline makes no pictures: its output (KandinskyPriorPipelineOutput) holds image_embeds, "
+     "negative_image_embeds, not images or frames."),
+    ("KandinskyV22Pipeline", {"unet": ["diffusers", "UNet2DConditionModel"]},
+     "KandinskyV22Pipeline takes no prompt (its __call__ has no prompt argument): it is a stage of a larger "
+     "pipeline; run the pipeline that makes pictures from prompts."),
+    ("KandinskyV22Pipeline", {"unet": ["diffusers", "UNet2DConditionModel"]},
+     "KandinskyV22Pipeline needs image_embeds, negative_image_embeds (no default), which neither the config nor "
+     "a prompt record can give."),
+    ("HeliosPipeline", {"transformer": ["diffusers", "HeliosTransformer3DModel"]},
+     "HeliosPipeline needs the package ftfy, which is not installed: pip install ftfy."),
+])
+def test_a_pipeline_a_run_cannot_drive_is_refused_before_weights(class_name, components, message, tmp_path,
+                                                                 cli_here):
+    """Read from the class alone, before any weight: a stage without a prompt, an output without
+    pictures, an argument no config or record can give, an optional package the pipeline's module
+    uses but that is missing (the call would end in a NameError after loading)."""
+    import importlib.util
+
+    if class_name == "HeliosPipeline" and importlib.util.find_spec("ftfy") is not None:
+        pytest.skip("ftfy is installed here")
+    folder = _model_folder(tmp_path / "model", class_name, components)
+    (tmp_path / "run.yaml").write_text(f"model:\n  pretrained_model_name_or_path: {folder}\n"
+                                       "  num_inference_steps: 2\ndata:\n  prompts: '[a red circle]'\n"
+                                       f"writer:\n  output_dir: {tmp_path / 'out'}\n")
+    proc = cli_here("predict", "--config", str(tmp_path / "run.yaml"), "--trainer.accelerator", "cpu")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -90,20 +90,39 @@ def output_attribute(pipeline_class: type) -> tuple[Optional[str], Optional[str]
         source = inspect.getsource(pipeline_class.__call__)
     except (OSError, TypeError):
         return None, "its __call__ has no readable source"
-    names = sorted(set(re.findall(r"return\s+(\w+Output)\(", source)))
+    names, fields = _output_fields(pipeline_class, source)
     if not names:
         return None, "its __call__ returns no diffusers output class (a combined pipeline calls others)"
+    found = next((name for name in OUTPUT_ATTRIBUTES if name in fields), None)
+    if found is None:
+        held = ", ".join(fields) or "nothing known"
+        return None, f"its output ({', '.join(names)}) holds {held}, not images or frames"
+    return found, None
+
+
+def no_pictures(pipeline_class: type) -> Optional[str]:
+    """Why ``pipeline_class`` makes no pictures, where its ``__call__`` returns output classes whose
+    fields are known and none holds pictures (a prior's embeddings, audio); None otherwise (a
+    combined pipeline, which returns what the pipelines it calls return, is not judged here)."""
+    try:
+        names, fields = _output_fields(pipeline_class, inspect.getsource(pipeline_class.__call__))
+    except (OSError, TypeError):
+        return None
+    if not fields or any(name in fields for name in OUTPUT_ATTRIBUTES):
+        return None
+    return f"its output ({', '.join(names)}) holds {', '.join(fields)}, not images or frames"
+
+
+def _output_fields(pipeline_class: type, source: str) -> tuple[list[str], list[str]]:
+    """The output classes ``__call__``'s source returns, and their dataclass fields."""
+    names = sorted(set(re.findall(r"return\s+(\w+Output)\(", source)))
     module = sys.modules.get(pipeline_class.__call__.__module__)
     fields: list[str] = []
     for name in names:
         output_class = getattr(module, name, None)
         if dataclasses.is_dataclass(output_class):
             fields += [f.name for f in dataclasses.fields(output_class)]
-    found = next((name for name in OUTPUT_ATTRIBUTES if name in fields), None)
-    if found is None:
-        held = ", ".join(fields) or "nothing known"
-        return None, f"its output ({', '.join(names)}) holds {held}, not images or frames"
-    return found, None
+    return names, fields
 
 
 def _meta_model(cls: Any, config: dict[str, Any]) -> Any:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_diffusion.errors import ConfigError, is_int
-from lightning_diffusion.pipelines.facts import PipelineFacts, derive
+from lightning_diffusion.pipelines.facts import PipelineFacts, derive, no_pictures
 from lightning_diffusion.pipelines.specs import PipelineSpec, spec_for
 
 # Arguments the project sets itself for every call; users must not pass them in call_kwargs. (A
@@ -255,8 +255,9 @@ class PipelineInfo:
         if "prompt" not in parameters:
             problems.append(f"{name} takes no prompt (its __call__ has no prompt argument): it is a stage of a larger "
                             "pipeline; run the pipeline that makes pictures from prompts.")
-        if self.facts.output is None:
-            problems.append(f"{name} makes no pictures: {self.facts.why_not}.")
+        why = no_pictures(self.pipeline_class)
+        if why is not None:
+            problems.append(f"{name} makes no pictures: {why}.")
         needed = [arg for arg, p in parameters.items() if arg not in ("self", "prompt") and p.default is p.empty
                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and arg not in given | record_fields]
         if needed:

@@ -18,6 +18,7 @@ from lightning_diffusion.run.validation import (
     call_arg_problems,
     integer,
     pixel_problems,
+    record_keys,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ def model_problems(settings: Mapping[str, Any], records: Optional[RecordSummary]
         return None, [*path_problems, *problems, *(integer(steps, "model.num_inference_steps", 1, MAX_STEPS)
                                                    if steps is not None else [])]
     given = {k: v for k, v in named.items() if v is not None}
+    problems += info.run_problems(set(given) | set(call_kwargs), set(record_keys(info)))
     problems += call_arg_problems(info, given, max_pixels=max_pixels, where="model")
     if call_kwargs:
         problems += call_arg_problems(info, call_kwargs, base=given, max_pixels=max_pixels, where="model.call_kwargs")
