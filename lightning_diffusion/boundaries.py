@@ -27,6 +27,7 @@ from lightning_diffusion.output.shard import Shard, shard_size
 
 if TYPE_CHECKING:
     import numpy as np
+    from torch.distributed import ProcessGroup
 
     from lightning_diffusion.input.batching import BatchPlan
     from lightning_diffusion.run.context import RunContext
@@ -68,7 +69,7 @@ class PromptSource(Protocol):
     def run_plan(self) -> RunPlan:
         ...
 
-    def skip_indices(self, indices: Any) -> None:
+    def skip_indices(self, indices: np.ndarray) -> None:
         """Leave out the images already made (the writer calls it before the work is split)."""
         ...
 
@@ -101,10 +102,10 @@ class RunStrategy(Protocol):
     # Whether this rank writes the images it returns (one rank of each model-parallel group does).
     writes_outputs: bool
     # A gloo group without the collective timeout, for gathers that wait on the slowest rank.
-    idle_group: Any
+    idle_group: Optional[ProcessGroup]
 
 
-def run_strategy(strategy: Any) -> Optional[RunStrategy]:
+def run_strategy(strategy: object) -> Optional[RunStrategy]:
     """``strategy`` where it is one of this project's, else None (a Lightning strategy of another
     kind: every rank writes, gathers use the default group, no run context)."""
     # Looked up statically: a strategy's properties (``writes_outputs``) are only answered once its
@@ -113,7 +114,7 @@ def run_strategy(strategy: Any) -> Optional[RunStrategy]:
     return cast(RunStrategy, strategy) if found else None
 
 
-def require(part: Any, protocol: Any, role: str) -> Any:
+def require(part: object, protocol: type, role: str) -> Any:
     """``part`` (a data module, a LightningModule) as a ``protocol``; refused, naming what it lacks,
     where it is not one."""
     if isinstance(part, protocol):
@@ -132,7 +133,7 @@ def _members(protocol: type) -> list[str]:
     return [*vars(protocol).get("__annotations__", {}), *methods]
 
 
-def _static(part: Any, name: str) -> bool:
+def _static(part: object, name: str) -> bool:
     try:
         inspect.getattr_static(part, name)
     except AttributeError:

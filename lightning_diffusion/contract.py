@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_che
 
 if TYPE_CHECKING:
     import torch
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
     from torch import nn
+    from torch.distributed import ProcessGroup
 
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
@@ -108,7 +110,7 @@ class DiffusionStrategy(Protocol):
     def load_plan(self, request: ModelRequest) -> LoadPlan:
         ...
 
-    def setup_pipeline(self, pipeline: Any) -> Any:
+    def setup_pipeline(self, pipeline: DiffusionPipeline) -> object:
         """Parallelise or wrap the loaded, placed pipeline; returns what ``predict_step`` calls."""
         ...
 
@@ -122,28 +124,28 @@ class DiffusionModel(Protocol):
     structural ``isinstance`` looks members up with ``inspect.getattr_static``, which does not see
     the submodules ``nn.Module`` keeps apart (``components``), and would answer False."""
 
-    pipeline: Any
+    pipeline: object  # what ``predict_step`` calls (``setup_pipeline``'s), None before the load
     split_work: bool
     # The pipeline's info (``PipelineInfo``: class, configs, spec, denoisers) and its torch modules
     # by component name, registered for Lightning's device moves (empty before the load).
-    info: Any
-    components: Any
+    info: PipelineInfo
+    components: nn.ModuleDict
 
-    def request(self, records: Optional[Any] = None) -> ModelRequest:
+    def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
         ...
 
     def use_load_plan(self, plan: LoadPlan) -> None:
         ...
 
-    def use_pipeline(self, pipeline: Any) -> None:
+    def use_pipeline(self, pipeline: object) -> None:
         ...
 
     @property
     def needs_shard_group(self) -> bool:
         ...
 
-    def use_shard_group(self, group: Any) -> None:
+    def use_shard_group(self, group: Optional[ProcessGroup]) -> None:
         ...
 
-    def use_group(self, group: Any) -> None:
+    def use_group(self, group: Optional[ProcessGroup]) -> None:
         ...
