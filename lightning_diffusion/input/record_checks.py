@@ -88,16 +88,12 @@ def check_records(info: Any, records: Sequence[Any], call_args: Optional[dict[st
     return records.verdicts
 
 
-_TASKS = {"image": " (image-to-image on FLUX.1 weights: model.pipeline_class: FluxImg2ImgPipeline)",
-          "mask_image": " (inpainting on FLUX.1 weights: model.pipeline_class: FluxInpaintPipeline)"}
-
-
 def _field_problems(info: Any, entry: CallArgSet) -> list[str]:
     """Input fields and a negative prompt that this pipeline (or these weights) cannot take or needs."""
     problems = []
     for name in entry.with_inputs:
         if name not in info.call_parameters:
-            hint = _TASKS.get(name, "") if info.class_name == "FluxPipeline" else ""
+            hint = "".join(f" ({task})" for field_name, task in info.spec.tasks if field_name == name)
             problems.append(f"it has {name}, which {info.class_name} does not take{hint}.")
     if info.spec.input_if_config is not None:  # an input these weights either need or cannot take
         name, key = info.spec.input_if_config

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import torch
 
+from lightning_diffusion.pipelines.specs import FIRST_BLOCK_TRANSFORMERS
+
 if TYPE_CHECKING:
     from diffusers.hooks.faster_cache import FasterCacheConfig
     from diffusers.hooks.first_block_cache import FirstBlockCacheConfig
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     # The diffusers config classes of ``CACHE_TYPES``.
     CacheConfig = Union[FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig, PyramidAttentionBroadcastConfig,
                         FasterCacheConfig]
+
 
 CACHE_TYPES = {
     "first_block": "FirstBlockCacheConfig",
@@ -60,7 +63,6 @@ _CALLABLES = {"attention_weight_callback", "low_frequency_weight_callback", "hig
 # Transformers whose blocks the per-image first-block cache is verified on (tests/test_cache.py, or a
 # tiny run): text and image tokens stay separate through every block. FLUX.2 joins them before its
 # single blocks, so a residual of the last block is not comparable with the first's.
-FIRST_BLOCK_TRANSFORMERS = ("FluxTransformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel")
 _POSITIVE_INTS = ("cache_interval", "max_skip_steps", "spatial_attention_block_skip_range",
                   "temporal_attention_block_skip_range", "cross_attention_block_skip_range",
                   "unconditional_batch_skip_range", "disable_cache_before_step", "max_order")

@@ -93,6 +93,8 @@ class PipelineSpec:
     ``text_length_max``: the most text tokens its ``text_length_arg`` may ask for (the pipeline's own
     limit, which it checks only after loading). ``record_args``: the call arguments a prompt record
     may set (typed and bounded by ``validation.CALL_ARGS``; those its ``__call__`` lacks are dropped).
+    ``tasks``: (input field, hint) for records that carry an input this pipeline does not take but
+    a task pipeline on the same weights does (FLUX.1's image-to-image and inpainting).
     ``cp_mask_modes``: the context-parallel modes verified equal to one process when the
     transformer's ``_cp_plan`` splits a text attention mask with the sequence (plain Ulysses, with
     ``compat``'s per-head fix; Qwen-Image's broadcast mask also under Ulysses-anything of degree 2).
@@ -121,6 +123,7 @@ class PipelineSpec:
     text_length_max: Optional[int] = None
     record_args: tuple[str, ...] = RECORD_ARGS
     cp_mask_modes: tuple[str, ...] = ("ulysses",)
+    tasks: tuple[tuple[str, str], ...] = ()
 
     def resolved(self, facts: Optional["PipelineFacts"] = None) -> "PipelineSpec":
         """This entry with every fact it leaves unset read from the pipeline (``facts``),
@@ -240,6 +243,15 @@ def tiny_builder(name: str) -> Optional[Callable[..., Any]]:
     return _load(path) if path else None
 
 
+# ----------------------------------------------------------------------------- model families
+
+# Transformers the per-image, agreed first-block cache (``first_block_cache``) is verified on.
+FIRST_BLOCK_TRANSFORMERS = ("FluxTransformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel")
+# VAEs whose tiled decode ``group_work`` deals over a model-parallel group tile by tile (bit-identical
+# to one device's tiled decode).
+TILE_PARALLEL = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")
+
+
 # ----------------------------------------------------------------------------- the registry
 
 register(PipelineSpec(
@@ -251,6 +263,8 @@ register(PipelineSpec(
         {"transformer": 23.8, "text_encoder_2": 9.5, "text_encoder": 0.25, "vae": 0.17},
         heads=24, hidden=3072, layers=57, text_tokens=512)},
     tiny="flux", tiny_builder="lightning_diffusion.pipelines.tiny:build_flux",
+    tasks=(("image", "image-to-image on FLUX.1 weights: model.pipeline_class: FluxImg2ImgPipeline"),
+           ("mask_image", "inpainting on FLUX.1 weights: model.pipeline_class: FluxInpaintPipeline")),
 ))
 # FLUX.1's task pipelines on the same weights (``model.pipeline_class``): the same tokens, plan, CFG
 # branches and default size (they resize every input image to the call's height x width); no staged

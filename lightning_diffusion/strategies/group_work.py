@@ -15,7 +15,7 @@ GPUs. ``GroupWork`` installs three things on a loaded pipeline, on every rank of
   Qwen-Image's ``hidden_states[-1]``), only that state is gathered and the rest is ``None``.
 * **VAE decoding by sample.** ``vae.decode`` on a batch of two or more latents decodes one slice per
   rank and all-gathers the images.
-* **VAE decoding by tile** (``model.vae_tiling``, for the VAEs in ``TILE_PARALLEL``). The tiles of
+* **VAE decoding by tile** (``model.vae_tiling``, for the VAEs in ``specs.TILE_PARALLEL``). The tiles of
   diffusers' own tiled decode are dealt round-robin over the ranks. Pass one runs the VAE's decode
   with its decoder computing only this rank's tiles (the others get a placeholder) and stops where
   the blending starts; the tiles are exchanged; pass two runs the decode again with the decoder
@@ -47,6 +47,7 @@ import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 
 from lightning_diffusion.console import log
+from lightning_diffusion.pipelines.specs import TILE_PARALLEL
 
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.vae import DecoderOutput
@@ -60,7 +61,6 @@ T = TypeVar("T")
 
 HOOK_NAME = "lightning_diffusion.group_split"
 # VAE classes whose tiled decode the tile deal is tested on (tests/test_group_work.py).
-TILE_PARALLEL = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")
 NOT_GATHERED = ("logits", "past_key_values", "cache", "loss")  # transformers 4 and 5 names
 _ALIGN = 16  # bytes: every tensor starts at an offset any dtype can be viewed from
 # Backends whose all-gather into one tensor is not copy-free: gloo's (torch 2.13) cuts the output
