@@ -16,6 +16,8 @@ import pytest
 
 from lightning_diffusion.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
+
 OPENED: list[str] = []
 
 
@@ -395,3 +397,20 @@ def test_predict_without_a_config_says_so(cli_here):
     assert proc.stderr.strip() == ("lightning-diffusion: error: predict needs a config: lightning-diffusion predict "
                                    "--config configs/tiny.yaml (or --data.prompts and --model.* flags); predict "
                                    "--help lists the keys.")
+
+
+@pytest.mark.parametrize("command", ["predict", "verify", "slurm"])
+def test_unknown_keys_are_refused_before_torch_lightning_or_diffusers_is_imported(command, tmp_path):
+    """The config groups' keys are read from the classes' sources: a typo is refused before the
+    imports the parser needs (seconds), with the parser's own words."""
+    code = ("import sys\nfrom lightning_diffusion import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit as e:\n"
+            "    heavy = sorted(m for m in ('torch', 'lightning', 'diffusers', 'transformers') if m in sys.modules)\n"
+            "    print('exit', e.code, 'imported', heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", code, command, "--config", "configs/tiny-flux.yaml",
+                           "--model.num_steps", "4", "--data.batchsize=2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert "exit 2 imported []" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "lightning-diffusion: error: 2 unknown keys: model.num_steps (did you mean model.num_inference_steps?), "
+        "data.batchsize (did you mean data.batch_size?) (lightning-diffusion predict --help lists every key)")

@@ -79,7 +79,7 @@ def test_a_data_module_without_a_run_plan_is_refused_at_the_start_naming_what_it
 
 def test_rejected_lines_name_each_records_images():
     data = PromptDataModule(["a", "b", "c"], num_images_per_prompt=2)
-    from lightning_diffusion.input.record_checks import RecordVerdicts
+    from lightning_diffusion.input.records import RecordVerdicts
 
     data.reject(RecordVerdicts({1: ("p.jsonl:2", "too big")}))
     assert data.rejected_lines() == [{"record": 2, "line": "p.jsonl:2", "reason": "too big", "images": [2, 3]}]

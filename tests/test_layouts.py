@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_diffusion.output.manifest import MANIFEST, merge_manifest
-from lightning_diffusion.output.recorded import finished, read_output, repair_manifest
+from lightning_diffusion.output.manifest import MANIFEST
+from lightning_diffusion.output.recorded import finished, merge_manifest, read_output, repair_manifest
 from tests.conftest import REPO, read_manifest_lines, run_cli, run_here, tiny_args
 
 PROMPTS = "[" + ", ".join(f"prompt {n}" for n in range(10)) + "]"

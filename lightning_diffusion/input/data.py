@@ -30,8 +30,7 @@ from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.images import record_inputs
-from lightning_diffusion.input.record_checks import RecordVerdicts
-from lightning_diffusion.input.records import Records, call_overrides, summarize_records  # noqa: F401
+from lightning_diffusion.input.records import Records, RecordVerdicts, call_overrides, summarize_records  # noqa: F401
 from lightning_diffusion.output.shard import Shard, deal_shards, select, shard_members
 from lightning_diffusion.run.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
 

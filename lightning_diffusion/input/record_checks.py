@@ -1,51 +1,17 @@
 """Records checked against the pipeline, before any weight loads: the allow-list of record fields,
 each distinct set of call arguments once (every record that has it shares its verdict), input
-fields and files record by record. ``RecordVerdicts`` holds the outcome.
+fields and files record by record. ``records.RecordVerdicts`` holds the outcome.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from lightning_diffusion.input.images import file_problems
-from lightning_diffusion.input.records import REPORTED, CallArgSet, as_records
+from lightning_diffusion.input.records import CallArgSet, RecordVerdicts, as_records
 from lightning_diffusion.run import validation
 from lightning_diffusion.run.validation import SEED_MAX
-
-
-@dataclass
-class RecordVerdicts:
-    """The records that cannot be made: position -> (``file:line``, reason)."""
-
-    rejected: dict[int, tuple[str, str]] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.rejected)
-
-    def report(self, most: int = REPORTED) -> str:
-        """One refusal naming the first ``most`` records and counting the rest."""
-        shown = [": ".join(self.rejected[p]) for p in sorted(self.rejected)[:most]]
-        more = len(self.rejected) - len(shown)
-        count = len(self.rejected)
-        head = f"{count} prompt record{'s' if count > 1 else ''} cannot be made"
-        tail = f"\n    ... and {more:,} more" if more else ""
-        return (f"{head} (data.on_bad_record: skip makes the others and lists these in rejected.jsonl):\n    "
-                + "\n    ".join(shown) + tail)
-
-    def refusal(self, num_records: int, on_bad_record: str) -> list[str]:
-        """Why these verdicts refuse the run: any bad record under ``data.on_bad_record: fail``;
-        under ``skip``, only a set where every record is bad."""
-        if self and on_bad_record != "skip":
-            return [self.report()]
-        if self.rejected and len(self.rejected) == num_records:
-            return ["every prompt record is rejected: " + self.report()]
-        return []
-
-    def image_indices(self, num_images_per_prompt: int) -> list[int]:
-        """The image indices of the rejected records."""
-        return [p * num_images_per_prompt + c for p in sorted(self.rejected) for c in range(num_images_per_prompt)]
 
 
 def check_records(info: Any, records: Sequence[Any], call_args: Optional[dict[str, Any]] = None,

@@ -14,7 +14,7 @@ Records are checked in two passes, both before any weight loads:
    input files. Each distinct set of call arguments is checked once, and every record that has it
    shares its verdict; input files are checked record by record.
 
-``record_checks.RecordVerdicts`` holds the outcome: record position -> reason. ``data.on_bad_record: fail``
+``RecordVerdicts`` holds the outcome: record position -> reason. ``data.on_bad_record: fail``
 (the default) refuses the run naming up to ``REPORTED`` of them with ``file:line``;
 ``skip`` makes the others and lists these in the output folder's ``rejected.jsonl``.
 
@@ -30,16 +30,13 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.input.images import INPUT_FIELDS
 from lightning_diffusion.run.validation import CALL_ARGS, MAX_PROMPT_CHARS, SEED_MAX, non_finite
-
-if TYPE_CHECKING:
-    from lightning_diffusion.input.record_checks import RecordVerdicts
 
 # Fields of a record that are not pipeline-call arguments.
 RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)
@@ -511,3 +508,36 @@ def _first_missing(columns: Columns, names: Sequence[str]) -> Optional[str]:
 def _shown(names: Sequence[str], most: int = 12) -> str:
     more = f", ... ({len(names) - most} more)" if len(names) > most else ""
     return ", ".join(names[:most]) + more
+
+
+@dataclass
+class RecordVerdicts:
+    """The records that cannot be made: position -> (``file:line``, reason)."""
+
+    rejected: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.rejected)
+
+    def report(self, most: int = REPORTED) -> str:
+        """One refusal naming the first ``most`` records and counting the rest."""
+        shown = [": ".join(self.rejected[p]) for p in sorted(self.rejected)[:most]]
+        more = len(self.rejected) - len(shown)
+        count = len(self.rejected)
+        head = f"{count} prompt record{'s' if count > 1 else ''} cannot be made"
+        tail = f"\n    ... and {more:,} more" if more else ""
+        return (f"{head} (data.on_bad_record: skip makes the others and lists these in rejected.jsonl):\n    "
+                + "\n    ".join(shown) + tail)
+
+    def refusal(self, num_records: int, on_bad_record: str) -> list[str]:
+        """Why these verdicts refuse the run: any bad record under ``data.on_bad_record: fail``;
+        under ``skip``, only a set where every record is bad."""
+        if self and on_bad_record != "skip":
+            return [self.report()]
+        if self.rejected and len(self.rejected) == num_records:
+            return ["every prompt record is rejected: " + self.report()]
+        return []
+
+    def image_indices(self, num_images_per_prompt: int) -> list[int]:
+        """The image indices of the rejected records."""
+        return [p * num_images_per_prompt + c for p in sorted(self.rejected) for c in range(num_images_per_prompt)]

@@ -12,7 +12,8 @@ from lightning_diffusion.boundaries import run_strategy
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import raise_problems
 from lightning_diffusion.input.data import PromptDataModule
-from lightning_diffusion.input.record_checks import RecordVerdicts, check_records
+from lightning_diffusion.input.record_checks import check_records
+from lightning_diffusion.input.records import RecordVerdicts
 from lightning_diffusion.run.model_checks import model_cache_problems
 from lightning_diffusion.run.validation import pixel_problems
 

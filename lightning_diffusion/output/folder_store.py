@@ -34,14 +34,13 @@ from lightning_diffusion.output.manifest import (
     atomic_write,
     merge_failures,
     merge_lock,
-    merge_manifest,
     part_counts,
     part_name,
     parts_glob,
     rejected_images,
     settings_conflict,
 )
-from lightning_diffusion.output.recorded import finished, repair_manifest
+from lightning_diffusion.output.recorded import finished, merge_manifest, repair_manifest
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,

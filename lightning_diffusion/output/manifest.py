@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import re
-from array import array
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -65,7 +64,6 @@ def atomic_write(path: Path, write, fsync: bool = True) -> int:
         tmp.unlink(missing_ok=True)
         raise
     return size
-
 
 
 RUN_FILE = "run.json"
@@ -171,44 +169,6 @@ def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = 
         return parts
     siblings = re.compile(rf"(?:manifest|failed)\.shard-(\d+)-of-{shard[1]}\.part-\d+\.jsonl")
     return [p for p in parts if not ((m := siblings.fullmatch(p.name)) and int(m.group(1)) != shard[0])]
-
-
-def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None) -> np.ndarray:
-    """Append the finished lines of the parts to ``manifest.jsonl``, part after part, and drop the
-    parts; returns the indices appended. A merge costs in proportion to its parts: the manifest is
-    only appended to, never read or rewritten, so the 16 shards of a job array merging into a
-    manifest of a million lines cost what one merge of those lines costs; lines go through as they
-    were written (bytes, never held all at once). A shard's run leaves alone the parts its sibling
-    shards still append to. A line cut by a kill at the manifest's end is ended first (it stays a
-    line that does not parse)."""
-    folder = Path(output_dir)
-    indices = array("q")
-    with merge_lock(folder):
-        parts = _parts_to_merge(folder, shard)
-        with open(folder / MANIFEST, "a+b") as out:  # created if missing: a run that made nothing has one
-            end = out.seek(0, os.SEEK_END)
-            if end:
-                out.seek(end - 1)
-                if out.read(1) != b"\n":
-                    out.write(b"\n")
-            chunk: list[bytes] = []
-
-            def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
-                indices.append(index)
-                chunk.append(raw)
-                if len(chunk) >= 10_000:
-                    out.write(b"".join(chunk))
-                    chunk.clear()
-
-            from lightning_diffusion.output.recorded import _scan
-
-            _scan(folder, parts, False, keep)
-            out.write(b"".join(chunk))
-            out.flush()
-            os.fsync(out.fileno())
-        for part in parts:
-            part.unlink(missing_ok=True)
-    return np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
 
 
 def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]], done: Any) -> int:

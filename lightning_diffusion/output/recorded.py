@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, atomic_write, merge_lock
+from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, _parts_to_merge, atomic_write, merge_lock
 from lightning_diffusion.output.shard import select
 
 # The names the writer gives an output: ``000123-a-red-fox.png`` (in a numbered subfolder in the
@@ -389,3 +389,39 @@ def repair_manifest(output_dir: str | os.PathLike, found: Finished) -> int:
 
         atomic_write(path, write)
     return dropped
+
+
+def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None) -> np.ndarray:
+    """Append the finished lines of the parts to ``manifest.jsonl``, part after part, and drop the
+    parts; returns the indices appended. A merge costs in proportion to its parts: the manifest is
+    only appended to, never read or rewritten, so the 16 shards of a job array merging into a
+    manifest of a million lines cost what one merge of those lines costs; lines go through as they
+    were written (bytes, never held all at once). A shard's run leaves alone the parts its sibling
+    shards still append to. A line cut by a kill at the manifest's end is ended first (it stays a
+    line that does not parse)."""
+    folder = Path(output_dir)
+    indices = array("q")
+    with merge_lock(folder):
+        parts = _parts_to_merge(folder, shard)
+        with open(folder / MANIFEST, "a+b") as out:  # created if missing: a run that made nothing has one
+            end = out.seek(0, os.SEEK_END)
+            if end:
+                out.seek(end - 1)
+                if out.read(1) != b"\n":
+                    out.write(b"\n")
+            chunk: list[bytes] = []
+
+            def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+                indices.append(index)
+                chunk.append(raw)
+                if len(chunk) >= 10_000:
+                    out.write(b"".join(chunk))
+                    chunk.clear()
+
+            _scan(folder, parts, False, keep)
+            out.write(b"".join(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)

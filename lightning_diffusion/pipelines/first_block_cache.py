@@ -8,7 +8,7 @@ of the group, decides whether the remaining blocks run. Imported only when the c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -18,10 +18,18 @@ from diffusers.hooks.hooks import BaseState, CacheContext, StateManager
 from diffusers.utils.torch_utils import unwrap_module
 
 if TYPE_CHECKING:
-    from lightning_diffusion.pipelines.cache import StepCache
-
     # What a transformer block returns: its hidden states, or a tuple holding them and the encoder's.
     _BlockOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+
+
+class StepDecisions(Protocol):
+    """What the hooks ask of the run's step cache (``cache.StepCache``): the per-image decision, agreed
+    over the shard group, and its count."""
+
+    def decide(self, residual: torch.Tensor, reference: torch.Tensor) -> list[bool]: ...
+
+    def count(self, compute: list[bool]) -> None: ...
+
 
 HEAD_HOOK = "lightning_diffusion.fbc_head"
 BLOCK_HOOK = "lightning_diffusion.fbc_block"
@@ -43,7 +51,7 @@ class FirstBlockState(BaseState):
         self.compute: list[bool] = []
 
 
-def install_first_block(model: torch.nn.Module, step_cache: StepCache) -> None:
+def install_first_block(model: torch.nn.Module, step_cache: StepDecisions) -> None:
     """Hooks on the first block (decides), the blocks after it (skip or run) and the last (records).
     ``step_cache``: a ``cache.StepCache`` (its ``decide`` and ``count``)."""
     blocks = [block for name, child in model.named_children()
@@ -117,7 +125,7 @@ class _HeadHook(_FirstBlockHook):
 
     _is_stateful = True
 
-    def __init__(self, state_manager: StateManager, step_cache: StepCache) -> None:
+    def __init__(self, state_manager: StateManager, step_cache: StepDecisions) -> None:
         super().__init__(state_manager)
         self.step_cache = step_cache
 

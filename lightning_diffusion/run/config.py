@@ -9,11 +9,9 @@ exactly what ``predict`` will run.
 
 from __future__ import annotations
 
-import difflib
 import re
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
@@ -27,6 +25,7 @@ from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.output.writer import ImageWriter
+from lightning_diffusion.run.config_guard import unknown_keys, unknown_keys_message
 from lightning_diffusion.run.context import RunContext, checked_by_launcher, first_process
 from lightning_diffusion.run.preflight import Verdict, preflight
 from lightning_diffusion.run.progress import ImageProgressBar
@@ -53,24 +52,6 @@ def _known_keys(parser: Any) -> list[str]:
     return keys
 
 
-def _closest(key: str, keys: list[str]) -> Optional[str]:
-    """``model.num_inference_steps`` for ``model.num_steps``: the closest key of the same group (by
-    its last part), else of all keys; None when none is close."""
-    group, _, leaf = key.rpartition(".")
-    same = [k for k in keys if k.rpartition(".")[0] == group]
-    leaves = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in same], n=1, cutoff=0.5)
-    match = f"{group}.{leaves[0]}" if leaves and group else (leaves[0] if leaves else None)
-    if match is None:
-        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-        match = close[0] if close else None
-    return match
-
-
-def _suggest(key: str, keys: list[str]) -> str:
-    match = _closest(key, keys)
-    return f"; did you mean {match}?" if match else ""
-
-
 def friendly_parser_error(message: str, keys: list[str]) -> str:
     """jsonargparse's message, problem first and short: an unknown key with the closest known one, a
     value of the wrong type as ``KEY: expected int or null, got 'abc'``."""
@@ -80,7 +61,7 @@ def friendly_parser_error(message: str, keys: list[str]) -> str:
         key = unknown.group(2) or unknown.group(3)
         if unknown.group(1):
             key = f"{unknown.group(1)}.{key}"
-        return f"unknown key {key}{_suggest(key, keys)} (lightning-diffusion predict --help lists every key)"
+        return unknown_keys_message([key], keys)
     typed = re.match(r'Parser key "([^"]+)":', message)
     if typed:
         given = re.search(r"(?:Given value|Got value): (.*)", message)
@@ -89,44 +70,6 @@ def friendly_parser_error(message: str, keys: list[str]) -> str:
         if given and names:
             return f"{typed.group(1)}: expected {' or '.join(names)}, got {given.group(1).strip()!r}"
     return " ".join(line.strip() for line in message.strip().splitlines()[:3])
-
-
-def unknown_keys(words: list[str], keys: list[str]) -> list[str]:
-    """Every key that ``words`` (a command line: ``--group.key`` flags and the YAML files of its
-    ``--config``) sets and the parser does not know, in the order given. A key under one that takes
-    a whole value (``trainer.strategy.init_args.ulysses``, ``model.cache.type``) is known."""
-    import yaml
-
-    known = {k for k in keys if not k.endswith(".help")}
-    groups = {k.rpartition(".")[0] for k in known if "." in k}
-    groups |= {".".join(g.split(".")[:i]) for g in list(groups) for i in range(1, g.count(".") + 1)}
-
-    def unknown(key: str) -> bool:
-        parts = key.split(".")
-        return not any(".".join(parts[:i]) in known - groups for i in range(1, len(parts) + 1)) and key not in groups
-
-    found: list[str] = []
-
-    def look(value: Any, prefix: str) -> None:
-        for name, inner in (value.items() if isinstance(value, dict) else []):
-            key = f"{prefix}{name}"
-            if key in groups and key not in known - groups:
-                look(inner, key + ".")
-            elif unknown(key) and key not in found:
-                found.append(key)
-
-    for i, word in enumerate(words):
-        if word == "--config" and i + 1 < len(words) or word.startswith("--config="):
-            path = words[i + 1] if word == "--config" else word.split("=", 1)[1]
-            try:
-                look(yaml.safe_load(Path(path).read_text()), "")
-            except (OSError, ValueError, yaml.YAMLError):
-                continue
-        elif word.startswith("--") and len(word) > 2:
-            key = word[2:].split("=", 1)[0].rstrip("+")
-            if key not in ("config", "help", "print_config") and unknown(key) and key not in found:
-                found.append(key)
-    return found
 
 
 class _Parser(LightningArgumentParser):
@@ -148,9 +91,7 @@ class _Parser(LightningArgumentParser):
         if text.startswith("unknown key "):
             unknown = unknown_keys(_Parser.words, keys)
             if len(unknown) > 1:
-                named = ", ".join(key + (f" (did you mean {match}?)" if (match := _closest(key, keys)) else "")
-                                  for key in unknown)
-                text = f"{len(unknown)} unknown keys: {named} (lightning-diffusion predict --help lists every key)"
+                text = unknown_keys_message(unknown, keys)
         sys.stderr.write(f"lightning-diffusion: error: {text}\n")
         self.exit(2)
 

@@ -11,6 +11,7 @@ never the content. Nothing heavy is imported.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -168,3 +169,110 @@ def _inline(value: str, where: str) -> list[str]:
         return []  # the parser reports it
     problems = _class_paths(data, where) if isinstance(data, (dict, list)) else []
     return problems + (_shorthand(data, where) if takes_class else [])
+
+
+def _closest(key: str, keys: list[str]) -> Optional[str]:
+    """``model.num_inference_steps`` for ``model.num_steps``: the closest key of the same group (by
+    its last part), else of all keys; None when none is close."""
+    group, _, leaf = key.rpartition(".")
+    same = [k for k in keys if k.rpartition(".")[0] == group]
+    leaves = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in same], n=1, cutoff=0.5)
+    match = f"{group}.{leaves[0]}" if leaves and group else (leaves[0] if leaves else None)
+    if match is None:
+        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+        match = close[0] if close else None
+    return match
+
+
+def _suggest(key: str, keys: list[str]) -> str:
+    match = _closest(key, keys)
+    return f"; did you mean {match}?" if match else ""
+
+
+def unknown_keys_message(unknown: list[str], keys: list[str]) -> str:
+    """``unknown key model.num_steps; did you mean model.num_inference_steps? (...)``, or for several
+    ``N unknown keys: A (did you mean B?), C (...)``: what the parser and the check before it say."""
+    tail = " (lightning-diffusion predict --help lists every key)"
+    if len(unknown) == 1:
+        return f"unknown key {unknown[0]}{_suggest(unknown[0], keys)}{tail}"
+    named = ", ".join(key + (f" (did you mean {match}?)" if (match := _closest(key, keys)) else "") for key in unknown)
+    return f"{len(unknown)} unknown keys: {named}{tail}"
+
+
+def unknown_keys(words: list[str], keys: list[str]) -> list[str]:
+    """Every key that ``words`` (a command line: ``--group.key`` flags and the YAML files of its
+    ``--config``) sets and the parser does not know, in the order given. A key under one that takes
+    a whole value (``trainer.strategy.init_args.ulysses``, ``model.cache.type``) is known."""
+    import yaml
+
+    known = {k for k in keys if not k.endswith(".help")}
+    groups = {k.rpartition(".")[0] for k in known if "." in k}
+    groups |= {".".join(g.split(".")[:i]) for g in list(groups) for i in range(1, g.count(".") + 1)}
+
+    def unknown(key: str) -> bool:
+        parts = key.split(".")
+        return not any(".".join(parts[:i]) in known - groups for i in range(1, len(parts) + 1)) and key not in groups
+
+    found: list[str] = []
+
+    def look(value: Any, prefix: str) -> None:
+        for name, inner in (value.items() if isinstance(value, dict) else []):
+            key = f"{prefix}{name}"
+            if key in groups and key not in known - groups:
+                look(inner, key + ".")
+            elif unknown(key) and key not in found:
+                found.append(key)
+
+    for i, word in enumerate(words):
+        if word == "--config" and i + 1 < len(words) or word.startswith("--config="):
+            path = words[i + 1] if word == "--config" else word.split("=", 1)[1]
+            try:
+                look(yaml.safe_load(Path(path).read_text()), "")
+            except (OSError, ValueError, yaml.YAMLError):
+                continue
+        elif word.startswith("--") and len(word) > 2:
+            key = word[2:].split("=", 1)[0].rstrip("+")
+            if key not in ("config", "help", "print_config") and unknown(key) and key not in found:
+                found.append(key)
+    return found
+
+
+# ``predict``'s config groups and the class whose ``__init__`` declares each one's keys, read from
+# its source: the keys are known before torch, Lightning or diffusers is imported.
+GROUP_CLASSES = {"model": ("lightning_diffusion", "module.py", "DiffusionModule"),
+                 "data": ("lightning_diffusion", "input/data.py", "PromptDataModule"),
+                 "writer": ("lightning_diffusion", "output/writer.py", "ImageWriter"),
+                 "trainer": ("lightning", "pytorch/trainer/trainer.py", "Trainer")}
+
+
+def declared_keys() -> dict[str, list[str]]:
+    """Each config group's keys (``model.height``...), from the sources of ``GROUP_CLASSES``; a
+    group whose class takes ``**kwargs`` or whose source cannot be read is left out."""
+    import ast
+    import importlib.util
+
+    found: dict[str, list[str]] = {}
+    for group, (package, file, class_name) in GROUP_CLASSES.items():
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        try:
+            tree = ast.parse((Path(list(spec.submodule_search_locations)[0]) / file).read_text())
+        except (OSError, SyntaxError):
+            continue
+        init = next((node for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == class_name
+                     for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "__init__"), None)
+        if init is None or init.args.kwarg is not None:
+            continue
+        found[group] = [f"{group}.{arg.arg}" for arg in [*init.args.args, *init.args.kwonlyargs] if arg.arg != "self"]
+    return found
+
+
+def key_problems(words: list[str]) -> list[str]:
+    """The unknown keys of the config groups among a command's words and config files, as the
+    parser would name them, found before anything heavy is imported (a typo is refused in a
+    second, not after seconds of imports)."""
+    by_group = declared_keys()
+    keys = [key for group_keys in by_group.values() for key in group_keys]
+    unknown = [key for key in unknown_keys(words, keys) if key.split(".")[0] in by_group and "." in key]
+    return [unknown_keys_message(unknown, keys)] if unknown else []

@@ -20,7 +20,8 @@ from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.errors import ConfigError, is_int, run_check
 from lightning_diffusion.input.data import run_plan, shard_owners
 from lightning_diffusion.input.formats import read_records
-from lightning_diffusion.input.record_checks import RecordVerdicts, check_records
+from lightning_diffusion.input.record_checks import check_records
+from lightning_diffusion.input.records import RecordVerdicts
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
 from lightning_diffusion.output.manifest import MANIFEST, settings_conflict
