@@ -29,6 +29,7 @@ def test_a_modules_old_flat_name_imports_the_module_it_moved_to(old):
     assert moved.__spec__.name == moved.__name__  # the alias did not take the module's own spec
 
 
+@pytest.mark.slow
 def test_old_class_paths_and_the_public_names_resolve_in_a_fresh_interpreter():
     code = ("import lightning_diffusion.writer as w, lightning_diffusion.accelerators as a\n"
             "from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule\n"
