@@ -283,3 +283,25 @@ def test_a_pipeline_a_run_cannot_drive_is_refused_before_weights(class_name, com
     proc = cli_here("predict", "--config", str(tmp_path / "run.yaml"), "--trainer.accelerator", "cpu")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("vae, expected", [
+    ("AutoencoderDC", (32, 1)),  # Sana's: 2 ** (encoder blocks - 1), not the usual 8
+    ("AutoencoderKLMochi", (8, 6)),  # Mochi's: the product of its spatial and temporal expansions
+    ("AutoencoderKLLTXVideo", (32, 8)),
+    ("AutoencoderKLWan", (8, 4)),
+])
+def test_a_vaes_compression_is_read_from_its_class_where_its_config_states_none(vae, expected):
+    """Sana's and Mochi's VAE configs hold no compression factor: the class computes it in its
+    ``__init__`` (read on the meta device, no weight), so sizes, frames and token counts are right."""
+    import inspect
+
+    import diffusers
+
+    from lightning_diffusion.pipelines.facts import vae_compression
+
+    cls = getattr(diffusers, vae)
+    config = {name: list(p.default) if isinstance(p.default, tuple) else p.default
+              for name, p in inspect.signature(cls.__init__).parameters.items()
+              if name != "self" and p.default is not p.empty}
+    assert vae_compression(cls, config) == expected

@@ -143,17 +143,22 @@ def _meta_model(cls: Any, config: dict[str, Any]) -> Any:
 
 def vae_compression(cls: Optional[type], config: dict[str, Any]) -> tuple[Optional[int], int]:
     """(spatial, temporal) compression of a VAE: the config's own factors where it states them, else
-    the attributes diffusers' video VAEs compute in ``__init__`` (``spatial_compression_ratio``,
-    ``temporal_compression_ratio``: LTX's from its patch and scaling blocks), read from the class
-    built on the meta device, else its down blocks."""
+    the attributes the VAE class computes in ``__init__`` (``spatial_compression_ratio``,
+    ``temporal_compression_ratio``: LTX's from its patch and scaling blocks, ``AutoencoderDC``'s from
+    its encoder blocks, Mochi's from its expansions), read from the class built on the meta device,
+    else its down blocks."""
     spatial = config.get("scale_factor_spatial") or config.get("spatial_compression_ratio")
     temporal = config.get("scale_factor_temporal") or config.get("temporal_compression_ratio")
-    if (spatial is None or temporal is None) and cls is not None and "spatio_temporal_scaling" in config:
+    # Whether the class's ``__init__`` (unwrapped from diffusers' ``register_to_config``) sets the ratio.
+    init = vars(cls).get("__init__") if cls is not None else None
+    code = getattr(inspect.unwrap(init), "__code__", None) if callable(init) else None
+    computes = code is not None and "spatial_compression_ratio" in code.co_names
+    if (spatial is None or temporal is None) and computes:
         model = _meta_model(cls, config)
         spatial = spatial or getattr(model, "spatial_compression_ratio", None)
         temporal = temporal or getattr(model, "temporal_compression_ratio", None)
-    if spatial is None and "temperal_downsample" in config:  # Wan-family VAEs
-        spatial = 2 ** len(config["temperal_downsample"])
+    if "temperal_downsample" in config:  # Wan-family VAEs
+        spatial = spatial or 2 ** len(config["temperal_downsample"])
         temporal = temporal or 2 ** sum(bool(t) for t in config["temperal_downsample"])
     if spatial is None and isinstance(config.get("block_out_channels"), list):
         spatial = 2 ** (len(config["block_out_channels"]) - 1)
