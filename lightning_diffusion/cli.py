@@ -16,6 +16,8 @@ from lightning_diffusion.commands import COMMANDS
 
 # The commands that read a predict config (their words carry its keys and --config files).
 CONFIG_COMMANDS = ("predict", "verify", "benchmark", "slurm", "k8s", "download")
+# Of those, the ones whose prompt set is read on this machine (k8s's is the pods').
+LOCAL_DATA_COMMANDS = ("predict", "verify", "benchmark", "slurm")
 from lightning_diffusion.run import interrupt
 
 
@@ -45,11 +47,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         print(f"lightning-diffusion: error: unknown command {words[0]!r}.{hint}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    from lightning_diffusion.run.config_guard import key_problems, words_problems
+    from lightning_diffusion.run.config_guard import key_problems, prompt_problems, words_problems
 
     problems = words_problems(words[1:])  # before any parser quotes a file or imports a class_path
     if not problems and words[0] in CONFIG_COMMANDS:
         problems = key_problems(words[1:])  # before the imports that the parser needs
+    if not problems and words[0] in LOCAL_DATA_COMMANDS:
+        found = prompt_problems(words[1:])  # said as the command says it after its parse
+        if found:
+            prog = "lightning-diffusion" if words[0] == "predict" else f"lightning-diffusion {words[0]}"
+            print(f"{prog}: error: {found[0]}", file=sys.stderr)
+            sys.exit(2)
     if problems:
         text = problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)
         print(f"lightning-diffusion: error: {text}", file=sys.stderr)

@@ -414,3 +414,17 @@ def test_unknown_keys_are_refused_before_torch_lightning_or_diffusers_is_importe
     assert proc.stderr.strip() == (
         "lightning-diffusion: error: 2 unknown keys: model.num_steps (did you mean model.num_inference_steps?), "
         "data.batchsize (did you mean data.batch_size?) (lightning-diffusion predict --help lists every key)")
+
+
+@pytest.mark.parametrize("command, prog", [("predict", "lightning-diffusion"),
+                                           ("verify", "lightning-diffusion verify")])
+def test_a_missing_prompt_file_is_refused_before_torch_is_imported(command, prog, tmp_path):
+    """The prompt set's source (the last --config or flag that names it) is looked at before the
+    heavy imports: a wrong path is refused at once, in the command's own words."""
+    (tmp_path / "extra.yaml").write_text(f"data:\n  prompts: {tmp_path / 'nope.jsonl'}\n")
+    code = ("import sys\nfrom lightning_diffusion import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code, command, "--config", "configs/tiny-flux.yaml", "--config",
+                           str(tmp_path / "extra.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "exit 2 False" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"{prog}: error: Prompt file '{tmp_path / 'nope.jsonl'}' does not exist."

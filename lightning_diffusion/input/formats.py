@@ -320,6 +320,12 @@ def _source(prompts: Union[str, os.PathLike], split: Optional[str]) -> _Source:
     return _Source(suffix[1:], (path,), str(path), path.resolve().parent)
 
 
+def check_source(prompts: Union[str, os.PathLike], split: Optional[str] = None) -> None:
+    """Raise ``PromptFileError`` where ``prompts`` names no prompt set this can read (missing, of
+    another kind, a glob that matches nothing...); no record is read."""
+    _source(prompts, split)
+
+
 _READ: dict[tuple, Records] = {}
 
 

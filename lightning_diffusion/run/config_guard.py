@@ -276,3 +276,42 @@ def key_problems(words: list[str]) -> list[str]:
     keys = [key for group_keys in by_group.values() for key in group_keys]
     unknown = [key for key in unknown_keys(words, keys) if key.split(".")[0] in by_group and "." in key]
     return [unknown_keys_message(unknown, keys)] if unknown else []
+
+
+def _given(words: list[str], group: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The values of ``group``'s keys ``names`` as the parser would end with them: the config files
+    and the flags in the order given, the last one winning."""
+    import yaml
+
+    found: dict[str, Any] = {}
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        if not value and i + 1 < len(words):
+            value = words[i + 1]
+        if flag in ("--config", "-c"):
+            try:
+                data = yaml.safe_load(Path(value).expanduser().read_text())
+            except (OSError, ValueError, yaml.YAMLError):
+                continue
+            section = data.get(group) if isinstance(data, dict) else None
+            if isinstance(section, dict):
+                found.update({name: section[name] for name in names if name in section})
+        elif flag.startswith(f"--{group}.") and flag[len(group) + 3:] in names:
+            found[flag[len(group) + 3:]] = value
+    return found
+
+
+def prompt_problems(words: list[str]) -> list[str]:
+    """Where ``data.prompts`` names a file, folder or glob: that it is a prompt set this can read,
+    before the heavy imports (the same words as the run's own check; nothing is read yet)."""
+    given = _given(words, "data", ("prompts", "split"))
+    prompts, split = given.get("prompts"), given.get("split")
+    if not isinstance(prompts, str) or prompts.startswith("hf://") or prompts.lstrip().startswith(("[", "{")):
+        return []
+    from lightning_diffusion.input.formats import PromptFileError, check_source
+
+    try:
+        check_source(prompts, split if isinstance(split, str) and split not in ("null", "None") else None)
+    except PromptFileError as err:
+        return [str(err)]
+    return []
