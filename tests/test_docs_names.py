@@ -57,6 +57,7 @@ PACKAGE = ROOT / "lightning_diffusion"
 NOT_NAMES = {
     "run.py": "README: the user's own script in an example (`python run.py`)",
     "model.num_steps": "a misspelt key in an example of the config errors' 'did you mean' message",
+    "data.batchsize": "a misspelt key in the same example (every unknown key at once)",
 }
 # Words of other programs that look like code: SLURM's configuration and states, Kubeflow's job kind.
 FOREIGN = {"JobId", "KillWait", "PreemptParameters", "send_user_signal", "BeginTime", "PyTorchJob"}

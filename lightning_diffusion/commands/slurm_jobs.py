@@ -91,7 +91,6 @@ class Outputs:
         from lightning_diffusion.output.store import open_store
 
         self.store = open_store(output, options=options)
-        self.options = options
         # The folder the job's nodes share and its logs go into; None for a store they reach on their own.
         self.folder = Path(output) if self.store.needs_shared_folder else None
         self.url = None if self.store.needs_shared_folder else self.store.where
