@@ -147,3 +147,39 @@ def test_plan_reads_a_prompt_file_and_plans_for_its_largest_image(tmp_path, caps
     assert "prompt set: 20 records by size (512x512: 10, 2048x2048: 5, 1024x1024: 5); planned for the largest, " \
            "2048x2048" in out
     assert "height: 2048" in out
+
+
+@pytest.mark.parametrize("model, pipeline_class", [
+    ("tiny:flux", None), ("tiny:wan", None), ("tiny:sdxl", None),
+    ("tiny:sdxl", "StableDiffusionXLImg2ImgPipeline"),  # its call takes its input's size: no height, width
+])
+def test_every_config_plan_writes_passes_predicts_checks(model, pipeline_class, tmp_path, capsys):
+    """What ``plan --write`` writes is a config ``predict`` accepts: parsed and checked as the job
+    would check it (on its GPUs: this machine's are not asked), with a prompt set given."""
+    import json
+    import shutil
+
+    from lightning_diffusion.pipelines import tiny
+    from lightning_diffusion.run.config import read_config
+    from lightning_diffusion.run.preflight import preflight
+
+    folder = tiny.resolve(model)
+    if pipeline_class is not None:  # the same weights saved as a task pipeline
+        folder = shutil.copytree(folder, tmp_path / "model")
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": pipeline_class}))
+    written = tmp_path / "plan.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", str(folder), "--gpus", "2", "--gpu-memory", "24GB", "--height", "64", "--width",
+              "64", *(["--frames", "5"] if model == "tiny:wan" else []), "--write", str(written)])
+    assert exit_info.value.code == 0, capsys.readouterr()
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(
+        {"prompt": "a red circle", **({"image": str(tmp_path / "in.png")} if pipeline_class else {})}) + "\n")
+    if pipeline_class:
+        from PIL import Image
+
+        Image.new("RGB", (64, 64), "red").save(tmp_path / "in.png")
+    config = read_config(str(written), ["--data.prompts", str(tmp_path / "prompts.jsonl"), "--model.torch_dtype",
+                                        "float32", "--writer.output_dir", str(tmp_path / "out")], check=False)
+    assert ("height" in yaml.safe_load(written.read_text())["model"]) == (pipeline_class is None)
+    assert preflight(config, here=False).problems == []

@@ -25,7 +25,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
 
@@ -61,6 +61,7 @@ class ModelFacts:
     context: tuple[str, ...] = ()
     tensor: bool = False
     cp_plan: bool = False
+    sizes: bool = True  # the pipeline's call takes height and width (an image-to-image call takes its input's)
 
     @property
     def total_gb(self) -> float:
@@ -97,7 +98,7 @@ def facts_for(model: str) -> ModelFacts:
     return ModelFacts(model, components, heads, hidden, layers, pixels_per_token=info.size_multiple,
                       text_tokens=text, pipeline=info.class_name, spec=info.spec,
                       context=context_modes(info.spec, info.facts), tensor=bool(info.facts.tp_plan),
-                      cp_plan=bool(info.facts.cp_plan))
+                      cp_plan=bool(info.facts.cp_plan), sizes={"height", "width"} <= info.call_parameters)
 
 
 def context_note(facts: ModelFacts) -> str:
@@ -151,8 +152,9 @@ class Plan:
     def config(self, facts: ModelFacts, height: int, width: int, frames: Optional[int]) -> dict:
         strategy = self.strategy if not self.init_args else {
             "class_path": f"lightning_diffusion.strategies.{self.strategy}", "init_args": self.init_args}
-        model = {"pretrained_model_name_or_path": facts.name, "torch_dtype": "bfloat16", "height": height,
-                 "width": width}
+        model: dict[str, Any] = {"pretrained_model_name_or_path": facts.name, "torch_dtype": "bfloat16"}
+        if facts.sizes:  # only what ``predict`` accepts: an image-to-image call's size is its input's
+            model.update(height=height, width=width)
         if frames:
             model["num_frames"] = frames
         return {"trainer": {"accelerator": "gpu", "devices": self.devices, "strategy": strategy}, "model": model,
