@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 # Input files a record may carry (a path, or a list of paths for pipelines that take several);
 # relative paths resolve against the prompt file's folder.
-INPUT_FIELDS = ("image", "mask_image", "last_image")
+INPUT_FIELDS = ("image", "mask_image", "last_image", "control_image")
 
 
 def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:

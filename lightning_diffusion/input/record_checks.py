@@ -70,7 +70,7 @@ def _field_problems(info: Any, entry: CallArgSet) -> list[str]:
         if name in entry.without_inputs and needed:
             problems.append(f"it has no {name}, which these {info.class_name} weights need (their transformer config "
                             f"sets {key}).")
-    for name in info.spec.inputs:
+    for name in info.needed_inputs:
         if name in entry.without_inputs:
             problems.append(f"it has no {name}, which {info.class_name} needs (a path in the record: "
                             f"{{\"prompt\": ..., \"{name}\": \"in/0001.png\"}}).")

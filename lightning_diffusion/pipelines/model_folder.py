@@ -243,6 +243,17 @@ class PipelineInfo:
                              "leave it out.")
         return wrong
 
+    @property
+    def needed_inputs(self) -> tuple[str, ...]:
+        """The input files every record must carry: the registry's (an edit pipeline's image), and a
+        ControlNet pipeline's control image (``control_image`` where its call has one, else
+        ``image``), read from its ``controlnet`` component."""
+        needed = list(self.spec.inputs)
+        if "controlnet" in self.model_index:
+            control = "control_image" if "control_image" in self.call_parameters else "image"
+            needed += [control] if control not in needed else []
+        return tuple(needed)
+
     def run_problems(self, given: set[str], record_fields: set[str]) -> list[str]:
         """Why a run of prompts to pictures cannot drive this pipeline, read from its class before any
         weight loads: no ``prompt`` argument (one stage of a larger pipeline), an output that holds no
@@ -273,7 +284,9 @@ class PipelineInfo:
         if reserved:
             problems.append(f"{where} sets {', '.join(sorted(reserved))}, which lightning-diffusion sets per image "
                             "itself; put prompts and seeds in the prompt file instead.")
-        inputs = names & {"image", "mask_image", "last_image"}
+        from lightning_diffusion.input.images import INPUT_FIELDS
+
+        inputs = names & set(INPUT_FIELDS)
         if inputs:
             problems.append(f"{where} sets {', '.join(sorted(inputs))}: input files belong to each prompt record "
                             f"(a .jsonl line such as {{\"prompt\": \"...\", \"image\": \"in/0001.png\"}}).")

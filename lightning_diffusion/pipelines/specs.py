@@ -220,8 +220,8 @@ def all_published() -> list[str]:
 
 
 # Tiny copies of pipelines that need no entry here (``tiny_zoo.py``): NAME -> builder path.
-TINY_ZOO = {name: f"lightning_diffusion.pipelines.tiny_zoo:build_{name}"
-            for name in ("sdxl", "sd3", "flux2", "ltx", "cogvideox")}
+TINY_ZOO = {name: f"lightning_diffusion.pipelines.tiny_zoo:build_{name.replace('-', '_')}"
+            for name in ("sdxl", "sdxl-controlnet", "sd3", "flux2", "ltx", "cogvideox")}
 
 
 def _tiny_paths() -> dict[str, str]:

@@ -70,6 +70,26 @@ def build_sdxl(directory: str | os.PathLike) -> Path:
     return _save(pipe, directory)
 
 
+def build_sdxl_controlnet(directory: str | os.PathLike) -> Path:
+    """StableDiffusionXLControlNetPipeline: tiny:sdxl's parts and a ControlNet made from its UNet,
+    whose conditioning embedding takes the control image down 4x, as the VAE does."""
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
+
+    from lightning_diffusion.pipelines.tiny import resolve
+
+    sdxl = StableDiffusionXLPipeline.from_pretrained(resolve("tiny:sdxl"))
+    torch.manual_seed(1)
+    controlnet = ControlNetModel.from_unet(sdxl.unet, conditioning_embedding_out_channels=(4, 8, 16))
+    # from_unet starts the control's own convolutions at zero (no effect until trained): random here,
+    # so that a record's control image shows in its picture
+    for module in (controlnet.controlnet_cond_embedding.conv_out, controlnet.controlnet_down_blocks,
+                   controlnet.controlnet_mid_block):
+        for parameter in module.parameters():
+            torch.nn.init.normal_(parameter, std=0.2)
+    pipe = StableDiffusionXLControlNetPipeline(**sdxl.components, controlnet=controlnet)
+    return _save(pipe, directory)
+
+
 def build_sd3(directory: str | os.PathLike) -> Path:
     """StableDiffusion3Pipeline: an MMDiT with 2x2 patches over an 8x VAE, two CLIPs and a T5."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
