@@ -65,14 +65,16 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         module = importlib.import_module(f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}")
-        self._own_spec = module.__spec__  # the import machinery sets ``__spec__`` to the alias's next
+        spec.loader_state = module.__spec__  # the import machinery sets ``__spec__`` to the alias's next
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self._own_spec
+        alias = module.__spec__
+        if alias is not None and isinstance(alias.loader_state, importlib.machinery.ModuleSpec):
+            module.__spec__ = alias.loader_state
 
 
-if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+if not any(type(finder).__name__ == "_MovedModules" for finder in sys.meta_path):  # one, even after a reload
     sys.meta_path.append(_MovedModules())
 
 

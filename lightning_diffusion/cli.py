@@ -50,9 +50,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     from lightning_diffusion.run.config_guard import key_problems, prompt_problems, words_problems
 
     problems = words_problems(words[1:])  # before any parser quotes a file or imports a class_path
-    if not problems and words[0] in CONFIG_COMMANDS:
+    # Help and --print_config ask for no run: the parser answers them as it always did.
+    asks = any(word in ("-h", "--help") or word.startswith("--print_config") for word in words[1:])
+    if not problems and words[0] in CONFIG_COMMANDS and not asks:
         problems = key_problems(words[1:])  # before the imports that the parser needs
-    if not problems and words[0] in LOCAL_DATA_COMMANDS:
+    if not problems and words[0] in LOCAL_DATA_COMMANDS and not asks:
         found = prompt_problems(words[1:])  # said as the command says it after its parse
         if found:
             prog = "lightning-diffusion" if words[0] == "predict" else f"lightning-diffusion {words[0]}"

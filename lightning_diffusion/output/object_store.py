@@ -355,9 +355,8 @@ class ObjectStore:
             except Exception as err:
                 log.warning(f"{self.url}: the lock could not be removed ({_why(err)}); it goes stale in "
                             f"{STALE_S:.0f} s.")
-        if self._local_dir is not None:
+        if self._local_dir is not None:  # kept as the path: a message may name it, nothing makes it again
             shutil.rmtree(self._local_dir, ignore_errors=True)
-            self._local_dir = None
 
     # ----------------------------------------------------------------- the run's records
 

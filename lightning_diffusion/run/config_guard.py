@@ -288,6 +288,8 @@ def _given(words: list[str], group: str, names: tuple[str, ...]) -> dict[str, An
         flag, _, value = word.partition("=")
         if not value and i + 1 < len(words):
             value = words[i + 1]
+        if flag == f"--{group}":  # the whole group given at once: the parser reads it
+            return {}
         if flag in ("--config", "-c"):
             try:
                 data = yaml.safe_load(Path(value).expanduser().read_text())

@@ -27,6 +27,9 @@ INTERRUPTED_LINE = ("lightning-diffusion: interrupted (Ctrl-C); the images recor
 # The launching process's pid, in the environment of the ranks it starts (``strategies.watchdog``).
 LAUNCHER_PID = "LIGHTNING_DIFFUSION_LAUNCHER_PID"
 _MODULES = ("lightning_diffusion", "lightning_diffusion.cli")
+# Whether the launcher started this process (its variable, read as the package is imported: the
+# watchdog takes it out of the environment later, while the rank may still be starting).
+LAUNCHED = LAUNCHER_PID in os.environ
 _SCRIPT = "lightning-diffusion"
 
 
@@ -34,7 +37,7 @@ def interrupted_while_starting(signum: int, frame: object) -> None:
     """``predict``'s Ctrl-C until the run takes it over: the line, written with ``os.write`` (the
     main thread may be inside a print), and exit 130 without the interpreter's teardown. A rank the
     launcher started ends without it: the terminal's Ctrl-C reached the launcher too, which says it."""
-    if LAUNCHER_PID not in os.environ:
+    if not LAUNCHED:
         os.write(2, (INTERRUPTED_LINE + "\n").encode())
     os._exit(130)
 

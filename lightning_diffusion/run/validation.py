@@ -346,7 +346,8 @@ def writer_problems(settings: Mapping[str, Any]) -> list[str]:
 
     output_dir = settings.get("output_dir", WRITER["output_dir"].default)
     named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
-    problems: list[str] = store_class(output_dir).settings_problems(settings) if named else [
+    given = {**settings, "output_dir": output_dir}
+    problems: list[str] = store_class(output_dir).settings_problems(given) if named else [
         f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
         "folder)."]
     for name, option in WRITER.items():

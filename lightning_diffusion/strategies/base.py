@@ -41,6 +41,7 @@ from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.pipelines import compat, quantization
+from lightning_diffusion.run import interrupt
 from lightning_diffusion.run.context import RunContext
 from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
@@ -65,19 +66,26 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
 BACKEND_GRACE = timedelta(seconds=60)
 
 
-def cpu_threads(local_processes: int, environ: Optional[dict[str, str]] = None) -> tuple[int, str]:
-    """The intra-op threads of one of a node's ``local_processes`` processes, and why: SLURM's
-    ``--cpus-per-task`` where a task has it, else the cores this process may run on over the
-    processes that share them (each taking all of them would oversubscribe the node: a 2-process
-    CPU run was 3x slower)."""
+def cpu_threads(local_processes: int, launched_here: bool,
+                environ: Optional[dict[str, str]] = None) -> tuple[int, str]:
+    """The intra-op threads of one of a node's ``local_processes`` processes, and why. Processes this
+    job's launcher started (``launched_here``) share the CPUs it was given: SLURM's
+    ``--cpus-per-task`` where set, else the cores it may run on. Processes started outside (``srun``
+    tasks) have SLURM's CPUs a task each, or, where no binding narrowed their cores, share the
+    node's. Each taking all of them would oversubscribe the node (a 2-process CPU run was 1.5x
+    slower)."""
     environ = dict(os.environ) if environ is None else environ
+    processes = max(1, local_processes)
     per_task = environ.get("SLURM_CPUS_PER_TASK", "")
     if per_task.isdigit() and int(per_task) > 0:
-        return int(per_task), f"SLURM's {per_task} CPUs a task"
+        sharing = processes if launched_here else 1
+        return max(1, int(per_task) // sharing), (f"SLURM's {per_task} CPUs a task over "
+                                                   f"{counted(sharing, 'process', 'processes')}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    processes = max(1, local_processes)
-    return max(1, cores // processes), (f"{counted(cores, 'core')} over {counted(processes, 'process', 'processes')}"
-                                        " of this node")
+    bound = cores < (os.cpu_count() or cores)  # a binding gave this process its own cores
+    sharing = processes if launched_here or not bound else 1
+    return max(1, cores // sharing), (f"{counted(cores, 'core')} over {counted(sharing, 'process', 'processes')}"
+                                      " of this node")
 
 
 class DiffusionParallelStrategy(ParallelStrategy):
@@ -237,8 +245,12 @@ class DiffusionParallelStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.lightning_module is not None
-        if console.USER_THREADS is None:  # the node's cores shared by its processes, not each taking all
-            threads, why = cpu_threads(self.num_processes)
+        # the node's cores shared by its processes, not each taking all (one process keeps torch's own)
+        if console.USER_THREADS is None and self.num_processes > 1:
+            assert self.cluster_environment is not None
+            # started by this job's launcher: the launching process, or a rank it started
+            launched = not self.cluster_environment.creates_processes_externally or interrupt.LAUNCHED
+            threads, why = cpu_threads(self.num_processes, launched)
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)  # for what this rank starts
             log.info(f"CPU threads: {threads} a process ({why}; OMP_NUM_THREADS sets another count)")
