@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, cast, runtime_checkable
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.shard import Shard, shard_size
@@ -41,7 +41,8 @@ class RunPlan:
     inline list); ``num_images``: every shard's images; ``shard``: the one this run makes, or None;
     ``files``: the files of a set read from several (a folder or glob of Parquet files, a dataset),
     whose contents are its hash; ``reading``: the settings that shape its records (``data.columns``,
-    ``data.keep_columns``, ``data.split``), where set.
+    ``data.keep_columns``, ``data.split``), where set; ``pull``: the job joins a pool of workers
+    that pull batches (``data.schedule: pull``).
     """
 
     prompts: Any
@@ -51,6 +52,7 @@ class RunPlan:
     shard: Optional[Shard] = None
     files: tuple[str, ...] = ()
     reading: Optional[dict[str, Any]] = None
+    pull: bool = False  # ``data.schedule: pull``: the run's workers pull batches from a pool in the output
 
     @property
     def expected(self) -> int:
@@ -83,6 +85,27 @@ class PromptSource(Protocol):
 
 
 @runtime_checkable
+class PoolSource(Protocol):
+    """A data module whose workers pull batches from a pool (``PromptDataModule`` with
+    ``data.schedule: pull``), as the writer drives it."""
+
+    def use_pool(self, files: Any, job: str) -> None:
+        """Pull batches from the pool kept in ``files`` (``pool.PoolFiles``), as job ``job``
+        (``data.schedule: pull``; the writer calls it at setup)."""
+        ...
+
+    def holds(self, batch_indices: Any) -> bool:
+        """Whether this worker still holds the batch of ``batch_indices`` (its images are written
+        only then); True for a run that deals its work."""
+        ...
+
+    def leave_pool(self, ended: bool) -> None:
+        """Stop working in the pool: ``ended`` once every image this worker made is recorded,
+        else failed (its batches are taken over at once)."""
+        ...
+
+
+@runtime_checkable
 class ImageSource(Protocol):
     """A LightningModule as the writer reads it (``DiffusionModule``)."""
 
@@ -103,6 +126,10 @@ class RunStrategy(Protocol):
     writes_outputs: bool
     # A gloo group without the collective timeout, for gathers that wait on the slowest rank.
     idle_group: Optional[ProcessGroup]
+
+    def replica_share(self) -> Optional[Callable[[Any], Any]]:
+        """Hands the replica's writing rank's object to its other ranks; None for a replica of one."""
+        ...
 
 
 def run_strategy(strategy: object) -> Optional[RunStrategy]:

@@ -49,3 +49,16 @@ class LastFailsFiles(FailingFiles):
 
 class LastFailsWriter(ImageWriter):
     files_class = LastFailsFiles
+
+
+class PacedWriter(ImageWriter):
+    """Holds each batch ``seconds[global rank]`` seconds before writing it (a slower replica, or a
+    job that stays open long enough to be joined, killed or frozen mid-batch)."""
+
+    def __init__(self, *args, seconds=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds = seconds or {}
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, *args, **kwargs):
+        time.sleep(self.seconds.get(trainer.global_rank, 0.0))
+        super().write_on_batch_end(trainer, pl_module, prediction, *args, **kwargs)

@@ -148,6 +148,9 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     from lightning_diffusion.commands import status
     from lightning_diffusion.output.shard import Shard
 
+    if config.data.get("schedule") == "pull":
+        raise ConfigError("--array deals shards to its tasks, and data.schedule: pull has none: submit the command "
+                          "once for each job of the pool instead (each joins it), or use data.schedule: deal.")
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
     count = args.array or status.shard_count(job_dir)

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from lightning_diffusion.commands import add_json_option, json_argv, report
+from lightning_diffusion.console import counted
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.folder_store import FolderStore
 from lightning_diffusion.output.lock import OutputLock, live_locks
@@ -35,6 +36,7 @@ from lightning_diffusion.output.manifest import (
     recent_written,
     rejected_images,
 )
+from lightning_diffusion.output.pool import POOL, FolderPoolFiles, pool_summary
 from lightning_diffusion.output.recorded import finished
 from lightning_diffusion.output.shard import Shard, recorded_owners
 from lightning_diffusion.output.store import open_store
@@ -74,6 +76,9 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
     failed = count_lines(folder / FAILED) + sum(count_lines(p) for p in folder.glob(FAILURES_GLOB))
     complete = expected is not None and done + len(rejected) >= expected
     eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
+    pool = pool_summary(FolderPoolFiles(folder)) if (folder / POOL).is_dir() else None
+    running = running or bool(pool and any(worker["live"] for worker in pool["workers"]))
+    eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
     if shards:  # a task still queued counts: the array is not over
         running = running or any(shard["running"] or shard.get("slurm_state") in ACTIVE_STATES for shard in shards)
         eta = (expected - done) / rate if running and rate and expected is not None and not complete else None
@@ -94,6 +99,7 @@ def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
         "not_counted": problems,
         "last_run": history[-1] if history else None,
         "shards": shards,
+        "pool": pool,
     }
 
 
@@ -321,6 +327,16 @@ def text(status: dict[str, Any]) -> str:
         rate = f", {made / seconds:.2f} outputs/s a shard" if seconds else ""
         lines.append(f"  shards together: {made:,} made in {sum(shard['runs'] for shard in shards)} runs, {failed:,} "
                      f"failed, {seconds / 3600:.2f} h of prediction{rate}")
+    pool = status.get("pool")
+    if pool:
+        working = [member for member in pool["workers"] if member["live"]]
+        lines.append(f"  pool: {counted(len(working), 'worker')} live of {len(pool['workers'])} registered; "
+                     + "; ".join(f"{plan['claimed']:,} of {plan['batches']:,} batches claimed (plan {plan['plan']})"
+                                 for plan in pool["plans"]))
+        for member in working:  # a member: {"worker", "state", "pid", "host", "claims", "slurm_job"}
+            lines.append(f"  worker {member['worker']}: {member['state']}, pid {member['pid']} on {member['host']}, "
+                         f"{counted(member['claims'], 'claim')}" + (f", SLURM job {member['slurm_job']}"
+                                                                     if member["slurm_job"] else ""))
     for problem in status["not_counted"][:10]:
         lines.append(f"  not counted: {problem}")
     return "\n".join(lines)

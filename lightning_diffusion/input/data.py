@@ -26,11 +26,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_diffusion.boundaries import RunPlan, run_strategy
 from lightning_diffusion.console import log
-from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.images import record_inputs
+from lightning_diffusion.input.pull import PullSampler, still_held
 from lightning_diffusion.input.records import Records, RecordVerdicts, call_overrides, summarize_records  # noqa: F401
+from lightning_diffusion.output.pool import LEASE_S, Pool, PoolFiles, plan_conflict, plan_digest
 from lightning_diffusion.output.shard import Shard, deal_shards, select, shard_members
 from lightning_diffusion.run.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
 
@@ -96,7 +98,13 @@ class BatchDataset(Dataset):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, batch: int) -> list[dict[str, Any]]:
+    def __getitem__(self, batch: Any) -> list[dict[str, Any]]:
+        if isinstance(batch, tuple):  # a pool's claim (``pull.PullSampler``): the batch's images left to make
+            batch, _, recorded = batch
+            images = self.plan.batch(batch)
+            positions = np.minimum(np.searchsorted(self.samples.indices, images), max(len(self.samples) - 1, 0))
+            left = (self.samples.indices[positions] == images) & ~np.isin(images, recorded)
+            return [self.samples[int(position)] for position in positions[left]]
         positions = np.searchsorted(self.samples.indices, self.plan.batch(batch))
         return [self.samples[int(position)] for position in positions]
 
@@ -142,7 +150,7 @@ def shard_owners(records: Records, num_images_per_prompt: int, batch_size: int, 
 
 
 def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Records, reading: dict[str, Any],
-             shard: Optional[Shard] = None) -> RunPlan:
+             shard: Optional[Shard] = None, pull: bool = False) -> RunPlan:
     """The ``RunPlan`` of a prompt set read as ``records`` with the ``data`` settings ``reading``
     (``columns``, ``keep_columns``, ``split``): the data module's, and ``preflight``'s before a run."""
     from lightning_diffusion.input.tables import TableRecords
@@ -151,7 +159,7 @@ def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Recor
     files = tuple(records.files) if isinstance(records, TableRecords) and not one_file else ()
     shaped = {f"data.{key}": value for key, value in reading.items() if value}
     return RunPlan(prompts, seed, num_images_per_prompt, len(records) * num_images_per_prompt, shard, files,
-                   shaped or None)
+                   shaped or None, pull)
 
 
 class PromptDataModule(pl.LightningDataModule):
@@ -191,6 +199,14 @@ class PromptDataModule(pl.LightningDataModule):
         bucket: ``true`` (default): batches are cut among records that share every call argument
             (``batching``), so a mixed prompt set runs one full call a batch; ``false``: batches of
             consecutive images, each split into one padded call per kind of record in it.
+        schedule: ``deal`` (default): the batches are dealt to the replicas (and the shards) by
+            cost before the run; ``pull``: every writing process of every job that names this
+            output location is a worker of one pool, claiming the next batch when it is ready
+            (``output.pool``): a slower replica takes fewer batches, a second job with the same
+            config joins the first, and a dead worker's batches are taken over.
+        lease_s: with ``pull``: a worker that stops renewing its claims for this many seconds
+            (its node lost) has its batches taken over (at once where its process is gone from
+            this host). At least 2.
         on_error: ``fail`` (default): a pipeline call that fails (out of memory on one huge record,
             an input that cannot be decoded, an image of NaN pixels) stops the run naming its
             record; ``skip``: its records go to ``failed.jsonl`` and the run goes on (a rerun
@@ -215,9 +231,12 @@ class PromptDataModule(pl.LightningDataModule):
         columns: Optional[dict[str, Optional[str]]] = None,
         keep_columns: Optional[list[str]] = None,
         split: Optional[str] = None,
+        schedule: str = "deal",
+        lease_s: float = LEASE_S,
     ) -> None:
         super().__init__()
-        settings = {"batch_size": batch_size, "seed": seed, "num_images_per_prompt": num_images_per_prompt,
+        settings = {"schedule": schedule, "lease_s": lease_s,
+                    "batch_size": batch_size, "seed": seed, "num_images_per_prompt": num_images_per_prompt,
                     "inputs_root": inputs_root, "num_shards": num_shards, "shard_index": shard_index,
                     "max_pixels": max_pixels, "max_prompt_chars": max_prompt_chars, "on_bad_record": on_bad_record,
                     "on_error": on_error, "columns": columns, "keep_columns": keep_columns, "split": split}
@@ -238,6 +257,10 @@ class PromptDataModule(pl.LightningDataModule):
         self.columns = columns
         self.keep_columns = keep_columns
         self.split = split
+        self.schedule = schedule
+        self.lease_s = lease_s
+        self.pool: Optional[Pool] = None  # this worker's, with ``pull`` (on a replica's writing rank)
+        self._pool_at: Optional[tuple[Any, str]] = None  # (the pool's files, this job's name): ``use_pool``
         self.pad = True  # the module's pad_batches (padded batches count at their padded size)
         self.facts: Optional[SetFacts] = None  # the module's buckets and costs of each call-argument set
         self.bucket_of_position: Optional[dict[int, int]] = None
@@ -275,7 +298,22 @@ class PromptDataModule(pl.LightningDataModule):
     def run_plan(self) -> RunPlan:
         """What the writer records of this prompt set (``boundaries.RunPlan``)."""
         return run_plan(self.prompts, self.seed, self.num_images_per_prompt, self.records,
-                        {"columns": self.columns, "keep_columns": self.keep_columns, "split": self.split}, self.shard)
+                        {"columns": self.columns, "keep_columns": self.keep_columns, "split": self.split}, self.shard,
+                        self.schedule == "pull")
+
+    def use_pool(self, files: PoolFiles, job: str) -> None:
+        """Pull batches from the pool in ``files`` as job ``job`` (``data.schedule: pull``)."""
+        self._pool_at = (files, job)
+
+    def holds(self, batch_indices: Any) -> bool:
+        """Whether this worker still holds the batch of ``batch_indices`` (``pull.still_held``)."""
+        return still_held(self.pool, batch_indices)
+
+    def leave_pool(self, ended: bool) -> None:
+        """Stop this worker's renewals and record how it ended (``pool.Pool.leave``)."""
+        if self.pool is not None:
+            self.pool.leave(ended)
+            self.pool = None
 
     def skip_indices(self, indices: Any) -> None:
         """Leave out images that are already done (called by the writer on resume, before the split)."""
@@ -337,6 +375,8 @@ class PromptDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         pending = self.pending_images()
+        if self.schedule == "pull":
+            return self._pool_loader(pending)
         self.plan = self.batch_plan(pending)
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}
@@ -347,5 +387,36 @@ class PromptDataModule(pl.LightningDataModule):
         sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"],
                               stopping=strategy.run_context.stop.stopping if strategy is not None else None)
         # One plan batch a loader batch: Lightning keeps its index tracking for batch size 1.
+        return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
+                          collate_fn=collate_batch)
+
+    def _pool_loader(self, pending: np.ndarray) -> DataLoader:
+        """The loader of a pool's worker: the whole set's batch plan (the same in every job), its
+        batches claimed one at a time (``pull.PullSampler``)."""
+        if self._pool_at is None:
+            raise ConfigError("data.schedule: pull needs the ImageWriter callback: the pool is kept in its "
+                              "writer.output_dir.")
+        files, job = self._pool_at
+        self.plan = self.batch_plan(np.arange(self.num_images, dtype=pending.dtype))
+        digest = plan_digest(self.plan.order, self.plan.starts, self.batch_size)
+        trainer = self.trainer
+        strategy = run_strategy(trainer.strategy) if trainer is not None else None
+        head = trainer is None or trainer.is_global_zero
+        problem = plan_conflict(files, digest, self.plan) if head else None
+        if trainer is not None:
+            problem = trainer.strategy.broadcast(problem)  # every rank refuses, none waits
+        if problem:
+            raise ConfigError(problem)
+        if head and len(pending):
+            log.info(self.plan.describe(1) + f"; pulled from the pool in {files.where} (costliest first, lease "
+                     f"{self.lease_s:g} s)")
+        kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {"rank": 0}
+        self.pool = None
+        if strategy is None or strategy.writes_outputs:
+            self.pool = Pool(files, job, kwargs["rank"], self.lease_s, digest)
+            self.pool.register({"batches": len(self.plan), "images": self.plan.images, "batch_size": self.batch_size})
+        dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
+        sampler = PullSampler(dataset, self.pool, share=strategy.replica_share() if strategy is not None else None,
+                              stopping=strategy.run_context.stop.stopping if strategy is not None else None)
         return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
                           collate_fn=collate_batch)

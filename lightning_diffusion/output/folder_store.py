@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
-from lightning_diffusion.console import log
+from lightning_diffusion.console import counted, log
 from lightning_diffusion.output.files import stale_temporaries
 from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
 from lightning_diffusion.output.manifest import (
@@ -40,6 +40,7 @@ from lightning_diffusion.output.manifest import (
     rejected_images,
     settings_conflict,
 )
+from lightning_diffusion.output.pool import FolderPoolFiles, live_jobs
 from lightning_diffusion.output.recorded import finished, merge_manifest, repair_manifest
 from lightning_diffusion.output.shard import (
     Shard,
@@ -116,8 +117,10 @@ class FolderStore:
 
     needs_shared_folder = True
 
-    def __init__(self, folder: Path, shard: Optional[Shard], allow_config_change: bool = False) -> None:
+    def __init__(self, folder: Path, shard: Optional[Shard], allow_config_change: bool = False,
+                 pool: Optional[str] = None) -> None:
         self.folder = folder
+        self.pool = pool  # this job's name in a pool of workers (``data.schedule: pull``), else None
         self.where = str(folder)
         self.local_dir = folder
         self.shard = shard
@@ -129,9 +132,10 @@ class FolderStore:
 
     @classmethod
     def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
-             options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> "FolderStore":
+             options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
+             pool: Optional[str] = None) -> "FolderStore":
         """``store.open_store``'s folder (``options`` and ``staging_dir`` are a bucket's)."""
-        return cls(Path(location).expanduser(), shard, allow_config_change)
+        return cls(Path(location).expanduser(), shard, allow_config_change, pool)
 
     # --- read side (``store.OutputStore``) ------------------------------------------------------
 
@@ -165,10 +169,18 @@ class FolderStore:
     @property
     def parts_glob(self) -> str:
         """This run's manifest parts (of its shard, if it makes one)."""
-        return parts_glob(self.shard)
+        return parts_glob(self.shard, self.pool)
 
     def part(self, rank: int) -> Path:
-        return self.folder / part_name(self.shard, rank)
+        return self.folder / part_name(self.shard, rank, self.pool)
+
+    def pool_files(self) -> FolderPoolFiles:
+        """Where the pool's workers register and claim batches (``pool.Pool``)."""
+        return FolderPoolFiles(self.folder)
+
+    def _other_jobs(self) -> list[str]:
+        """The other jobs of the pool whose workers work now."""
+        return sorted(live_jobs(FolderPoolFiles(self.folder)) - {str(self.pool)})
 
     def publisher(self, rank: int) -> None:
         return None  # files are written in place
@@ -192,6 +204,8 @@ class FolderStore:
         self.expected = expected
         nothing = np.zeros(0, dtype=np.int64)
         self.folder.mkdir(parents=True, exist_ok=True)
+        if self.pool is not None:
+            return self._join(settings, total)
         self._lock = OutputLock(self.folder, self.shard)
         holder = self._lock.acquire()
         busy = busy_message(self.folder, self.shard, holder)
@@ -199,13 +213,7 @@ class FolderStore:
             return busy, nothing  # the lock is the other run's
         if busy is not None:
             return self._refuse(busy)
-        # parts left unmerged: an earlier run was killed, and its images' folders may hold temporaries
-        stale = stale_temporaries(self.folder, self.shard, deep=any(self.folder.glob(PART_GLOB)))
-        for path in stale:
-            path.unlink(missing_ok=True)
-        if stale:
-            log.info("%s: removed %d half-written temporary file%s of an earlier run that was stopped.",
-                     self.folder, len(stale), "" if len(stale) == 1 else "s")
+        self._sweep()
         run_file = self.folder / RUN_FILE
         if run_file.is_file():
             conflict = None if self.allow_config_change else settings_conflict(self.folder, settings)
@@ -231,22 +239,75 @@ class FolderStore:
         if any(self.folder.glob(PART_GLOB)):
             merge_manifest(self.folder, self.shard)
         found = finished(self.folder)
+        self._repair(found)
+        done = found.in_shard(self.shard)
+        changed = self._inputs_changed(found)
+        return (self._refuse(changed) if changed else (None, done))
+
+    def _join(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
+        """``prepare`` for a job of a pool (``data.schedule: pull``): no lock (the jobs of a pool
+        write beside each other), the settings compared with run.json's as any resume's, the parts
+        of jobs that ended merged, the leftovers of killed runs cleaned only where no other job works."""
+        nothing = np.zeros(0, dtype=np.int64)
+        busy = busy_message(self.folder, None, None, pull=True)
+        if busy is not None:
+            return busy, nothing
+        others = self._other_jobs()
+        if not others:
+            self._sweep()
+        run_file = self.folder / RUN_FILE
+        with merge_lock(self.folder):
+            conflict = None if self.allow_config_change else settings_conflict(self.folder, settings)
+            if conflict:
+                return conflict, nothing
+            if not run_file.is_file():
+                self._write_run_file(settings, run_file, total, history=[])
+        if any(self.folder.glob(PART_GLOB)):
+            merge_manifest(self.folder, None, live_jobs=others)
+        found = finished(self.folder)
+        if not others:
+            self._repair(found)
+        changed = self._inputs_changed(found)
+        if changed:
+            return changed, nothing
+        if others:
+            left = max(0, (total or 0) - len(found.indices))
+            log.info(f"joined the pool writing {self.folder} ({counted(len(others), 'other job')} working): "
+                     f"{left:,} of {total or 0:,} images left to make.")
+        return None, found.indices
+
+    def _sweep(self) -> None:
+        """Remove the temporaries of an earlier run that was killed (where its parts were left
+        unmerged, in the images' folders too)."""
+        stale = stale_temporaries(self.folder, self.shard, deep=any(self.folder.glob(PART_GLOB)))
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            log.info("%s: removed %d half-written temporary file%s of an earlier run that was stopped.",
+                     self.folder, len(stale), "" if len(stale) == 1 else "s")
+
+    def _repair(self, found: Any) -> None:
+        """Drop the manifest's lines that do not count (their files are gone or cut)."""
         dropped = repair_manifest(self.folder, found)
         if dropped:
             shown = "; ".join(found.problems[:3]) + (f"; {len(found.problems) - 3} more" if found.problems[3:] else "")
             log.info("%s: %d line%s that did not count left the manifest (%s); their images are made again.",
                      self.folder / MANIFEST, dropped, "" if dropped == 1 else "s", shown)
-        done = found.in_shard(self.shard)
-        with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
-        if not self.allow_config_change and with_inputs:
-            from lightning_diffusion.input.images import changed_since
 
-            changed = changed_since(with_inputs)
-            if changed:
-                return self._refuse(f"{self.folder} holds pictures made from input files that changed: "
-                                    + "; ".join(changed) + ". Restore them, use another writer.output_dir, or "
-                                    "writer.allow_config_change=true to keep those pictures anyway.")
-        return None, done
+    def _inputs_changed(self, found: Any) -> Optional[str]:
+        """Why the folder's pictures no longer match their input files (their records' images
+        changed since), or None."""
+        with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
+        if self.allow_config_change or not with_inputs:
+            return None
+        from lightning_diffusion.input.images import changed_since
+
+        changed = changed_since(with_inputs)
+        if not changed:
+            return None
+        return (f"{self.folder} holds pictures made from input files that changed: " + "; ".join(changed)
+                + ". Restore them, use another writer.output_dir, or writer.allow_config_change=true to keep those "
+                "pictures anyway.")
 
     def _record_plan(self, total: Optional[int]) -> Optional[str]:
         """The shard plan (``shard.plan_file``): written by the first task of its count
@@ -289,11 +350,18 @@ class FolderStore:
 
     def merge(self, done: np.ndarray) -> tuple[dict[int, int], np.ndarray, int]:
         parts = part_counts(self.folder, self.parts_glob)
-        merged = merge_manifest(self.folder, self.shard)
+        others = self._other_jobs() if self.pool is not None else []
+        merged = merge_manifest(self.folder, self.shard, live_jobs=others)
         done = np.union1d(done, select(merged, self.shard))
-        return parts, done, merge_failures(self.folder, self.shard, done)
+        return parts, done, merge_failures(self.folder, self.shard, done, live_jobs=others)
 
     def record(self, summary: dict[str, Any]) -> None:
+        if self.pool is not None:  # the jobs of a pool add to one history, one at a time
+            with merge_lock(self.folder):
+                content = json.loads((self.folder / RUN_FILE).read_text())
+                content["history"] = [*(content.get("history") or []), summary]
+                atomic_write(self.folder / RUN_FILE, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
+            return
         self._history.append(summary)
         settings = json.loads(self.record_file.read_text())
         self._write_run_file({k: v for k, v in settings.items() if k not in RUN_META})

@@ -76,9 +76,23 @@ def conflicting_runs(folder: Path, shard: Optional[tuple[int, int]]) -> list[str
     return conflicts
 
 
-def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optional[str]) -> Optional[str]:
+def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optional[str],
+                 pull: bool = False) -> Optional[str]:
     """Why a run of ``shard`` cannot write ``folder``: ``holder`` (the live run holding its lock),
-    or live runs of other shards that make some of the same images; None when it can."""
+    live runs of other shards that make some of the same images, or a pool of workers
+    (``data.schedule: pull``) for a run that deals its work; for a run that joins the pool (``pull``),
+    a live run that deals its work. None when it can."""
+    from lightning_diffusion.output.pool import FolderPoolFiles, live_workers
+
+    if pull:
+        runs = live_locks(folder)
+        if runs:
+            which = ", ".join("a run of the whole prompt set" if other is None else f"shard {other[0]} of {other[1]}"
+                              for other in runs)
+            return (f"{folder} is being written by {which} ({', '.join(runs.values())}), which deals its work: a job "
+                    "with data.schedule: pull joins only a pool. Wait for it to end, or choose another "
+                    "writer.output_dir.")
+        return None
     if holder is not None:
         which = "" if shard is None else f"shard {shard[0]} of {shard[1]} of "
         return (f"{which}{folder} is being written by another run ({holder}); wait for it to end or choose another "
@@ -87,6 +101,12 @@ def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optiona
     if others:
         return (f"{folder} is being written by {', '.join(others)}, which makes some of the same images; wait for it "
                 "to end, or run the same shard count (data.num_shards).")
+    workers = live_workers(FolderPoolFiles(folder))
+    if workers:
+        jobs = sorted({str(worker.get("job")) for worker in workers.values()})
+        return (f"{folder} is being written by a pool of {len(workers)} worker{'s' if len(workers) > 1 else ''} "
+                f"(job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}); set data.schedule: pull to join it, or wait "
+                "for it to end.")
     return None
 
 

@@ -32,13 +32,16 @@ FAILED = "failed.jsonl"
 FAILURES_GLOB = "failed.*part-*.jsonl"
 
 
-def parts_glob(shard: Optional[tuple[int, int]]) -> str:
-    """The manifest parts of one run: of the whole set, or of one shard."""
+def parts_glob(shard: Optional[tuple[int, int]], pool: Optional[str] = None) -> str:
+    """The manifest parts of one run: of the whole set, of one shard, or of one job of a pool
+    (``manifest.pool-JOB.part-R.jsonl``: the jobs of a pool append beside each other)."""
+    if pool is not None:
+        return f"manifest.pool-{pool}.part-*.jsonl"
     return "manifest.part-*.jsonl" if shard is None else f"manifest.{shard_name(shard)}.part-*.jsonl"
 
 
-def part_name(shard: Optional[tuple[int, int]], rank: int) -> str:
-    return parts_glob(shard).replace("*", str(rank))
+def part_name(shard: Optional[tuple[int, int]], rank: int, pool: Optional[str] = None) -> str:
+    return parts_glob(shard, pool).replace("*", str(rank))
 
 
 def failures_part(part: Path) -> Path:
@@ -159,25 +162,30 @@ def merge_lock(folder: Path):
             fcntl.lockf(f, fcntl.LOCK_UN)
 
 
-def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = PART_GLOB) -> list[Path]:
+def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = PART_GLOB,
+                    live_jobs: Sequence[str] = ()) -> list[Path]:
     """Every part of the folder (manifest parts, or failure parts with ``glob``), except those
-    other shards of ``shard``'s count may still be appending to: parts of the whole set and of
-    other counts are left by runs that are over (a live one would have refused this run, see
-    ``lock.conflicting_runs``)."""
+    other shards of ``shard``'s count may still be appending to, and those of the pool's
+    ``live_jobs``: parts of the whole set and of other counts are left by runs that are over (a
+    live one would have refused this run, see ``lock.conflicting_runs``)."""
     parts = sorted(folder.glob(glob))
+    if live_jobs:
+        live = re.compile(r"(?:manifest|failed)\.pool-(.+)\.part-\d+\.jsonl")
+        parts = [p for p in parts if not ((m := live.fullmatch(p.name)) and m.group(1) in live_jobs)]
     if shard is None:
         return parts
     siblings = re.compile(rf"(?:manifest|failed)\.shard-(\d+)-of-{shard[1]}\.part-\d+\.jsonl")
     return [p for p in parts if not ((m := siblings.fullmatch(p.name)) and int(m.group(1)) != shard[0])]
 
 
-def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]], done: Any) -> int:
+def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]], done: Any,
+                   live_jobs: Sequence[str] = ()) -> int:
     """Fold the failure parts into ``failed.jsonl``: the images that failed in this run, and those
     of earlier runs that are still not made (``done``: the indices in the manifest, an array) and
     were not tried again; returns how many failed in this run."""
     folder = Path(output_dir)
     with merge_lock(folder):
-        parts = _parts_to_merge(folder, shard, FAILURES_GLOB)
+        parts = _parts_to_merge(folder, shard, FAILURES_GLOB, live_jobs)
         now: dict[int, dict[str, Any]] = {}
         for part in parts:
             now.update(_lines(part))

@@ -65,6 +65,7 @@ from lightning_diffusion.output.bucket import (
 from lightning_diffusion.output.folder_store import output_dir_problems
 from lightning_diffusion.output.lock import pid_alive
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
+from lightning_diffusion.output.pool import POOL_REFUSAL
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,
@@ -103,12 +104,16 @@ class ObjectStore:
         self._beat: Optional[threading.Event] = None
         self._beating: Optional[threading.Thread] = None
         self.adopted = False  # the shard deals as the prefix's recorded plan, not as this run computed
+        self.pool: Optional[str] = None  # this job's name in a pool of workers (``data.schedule: pull``)
 
     @classmethod
     def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
-             options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> "ObjectStore":
+             options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
+             pool: Optional[str] = None) -> "ObjectStore":
         """``store.open_store``'s bucket prefix."""
-        return cls(str(location), shard, allow_config_change, options, staging_dir)
+        store = cls(str(location), shard, allow_config_change, options, staging_dir)
+        store.pool = pool
+        return store
 
     @property
     def local_dir(self) -> Path:
@@ -340,6 +345,9 @@ class ObjectStore:
             except Exception as err:  # the next beat tries again; STALE_S is four beats
                 log.warning(f"{self.url}: the lock's heartbeat failed ({_why(err)})")
 
+    def pool_files(self) -> Any:
+        raise ConfigError(POOL_REFUSAL.format(url=self.url))
+
     def release(self) -> None:
         if self._beat is not None:
             self._beat.set()
@@ -441,6 +449,8 @@ class ObjectStore:
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
         self.expected = expected
         nothing = np.zeros(0, dtype=np.int64)
+        if self.pool is not None:
+            return POOL_REFUSAL.format(url=self.url), nothing
         problems = access_problems(self.url, self.options)
         if problems:
             return problems[0], nothing

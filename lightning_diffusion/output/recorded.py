@@ -14,7 +14,7 @@ import re
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -391,7 +391,8 @@ def repair_manifest(output_dir: str | os.PathLike, found: Finished) -> int:
     return dropped
 
 
-def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None) -> np.ndarray:
+def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]] = None,
+                   live_jobs: Sequence[str] = ()) -> np.ndarray:
     """Append the finished lines of the parts to ``manifest.jsonl``, part after part, and drop the
     parts; returns the indices appended. A merge costs in proportion to its parts: the manifest is
     only appended to, never read or rewritten, so the 16 shards of a job array merging into a
@@ -402,7 +403,7 @@ def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
     folder = Path(output_dir)
     indices = array("q")
     with merge_lock(folder):
-        parts = _parts_to_merge(folder, shard)
+        parts = _parts_to_merge(folder, shard, live_jobs=live_jobs)
         with open(folder / MANIFEST, "a+b") as out:  # created if missing: a run that made nothing has one
             end = out.seek(0, os.SEEK_END)
             if end:

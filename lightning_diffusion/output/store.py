@@ -78,6 +78,11 @@ class OutputStore(Protocol):
         """Give back what the store holds: the lock, a staging folder."""
         ...
 
+    def pool_files(self) -> Any:
+        """Where a pool's workers register and claim batches (``pool.PoolFiles``), for a store
+        opened with ``pool`` (``data.schedule: pull``)."""
+        ...
+
     # --- the side every reader uses ------------------------------------------------------------
 
     @property
@@ -131,10 +136,12 @@ def store_class(location: Location) -> type[OutputStore]:
 
 
 def open_store(location: Location, shard: Optional[Shard] = None, *, allow_config_change: bool = False,
-               options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> OutputStore:
+               options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
+               pool: Optional[str] = None) -> OutputStore:
     """The store at ``location`` for a run of ``shard`` (None: the whole prompt set), or to read.
     ``options``: ``writer.storage_options``; ``staging_dir``: where a store that uploads builds its
-    files first. Opening reads and writes nothing."""
+    files first; ``pool``: the job's name in a pool of workers that pull batches
+    (``data.schedule: pull``). Opening reads and writes nothing."""
     cls: Any = store_class(location)
     return cls.open(location, shard, allow_config_change=allow_config_change, options=options,
-                    staging_dir=staging_dir)
+                    staging_dir=staging_dir, pool=pool)

@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_diffusion.boundaries import ImageSource, PromptSource, RunPlan, require, run_strategy
+from lightning_diffusion.boundaries import ImageSource, PoolSource, PromptSource, RunPlan, require, run_strategy
 from lightning_diffusion.console import counted, log
 from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
@@ -255,6 +255,7 @@ class ImageWriter(BasePredictionWriter):
         self._files: Optional[OutputFiles] = None
         self._writers: Optional[WriterProcess | WriterThreads] = None
         self._batches = 0  # this rank's batches handed to its writers: the order of tar shard members
+        self._pool: Optional[PoolSource] = None  # the data module, where its workers pull from a pool
         # Known at the run's end:
         self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
         self.summary: Optional[dict[str, Any]] = None
@@ -316,9 +317,11 @@ class ImageWriter(BasePredictionWriter):
         self.started_at, self.predicting_at = time.time(), None
         self.plan = data.run_plan()
         self.total, self.shard, self.expected = self.plan.num_images, self.plan.shard, self.plan.expected
+        # a job of a pool (data.schedule: pull) has a name of its own, the same on its ranks
+        job = trainer.strategy.broadcast(os.urandom(4).hex()) if self.plan.pull else None
         self.store = open_store(self.settings["output_dir"], self.plan.shard,
                                 allow_config_change=self.allow_config_change, options=self.storage_options,
-                                staging_dir=self.staging_dir)
+                                staging_dir=self.staging_dir, pool=job)
         result: tuple[Optional[str], Any, bool] = (None, [], False)
         if trainer.is_global_zero:
             result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted)
@@ -335,6 +338,9 @@ class ImageWriter(BasePredictionWriter):
                 raise ConfigError(problem or f"{self.store.where}: rank {trainer.global_rank} does not see the shard "
                                   "plan rank 0 recorded there.")
         self.expected = self.plan.expected
+        if job is not None:
+            self._pool = require(data, PoolSource, "a data module that pulls batches (data.schedule: pull)")
+            self._pool.use_pool(self.store.pool_files(), job)
         if trainer.num_nodes > 1 and self.store.needs_shared_folder:
             self._check_shared(trainer)
         self.done = np.asarray(done, dtype=np.int64)
@@ -401,6 +407,8 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         if not self.writes_outputs(trainer):
             return
+        if self._pool is not None and not self._pool.holds(batch_indices):  # taken over by another worker meanwhile
+            return
         if self.format == "webdataset":  # a shard's members in the order of the batches, whatever writes them
             prediction = [{**item, "batch": self._batches} for item in prediction]
             self._batches += 1
@@ -438,9 +446,11 @@ class ImageWriter(BasePredictionWriter):
         # a rank whose writer failed at its drain does not leave the job ending with exit 0 (and,
         # from the writing ranks, what their replica computed, for the summary).
         work = cast(ImageSource, pl_module).stats if self.writes_outputs(trainer) else None  # setup required it
+        data = self._data(trainer)
         try:
             gathered = gather_idle(trainer.strategy, (_cause(failed), work))
         except PeerLost:
+            self._leave_pool(ended=False)
             if trainer.is_global_zero:
                 self._release()  # this run is over; the next one merges what its ranks recorded
             raise
@@ -450,13 +460,13 @@ class ImageWriter(BasePredictionWriter):
         if failed is None and others:
             rank, text = others[0]
             failed = writing_failed(text, self.parts_folder, rank)
+        self._leave_pool(ended=failed is None)  # every rank's images are written: a pool's batches are settled
         if failed is not None:
             if trainer.is_global_zero:
                 self._release()
             raise failed
         assert self.store is not None  # made by setup
         if trainer.is_global_zero:
-            data = self._data(trainer)
             self._buckets = data.plan.num_buckets if data.plan is not None else None
             self.rejected = len(data.rejected_images())
             try:
@@ -474,6 +484,12 @@ class ImageWriter(BasePredictionWriter):
             if strategy is not None:  # for the run's last line ("stopped after 8 of 40 images")
                 strategy.run_context.stop.totals = (len(done), self.expected)
         self._release()
+
+    def _leave_pool(self, ended: bool) -> None:
+        """Stop this worker's renewals in the pool, saying whether its batches are settled."""
+        if self._pool is not None:
+            self._pool.leave_pool(ended)
+            self._pool = None
 
     @property
     def _manifest_where(self) -> str:
@@ -522,4 +538,5 @@ class ImageWriter(BasePredictionWriter):
             self._drain(wait=not isinstance(exception, KeyboardInterrupt))
         except RuntimeError:
             pass  # the run already fails with the exception that brought it here
+        self._leave_pool(ended=False)  # its batches are taken over at once (their images recorded are kept)
         self._release()

@@ -25,6 +25,7 @@ from lightning_diffusion.input.records import RecordVerdicts
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
 from lightning_diffusion.output.manifest import MANIFEST, settings_conflict
+from lightning_diffusion.output.pool import POOL_REFUSAL
 from lightning_diffusion.output.recorded import Finished, finished
 from lightning_diffusion.output.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
 from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
@@ -68,14 +69,14 @@ def disk_space_problems(
             f"{size_text(need)}, but {existing} has {size_text(free)} free."]
 
 
-def busy_folder_problems(output_dir: str, num_shards: int = 1, shard_index: int = 0) -> list[str]:
+def busy_folder_problems(output_dir: str, num_shards: int = 1, shard_index: int = 0, pull: bool = False) -> list[str]:
     """Another live run writes the folder (or images of this shard): refused before any process
     starts, as the writer refuses it when the run starts (its lock is taken only then)."""
     folder = Path(output_dir).expanduser()
     if not folder.is_dir():
         return []
     shard = (shard_index, num_shards) if num_shards > 1 else None
-    message = busy_message(folder, shard, OutputLock(folder, shard).holder())
+    message = busy_message(folder, shard, None if pull else OutputLock(folder, shard).holder(), pull)
     return [message] if message else []
 
 
@@ -206,11 +207,14 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if not store_class(writer["output_dir"]).needs_shared_folder:  # a bucket: its lock, settings and records
+        if data.get("schedule") == "pull":
+            problems.append(POOL_REFUSAL.format(url=writer["output_dir"]))
         if here and not problems:                                  # are read when the run starts
             problems += open_store(writer["output_dir"], options=writer.get("storage_options")).write_problems()
         return Verdict(problems, complete, None)
     if not problems and is_int(data.get("num_shards", 1), 1) and is_int(data.get("shard_index", 0), 0):
-        problems += busy_folder_problems(writer["output_dir"], data.get("num_shards", 1), data.get("shard_index", 0))
+        problems += busy_folder_problems(writer["output_dir"], data.get("num_shards", 1), data.get("shard_index", 0),
+                                         data.get("schedule") == "pull")
     if info is not None and records is not None and not problems:
         folder = Path(writer["output_dir"]).expanduser()
         found = finished(folder) if folder.is_dir() else None

@@ -332,6 +332,23 @@ def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None)
     if is_int(shards, 1) and num_images is not None and shards > num_images:
         problems.append(f"data.num_shards {shards} exceeds the {num_images} images of the prompt set: shards "
                         f"{num_images} to {shards - 1} would have nothing to make. Use at most {num_images} shards.")
+    problems += pool_problems(settings)
+    return problems
+
+
+def pool_problems(settings: Mapping[str, Any]) -> list[str]:
+    """``data.schedule`` and ``data.lease_s``: a pool has no shards (its jobs are workers of the
+    whole set), and a lease of a few seconds at least."""
+    from lightning_diffusion.output.pool import LEASE_S, MIN_LEASE_S, SCHEDULES
+
+    schedule, lease = settings.get("schedule", "deal"), settings.get("lease_s", LEASE_S)
+    problems = one_of(schedule, "data.schedule", SCHEDULES)
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease >= MIN_LEASE_S:
+        problems.append(f"data.lease_s must be a number of seconds, at least {MIN_LEASE_S:g} (a worker renews its "
+                        f"claims every lease/4), got {lease!r}.")
+    if schedule == "pull" and is_int(settings.get("num_shards", 1), 2):
+        problems.append("data.schedule: pull makes the whole prompt set with every job that joins the pool: set "
+                        "data.num_shards to 1 (the tasks of a job array join as workers, without shards).")
     return problems
 
 

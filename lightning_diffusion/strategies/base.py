@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import lightning.pytorch as pl
 import torch
@@ -432,6 +432,23 @@ class DiffusionParallelStrategy(ParallelStrategy):
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
+
+    def replica_share(self) -> Optional[Callable[[Any], Any]]:
+        """What hands the object of a replica's first rank (its writing rank) to the replica's
+        other ranks, one call on each (a pool's claims: ``pull.PullSampler``); None where a
+        replica is one rank."""
+        group = self._replica_group
+        if group is None:
+            return None
+        source = dist.get_global_rank(group, 0)
+        device = self.root_device if self.root_device.type != "cpu" else None  # NCCL sends tensors on the GPU
+
+        def share(obj: Any) -> Any:
+            holder = [obj]
+            dist.broadcast_object_list(holder, src=source, group=group, device=device)
+            return holder[0]
+
+        return share
 
     @property
     def idle_group(self) -> Optional[Any]:

@@ -1,0 +1,152 @@
+"""``PullSampler``: a replica's batches claimed one at a time from the pool (``data.schedule: pull``)
+instead of dealt before the run (``data.PlanSampler``).
+
+The replica's writing rank claims the costliest batch nobody holds (``output.pool.Pool``), yields it,
+and claims the next when the loader asks; the replica's other ranks (model-parallel) receive each
+claim from it. Once every batch is claimed, the worker stays while other workers hold batches that
+are not recorded yet: one whose worker stops working (ended without making it, failed, silent for
+longer than ``data.lease_s``) is taken over, and only its images not recorded are made. A key the
+sampler yields is ``(batch, generation, recorded)``: the batch's position in the plan, the claim's
+generation (0, or the takeover's), and the batch's images recorded by others since this job
+started (left out of the batch).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import numpy as np
+from torch.utils.data.distributed import DistributedSampler
+
+from lightning_diffusion.console import log
+from lightning_diffusion.output.pool import Pool, claim_order
+
+Key = tuple[int, int, tuple[int, ...]]
+
+
+class PullSampler(DistributedSampler):
+    """The batches this replica claims from ``pool`` (None on a rank that only follows its replica's
+    writing rank, through ``share``: that rank's object to every rank of the replica). ``dataset``:
+    a ``data.BatchDataset`` of the whole set's plan, whose samples are the images left to make."""
+
+    def __init__(self, dataset: Any, pool: Optional[Pool], share: Optional[Callable[[Any], Any]] = None,
+                 stopping: Optional[threading.Event] = None, poll_s: Optional[float] = None) -> None:
+        super().__init__(dataset, num_replicas=1, rank=0, shuffle=False, drop_last=False)
+        self.batches: Any = dataset  # a data.BatchDataset (its plan, its samples)
+        self.pool = pool
+        self.share = share
+        self.stopping = stopping if stopping is not None else threading.Event()
+        lease = pool.lease_s if pool is not None else 1.0
+        self.poll_s = poll_s if poll_s is not None else min(1.0, lease / 4)
+        self.claimed = 0  # batches this worker claimed (takeovers included)
+        self._recorded: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        raise TypeError("a pool's batches are claimed while the run goes: the sampler has no length")
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.pool is None:  # a follower: the writing rank's claims, until it says None
+            while (key := self.share(None) if self.share is not None else None) is not None:
+                yield key
+            return
+        for key in self._claims():
+            if self.share is not None:
+                self.share(key)
+            yield key
+        if self.share is not None:
+            self.share(None)
+
+    # ----------------------------------------------------------------- the writing rank's claims
+
+    def _left(self, batch: int) -> np.ndarray:
+        """The batch's images this job has to make (not recorded when it started)."""
+        images = self.batches.plan.batch(batch)
+        pending = self.batches.samples.indices
+        positions = np.minimum(np.searchsorted(pending, images), max(len(pending) - 1, 0))
+        return images[pending[positions] == images] if len(pending) else images[:0]
+
+    def _claims(self) -> Iterator[Key]:
+        pool = self.pool
+        assert pool is not None
+        waiting: list[int] = []  # batches held by other workers that work
+        for batch in claim_order(self.batches.plan.costs).tolist():
+            if self.stopping.is_set():
+                return
+            if not len(self._left(batch)):
+                continue
+            if pool.claim(batch):
+                self.claimed += 1
+                yield batch, 0, ()
+                continue
+            key = self._settle(batch)
+            if key is None:
+                waiting.append(batch)
+            elif key is not False:
+                yield key
+        # Every batch is claimed. The loader has fetched this worker's last batch ahead, so it is
+        # made only once this wait ends: the worker waits while another worker works on a batch (to
+        # take it over if that worker stops), and ends once every batch left is held by a worker that
+        # waits too (each makes its own as soon as its wait ends).
+        if waiting:
+            pool.wait(True)
+            log.info(f"pool: every batch is claimed; waiting while other workers make {len(waiting)}, to take over "
+                     "any whose worker stops.")
+        while waiting:
+            pool.refresh()
+            self._recorded = None
+            still = []
+            for batch in waiting:
+                key = self._settle(batch)
+                if key is None:
+                    still.append(batch)
+                elif key is not False:
+                    pool.wait(False)
+                    yield key
+                    if self.stopping.is_set():
+                        return
+                    pool.wait(True)
+            waiting = still
+            if all(pool.waiting(pool.holder(batch)[1]) for batch in waiting):
+                return
+            if self.stopping.wait(self.poll_s):
+                return
+
+    def _settle(self, batch: int) -> Any:
+        """For a batch another worker claimed: None while its worker works (wait), False when it is
+        recorded or another worker took it over first (nothing to do), else this worker's takeover."""
+        pool = self.pool
+        assert pool is not None
+        generation, holder = pool.holder(batch)
+        if holder == pool.worker:
+            return False  # this worker's own (a takeover it already made)
+        if pool.working(holder):
+            return None
+        if self._recorded is None:
+            self._recorded = pool.files.recorded()
+        left = self._left(batch)
+        recorded = left[np.isin(left, self._recorded)]
+        if len(recorded) == len(left):
+            return False
+        if not pool.take_over(batch, generation):
+            return None  # another worker took it at the same moment: settled next round
+        self.claimed += 1
+        log.info(f"pool: took over batch {batch} from worker {holder or 'unknown'} (not working any more): "
+                 f"{len(left) - len(recorded)} of its images are not recorded.")
+        return batch, generation + 1, tuple(recorded.tolist())
+
+
+def still_held(pool: Optional[Pool], keys: Any) -> bool:
+    """Whether this worker still holds the batch of ``keys`` (Lightning's batch indices: the one key
+    this sampler yielded): False once another worker took it over."""
+    if pool is None or not keys:
+        return True
+    key = keys[0]
+    if not isinstance(key, tuple):
+        return True
+    lost = pool.lost(key[0], key[1])
+    if lost:
+        log.warning(f"pool: batch {key[0]} was taken over by another worker while this one made it (its renewals "
+                    "stopped for longer than data.lease_s); its images are left to that worker.")
+    return not lost

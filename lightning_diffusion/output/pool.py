@@ -1,0 +1,373 @@
+"""The pool of workers that pull batches (``data.schedule: pull``): their registrations and their
+claims, kept in the output location beside the manifest.
+
+Every process that writes (one a data-parallel replica) of every job that joins is a *worker*. The
+batch plan is the whole prompt set's (a pure function of the records, the pipeline's facts and
+``data.batch_size``: every worker plans the same batches, named by their position), and its digest
+names the claims' folder, so workers of one plan share claims and a plan of other batches cannot be
+mixed in. Layout, under ``pool/`` of the output location::
+
+    pool/workers/JOB-R.json     worker R of job JOB: host, pid, SLURM job, plan digest, state
+                                (working, ended, failed); renewed every lease/4 while it works
+    pool/plan-DIGEST.json       the plan: batches, images, batch size (for status)
+    pool/claims-DIGEST/B        batch B claimed: made by an atomic create (``O_EXCL`` in a folder,
+                                a conditional PUT in a bucket), holding the worker's name
+    pool/claims-DIGEST/B.G      the G-th takeover of batch B, made the same way: exactly one
+                                worker makes each, so exactly one holds the batch at a time
+
+A claim is settled by the manifest, never by the claim: a worker takes over a batch whose holder is
+not working any more (ended, failed, its lease lapsed, or its pid gone on this host) when some of
+the batch's images are not recorded, and makes only those. A worker whose batch was taken over
+while it still ran (its renewals stopped for longer than the lease: a frozen node) finds a newer
+claim before it hands the batch to its writer, and drops it.
+
+Kept free of torch and Lightning: ``status`` reads it from a login node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from lightning_diffusion.console import log
+
+POOL = "pool"
+WORKERS = f"{POOL}/workers"
+LEASE_S = 180.0  # data.lease_s's default: how long a silent worker's claims wait before a takeover
+MIN_LEASE_S = 2.0  # a renewal every lease/4: below this, renewals would cost more than they protect
+SCHEDULES = ("deal", "pull")
+POOL_REFUSAL = ("{url}: data.schedule: pull keeps its pool in a folder every worker sees; a bucket cannot hold one "
+                "yet: use a shared folder, or data.schedule: deal.")
+
+
+def plan_digest(order: np.ndarray, starts: np.ndarray, batch_size: int) -> str:
+    """The digest of a batch plan (its images batch after batch, where each batch starts, the batch
+    size): equal plans, and only they, share claims."""
+    digest = hashlib.sha256(str(batch_size).encode())
+    digest.update(np.ascontiguousarray(order, dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(starts, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+class PoolFiles(Protocol):
+    """The few operations a pool needs of its storage (``FolderPoolFiles``; a bucket would be another class)."""
+
+    where: str
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Make ``name`` holding ``data`` unless it exists (atomic): whether this call made it."""
+        ...
+
+    def read(self, name: str) -> Optional[bytes]:
+        ...
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write ``name`` whole (made or replaced)."""
+        ...
+
+    def exists(self, name: str) -> bool:
+        ...
+
+    def names(self, folder: str) -> list[str]:
+        """The names of the files in ``folder`` (none where it does not exist)."""
+        ...
+
+    def renew(self, name: str, data: bytes) -> None:
+        """Say that ``name``'s writer still lives (a folder: its time; a bucket: written again)."""
+        ...
+
+    def age(self, name: str, content: dict[str, Any]) -> float:
+        """Seconds since ``name`` (read as ``content``) was last renewed."""
+        ...
+
+    def recorded(self) -> np.ndarray:
+        """Every image recorded in the location now (its manifest and the parts being appended)."""
+        ...
+
+
+class FolderPoolFiles:
+    """A pool in a folder every worker sees: creates by ``O_EXCL``, renewals by the file's time."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.where = str(folder)
+
+    def create(self, name: str, data: bytes) -> bool:
+        path = self.folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+
+    def read(self, name: str) -> Optional[bytes]:
+        try:
+            return (self.folder / name).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def put(self, name: str, data: bytes) -> None:
+        from lightning_diffusion.output.manifest import atomic_write
+
+        path = self.folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: f.write(data), fsync=False)
+
+    def exists(self, name: str) -> bool:
+        return (self.folder / name).exists()
+
+    def names(self, folder: str) -> list[str]:
+        try:
+            return sorted(entry.name for entry in os.scandir(self.folder / folder) if not entry.name.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def renew(self, name: str, data: bytes) -> None:
+        try:
+            os.utime(self.folder / name)
+        except FileNotFoundError:  # removed by hand: made again
+            self.put(name, data)
+
+    def age(self, name: str, content: dict[str, Any]) -> float:
+        try:
+            return max(0.0, time.time() - (self.folder / name).stat().st_mtime)
+        except OSError:
+            return float("inf")
+
+    def recorded(self) -> np.ndarray:
+        from lightning_diffusion.output.manifest import merge_lock
+        from lightning_diffusion.output.recorded import finished
+
+        with merge_lock(self.folder):  # a merge moves lines from a part into the manifest: read neither half-way
+            return finished(self.folder).indices
+
+
+def worker_live(files: PoolFiles, name: str, worker: dict[str, Any], lease_s: float) -> bool:
+    """Whether ``worker`` (its registration, read from ``name``) still works: its state says so, its
+    lease has not lapsed, and, on this host, its process is there."""
+    if worker.get("state") not in ("working", "waiting"):
+        return False
+    if worker.get("host") == socket.gethostname() and not _pid_alive(int(worker.get("pid") or 0)):
+        return False
+    return files.age(name, worker) <= float(worker.get("lease_s") or lease_s)
+
+
+def read_workers(files: PoolFiles) -> dict[str, dict[str, Any]]:
+    """Every worker registered in the location, by name (``JOB-R``)."""
+    found: dict[str, dict[str, Any]] = {}
+    for name in files.names(WORKERS):
+        if not name.endswith(".json"):
+            continue
+        raw = files.read(f"{WORKERS}/{name}")
+        try:
+            found[name.removesuffix(".json")] = json.loads(raw) if raw else {}
+        except ValueError:
+            continue
+    return found
+
+
+def live_workers(files: PoolFiles, lease_s: float = LEASE_S) -> dict[str, dict[str, Any]]:
+    """The workers of the location that still work, by name."""
+    return {name: worker for name, worker in read_workers(files).items()
+            if worker_live(files, f"{WORKERS}/{name}.json", worker, lease_s)}
+
+
+def live_jobs(files: PoolFiles) -> set[str]:
+    """The jobs of the location's live workers (their manifest parts are still being appended to)."""
+    return {str(worker.get("job")) for worker in live_workers(files).values()}
+
+
+def pool_summary(files: PoolFiles) -> dict[str, Any]:
+    """What ``status`` shows of a pool: each worker (state, live, host, pid, its claims) and each
+    plan's claims."""
+    workers = read_workers(files)
+    claims_by_worker: dict[str, int] = {}
+    plans = []
+    for folder in files.names(POOL):
+        if not folder.startswith("claims-"):
+            continue
+        digest = folder.removeprefix("claims-")
+        names = files.names(f"{POOL}/{folder}")
+        holders: dict[str, tuple[int, str]] = {}
+        for name in names:  # the latest claim of each batch holds it
+            batch, _, generation = name.partition(".")
+            if batch not in holders or int(generation or 0) > holders[batch][0]:
+                holders[batch] = (int(generation or 0), name)
+        for _, name in holders.values():
+            holder = (files.read(f"{POOL}/{folder}/{name}") or b"").decode()
+            claims_by_worker[holder] = claims_by_worker.get(holder, 0) + 1
+        plan = json.loads(files.read(f"{POOL}/plan-{digest}.json") or b"{}")
+        plans.append({"plan": digest, "batches": plan.get("batches"), "claimed": len(holders)})
+    shown = []
+    for name, worker in sorted(workers.items()):
+        live = worker_live(files, f"{WORKERS}/{name}.json", worker, LEASE_S)
+        state = worker.get("state") if live or worker.get("state") not in ("working", "waiting") else "silent"
+        shown.append({"worker": name, "state": state, "live": live, "host": worker.get("host"),
+                      "pid": worker.get("pid"), "slurm_job": worker.get("slurm_job"),
+                      "claims": claims_by_worker.get(name, 0)})
+    return {"workers": shown, "plans": plans}
+
+
+class Pool:
+    """One worker's view of the pool: its registration and renewals, its claims, and what it reads
+    of the others'. ``job``: this job's name (the same on its ranks), ``worker``: ``JOB-R``."""
+
+    def __init__(self, files: PoolFiles, job: str, replica: int, lease_s: float, digest: str) -> None:
+        self.files = files
+        self.job = job
+        self.worker = f"{job}-{replica}"
+        self.lease_s = float(lease_s)
+        self.digest = digest
+        self.claims = f"{POOL}/claims-{digest}"
+        self._record = f"{WORKERS}/{self.worker}.json"
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._workers: dict[str, dict[str, Any]] = {}
+        self._read_at = -float("inf")
+        self.state = "working"  # or "waiting": every batch is claimed, and it waits to take over a dead one's
+        self.took_over = 0  # batches this worker took over from another
+        self.slow_renewal = False  # warned once: a renewal took longer than half the lease
+
+    # --- this worker -------------------------------------------------------------------------
+
+    def _content(self, state: str) -> bytes:
+        return json.dumps({"worker": self.worker, "job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
+                           "slurm_job": os.environ.get("SLURM_JOB_ID"), "plan": self.digest, "state": state,
+                           "lease_s": self.lease_s, "beat": time.time()}).encode()
+
+    def register(self, plan: dict[str, Any]) -> None:
+        """Say this worker works (renewed every lease/4 by a thread until ``leave``) and record the plan."""
+        self.files.create(f"{POOL}/plan-{self.digest}.json", json.dumps(plan).encode())
+        self.files.put(self._record, self._content(self.state))
+        self._thread = threading.Thread(target=self._renew, name="pool-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        period = self.lease_s / 4
+        while not self._stop.wait(period):
+            started = time.monotonic()
+            try:
+                self.files.renew(self._record, self._content(self.state))
+            except Exception as err:  # the next renewal tries again; the lease is four of them
+                log.warning(f"{self.files.where}: renewing this worker's claims failed ({type(err).__name__}: {err})")
+            took = time.monotonic() - started
+            if took > self.lease_s / 2 and not self.slow_renewal:
+                self.slow_renewal = True
+                log.warning(f"{self.files.where}: renewing this worker's claims took {took:.1f} s, over half of "
+                            f"data.lease_s ({self.lease_s:g} s): other workers may take its batches over; raise "
+                            "data.lease_s.")
+
+    def wait(self, waiting: bool) -> None:
+        """Say whether this worker waits (has claimed every batch it could, and holds at most the one
+        its loader fetched ahead), or works again (it took a batch over)."""
+        state = "waiting" if waiting else "working"
+        if state != self.state:
+            self.state = state
+            self.files.put(self._record, self._content(state))
+
+    def leave(self, ended: bool) -> None:
+        """Stop renewing, and say how this worker ended: ``ended`` (its batches are recorded; those it
+        did not finish, after a stop, are for others to take) or failed (taken over at once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+            try:
+                self.files.put(self._record, self._content("ended" if ended else "failed"))
+            except Exception as err:
+                log.warning(f"{self.files.where}: this worker's end could not be recorded ({type(err).__name__}: "
+                            f"{err}); its batches are taken over once its lease lapses.")
+
+    # --- claims ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _name(batch: int, generation: int) -> str:
+        return str(batch) if generation == 0 else f"{batch}.{generation}"
+
+    def claim(self, batch: int) -> bool:
+        """Claim a batch nobody claimed yet."""
+        return self.files.create(f"{self.claims}/{batch}", self.worker.encode())
+
+    def holder(self, batch: int) -> tuple[int, str]:
+        """(the generation of the batch's latest claim, the worker holding it)."""
+        generation = 0
+        while self.files.exists(f"{self.claims}/{self._name(batch, generation + 1)}"):
+            generation += 1
+        raw = self.files.read(f"{self.claims}/{self._name(batch, generation)}")
+        return generation, (raw or b"").decode()
+
+    def take_over(self, batch: int, generation: int) -> bool:
+        """Claim the batch after its claim of ``generation``: one worker only succeeds."""
+        taken = self.files.create(f"{self.claims}/{self._name(batch, generation + 1)}", self.worker.encode())
+        self.took_over += taken
+        return taken
+
+    def lost(self, batch: int, generation: int) -> bool:
+        """Whether another worker took the batch over after this worker's claim of ``generation``."""
+        return self.files.exists(f"{self.claims}/{self._name(batch, generation + 1)}")
+
+    # --- the others ----------------------------------------------------------------------------
+
+    def refresh(self, every: float = 0.0) -> None:
+        """Read the workers' registrations again (at most once in ``every`` seconds)."""
+        if time.monotonic() - self._read_at >= every:
+            self._workers = read_workers(self.files)
+            self._read_at = time.monotonic()
+
+    def working(self, worker: str) -> bool:
+        """Whether ``worker`` (as last read; a worker not read yet is read now) still works."""
+        if worker and worker not in self._workers:
+            self.refresh()
+        found = self._workers.get(worker)
+        return found is not None and worker_live(self.files, f"{WORKERS}/{worker}.json", found, self.lease_s)
+
+    def waiting(self, worker: str) -> bool:
+        """Whether ``worker`` (as last read) waits too: the batch it holds is made as soon as its
+        wait ends."""
+        return (self._workers.get(worker) or {}).get("state") == "waiting"
+
+    def others_live(self) -> dict[str, dict[str, Any]]:
+        """The other workers that work now, read afresh."""
+        self.refresh()
+        return {name: worker for name, worker in self._workers.items()
+                if name != self.worker and worker_live(self.files, f"{WORKERS}/{name}.json", worker, self.lease_s)}
+
+
+def plan_conflict(files: PoolFiles, digest: str, plan: Any) -> Optional[str]:
+    """Why a job whose batch plan has ``digest`` cannot join the pool in ``files``: its live workers
+    pull the batches of another plan (another batch size or bucketing, another pipeline's buckets)."""
+    theirs = sorted({str(worker.get("plan")) for worker in live_workers(files).values()} - {digest})
+    if not theirs:
+        return None
+    other = json.loads(files.read(f"{POOL}/plan-{theirs[0]}.json") or b"{}")
+    return (f"{files.where}: the pool's workers pull the batches of another plan ({other.get('batches')} batches of "
+            f"{other.get('batch_size')} images) than this job's ({len(plan)} batches of {plan.batch_size}): join with "
+            "the same data.batch_size and data.bucket, or wait for the pool to end.")
+
+
+def claim_order(costs: np.ndarray) -> np.ndarray:
+    """The order workers claim batches in: the costliest first (ties: the earlier batch), so that the
+    pool ends together."""
+    return np.argsort(-np.asarray(costs), kind="stable")
+

@@ -1,0 +1,218 @@
+"""The elastic pool (``data.schedule: pull``): claims, joining, takeovers, a late finisher, a slower
+replica; real jobs as separate processes, against one process."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.output.lock import busy_message
+from lightning_diffusion.output.pool import WORKERS, FolderPoolFiles, Pool, live_workers, pool_summary
+from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
+
+PROMPTS = [p.strip() for p in FIVE_PROMPTS.strip("[]").split(",")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(tmp_path: Path, out: Path, name: str, seconds: dict, devices: int = 1, lease: float = 5.0) -> subprocess.Popen:
+    """A job of the pool in ``out``: tiny:flux over the five prompts, batches of one, each batch held
+    ``seconds[rank]`` before it is written (``PacedWriter``)."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from lightning.pytorch import Trainer\n"
+        "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
+        "from tests.slow_writer import PacedWriter\n"
+        f"writer = PacedWriter({str(out)!r}, save_arrays=True, seconds={seconds!r})\n"
+        f"trainer = Trainer(accelerator='cpu', devices={devices}, strategy='data_parallel', callbacks=[writer],\n"
+        "                  logger=False, enable_progress_bar=False)\n"
+        "trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=4, guidance_scale=3.5,\n"
+        "                                call_kwargs={'max_sequence_length': 64}),\n"
+        f"                datamodule=PromptDataModule({PROMPTS!r}, batch_size=1, schedule='pull', lease_s={lease}))\n"
+        "if writer.summary is not None:\n"
+        "    print('SUMMARY', json.dumps(writer.summary))\n")
+    return subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+
+
+def _summary(log: str) -> dict:
+    found = re.search(r"^SUMMARY (.*)$", log, re.M)
+    assert found, log[-3000:]
+    return json.loads(found.group(1))
+
+
+def _wait_for(condition, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _made_once_as_one_process(out: Path, reference) -> None:
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(5))
+    ours, ref = load_arrays(out), reference()
+    assert sorted(ours) == list(range(5)) and all(np.array_equal(ours[i], ref[i]) for i in range(5))
+
+
+# ----------------------------------------------------------------------------- claims, without a model
+
+
+def test_one_worker_wins_each_claim_and_each_takeover(tmp_path):
+    files = FolderPoolFiles(tmp_path)
+    pools = [Pool(files, f"job{n}", 0, 5.0, "plan") for n in range(8)]
+    won: list[list[str]] = [[], []]
+
+    def race(pool: Pool) -> None:
+        if pool.claim(3):
+            won[0].append(pool.worker)
+        if pool.take_over(3, 0):
+            won[1].append(pool.worker)
+
+    threads = [threading.Thread(target=race, args=(pool,)) for pool in pools]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won[0]) == 1 and len(won[1]) == 1
+    assert pools[0].holder(3) == (1, won[1][0])
+    first = next(p for p in pools if p.worker == won[0][0])
+    assert first.lost(3, 0) and not next(p for p in pools if p.worker == won[1][0]).lost(3, 1)
+
+
+def test_a_live_pool_refuses_a_run_that_deals_and_status_shows_its_workers(tmp_path):
+    pool = Pool(FolderPoolFiles(tmp_path), "abc", 0, 60.0, "plan")
+    pool.register({"batches": 4, "images": 8, "batch_size": 2})
+    try:
+        assert pool.claim(0) and pool.claim(1)
+        message = busy_message(tmp_path, None, None)
+        assert message is not None and "pool of 1 worker (job abc)" in message and "data.schedule: pull" in message
+        assert busy_message(tmp_path, None, None, pull=True) is None  # a job that pulls joins it
+        shown = pool_summary(FolderPoolFiles(tmp_path))
+        assert shown["workers"] == [{"worker": "abc-0", "state": "working", "live": True, "host": socket.gethostname(),
+                                     "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID"), "claims": 2}]
+        assert shown["plans"] == [{"plan": "plan", "batches": 4, "claimed": 2}]
+    finally:
+        pool.leave(ended=True)
+    assert not live_workers(FolderPoolFiles(tmp_path)) and busy_message(tmp_path, None, None) is None
+    assert json.loads((tmp_path / WORKERS / "abc-0.json").read_text())["state"] == "ended"
+
+
+def test_a_silent_worker_is_not_live_once_its_lease_lapses(tmp_path):
+    pool = Pool(FolderPoolFiles(tmp_path), "abc", 0, 2.0, "plan")
+    pool.files.put(f"{WORKERS}/abc-0.json", pool._content("working"))  # registered, never renewed
+    assert live_workers(pool.files)
+    old = time.time() - 3
+    os.utime(tmp_path / WORKERS / "abc-0.json", (old, old))
+    assert not live_workers(pool.files)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"schedule": "pul"}, "data.schedule must be one of deal, pull, got 'pul'."),
+    ({"schedule": "pull", "lease_s": 1}, "data.lease_s must be a number of seconds, at least 2"),
+    ({"schedule": "pull", "num_shards": 2}, "data.schedule: pull makes the whole prompt set with every job"),
+])
+def test_bad_pool_settings_are_refused(settings, message):
+    from lightning_diffusion import PromptDataModule
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        PromptDataModule(["a", "b"], **settings)
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+@pytest.mark.slow
+def test_two_jobs_started_together_share_the_work_each_image_once_as_one_process(tmp_path, reference):
+    out = tmp_path / "out"
+    jobs = [_job(tmp_path, out, f"job{n}", {0: 1.5}) for n in range(2)]
+    logs = [job.communicate(timeout=300)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    made = [_summary(log)["made"] for log in logs]
+    assert sum(made) == 5 and min(made) >= 1, made
+    _made_once_as_one_process(out, reference)
+    history = json.loads((out / "run.json").read_text())["history"]
+    assert sorted(entry["made"] for entry in history) == sorted(made)  # both jobs' summaries kept
+    assert not list(out.glob("manifest.*part-*.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_job_killed_mid_batch_is_taken_over_by_a_job_that_joins(tmp_path, reference):
+    out = tmp_path / "out"
+    first = _job(tmp_path, out, "first", {0: 3.0})
+    recorded = lambda: any(p.stat().st_size for p in out.glob("manifest.pool-*.part-0.jsonl"))  # noqa: E731
+    _wait_for(lambda: recorded() or first.poll() is not None)
+    os.killpg(first.pid, signal.SIGKILL)  # mid-batch: one image recorded, the next claimed and computed
+    first.communicate()
+    second = run_here(*tiny_args(out, "--data.prompts", FIVE_PROMPTS, "--data.batch_size", "1",
+                                 "--data.schedule", "pull", "--data.lease_s", "5"))
+    assert "took over batch" in second.stderr + second.stdout
+    _made_once_as_one_process(out, reference)
+
+
+@pytest.mark.slow
+def test_a_frozen_worker_loses_its_batch_and_its_late_result_adds_nothing(tmp_path, reference):
+    """A worker stopped (SIGSTOP: its renewals stop, its process stays) past its lease: the other
+    job takes its batches over; continued, it finds them taken and writes nothing of them."""
+    out = tmp_path / "out"
+    frozen = _job(tmp_path, out, "frozen", {0: 3.0}, lease=2.0)
+    claims = lambda: list(out.glob("pool/claims-*/0"))  # noqa: E731
+    _wait_for(lambda: bool(claims()) or frozen.poll() is not None)
+    time.sleep(0.5)  # inside its first batch's hold
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        other = _job(tmp_path, out, "other", {}, lease=2.0)
+        log = other.communicate(timeout=300)[0]
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+    late = frozen.communicate(timeout=300)[0]
+    assert other.returncode == 0 and frozen.returncode == 0, log[-3000:] + late[-3000:]
+    assert "took over batch" in log and _summary(log)["made"] == 5
+    assert "was taken over by another worker while this one made it" in late and _summary(late)["made"] == 0
+    _made_once_as_one_process(out, reference)
+
+
+@pytest.mark.slow
+def test_a_slower_replica_takes_fewer_batches(tmp_path):
+    out = tmp_path / "out"
+    job = _job(tmp_path, out, "paced", {1: 2.0}, devices=2)
+    log = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, log[-3000:]
+    rates = _summary(log)["images_per_s_by_rank"]
+    assert rates["0"] > rates.get("1", 0), rates  # the same seconds: rates are the images each made
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(5))
+
+
+def test_an_array_of_a_pool_is_refused_before_anything_is_queued(tmp_path, capsys):
+    from lightning_diffusion.commands import slurm as slurm_module
+
+    code = slurm_module.main(["--config", "configs/tiny-flux.yaml", "--array", "2", "--", "--data.prompts",
+                              FIVE_PROMPTS, "--writer.output_dir", str(tmp_path / "out"), "--data.schedule", "pull"])
+    assert code == 2 and "submit the command once for each job of the pool" in capsys.readouterr().err
+
+
+def test_a_pool_in_a_bucket_is_refused_before_weights(tmp_path):
+    from lightning_diffusion.run.config import read_config
+    from lightning_diffusion.run.preflight import preflight
+
+    config = read_config("configs/tiny-flux.yaml", ["--data.prompts", FIVE_PROMPTS, "--writer.output_dir",
+                                                    "s3://bucket/out", "--writer.format", "webdataset",
+                                                    "--data.schedule", "pull"], check=False)
+    assert any("a bucket cannot hold one yet" in problem for problem in preflight(config).problems)
