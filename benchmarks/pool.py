@@ -10,7 +10,8 @@
    seconds a batch from the run's summary, plus its hold).
 2. A claim's cost: ``--claims`` batches claimed one after another by one worker in a folder
    (an ``O_EXCL`` create), with the check a worker makes before writing a batch (``lost``), and
-   a takeover's (``holder`` + ``take_over``).
+   a takeover's (``holder`` + ``take_over``); the same for ``--bucket-claims`` batches in moto's
+   S3 server on this machine (conditional PUTs; a real bucket adds its network round trips).
 3. The wait of a dead worker's batch: a worker in another process claims a batch and dies (SIGKILL)
    or freezes (SIGSTOP); a worker polling as ``PullSampler`` does (every ``min(1, lease/4)`` s)
    takes it over. Reported: seconds from the kill to the takeover.
@@ -79,10 +80,11 @@ def ideal(summary: dict, pace: float) -> float:
     return summary["made"] / sum(rates)
 
 
-def claims(count: int) -> tuple[float, float, float]:
+def claims(count: int, bucket: bool = False) -> tuple[float, float, float]:
     with tempfile.TemporaryDirectory() as folder:
-        pool = Pool(FolderPoolFiles(Path(folder)), "bench", 0, 60.0, "plan")
-        other = Pool(FolderPoolFiles(Path(folder)), "other", 0, 60.0, "plan")
+        files = bucket_files() if bucket else FolderPoolFiles(Path(folder))
+        pool = Pool(files, "bench", 0, 60.0, "plan")
+        other = Pool(files, "other", 0, 60.0, "plan")
         start = time.perf_counter()
         for batch in range(count):
             pool.claim(batch)
@@ -99,13 +101,32 @@ def claims(count: int) -> tuple[float, float, float]:
     return claim, lost, takeover
 
 
+def bucket_files():
+    """A prefix in moto's S3 server on this machine (``pip install -e .[test]``), as a pool's files."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    from lightning_diffusion.output.object_store import BucketPoolFiles, ObjectStore
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line a request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="testing",
+                      AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    store = ObjectStore(f"s3://bench/pool-{os.getpid()}", None)
+    store.fs[0].mkdir("bench")
+    return BucketPoolFiles(store)
+
+
 WORKER = """
 import sys, time
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 from lightning_diffusion.output.pool import FolderPoolFiles, Pool
 pool = Pool(FolderPoolFiles(Path({folder!r})), "dying", 0, {lease!r}, "plan")
-pool.register({{"batches": 1, "images": 1, "batch_size": 1}})
+pool.register("plan", {{"batches": 1, "images": 1, "batch_size": 1}})
 pool.claim(0)
 print("claimed", flush=True)
 time.sleep(3600)
@@ -141,6 +162,7 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.3)
     parser.add_argument("--claims", type=int, default=100_000)
     parser.add_argument("--lease", type=float, default=8.0)
+    parser.add_argument("--bucket-claims", type=int, default=10_000, help="claims in moto's S3 server (0: none)")
     args = parser.parse_args()
     print(f"{os.cpu_count()} cores; {args.batches} batches of 1 image, tiny:flux 32x32, 2 steps; replica 1 holds "
           f"each batch {3 * args.pace:g} s, replica 0 {args.pace:g} s\n")
@@ -157,6 +179,12 @@ def main() -> None:
     print(f"\n| claims in a folder ({args.claims:,} batches) | per batch |\n| --- | --- |")
     print(f"| claim (O_EXCL create) | {1e6 * claim:.0f} us |\n| check before writing (lost) | {1e6 * lost:.0f} us |")
     print(f"| takeover (holder + take_over), {args.claims // 10:,} batches | {1e6 * takeover:.0f} us |")
+    if args.bucket_claims:
+        claim, lost, takeover = claims(args.bucket_claims, bucket=True)
+        print(f"\n| claims in moto's S3 server on this machine ({args.bucket_claims:,} batches) | per batch |\n"
+              f"| --- | --- |\n| claim (conditional PUT) | {1e3 * claim:.2f} ms |\n"
+              f"| check before writing (lost: a GET) | {1e3 * lost:.2f} ms |\n"
+              f"| takeover (holder + take_over), {args.bucket_claims // 10:,} batches | {1e3 * takeover:.2f} ms |")
     print(f"\n| a worker that (lease {args.lease:g} s, poll {min(1.0, args.lease / 4):g} s) | its batch taken over "
           "after |\n| --- | --- |")
     print(f"| dies (SIGKILL, same host) | {dead_wait(signal.SIGKILL, args.lease):.2f} s |")

@@ -53,6 +53,7 @@ class RunPlan:
     files: tuple[str, ...] = ()
     reading: Optional[dict[str, Any]] = None
     pull: bool = False  # ``data.schedule: pull``: the run's workers pull batches from a pool in the output
+    lease_s: float = 180.0  # ``data.lease_s``, with ``pull``
 
     @property
     def expected(self) -> int:
@@ -89,9 +90,10 @@ class PoolSource(Protocol):
     """A data module whose workers pull batches from a pool (``PromptDataModule`` with
     ``data.schedule: pull``), as the writer drives it."""
 
-    def use_pool(self, files: Any, job: str) -> None:
+    def use_pool(self, files: Any, job: str, worker: Any = None) -> None:
         """Pull batches from the pool kept in ``files`` (``pool.PoolFiles``), as job ``job``
-        (``data.schedule: pull``; the writer calls it at setup)."""
+        (``data.schedule: pull``; the writer calls it at setup); ``worker``: the registration the
+        store made when the job joined (``pool.Pool``, on global rank 0)."""
         ...
 
     def holds(self, batch_indices: Any) -> bool:

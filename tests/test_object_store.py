@@ -400,3 +400,25 @@ def test_a_slurm_job_array_writes_into_a_bucket_every_image_once_with_the_folder
     assert len(list(jobs.glob("slurm-*_*.out"))) == 3 and SECRET not in logs
     again = slurm("--config", config, "--resubmit", "--", *predict, cwd=tmp_path)
     assert again.returncode == 0 and "nothing to submit" in again.stdout, again.stdout + again.stderr
+
+
+@pytest.mark.slow
+def test_two_jobs_pull_from_one_pool_in_a_bucket_each_image_once_as_one_job(s3, tmp_path):
+    """``data.schedule: pull`` into a bucket: claims by conditional PUTs; two jobs at once share the
+    five batches, and the samples are those one job writes into a folder."""
+    from tests.test_pool import _job, _summary
+
+    fs = s3.fs()
+    webdataset = "format='webdataset', samples_per_shard=1"
+    jobs = [_job(tmp_path, "s3://runs/pool", f"job{n}", {0: 1.5}, writer=webdataset) for n in range(2)]
+    logs = [job.communicate(timeout=300)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    made = [_summary(log)["made"] for log in logs]
+    assert sum(made) == 5 and min(made) >= 1, made
+    assert sorted(line["index"] for line in _bucket_lines(fs, "runs/pool")) == list(range(5))
+    workers = [json.loads(fs.cat_file(name)) for name in fs.glob("runs/pool/pool/workers/*.json")]
+    assert sorted(worker["state"] for worker in workers) == ["ended", "ended"]
+    one = _job(tmp_path, tmp_path / "folder", "one", {}, writer=webdataset)
+    assert one.communicate(timeout=300)[0] and one.returncode == 0
+    folder = {path.name: path.read_bytes() for path in (tmp_path / "folder").glob("shard-*.tar")}
+    assert _members(_bucket_tars(fs, "runs/pool")) == _members(folder)

@@ -19,6 +19,7 @@ from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.lock import busy_message
 from lightning_diffusion.output.pool import WORKERS, FolderPoolFiles, Pool, live_workers, pool_summary
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
+from tests.test_slurm import cluster  # noqa: F401  (the cluster fixture)
 
 PROMPTS = [p.strip() for p in FIVE_PROMPTS.strip("[]").split(",")]
 
@@ -29,9 +30,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(tmp_path: Path, out: Path, name: str, seconds: dict, devices: int = 1, lease: float = 5.0) -> subprocess.Popen:
+def _job(tmp_path: Path, out, name: str, seconds: dict, devices: int = 1, lease: float = 5.0,
+         writer: str = "save_arrays=True", prompts: list = PROMPTS) -> subprocess.Popen:
     """A job of the pool in ``out``: tiny:flux over the five prompts, batches of one, each batch held
-    ``seconds[rank]`` before it is written (``PacedWriter``)."""
+    ``seconds[rank]`` before it is written (``PacedWriter``, with the keyword arguments ``writer``)."""
     script = tmp_path / f"{name}.py"
     script.write_text(
         "import json, sys\n"
@@ -39,12 +41,12 @@ def _job(tmp_path: Path, out: Path, name: str, seconds: dict, devices: int = 1, 
         "from lightning.pytorch import Trainer\n"
         "from lightning_diffusion import DiffusionModule, PromptDataModule\n"
         "from tests.slow_writer import PacedWriter\n"
-        f"writer = PacedWriter({str(out)!r}, save_arrays=True, seconds={seconds!r})\n"
+        f"writer = PacedWriter({str(out)!r}, {writer}, seconds={seconds!r})\n"
         f"trainer = Trainer(accelerator='cpu', devices={devices}, strategy='data_parallel', callbacks=[writer],\n"
         "                  logger=False, enable_progress_bar=False)\n"
         "trainer.predict(DiffusionModule('tiny:flux', height=64, width=64, num_inference_steps=4, guidance_scale=3.5,\n"
         "                                call_kwargs={'max_sequence_length': 64}),\n"
-        f"                datamodule=PromptDataModule({PROMPTS!r}, batch_size=1, schedule='pull', lease_s={lease}))\n"
+        f"                datamodule=PromptDataModule({prompts!r}, batch_size=1, schedule='pull', lease_s={lease}))\n"
         "if writer.summary is not None:\n"
         "    print('SUMMARY', json.dumps(writer.summary))\n")
     return subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -98,8 +100,8 @@ def test_one_worker_wins_each_claim_and_each_takeover(tmp_path):
 
 
 def test_a_live_pool_refuses_a_run_that_deals_and_status_shows_its_workers(tmp_path):
-    pool = Pool(FolderPoolFiles(tmp_path), "abc", 0, 60.0, "plan")
-    pool.register({"batches": 4, "images": 8, "batch_size": 2})
+    pool = Pool(FolderPoolFiles(tmp_path), "abc", 0, 60.0)
+    pool.register("plan", {"batches": 4, "images": 8, "batch_size": 2})
     try:
         assert pool.claim(0) and pool.claim(1)
         message = busy_message(tmp_path, None, None)
@@ -190,6 +192,37 @@ def test_a_frozen_worker_loses_its_batch_and_its_late_result_adds_nothing(tmp_pa
 
 
 @pytest.mark.slow
+def test_two_replicas_over_two_batches_end(tmp_path):
+    """One replica may claim both batches (the loader fetches one ahead): the other, with nothing to
+    claim, must not wait for it forever, nor it for the other."""
+    out = tmp_path / "out"
+    job = _job(tmp_path, out, "two", {}, devices=2, prompts=PROMPTS[:2])
+    log = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, log[-3000:]
+    assert [line["index"] for line in read_manifest_lines(out)] == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_signal_ends_a_worker_that_waits_for_other_workers(tmp_path):
+    out = tmp_path / "out"
+    slow = _job(tmp_path, out, "slow", {0: 12.0}, prompts=PROMPTS[:3])
+    _wait_for(lambda: bool(list(out.glob("pool/claims-*/1"))) or slow.poll() is not None)
+    waiter = _job(tmp_path, out, "waiter", {}, prompts=PROMPTS[:3])
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(waiter.stdout), daemon=True)
+    reader.start()
+    _wait_for(lambda: any("waiting while other workers make" in line for line in lines) or waiter.poll() is not None)
+    assert waiter.poll() is None, "".join(lines)[-3000:]
+    os.killpg(waiter.pid, signal.SIGINT)
+    signalled = time.monotonic()
+    waiter.wait(timeout=120)
+    assert time.monotonic() - signalled < 10, "the waiting worker did not stop on the signal"  # not 12 s a batch
+    log = slow.communicate(timeout=300)[0]
+    assert slow.returncode == 0, log[-3000:]
+    assert [line["index"] for line in read_manifest_lines(out)] == [0, 1, 2]
+
+
+@pytest.mark.slow
 def test_a_slower_replica_takes_fewer_batches(tmp_path):
     out = tmp_path / "out"
     job = _job(tmp_path, out, "paced", {1: 2.0}, devices=2)
@@ -200,19 +233,34 @@ def test_a_slower_replica_takes_fewer_batches(tmp_path):
     assert [line["index"] for line in read_manifest_lines(out)] == list(range(5))
 
 
-def test_an_array_of_a_pool_is_refused_before_anything_is_queued(tmp_path, capsys):
+def test_an_array_of_a_pool_runs_jobs_that_join_it_not_shards(tmp_path, capsys):
     from lightning_diffusion.commands import slurm as slurm_module
 
-    code = slurm_module.main(["--config", "configs/tiny-flux.yaml", "--array", "2", "--", "--data.prompts",
-                              FIVE_PROMPTS, "--writer.output_dir", str(tmp_path / "out"), "--data.schedule", "pull"])
-    assert code == 2 and "submit the command once for each job of the pool" in capsys.readouterr().err
+    predict = ["--data.prompts", FIVE_PROMPTS, "--writer.output_dir", str(tmp_path / "out"), "--data.schedule", "pull"]
+    assert slurm_module.main(["--config", "configs/tiny-flux.yaml", "--array", "3", "--", *predict]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --array=0-2" in script and "a job of the pool" in script and "--data.shard_index" not in script
+    code = slurm_module.main(["--config", "configs/tiny-flux.yaml", "--resubmit", "--", *predict])
+    assert code == 2 and "a pool (data.schedule: pull) has none" in capsys.readouterr().err
 
 
-def test_a_pool_in_a_bucket_is_refused_before_weights(tmp_path):
-    from lightning_diffusion.run.config import read_config
-    from lightning_diffusion.run.preflight import preflight
+@pytest.mark.slow
+def test_an_array_of_three_pool_jobs_on_the_cluster_makes_each_image_once_as_one_process(cluster, tmp_path):
+    from tests.test_slurm import TINY, slurm
 
-    config = read_config("configs/tiny-flux.yaml", ["--data.prompts", FIVE_PROMPTS, "--writer.output_dir",
-                                                    "s3://bucket/out", "--writer.format", "webdataset",
-                                                    "--data.schedule", "pull"], check=False)
-    assert any("a bucket cannot hold one yet" in problem for problem in preflight(config).problems)
+    out = tmp_path / "out"
+    twelve = "[" + ", ".join(f"pool prompt {i}" for i in range(12)) + "]"
+    predict = tiny_args(out, "--data.prompts", twelve, "--data.batch_size", "1", "--data.schedule", "pull",
+                        "--data.lease_s", "5")[3:]
+    proc = slurm("--config", TINY, "--array", "3", "--submit", "--wait", "--", *predict, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "an array of 3 jobs of the pool" in proc.stdout and "12 of 12 outputs" in proc.stdout
+    assert [line["index"] for line in read_manifest_lines(out)] == list(range(12))
+    workers = [json.loads(path.read_text()) for path in (out / WORKERS).glob("*.json")]
+    assert len({worker["job"] for worker in workers}) == 3 and {worker["state"] for worker in workers} == {"ended"}
+    history = json.loads((out / "run.json").read_text())["history"]
+    assert len(history) == 3 and sum(entry["made"] for entry in history) == 12
+    single = tmp_path / "single"
+    run_here(*tiny_args(single, "--data.prompts", twelve, "--data.batch_size", "1"))
+    ours, ref = load_arrays(out), load_arrays(single)
+    assert sorted(ours) == list(range(12)) and all(np.array_equal(ours[i], ref[i]) for i in range(12))

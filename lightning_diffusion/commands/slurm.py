@@ -30,10 +30,12 @@ from lightning_diffusion.commands.slurm_jobs import (
     Outputs,
     _slurm_command,
     plan_array,
+    pool_array,
     record_array,
     submit,
     wait_for,
     wait_for_array,
+    wait_for_pool,
 )
 from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.run.config import check_config, read_config, report_config_error
@@ -72,7 +74,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--array", type=int, metavar="N",
                         help="a job array of N tasks, task t making shard t of the prompt set (images i with "
-                        "the set's batches dealt by cost), all writing into one output folder")
+                        "the set's batches dealt by cost), all writing into one output folder; with "
+                        "data.schedule: pull, N jobs of one pool")
     parser.add_argument("--max-concurrent", type=int, metavar="K", help="with --array: at most K tasks at once")
     parser.add_argument("--resubmit", action="store_true",
                         help="submit an array of the shards of the output folder that are incomplete and not running")
@@ -330,8 +333,9 @@ def render(
         "SHARED_FOLDER": (fill_template("slurm_shared_folder.sh", {"OUT": q(str(outputs.folder))}).rstrip("\n") + "\n"
                           if outputs.folder is not None else
                           f"# The images go to {outputs.url}: the nodes need no shared folder.\n"),
-        "ARRAY_NOTE": (f" (array task $SLURM_ARRAY_TASK_ID: shard $SLURM_ARRAY_TASK_ID of {array['num_shards']})"
-                       if array is not None else ""),
+        "ARRAY_NOTE": ("" if array is None else
+                       " (array task $SLURM_ARRAY_TASK_ID: a job of the pool)" if array.get("pool") else
+                       f" (array task $SLURM_ARRAY_TASK_ID: shard $SLURM_ARRAY_TASK_ID of {array['num_shards']})"),
         "WEIGHTS": weights_lines(res["weights"]) if res.get("weights") else "",
         "CPUS": ("# srun of Slurm 22.05-23.02 does not take --cpus-per-task from the allocation without this.\n"
                  'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"') if cpus is not None else "",
@@ -341,7 +345,7 @@ def render(
         "PREDICT": " ".join(q(word) for word in predict),
         # Task t of the array makes shard t (SLURM sets SLURM_ARRAY_TASK_ID in each task's environment).
         "SHARD_FLAGS": (f' --data.num_shards {array["num_shards"]} --data.shard_index "$SLURM_ARRAY_TASK_ID"'
-                        if array is not None else ""),
+                        if array is not None and not array.get("pool") else ""),
     })
 
 
@@ -438,7 +442,9 @@ def main(argv: list[str]) -> int:
             # the job's nodes reach the store as this machine does: same variables (sbatch passes them on)
             raise_problems(outputs.store.write_problems())
         expected = expected_images(config)
-        if args.array is not None or args.resubmit:
+        if (args.array is not None or args.resubmit) and config.data.get("schedule") == "pull":
+            res["array"] = pool_array(args, expected)  # each task a job of the pool: no shards
+        elif args.array is not None or args.resubmit:
             res["array"] = plan_array(args, config, outputs, job_dir, expected)
             if not res["array"]["shards"]:
                 print("nothing to submit: every shard asked for is complete or still running.")
@@ -472,6 +478,10 @@ def main(argv: list[str]) -> int:
         if not args.submit:
             return 0
         job_id = submit(script)
+        if "array" in res and res["array"].get("pool"):
+            print(f"submitted job {job_id}: an array of {res['array']['num_shards']} jobs of the pool writing "
+                  f"{outputs.manifest}; logs: {job_dir}/slurm-{job_id}_<task>.out", flush=True)
+            return wait_for_pool(job_id, outputs, expected) if args.wait else 0
         if "array" in res:
             record_array(job_dir, job_id, res["array"])
             shards = ",".join(str(t) for t in res["array"]["shards"])

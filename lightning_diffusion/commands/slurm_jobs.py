@@ -148,9 +148,6 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     from lightning_diffusion.commands import status
     from lightning_diffusion.output.shard import Shard
 
-    if config.data.get("schedule") == "pull":
-        raise ConfigError("--array deals shards to its tasks, and data.schedule: pull has none: submit the command "
-                          "once for each job of the pool instead (each joins it), or use data.schedule: deal.")
     if int(config.data.get("num_shards") or 1) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
     count = args.array or status.shard_count(job_dir)
@@ -210,6 +207,35 @@ def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     submissions.append({"job": job_id, "num_shards": array["num_shards"], "shards": array["shards"],
                         "expected": array["expected"], "submitted": round(time.time(), 3)})
     atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
+
+
+def pool_array(args: argparse.Namespace, expected: Optional[int]) -> dict[str, Any]:
+    """``--array N`` of a pool (``data.schedule: pull``): N tasks, each a job that joins the pool (no
+    shards: nothing to plan or record)."""
+    if args.resubmit or args.shards is not None:
+        raise ConfigError("--resubmit and --shards pick the shards of a job array; a pool (data.schedule: pull) has "
+                          "none: submit the command again, and its jobs join the pool and make what is left.")
+    return {"num_shards": args.array, "shards": list(range(args.array)), "max_concurrent": args.max_concurrent,
+            "expected": expected, "pool": True}
+
+
+def wait_for_pool(job_id: str, outputs: Outputs, expected: Optional[int], poll_s: float = 2.0) -> int:
+    """Follow the tasks of a pool's array until none is queued or running; report the outputs."""
+    from lightning_diffusion.commands.status import ACTIVE_STATES, array_states
+
+    last: dict[int, str] = {}
+    while True:
+        states = array_states(job_id)
+        for task, state in sorted(states.items()):
+            if last.get(task) != state["state"]:
+                print(f"job {state['job']} (worker job {task} of the pool): {state['state']}", flush=True)
+                last[task] = state["state"]
+        if not any(state["state"] in ACTIVE_STATES for state in states.values()):
+            break
+        time.sleep(poll_s)
+    done = count_done(outputs)
+    print(f"job {job_id}: {done} of {expected} outputs in {outputs.manifest}", flush=True)
+    return 0 if expected is not None and done >= expected else 1
 
 
 def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str, Any], config: Any,

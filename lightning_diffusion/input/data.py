@@ -150,7 +150,7 @@ def shard_owners(records: Records, num_images_per_prompt: int, batch_size: int, 
 
 
 def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Records, reading: dict[str, Any],
-             shard: Optional[Shard] = None, pull: bool = False) -> RunPlan:
+             shard: Optional[Shard] = None, pull: bool = False, lease_s: float = LEASE_S) -> RunPlan:
     """The ``RunPlan`` of a prompt set read as ``records`` with the ``data`` settings ``reading``
     (``columns``, ``keep_columns``, ``split``): the data module's, and ``preflight``'s before a run."""
     from lightning_diffusion.input.tables import TableRecords
@@ -159,7 +159,7 @@ def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Recor
     files = tuple(records.files) if isinstance(records, TableRecords) and not one_file else ()
     shaped = {f"data.{key}": value for key, value in reading.items() if value}
     return RunPlan(prompts, seed, num_images_per_prompt, len(records) * num_images_per_prompt, shard, files,
-                   shaped or None, pull)
+                   shaped or None, pull, lease_s)
 
 
 class PromptDataModule(pl.LightningDataModule):
@@ -299,11 +299,13 @@ class PromptDataModule(pl.LightningDataModule):
         """What the writer records of this prompt set (``boundaries.RunPlan``)."""
         return run_plan(self.prompts, self.seed, self.num_images_per_prompt, self.records,
                         {"columns": self.columns, "keep_columns": self.keep_columns, "split": self.split}, self.shard,
-                        self.schedule == "pull")
+                        self.schedule == "pull", self.lease_s)
 
-    def use_pool(self, files: PoolFiles, job: str) -> None:
-        """Pull batches from the pool in ``files`` as job ``job`` (``data.schedule: pull``)."""
+    def use_pool(self, files: PoolFiles, job: str, worker: Optional[Pool] = None) -> None:
+        """Pull batches from the pool in ``files`` as job ``job`` (``data.schedule: pull``);
+        ``worker``: this rank's registration, made when the job joined (global rank 0)."""
         self._pool_at = (files, job)
+        self.pool = worker
 
     def holds(self, batch_indices: Any) -> bool:
         """Whether this worker still holds the batch of ``batch_indices`` (``pull.still_held``)."""
@@ -314,6 +316,7 @@ class PromptDataModule(pl.LightningDataModule):
         if self.pool is not None:
             self.pool.leave(ended)
             self.pool = None
+        self._pool_at = None
 
     def skip_indices(self, indices: Any) -> None:
         """Leave out images that are already done (called by the writer on resume, before the split)."""
@@ -411,12 +414,15 @@ class PromptDataModule(pl.LightningDataModule):
             log.info(self.plan.describe(1) + f"; pulled from the pool in {files.where} (costliest first, lease "
                      f"{self.lease_s:g} s)")
         kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {"rank": 0}
-        self.pool = None
         if strategy is None or strategy.writes_outputs:
-            self.pool = Pool(files, job, kwargs["rank"], self.lease_s, digest)
-            self.pool.register({"batches": len(self.plan), "images": self.plan.images, "batch_size": self.batch_size})
+            if self.pool is None:  # (replica 0's writing rank registered when the job joined)
+                self.pool = Pool(files, job, kwargs["rank"], self.lease_s)
+            self.pool.register(digest, {"batches": len(self.plan), "images": self.plan.images,
+                                        "batch_size": self.batch_size})
         dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
+        stop = strategy.run_context.stop if strategy is not None else None
         sampler = PullSampler(dataset, self.pool, share=strategy.replica_share() if strategy is not None else None,
-                              stopping=strategy.run_context.stop.stopping if strategy is not None else None)
+                              stopping=stop.stopping if stop is not None else None,
+                              requested=stop.requested if stop is not None else None)
         return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
                           collate_fn=collate_batch)

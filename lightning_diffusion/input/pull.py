@@ -14,8 +14,9 @@ started (left out of the batch).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 from torch.utils.data.distributed import DistributedSampler
@@ -24,6 +25,7 @@ from lightning_diffusion.console import log
 from lightning_diffusion.output.pool import Pool, claim_order
 
 Key = tuple[int, int, tuple[int, ...]]
+WAIT = "wait"  # what the writing rank sends its replica's other ranks while it waits for other workers
 
 
 class PullSampler(DistributedSampler):
@@ -32,7 +34,8 @@ class PullSampler(DistributedSampler):
     a ``data.BatchDataset`` of the whole set's plan, whose samples are the images left to make."""
 
     def __init__(self, dataset: Any, pool: Optional[Pool], share: Optional[Callable[[Any], Any]] = None,
-                 stopping: Optional[threading.Event] = None, poll_s: Optional[float] = None) -> None:
+                 stopping: Optional[threading.Event] = None, poll_s: Optional[float] = None,
+                 requested: Optional[threading.Event] = None) -> None:
         super().__init__(dataset, num_replicas=1, rank=0, shuffle=False, drop_last=False)
         self.batches: Any = dataset  # a data.BatchDataset (its plan, its samples)
         self.pool = pool
@@ -40,8 +43,14 @@ class PullSampler(DistributedSampler):
         self.stopping = stopping if stopping is not None else threading.Event()
         lease = pool.lease_s if pool is not None else 1.0
         self.poll_s = poll_s if poll_s is not None else min(1.0, lease / 4)
+        # A stop this rank was asked for (a signal): seen in the end wait, where no batch's stop check runs.
+        self.requested = requested if requested is not None else threading.Event()
         self.claimed = 0  # batches this worker claimed (takeovers included)
-        self._recorded: Optional[np.ndarray] = None
+        # The images recorded, read when a worker was first found stopped after this job started (a
+        # worker that stopped before keeps to what this job found recorded when it started).
+        self._recorded = np.zeros(0, dtype=np.int64)
+        self._read_after: set[str] = set()
+        self._started = time.time()
 
     def __len__(self) -> int:
         raise TypeError("a pool's batches are claimed while the run goes: the sampler has no length")
@@ -49,14 +58,31 @@ class PullSampler(DistributedSampler):
     def __iter__(self) -> Iterator[Any]:
         if self.pool is None:  # a follower: the writing rank's claims, until it says None
             while (key := self.share(None) if self.share is not None else None) is not None:
-                yield key
+                if key != WAIT:
+                    yield key
             return
-        for key in self._claims():
-            if self.share is not None:
-                self.share(key)
-            yield key
+        try:
+            for key in self._claims():
+                if self.share is not None:
+                    self.share(key)  # WAIT too: the followers' broadcast never waits past a poll
+                if key != WAIT:
+                    yield key
+        finally:
+            self.pool.wait(True)  # claims nothing more, holds at most the batch fetched ahead
         if self.share is not None:
             self.share(None)
+
+    def _stopped(self, seconds: float = 0.0) -> bool:
+        """Whether this worker is to stop (its replica agreed, or this rank got a signal), waiting up
+        to ``seconds`` for it."""
+        end = time.monotonic() + seconds
+        while True:
+            if self.stopping.is_set() or self.requested.is_set():
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, 0.1))
 
     # ----------------------------------------------------------------- the writing rank's claims
 
@@ -67,12 +93,12 @@ class PullSampler(DistributedSampler):
         positions = np.minimum(np.searchsorted(pending, images), max(len(pending) - 1, 0))
         return images[pending[positions] == images] if len(pending) else images[:0]
 
-    def _claims(self) -> Iterator[Key]:
+    def _claims(self) -> Iterator[Union[Key, str]]:
         pool = self.pool
         assert pool is not None
         waiting: list[int] = []  # batches held by other workers that work
         for batch in claim_order(self.batches.plan.costs).tolist():
-            if self.stopping.is_set():
+            if self._stopped():
                 return
             if not len(self._left(batch)):
                 continue
@@ -95,7 +121,6 @@ class PullSampler(DistributedSampler):
                      "any whose worker stops.")
         while waiting:
             pool.refresh()
-            self._recorded = None
             still = []
             for batch in waiting:
                 key = self._settle(batch)
@@ -104,13 +129,14 @@ class PullSampler(DistributedSampler):
                 elif key is not False:
                     pool.wait(False)
                     yield key
-                    if self.stopping.is_set():
+                    if self._stopped():
                         return
                     pool.wait(True)
             waiting = still
             if all(pool.waiting(pool.holder(batch)[1]) for batch in waiting):
                 return
-            if self.stopping.wait(self.poll_s):
+            yield WAIT  # the replica's other ranks hear from this rank at every poll
+            if self._stopped(self.poll_s):
                 return
 
     def _settle(self, batch: int) -> Any:
@@ -123,8 +149,9 @@ class PullSampler(DistributedSampler):
             return False  # this worker's own (a takeover it already made)
         if pool.working(holder):
             return None
-        if self._recorded is None:
-            self._recorded = pool.files.recorded()
+        if holder not in self._read_after and not pool.stopped_before(holder, self._started):
+            self._recorded = pool.files.recorded()  # what it recorded since this job started
+            self._read_after.add(holder)
         left = self._left(batch)
         recorded = left[np.isin(left, self._recorded)]
         if len(recorded) == len(left):

@@ -130,8 +130,9 @@ class Uploader:
     whole, then its manifest object; each PUT tried ``UPLOAD_TRIES`` times with backoff. Sent to
     the writer process by pickling: the file system is opened there."""
 
-    def __init__(self, url: str, options: Optional[Mapping[str, Any]], rank: int, run: str) -> None:
+    def __init__(self, url: str, options: Optional[Mapping[str, Any]], rank: int, run: str, tag: str = "") -> None:
         self.url, self.options, self.rank, self.run = url, dict(options or {}), rank, run
+        self.tag = tag  # after the rank in its manifest objects' names: ``.pool-JOB`` for a job of a pool
         self._fs: Optional[tuple[Any, str]] = None
         self._failed: Optional[str] = None  # an upload that failed every try: the later ones are not tried
 
@@ -157,7 +158,7 @@ class Uploader:
         fs, root = self.fs
         self._put(local.name, lambda: fs.put_file(str(local), f"{root}/{local.name}"))
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
-        name = f"{MANIFESTS}/{local.name}.rank-{self.rank}.jsonl"
+        name = f"{MANIFESTS}/{local.name}.rank-{self.rank}{self.tag}.jsonl"
         self._put(name, lambda: fs.pipe_file(f"{root}/{name}", text))
 
     def failures(self, local: Path) -> None:

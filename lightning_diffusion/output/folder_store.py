@@ -40,7 +40,7 @@ from lightning_diffusion.output.manifest import (
     rejected_images,
     settings_conflict,
 )
-from lightning_diffusion.output.pool import FolderPoolFiles, live_jobs
+from lightning_diffusion.output.pool import LEASE_S, FolderPoolFiles, Pool, live_jobs
 from lightning_diffusion.output.recorded import finished, merge_manifest, repair_manifest
 from lightning_diffusion.output.shard import (
     Shard,
@@ -118,9 +118,11 @@ class FolderStore:
     needs_shared_folder = True
 
     def __init__(self, folder: Path, shard: Optional[Shard], allow_config_change: bool = False,
-                 pool: Optional[str] = None) -> None:
+                 pool: Optional[str] = None, lease_s: Optional[float] = None) -> None:
         self.folder = folder
         self.pool = pool  # this job's name in a pool of workers (``data.schedule: pull``), else None
+        self.lease_s = lease_s or LEASE_S
+        self.worker: Optional[Pool] = None  # the job's first worker, registered by ``prepare`` (a pool's)
         self.where = str(folder)
         self.local_dir = folder
         self.shard = shard
@@ -133,9 +135,9 @@ class FolderStore:
     @classmethod
     def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
              options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
-             pool: Optional[str] = None) -> "FolderStore":
+             pool: Optional[str] = None, lease_s: Optional[float] = None) -> "FolderStore":
         """``store.open_store``'s folder (``options`` and ``staging_dir`` are a bucket's)."""
-        return cls(Path(location).expanduser(), shard, allow_config_change, pool)
+        return cls(Path(location).expanduser(), shard, allow_config_change, pool, lease_s)
 
     # --- read side (``store.OutputStore``) ------------------------------------------------------
 
@@ -249,9 +251,13 @@ class FolderStore:
         write beside each other), the settings compared with run.json's as any resume's, the parts
         of jobs that ended merged, the leftovers of killed runs cleaned only where no other job works."""
         nothing = np.zeros(0, dtype=np.int64)
+        # Registered first, checked after: a run that deals takes its lock first and looks for a pool
+        # after, so of two starting together at least one sees the other.
+        self.worker = Pool(FolderPoolFiles(self.folder), str(self.pool), 0, self.lease_s)
+        self.worker.start()
         busy = busy_message(self.folder, None, None, pull=True)
         if busy is not None:
-            return busy, nothing
+            return self._leave(busy), nothing
         others = self._other_jobs()
         if not others:
             self._sweep()
@@ -259,7 +265,7 @@ class FolderStore:
         with merge_lock(self.folder):
             conflict = None if self.allow_config_change else settings_conflict(self.folder, settings)
             if conflict:
-                return conflict, nothing
+                return self._leave(conflict), nothing
             if not run_file.is_file():
                 self._write_run_file(settings, run_file, total, history=[])
         if any(self.folder.glob(PART_GLOB)):
@@ -269,12 +275,19 @@ class FolderStore:
             self._repair(found)
         changed = self._inputs_changed(found)
         if changed:
-            return changed, nothing
+            return self._leave(changed), nothing
         if others:
             left = max(0, (total or 0) - len(found.indices))
             log.info(f"joined the pool writing {self.folder} ({counted(len(others), 'other job')} working): "
                      f"{left:,} of {total or 0:,} images left to make.")
         return None, found.indices
+
+    def _leave(self, refusal: str) -> str:
+        """A pool's job refused: its registration says it failed."""
+        if self.worker is not None:
+            self.worker.leave(ended=False)
+            self.worker = None
+        return refusal
 
     def _sweep(self) -> None:
         """Remove the temporaries of an earlier run that was killed (where its parts were left

@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from lightning_diffusion.console import log
+from lightning_diffusion.console import counted, log
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.bucket import (
     FAILURES,
@@ -65,7 +65,7 @@ from lightning_diffusion.output.bucket import (
 from lightning_diffusion.output.folder_store import output_dir_problems
 from lightning_diffusion.output.lock import pid_alive
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
-from lightning_diffusion.output.pool import POOL_REFUSAL
+from lightning_diffusion.output.pool import LEASE_S, Pool, live_jobs, live_workers
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,
@@ -105,14 +105,16 @@ class ObjectStore:
         self._beating: Optional[threading.Thread] = None
         self.adopted = False  # the shard deals as the prefix's recorded plan, not as this run computed
         self.pool: Optional[str] = None  # this job's name in a pool of workers (``data.schedule: pull``)
+        self.lease_s = LEASE_S
+        self.worker: Optional[Pool] = None  # the job's first worker, registered by ``prepare`` (a pool's)
 
     @classmethod
     def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
              options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
-             pool: Optional[str] = None) -> "ObjectStore":
+             pool: Optional[str] = None, lease_s: Optional[float] = None) -> "ObjectStore":
         """``store.open_store``'s bucket prefix."""
         store = cls(str(location), shard, allow_config_change, options, staging_dir)
-        store.pool = pool
+        store.pool, store.lease_s = pool, lease_s or LEASE_S
         return store
 
     @property
@@ -190,7 +192,7 @@ class ObjectStore:
         return self.local_dir / f"manifest.part-{rank}.jsonl"
 
     def publisher(self, rank: int) -> Uploader:
-        return Uploader(self.url, self.options, rank, self.run)
+        return Uploader(self.url, self.options, rank, self.run, "" if self.pool is None else f".pool-{self.pool}")
 
     @property
     def lock_name(self) -> str:
@@ -287,6 +289,12 @@ class ObjectStore:
                 self.release()
                 what = "a run of the whole prompt set" if other is None else other.replace("-", " ")
                 return f"{self.url} is being written by {what} ({holder}), which makes some of the same images."
+        workers = live_workers(BucketPoolFiles(self))
+        if workers:
+            self.release()
+            jobs = sorted({str(worker.get("job")) for worker in workers.values()})
+            return (f"{self.url} is being written by a pool of {counted(len(workers), 'worker')} (jobs "
+                    f"{', '.join(jobs)}); set data.schedule: pull to join it, or wait for it to end.")
         self._beat = threading.Event()
         self._beating = threading.Thread(target=self._heartbeat, args=(self._beat,), daemon=True,
                                          name="object-store lock heartbeat")
@@ -345,8 +353,8 @@ class ObjectStore:
             except Exception as err:  # the next beat tries again; STALE_S is four beats
                 log.warning(f"{self.url}: the lock's heartbeat failed ({_why(err)})")
 
-    def pool_files(self) -> Any:
-        raise ConfigError(POOL_REFUSAL.format(url=self.url))
+    def pool_files(self) -> "BucketPoolFiles":
+        return BucketPoolFiles(self)
 
     def release(self) -> None:
         if self._beat is not None:
@@ -449,11 +457,11 @@ class ObjectStore:
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
         self.expected = expected
         nothing = np.zeros(0, dtype=np.int64)
-        if self.pool is not None:
-            return POOL_REFUSAL.format(url=self.url), nothing
         problems = access_problems(self.url, self.options)
         if problems:
             return problems[0], nothing
+        if self.pool is not None:
+            return self._join(settings, total)
         busy = self._take_lock()
         if busy is not None:
             return busy, nothing
@@ -484,6 +492,63 @@ class ObjectStore:
                                                 "history": self._history})
         done, _, _ = self.recorded()
         return None, select(done, self.shard)
+
+    def _join(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
+        """``prepare`` for a job of a pool (``data.schedule: pull``): no lock (the jobs of a pool
+        write beside each other); refused beside a run that deals its work; run.json made by the
+        first job (a conditional PUT) and compared by the others, as a resume's."""
+        nothing = np.zeros(0, dtype=np.int64)
+        if not self._conditional_puts():
+            return (f"{self.url}: the store accepted a second conditional PUT (If-None-Match: *) of one object, so "
+                    "two workers could claim one batch: data.schedule: pull needs a store with conditional writes; "
+                    "use data.schedule: deal, or a shared folder."), nothing
+        # Registered first, checked after (a run that deals takes its lock first, then looks for a pool).
+        self.worker = Pool(BucketPoolFiles(self), str(self.pool), 0, self.lease_s)
+        self.worker.start()
+        runs = self.live_locks()
+        if runs:
+            which = ", ".join("a run of the whole prompt set" if other is None else f"shard {other[0]} of {other[1]}"
+                              for other in runs)
+            return self._leave(f"{self.url} is being written by {which} ({', '.join(runs.values())}), which deals "
+                               "its work: a job with data.schedule: pull joins only a pool. Wait for it to end, or "
+                               "choose another writer.output_dir."), nothing
+        try:
+            recorded = self.read_json(RUN_FILE)
+            if recorded is None:
+                try:
+                    self._write_json(RUN_FILE, {**settings, "expected": total, "history": []}, create=True)
+                except FileExistsError:
+                    recorded = self.read_json(RUN_FILE)
+        except ValueError:
+            return self._leave(f"{self.url}/{RUN_FILE} is not valid JSON; move it away to start the prefix "
+                               "afresh."), nothing
+        if recorded is not None and not self.allow_config_change:
+            conflict = recorded_conflict(recorded, settings, self.url)
+            if conflict:
+                return self._leave(conflict), nothing
+        done, _, _ = self.recorded()
+        others = sorted(live_jobs(BucketPoolFiles(self)) - {str(self.pool)})
+        if others:
+            left = max(0, (total or 0) - len(done))
+            log.info(f"joined the pool writing {self.url} ({counted(len(others), 'other job')} working): "
+                     f"{left:,} of {total or 0:,} images left to make.")
+        return None, done
+
+    def _leave(self, refusal: str) -> str:
+        """A pool's job refused: its registration says it failed."""
+        if self.worker is not None:
+            self.worker.leave(ended=False)
+            self.worker = None
+        return refusal
+
+    def _conditional_puts(self) -> bool:
+        """Whether the store refuses a second create of one object (what a pool's claims need)."""
+        files = BucketPoolFiles(self)
+        name = f".conditional-check-{os.urandom(6).hex()}"
+        try:
+            return files.create(name, b"1") and not files.create(name, b"2")
+        finally:
+            self.fs[0].rm(files._path(name))
 
     def _record_plan(self, total: Optional[int]) -> Optional[str]:
         """The shard plan (``shard.plan_file``): made by the first task of its count
@@ -533,8 +598,17 @@ class ObjectStore:
         every, rank_of, failed = self.recorded()
         mine = select(every, self.shard)
         made: dict[int, int] = {}
-        for index in np.setdiff1d(mine, done).tolist():  # this run's images, by the rank that made them
-            made[rank_of[index]] = made.get(rank_of[index], 0) + 1
+        if self.pool is not None:  # this job's images: its ranks' manifest objects (``.pool-JOB``)
+            fs, root = self.fs
+            recorded = set(every.tolist())
+            names = fs.glob(f"{root}/{MANIFESTS}/*.pool-{self.pool}.jsonl")
+            for name, blob in (fs.cat(names, on_error="return") if names else {}).items():
+                if isinstance(blob, Exception):
+                    continue
+                rank = int(name.rsplit(".rank-", 1)[-1].split(".")[0])
+                made[rank] = made.get(rank, 0) + sum(line["index"] in recorded for line in _lines(blob))
+        for index in np.setdiff1d(mine, done).tolist() if self.pool is None else []:
+            made[rank_of[index]] = made.get(rank_of[index], 0) + 1  # this run's images, by the rank that made them
         # failed.jsonl: every shard's failures not made since (a rerun retries them), one line an image
         finished = set(every.tolist())
         left = {line["index"]: line for line in failed if line["index"] not in finished}
@@ -553,6 +627,10 @@ class ObjectStore:
         return [line for blob in blobs.values() if not isinstance(blob, Exception) for line in _lines(blob)]
 
     def record(self, summary: dict[str, Any]) -> None:
+        if self.pool is not None:  # the jobs of a pool add to one history (read just before: a bucket has no lock)
+            current = self.read_json(RUN_FILE) or {}
+            self._write_json(RUN_FILE, {**current, "history": [*(current.get("history") or []), summary]})
+            return
         self._history.append(summary)
         if self.shard is None:
             current = self.read_json(RUN_FILE) or {}
@@ -561,3 +639,56 @@ class ObjectStore:
         else:
             self._write_json(self.record_name, {"shard": list(self.shard), "expected": self.expected,
                                                 "history": self._history})
+
+
+class BucketPoolFiles:
+    """A pool in a bucket prefix (``pool.PoolFiles``): creates by a conditional PUT (``If-None-Match:
+    *``), renewals by writing the registration again; a registration's age is the time it holds
+    (``beat``), so the workers' clocks must agree within the lease (NTP)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.where = store.url
+
+    def _path(self, name: str) -> str:
+        return f"{self.store.fs[1]}/{name}"
+
+    def create(self, name: str, data: bytes) -> bool:
+        try:
+            self.store.fs[0].pipe_file(self._path(name), data, mode="create")
+        except OSError as err:
+            if _already_there(err):
+                return False
+            raise
+        return True
+
+    def read(self, name: str) -> Optional[bytes]:
+        fs = self.store.fs[0]
+        fs.invalidate_cache(self._path(name))
+        try:
+            return fs.cat_file(self._path(name))
+        except FileNotFoundError:
+            return None
+
+    def put(self, name: str, data: bytes) -> None:
+        self.store.fs[0].pipe_file(self._path(name), data)
+
+    def exists(self, name: str) -> bool:
+        return self.read(name) is not None  # one GET (an object store's exists may also list the prefix)
+
+    def names(self, folder: str) -> list[str]:
+        fs = self.store.fs[0]
+        fs.invalidate_cache(self._path(folder))
+        try:
+            return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(self._path(folder), detail=False))
+        except FileNotFoundError:
+            return []
+
+    def renew(self, name: str, data: bytes) -> None:
+        self.put(name, data)
+
+    def age(self, name: str, content: dict[str, Any]) -> float:
+        return max(0.0, time.time() - float(content.get("beat") or 0.0))
+
+    def recorded(self) -> np.ndarray:
+        return self.store.recorded()[0]

@@ -44,8 +44,7 @@ WORKERS = f"{POOL}/workers"
 LEASE_S = 180.0  # data.lease_s's default: how long a silent worker's claims wait before a takeover
 MIN_LEASE_S = 2.0  # a renewal every lease/4: below this, renewals would cost more than they protect
 SCHEDULES = ("deal", "pull")
-POOL_REFUSAL = ("{url}: data.schedule: pull keeps its pool in a folder every worker sees; a bucket cannot hold one "
-                "yet: use a shared folder, or data.schedule: deal.")
+
 
 
 def plan_digest(order: np.ndarray, starts: np.ndarray, batch_size: int) -> str:
@@ -68,7 +67,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 class PoolFiles(Protocol):
-    """The few operations a pool needs of its storage (``FolderPoolFiles``; a bucket would be another class)."""
+    """The few operations a pool needs of its storage (``FolderPoolFiles``, ``object_store.BucketPoolFiles``)."""
 
     where: str
 
@@ -233,7 +232,7 @@ class Pool:
     """One worker's view of the pool: its registration and renewals, its claims, and what it reads
     of the others'. ``job``: this job's name (the same on its ranks), ``worker``: ``JOB-R``."""
 
-    def __init__(self, files: PoolFiles, job: str, replica: int, lease_s: float, digest: str) -> None:
+    def __init__(self, files: PoolFiles, job: str, replica: int, lease_s: float, digest: str = "") -> None:
         self.files = files
         self.job = job
         self.worker = f"{job}-{replica}"
@@ -253,15 +252,23 @@ class Pool:
 
     def _content(self, state: str) -> bytes:
         return json.dumps({"worker": self.worker, "job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
-                           "slurm_job": os.environ.get("SLURM_JOB_ID"), "plan": self.digest, "state": state,
+                           "slurm_job": os.environ.get("SLURM_JOB_ID"), "plan": self.digest or None, "state": state,
                            "lease_s": self.lease_s, "beat": time.time()}).encode()
 
-    def register(self, plan: dict[str, Any]) -> None:
-        """Say this worker works (renewed every lease/4 by a thread until ``leave``) and record the plan."""
-        self.files.create(f"{POOL}/plan-{self.digest}.json", json.dumps(plan).encode())
+    def start(self) -> None:
+        """Say this worker works, renewed every lease/4 by a thread until ``leave`` (a job registers
+        its first worker this way when it joins, before its weights load)."""
         self.files.put(self._record, self._content(self.state))
-        self._thread = threading.Thread(target=self._renew, name="pool-lease", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._renew, name="pool-lease", daemon=True)
+            self._thread.start()
+
+    def register(self, digest: str, plan: dict[str, Any]) -> None:
+        """Work on the batches of the plan ``digest`` (``plan``: its size, for ``status``), and say so."""
+        self.digest = digest
+        self.claims = f"{POOL}/claims-{digest}"
+        self.files.create(f"{POOL}/plan-{digest}.json", json.dumps(plan).encode())
+        self.start()
 
     def _renew(self) -> None:
         period = self.lease_s / 4
@@ -336,11 +343,27 @@ class Pool:
             self._read_at = time.monotonic()
 
     def working(self, worker: str) -> bool:
-        """Whether ``worker`` (as last read; a worker not read yet is read now) still works."""
-        if worker and worker not in self._workers:
-            self.refresh()
+        """Whether ``worker`` still works: as last read, and read again before it is judged stopped
+        (a registration read a while ago holds an old renewal)."""
         found = self._workers.get(worker)
-        return found is not None and worker_live(self.files, f"{WORKERS}/{worker}.json", found, self.lease_s)
+        name = f"{WORKERS}/{worker}.json"
+        if found is None or not worker_live(self.files, name, found, self.lease_s):
+            raw = self.files.read(name) if worker else None
+            try:
+                found = json.loads(raw) if raw else None
+            except ValueError:
+                found = None
+            if found is not None:
+                self._workers[worker] = found
+        return found is not None and worker_live(self.files, name, found, self.lease_s)
+
+    def stopped_before(self, worker: str, moment: float) -> bool:
+        """Whether ``worker`` last renewed (or wrote) its registration before ``moment`` (a time):
+        everything it recorded was recorded by then."""
+        found = self._workers.get(worker)
+        if found is None:
+            return False
+        return time.time() - self.files.age(f"{WORKERS}/{worker}.json", found) < moment - 1.0
 
     def waiting(self, worker: str) -> bool:
         """Whether ``worker`` (as last read) waits too: the batch it holds is made as soon as its
@@ -357,7 +380,7 @@ class Pool:
 def plan_conflict(files: PoolFiles, digest: str, plan: Any) -> Optional[str]:
     """Why a job whose batch plan has ``digest`` cannot join the pool in ``files``: its live workers
     pull the batches of another plan (another batch size or bucketing, another pipeline's buckets)."""
-    theirs = sorted({str(worker.get("plan")) for worker in live_workers(files).values()} - {digest})
+    theirs = sorted({str(worker["plan"]) for worker in live_workers(files).values() if worker.get("plan")} - {digest})
     if not theirs:
         return None
     other = json.loads(files.read(f"{POOL}/plan-{theirs[0]}.json") or b"{}")

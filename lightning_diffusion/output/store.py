@@ -28,6 +28,9 @@ class OutputStore(Protocol):
     # the nodes reach on their own.
     needs_shared_folder: bool
     adopted: bool  # after ``prepare``: the shard deals as the recorded plan, not as this run computed it
+    # After ``prepare`` of a job of a pool: its first worker's registration (``pool.Pool``), made
+    # before anything loads so that a run that deals and starts meanwhile sees it; else None.
+    worker: Any
     # The storage as messages name it (a folder, a URL), and the local folder this process's
     # files are written into (the folder itself, or where tar shards wait for their upload).
     where: str
@@ -137,11 +140,11 @@ def store_class(location: Location) -> type[OutputStore]:
 
 def open_store(location: Location, shard: Optional[Shard] = None, *, allow_config_change: bool = False,
                options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
-               pool: Optional[str] = None) -> OutputStore:
+               pool: Optional[str] = None, lease_s: Optional[float] = None) -> OutputStore:
     """The store at ``location`` for a run of ``shard`` (None: the whole prompt set), or to read.
     ``options``: ``writer.storage_options``; ``staging_dir``: where a store that uploads builds its
     files first; ``pool``: the job's name in a pool of workers that pull batches
-    (``data.schedule: pull``). Opening reads and writes nothing."""
+    (``data.schedule: pull``) and ``lease_s`` its ``data.lease_s``. Opening reads and writes nothing."""
     cls: Any = store_class(location)
     return cls.open(location, shard, allow_config_change=allow_config_change, options=options,
-                    staging_dir=staging_dir, pool=pool)
+                    staging_dir=staging_dir, pool=pool, lease_s=lease_s)

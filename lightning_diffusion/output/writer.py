@@ -321,7 +321,7 @@ class ImageWriter(BasePredictionWriter):
         job = trainer.strategy.broadcast(os.urandom(4).hex()) if self.plan.pull else None
         self.store = open_store(self.settings["output_dir"], self.plan.shard,
                                 allow_config_change=self.allow_config_change, options=self.storage_options,
-                                staging_dir=self.staging_dir, pool=job)
+                                staging_dir=self.staging_dir, pool=job, lease_s=self.plan.lease_s)
         result: tuple[Optional[str], Any, bool] = (None, [], False)
         if trainer.is_global_zero:
             result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted)
@@ -340,7 +340,7 @@ class ImageWriter(BasePredictionWriter):
         self.expected = self.plan.expected
         if job is not None:
             self._pool = require(data, PoolSource, "a data module that pulls batches (data.schedule: pull)")
-            self._pool.use_pool(self.store.pool_files(), job)
+            self._pool.use_pool(self.store.pool_files(), job, self.store.worker)
         if trainer.num_nodes > 1 and self.store.needs_shared_folder:
             self._check_shared(trainer)
         self.done = np.asarray(done, dtype=np.int64)

@@ -25,7 +25,6 @@ from lightning_diffusion.input.records import RecordVerdicts
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
 from lightning_diffusion.output.manifest import MANIFEST, settings_conflict
-from lightning_diffusion.output.pool import POOL_REFUSAL
 from lightning_diffusion.output.recorded import Finished, finished
 from lightning_diffusion.output.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
 from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
@@ -207,8 +206,6 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if not store_class(writer["output_dir"]).needs_shared_folder:  # a bucket: its lock, settings and records
-        if data.get("schedule") == "pull":
-            problems.append(POOL_REFUSAL.format(url=writer["output_dir"]))
         if here and not problems:                                  # are read when the run starts
             problems += open_store(writer["output_dir"], options=writer.get("storage_options")).write_problems()
         return Verdict(problems, complete, None)
