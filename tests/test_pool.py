@@ -264,3 +264,15 @@ def test_an_array_of_three_pool_jobs_on_the_cluster_makes_each_image_once_as_one
     run_here(*tiny_args(single, "--data.prompts", twelve, "--data.batch_size", "1"))
     ours, ref = load_arrays(out), load_arrays(single)
     assert sorted(ours) == list(range(12)) and all(np.array_equal(ours[i], ref[i]) for i in range(12))
+
+
+def test_a_job_whose_settings_differ_is_refused_naming_the_key_and_leaves_no_live_registration(tmp_path):
+    from lightning_diffusion.output.folder_store import FolderStore
+
+    first = FolderStore(tmp_path, None, pool="first")
+    assert first.prepare({"model.height": 64, "data.seed": 0}, 5, 5)[0] is None
+    second = FolderStore(tmp_path, None, pool="second")
+    refusal, done = second.prepare({"model.height": 96, "data.seed": 0}, 5, 5)
+    assert refusal is not None and "model.height" in refusal and not len(done)
+    assert set(live_workers(FolderPoolFiles(tmp_path))) == {"first-0"}  # the refused job says it failed
+    first.worker.leave(ended=True)
