@@ -340,3 +340,75 @@ def test_a_controlnet_pipeline_takes_each_records_control_image_and_equals_diffu
     assert proc.returncode == 2 and ("bare.jsonl:1: it has no image, which StableDiffusionXLControlNetPipeline "
                                      "needs") in proc.stderr, proc.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_controlnet_without_a_cp_plan_rules_out_context_parallelism_and_plan_recommends_none():
+    """FluxControlNetPipeline: the transformer has a ``_cp_plan``, its ControlNet none; the ControlNet's
+    residuals cover the whole sequence, so context parallelism is refused before weights (and
+    ``plan`` counts no context-parallel mode for it). FLUX.1 alone keeps Ulysses and ring."""
+    import diffusers
+
+    from lightning_diffusion.pipelines.facts import derive
+    from lightning_diffusion.pipelines.specs import spec_for
+    from lightning_diffusion.strategies.checks import context_modes, context_refusal
+
+    index = {"transformer": ["diffusers", "FluxTransformer2DModel"], "controlnet": ["diffusers", "FluxControlNetModel"],
+             "vae": ["diffusers", "AutoencoderKL"]}
+    facts = derive(diffusers.FluxControlNetPipeline, index, {})
+    spec = spec_for("FluxControlNetPipeline")
+    assert facts.cp_plan == ("transformer",) and facts.unsplit_controls == ("controlnet",)
+    assert context_modes(spec, facts) == ()
+    assert "its controlnet has no _cp_plan" in context_refusal(spec, facts)
+    plain = derive(diffusers.FluxPipeline, {k: v for k, v in index.items() if k != "controlnet"}, {})
+    assert context_modes(spec_for("FluxPipeline"), plain) == ("ulysses", "ring")
+
+
+def test_a_cp_plan_naming_layers_the_configured_model_lacks_is_found_without_weights():
+    """diffusers' Helios ``_cp_plan`` names blocks 0-39 one by one: a 2-layer model lacks 38 x 3 of
+    them (diffusers fails on the first after the weights load). Wildcards (``blocks.*``) and Wan's
+    ``blocks.0`` fit any depth."""
+    import diffusers
+
+    from lightning_diffusion.strategies.checks import plan_misses
+
+    helios = {"num_layers": 2, "num_attention_heads": 4, "attention_head_dim": 8, "ffn_dim": 32, "text_dim": 32,
+              "freq_dim": 32, "rope_dim": (4, 2, 2)}
+    missing = plan_misses(diffusers.HeliosTransformer3DModel, helios)
+    assert len(missing) == 38 * 3 and "blocks.2.attn1" in missing and "blocks.1.attn1" not in missing
+    assert plan_misses(diffusers.HeliosTransformer3DModel, {**helios, "num_layers": 40}) == []
+    wan = {"num_layers": 1, "num_attention_heads": 4, "attention_head_dim": 8, "ffn_dim": 32, "text_dim": 32,
+           "freq_dim": 32}
+    assert plan_misses(diffusers.WanTransformer3DModel, wan) == []
+
+
+@pytest.mark.parametrize("class_name", ["HeliosPipeline", "ChronoEditPipeline"])
+def test_transformers_whose_sequence_the_call_does_not_give_are_refused_context_parallelism(class_name):
+    from lightning_diffusion.pipelines.facts import denoiser_facts
+    from lightning_diffusion.pipelines.specs import spec_for
+    from lightning_diffusion.strategies.checks import context_modes
+
+    spec = spec_for(class_name)
+    transformer = class_name.replace("Pipeline", "Transformer3DModel")
+    facts = denoiser_facts(class_name, transformer)
+    assert facts.cp_plan and spec.cp_refused and context_modes(spec, facts) == ()
+
+
+def test_flux_controlnet_under_ulysses_is_refused_before_weights_in_one_line(tmp_path, cli_here):
+    """Through the CLI: a FluxControlNetPipeline folder (configs only: a refusal must come before
+    any weight) with a control image per record, under Ulysses 2."""
+    from PIL import Image
+
+    folder = _model_folder(tmp_path / "model", "FluxControlNetPipeline",
+                           {"transformer": ["diffusers", "FluxTransformer2DModel"],
+                            "controlnet": ["diffusers", "FluxControlNetModel"], "vae": ["diffusers", "AutoencoderKL"],
+                            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]})
+    Image.new("RGB", (64, 64)).save(tmp_path / "edges.png")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a fox", "control_image": "edges.png"}) + "\n")
+    proc = cli_here("predict", "--model.pretrained_model_name_or_path", str(folder), "--model.height", "64",
+                    "--model.width", "64", "--model.num_inference_steps", "2", "--data.prompts",
+                    str(tmp_path / "p.jsonl"), "--writer.output_dir", str(tmp_path / "out"),
+                    "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ulysses")
+    assert proc.returncode == 2, proc.stderr
+    assert ("FluxControlNetPipeline cannot run under context parallelism: its controlnet has no _cp_plan, and the "
+            "residuals it makes over the whole sequence join the transformer's blocks") in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -204,3 +204,35 @@ def test_records_whose_images_differ_in_size_are_not_resized_to_a_batch_neighbou
         alone = load_arrays(tmp_path / f"alone{i}")[0]
         assert together[i].shape == alone.shape == (64, 64 + 32 * i, 3)
         assert np.array_equal(together[i], alone), f"record {i} depends on its batch neighbour"
+
+
+def test_strength_is_set_per_record_for_a_pipeline_outside_the_registry(tmp_path):
+    """SDXL image-to-image (no registry entry): two records of one image at strengths 0.5 and 1.0,
+    each byte-identical to diffusers called directly with its own strength; a strength the call
+    cannot run (0 steps) is refused before weights, naming the record."""
+    from lightning_diffusion.pipelines import bare
+
+    Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype("uint8")).save(tmp_path / "in.png")
+    records = [{"prompt": "a fox", "image": "in.png", "seed": 5, "strength": 0.5},
+               {"prompt": "a fox", "image": "in.png", "seed": 5, "strength": 1.0}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = ["predict", "--config", "configs/tiny-flux.yaml", "--model.pretrained_model_name_or_path", "tiny:sdxl",
+              "--model.pipeline_class", "StableDiffusionXLImg2ImgPipeline", "--model.height", "null",
+              "--model.width", "null", "--model.call_kwargs", "{}", "--model.num_inference_steps", "4",
+              "--data.batch_size", "1", "--writer.save_arrays", "true"]
+    run_here(*common, "--data.prompts", str(tmp_path / "p.jsonl"), "--writer.output_dir", str(tmp_path / "out"))
+    arrays = load_arrays(tmp_path / "out")
+    assert {line["index"]: line["strength"] for line in read_manifest_lines(tmp_path / "out")} == {0: 0.5, 1: 1.0}
+    pipe = bare.load("tiny:sdxl", pipeline_class="StableDiffusionXLImg2ImgPipeline")
+    image = Image.open(tmp_path / "in.png").convert("RGB")
+    for i, record in enumerate(records):
+        direct = bare.call(pipe, [record["prompt"]], [record["seed"]], image=image, strength=record["strength"],
+                           num_inference_steps=4, guidance_scale=3.5, output_type="np").images[0]
+        assert np.array_equal(np.asarray(direct, dtype=np.float32), arrays[i]), f"record {i}"
+    assert not np.array_equal(arrays[0], arrays[1])
+    (tmp_path / "none.jsonl").write_text(json.dumps({**records[0], "strength": 0.1}) + "\n")
+    proc = run_here(*common, "--data.prompts", str(tmp_path / "none.jsonl"), "--writer.output_dir",
+                    str(tmp_path / "refused"), check=False)
+    assert proc.returncode == 2 and "none.jsonl:1: strength 0.1 of num_inference_steps 4 runs no step" in proc.stderr, \
+        proc.stderr
+    assert not (tmp_path / "refused").exists()

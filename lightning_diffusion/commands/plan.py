@@ -61,6 +61,7 @@ class ModelFacts:
     context: tuple[str, ...] = ()
     tensor: bool = False
     cp_plan: bool = False
+    cp_refusal: Optional[str] = None  # why context parallelism cannot run it although it has a _cp_plan
     sizes: bool = True  # the pipeline's call takes height and width (an image-to-image call takes its input's)
 
     @property
@@ -73,7 +74,7 @@ class ModelFacts:
 
 
 def facts_for(model: str) -> ModelFacts:
-    from lightning_diffusion.strategies.checks import context_modes
+    from lightning_diffusion.strategies.checks import context_modes, context_refusal
 
     known = published(model)
     if known is not None:
@@ -82,7 +83,8 @@ def facts_for(model: str) -> ModelFacts:
         return ModelFacts(model, dict(sizes.components), sizes.heads, sizes.hidden, sizes.layers,
                           pixels_per_token=spec.pixels_per_token, text_tokens=sizes.text_tokens,
                           pipeline=spec.class_name, spec=spec, context=context_modes(spec, None),
-                          tensor=spec.has_plan("_tp_plan"), cp_plan=spec.has_plan("_cp_plan"))
+                          tensor=spec.has_plan("_tp_plan"), cp_plan=spec.has_plan("_cp_plan"),
+                          cp_refusal=spec.cp_refused)
     from lightning_diffusion.pipelines.model_folder import component_bytes, inspect_pipeline
 
     info = inspect_pipeline(model)
@@ -98,13 +100,16 @@ def facts_for(model: str) -> ModelFacts:
     return ModelFacts(model, components, heads, hidden, layers, pixels_per_token=info.size_multiple,
                       text_tokens=text, pipeline=info.class_name, spec=info.spec,
                       context=context_modes(info.spec, info.facts), tensor=bool(info.facts.tp_plan),
-                      cp_plan=bool(info.facts.cp_plan), sizes={"height", "width"} <= info.call_parameters)
+                      cp_plan=bool(info.facts.cp_plan), cp_refusal=context_refusal(info.spec, info.facts),
+                      sizes={"height", "width"} <= info.call_parameters)
 
 
 def context_note(facts: ModelFacts) -> str:
     """Why context parallelism is limited or absent for this pipeline, in a few words."""
     if not facts.cp_plan:
         return "its transformer has no _cp_plan in diffusers"
+    if facts.cp_refusal:
+        return facts.cp_refusal
     if not facts.context:
         return "its text attention mask is split with the sequence, which diffusers' attention does not follow"
     from lightning_diffusion.strategies.checks import ULYSSES_ANYTHING_2

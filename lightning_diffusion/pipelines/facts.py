@@ -46,7 +46,9 @@ class PipelineFacts:
     ``forward`` takes; ``cp_splits``: per component with a ``_cp_plan``, the ``forward`` inputs it
     splits over the context-parallel ranks (the text too when ``encoder_hidden_states`` is one).
     ``max_side``: the most pixels per side its denoiser's position table reaches, where it has one
-    (SD3's ``pos_embed_max_size``)."""
+    (SD3's ``pos_embed_max_size``). ``unsplit_controls``: ControlNet components without a
+    ``_cp_plan``: the loop runs them on the whole latent sequence and adds their residuals to the
+    denoiser's blocks, which context parallelism splits (so it cannot run them)."""
 
     @property
     def text_split(self) -> bool:
@@ -75,6 +77,7 @@ class PipelineFacts:
     text_masks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     cp_splits: dict[str, tuple[str, ...]] = field(default_factory=dict)
     max_side: Optional[int] = None
+    unsplit_controls: tuple[str, ...] = ()
     why_not: Optional[str] = None
 
     @property
@@ -289,6 +292,7 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
     plans: dict[str, list[str]] = {"_cp_plan": [], "_tp_plan": []}
     masks: dict[str, tuple[str, ...]] = {}
     splits: dict[str, tuple[str, ...]] = {}
+    controls: list[str] = []
     for name in model_index:
         cls = None if name.startswith("_") else _component_class(model_index, name)
         if not (cls is not None and issubclass(cls, ModelMixin)):
@@ -298,6 +302,8 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
                 found.append(name)
         if getattr(cls, "_cp_plan", None):
             splits[name] = plan_inputs(cls._cp_plan)
+        elif "ControlNet" in cls.__name__:
+            controls.append(name)
         if name in DENOISERS:
             forward = inspect.signature(cls.forward).parameters
             taken = tuple(arg for arg in TEXT_MASK_ARGS if arg in forward)
@@ -323,5 +329,6 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
         text_masks=masks,
         cp_splits=splits,
         max_side=max_side,
+        unsplit_controls=tuple(controls),
         why_not=why_not,
     )

@@ -61,7 +61,9 @@ class PublishedModel:
 
 
 # What a record may set on any pipeline that takes it: its size, steps, guidance and text length.
-RECORD_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length")
+# (``validation.record_args`` keeps those a pipeline's ``__call__`` takes: ``strength`` for image-to-image.)
+RECORD_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length",
+               "strength")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ class PipelineSpec:
     ``cp_mask_modes``: the context-parallel modes verified equal to one process when the
     transformer's ``_cp_plan`` splits a text attention mask with the sequence (plain Ulysses, with
     ``compat``'s per-head fix; Qwen-Image's broadcast mask also under Ulysses-anything of degree 2).
+    ``cp_refused``: why context parallelism is refused although the transformer has a ``_cp_plan``
+    (its sequence holds tokens the checks cannot count from the call's arguments).
     """
 
     class_name: str
@@ -124,6 +128,7 @@ class PipelineSpec:
     record_args: tuple[str, ...] = RECORD_ARGS
     cp_mask_modes: tuple[str, ...] = ("ulysses",)
     tasks: tuple[tuple[str, str], ...] = ()
+    cp_refused: Optional[str] = None
 
     def resolved(self, facts: Optional["PipelineFacts"] = None) -> "PipelineSpec":
         """This entry with every fact it leaves unset read from the pipeline (``facts``),
@@ -271,9 +276,8 @@ register(PipelineSpec(
 # run (their VAE also encodes the input, inside the call).
 for _task, _inputs in (("FluxImg2ImgPipeline", ("image",)), ("FluxInpaintPipeline", ("image", "mask_image"))):
     register(replace(SPECS["FluxPipeline"], class_name=_task, stages=None, published={}, tiny=None, tiny_builder=None,
-                     inputs=_inputs, record_args=(*RECORD_ARGS, "strength")))
+                     inputs=_inputs))
 register(replace(SPECS["FluxPipeline"], class_name="FluxFillPipeline", cfg=None, stages=None, published={},
-                 record_args=(*RECORD_ARGS, "strength"),
                  inputs=("image", "mask_image"), tiny="flux-fill",
                  tiny_builder="lightning_diffusion.pipelines.tiny:build_flux_fill"))
 # Kontext edits an optional reference image (its tokens join the sequence; every input of a call is
@@ -342,3 +346,12 @@ register(PipelineSpec(
 register(replace(SPECS["WanPipeline"], class_name="WanImageToVideoPipeline", published={}, inputs=("image",),
                  call_batch=1, input_if_config=("last_image", "pos_embed_seq_len"),
                  tiny="wan-i2v", tiny_builder="lightning_diffusion.pipelines.tiny:build_wan_i2v"))
+
+# Transformers with a ``_cp_plan`` whose sequence the call's arguments do not give: Helios attends to
+# the history latents of the chunks it made before (their count grows chunk by chunk); ChronoEdit
+# makes 5 frames whatever num_frames says unless enable_temporal_reasoning is set, and then its
+# temporal-reasoning frames. The image-token check would count the wrong sequence.
+register(PipelineSpec("HeliosPipeline", cp_refused="its transformer attends to the history tokens of the chunks "
+                      "it made before, which the token checks cannot count"))
+register(PipelineSpec("ChronoEditPipeline", cp_refused="its frame count is not num_frames (5 frames, or its "
+                      "temporal-reasoning frames), so the token checks cannot count its sequence"))

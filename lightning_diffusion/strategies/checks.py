@@ -128,6 +128,17 @@ def context_parallel_problems(request: ModelRequest, dims: ParallelDims, ulysses
     planned = run_check(problems, planned_models, request, "_cp_plan", "context")
     if planned is None:
         return problems
+    refusal = context_refusal(info.spec, info.facts)
+    if refusal:
+        instead = " or tensor parallelism" if info.facts.tp_plan else ""
+        return [f"{info.class_name} cannot run under context parallelism: {refusal}. Use data_parallel{instead}."]
+    for name, cls in planned.items():
+        missing = plan_misses(cls, info.configs.get(name, {}))
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            return [f"{name} ({cls.__name__}) lacks modules its _cp_plan in diffusers {_diffusers_version()} names "
+                    f"({shown}): the plan is written for the published model's layers, not this folder's config. "
+                    "Use data_parallel."]
     split = dims.ulysses * dims.tp
     for name in planned:
         heads = info.configs.get(name, {}).get("num_attention_heads")
@@ -206,6 +217,37 @@ def context_mask_problems(class_name: str, spec: PipelineSpec, facts: PipelineFa
             f"and in diffusers {_diffusers_version()} {reason}: use {fix}, or data_parallel."]
 
 
+def context_refusal(spec: PipelineSpec, facts: PipelineFacts) -> Optional[str]:
+    """Why context parallelism cannot run this pipeline although its transformer has a ``_cp_plan``:
+    a ControlNet without one (the loop adds its residuals, made over the whole sequence, to the
+    transformer's blocks, which the plan splits), or what the registry says (``cp_refused``)."""
+    if facts.unsplit_controls:
+        return (f"its {', '.join(facts.unsplit_controls)} has no _cp_plan, and the residuals it makes over the whole "
+                "sequence join the transformer's blocks, which context parallelism splits")
+    return spec.cp_refused
+
+
+def plan_misses(cls: type[Any], config: dict[str, Any]) -> list[str]:
+    """The module names of ``cls._cp_plan`` that the model ``config`` describes lacks (a ``*`` stands
+    for each item of a ModuleList, as diffusers reads it); built on the meta device, no weight. A
+    config the class cannot build reports nothing (the load reports it)."""
+    from lightning_diffusion.pipelines.facts import _meta_model
+
+    model = _meta_model(cls, config)
+    if model is None:
+        return []
+
+    def found(module: Any, atoms: list[str]) -> bool:
+        if not atoms:
+            return True
+        head, rest = atoms[0], atoms[1:]
+        if head == "*":
+            return isinstance(module, torch.nn.ModuleList) and all(found(m, rest) for m in module)
+        return isinstance(getattr(module, head, None), torch.nn.Module) and found(getattr(module, head), rest)
+
+    return [name for name in cls._cp_plan if name and not found(model, name.split("."))]
+
+
 # ``context_modes`` of a pipeline whose text has each prompt's own length (Qwen-Image): Ulysses-
 # anything of degree 2 only (``context_parallel_problems`` and ``context_mask_problems``).
 ULYSSES_ANYTHING_2 = "ulysses_anything_2"
@@ -221,7 +263,7 @@ def context_modes(spec: PipelineSpec, facts: Optional[PipelineFacts]) -> tuple[s
         from lightning_diffusion.pipelines.facts import denoiser_facts
 
         facts = denoiser_facts(spec.class_name, spec.transformer_class)
-    if not facts.cp_plan:
+    if not facts.cp_plan or context_refusal(spec, facts):
         return ()
     masks = bool(facts.split_masks())
     if spec.prompt_length_text:
