@@ -219,8 +219,9 @@ def pool_array(args: argparse.Namespace, expected: Optional[int]) -> dict[str, A
             "expected": expected, "pool": True}
 
 
-def wait_for_pool(job_id: str, outputs: Outputs, expected: Optional[int], poll_s: float = 2.0) -> int:
-    """Follow the tasks of a pool's array until none is queued or running; report the outputs."""
+def follow_tasks(job_id: str, label: str, poll_s: float) -> None:
+    """Print each task's state of array ``job_id`` as it changes (``label`` names a task: ``shard``,
+    ``worker job``) until none is queued or running."""
     from lightning_diffusion.commands.status import ACTIVE_STATES, array_states
 
     last: dict[int, str] = {}
@@ -228,11 +229,16 @@ def wait_for_pool(job_id: str, outputs: Outputs, expected: Optional[int], poll_s
         states = array_states(job_id)
         for task, state in sorted(states.items()):
             if last.get(task) != state["state"]:
-                print(f"job {state['job']} (worker job {task} of the pool): {state['state']}", flush=True)
+                print(f"job {state['job']} ({label} {task}): {state['state']}", flush=True)
                 last[task] = state["state"]
         if not any(state["state"] in ACTIVE_STATES for state in states.values()):
-            break
+            return
         time.sleep(poll_s)
+
+
+def wait_for_pool(job_id: str, outputs: Outputs, expected: Optional[int], poll_s: float = 2.0) -> int:
+    """Follow the tasks of a pool's array until none is queued or running; report the outputs."""
+    follow_tasks(job_id, "worker job", poll_s)
     done = count_done(outputs)
     print(f"job {job_id}: {done} of {expected} outputs in {outputs.manifest}", flush=True)
     return 0 if expected is not None and done >= expected else 1
@@ -241,19 +247,9 @@ def wait_for_pool(job_id: str, outputs: Outputs, expected: Optional[int], poll_s
 def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str, Any], config: Any,
                    poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
-    from lightning_diffusion.commands.status import ACTIVE_STATES, array_states
     from lightning_diffusion.output.shard import Shard
 
-    last: dict[int, str] = {}
-    while True:
-        states = array_states(job_id)
-        for task, state in sorted(states.items()):
-            if last.get(task) != state["state"]:
-                print(f"job {state['job']} (shard {task}): {state['state']}", flush=True)
-                last[task] = state["state"]
-        if not any(state["state"] in ACTIVE_STATES for state in states.values()):
-            break
-        time.sleep(poll_s)
+    follow_tasks(job_id, "shard", poll_s)
     indices, rejected = outputs.made()
     complete = True
     plan = outputs.plan(array["num_shards"], config, expected)

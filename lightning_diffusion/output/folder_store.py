@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
-from lightning_diffusion.console import counted, log
+from lightning_diffusion.console import log
 from lightning_diffusion.output.files import stale_temporaries
 from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
 from lightning_diffusion.output.manifest import (
@@ -40,7 +40,7 @@ from lightning_diffusion.output.manifest import (
     rejected_images,
     settings_conflict,
 )
-from lightning_diffusion.output.pool import LEASE_S, FolderPoolFiles, Pool, live_jobs
+from lightning_diffusion.output.pool import LEASE_S, FolderPoolFiles, Pool, live_jobs, log_joined, quit_join
 from lightning_diffusion.output.recorded import finished, merge_manifest, repair_manifest
 from lightning_diffusion.output.shard import (
     Shard,
@@ -257,7 +257,7 @@ class FolderStore:
         self.worker.start()
         busy = busy_message(self.folder, None, None, pull=True)
         if busy is not None:
-            return self._leave(busy), nothing
+            return quit_join(self, busy), nothing
         others = self._other_jobs()
         if not others:
             self._sweep()
@@ -265,7 +265,7 @@ class FolderStore:
         with merge_lock(self.folder):
             conflict = None if self.allow_config_change else settings_conflict(self.folder, settings)
             if conflict:
-                return self._leave(conflict), nothing
+                return quit_join(self, conflict), nothing
             if not run_file.is_file():
                 self._write_run_file(settings, run_file, total, history=[])
         if any(self.folder.glob(PART_GLOB)):
@@ -275,19 +275,9 @@ class FolderStore:
             self._repair(found)
         changed = self._inputs_changed(found)
         if changed:
-            return self._leave(changed), nothing
-        if others:
-            left = max(0, (total or 0) - len(found.indices))
-            log.info(f"joined the pool writing {self.folder} ({counted(len(others), 'other job')} working): "
-                     f"{left:,} of {total or 0:,} images left to make.")
+            return quit_join(self, changed), nothing
+        log_joined(self.folder, others, total, len(found.indices))
         return None, found.indices
-
-    def _leave(self, refusal: str) -> str:
-        """A pool's job refused: its registration says it failed."""
-        if self.worker is not None:
-            self.worker.leave(ended=False)
-            self.worker = None
-        return refusal
 
     def _sweep(self) -> None:
         """Remove the temporaries of an earlier run that was killed (where its parts were left

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from lightning_diffusion.console import counted
 from lightning_diffusion.output.shard import Shard, shard_name
 
 HEARTBEAT_S = 30.0
@@ -28,13 +29,32 @@ STALE_S = 120.0
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host lives (a pid no process can have, from a corrupt record,
+    is taken as alive: only a proven death frees a lock or a pool's batch)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError, ValueError):
         return True
     return True
+
+
+def pool_beside_deal_message(where: object, workers: dict[str, dict]) -> str:
+    """The refusal of a run that deals its work where a pool's live ``workers`` write ``where``."""
+    jobs = sorted({str(worker.get("job")) for worker in workers.values()})
+    named = f"job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}"
+    return (f"{where} is being written by a pool of {counted(len(workers), 'worker')} ({named}); set "
+            "data.schedule: pull to join it, or wait for it to end.")
+
+
+def deal_beside_pool_message(where: object, runs: dict[Optional[tuple[int, int]], str]) -> str:
+    """The refusal of a job that joins a pool (``data.schedule: pull``) where ``runs`` (live runs
+    that deal their work: shard or None -> holder) write ``where``."""
+    which = ", ".join("a run of the whole prompt set" if other is None else f"shard {other[0]} of {other[1]}"
+                      for other in runs)
+    return (f"{where} is being written by {which} ({', '.join(runs.values())}), which deals its work: a job with "
+            "data.schedule: pull joins only a pool. Wait for it to end, or choose another writer.output_dir.")
 
 
 LOCK = ".lock"
@@ -86,13 +106,7 @@ def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optiona
 
     if pull:
         runs = live_locks(folder)
-        if runs:
-            which = ", ".join("a run of the whole prompt set" if other is None else f"shard {other[0]} of {other[1]}"
-                              for other in runs)
-            return (f"{folder} is being written by {which} ({', '.join(runs.values())}), which deals its work: a job "
-                    "with data.schedule: pull joins only a pool. Wait for it to end, or choose another "
-                    "writer.output_dir.")
-        return None
+        return deal_beside_pool_message(folder, runs) if runs else None
     if holder is not None:
         which = "" if shard is None else f"shard {shard[0]} of {shard[1]} of "
         return (f"{which}{folder} is being written by another run ({holder}); wait for it to end or choose another "
@@ -102,12 +116,7 @@ def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optiona
         return (f"{folder} is being written by {', '.join(others)}, which makes some of the same images; wait for it "
                 "to end, or run the same shard count (data.num_shards).")
     workers = live_workers(FolderPoolFiles(folder))
-    if workers:
-        jobs = sorted({str(worker.get("job")) for worker in workers.values()})
-        return (f"{folder} is being written by a pool of {len(workers)} worker{'s' if len(workers) > 1 else ''} "
-                f"(job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}); set data.schedule: pull to join it, or wait "
-                "for it to end.")
-    return None
+    return pool_beside_deal_message(folder, workers) if workers else None
 
 
 class OutputLock:

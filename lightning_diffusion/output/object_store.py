@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from lightning_diffusion.console import counted, log
+from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.bucket import (
     FAILURES,
@@ -63,9 +63,9 @@ from lightning_diffusion.output.bucket import (
     tried,
 )
 from lightning_diffusion.output.folder_store import output_dir_problems
-from lightning_diffusion.output.lock import pid_alive
+from lightning_diffusion.output.lock import deal_beside_pool_message, pid_alive, pool_beside_deal_message
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
-from lightning_diffusion.output.pool import LEASE_S, Pool, live_jobs, live_workers
+from lightning_diffusion.output.pool import LEASE_S, Pool, live_jobs, live_workers, log_joined, quit_join
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,
@@ -292,9 +292,7 @@ class ObjectStore:
         workers = live_workers(BucketPoolFiles(self))
         if workers:
             self.release()
-            jobs = sorted({str(worker.get("job")) for worker in workers.values()})
-            return (f"{self.url} is being written by a pool of {counted(len(workers), 'worker')} (jobs "
-                    f"{', '.join(jobs)}); set data.schedule: pull to join it, or wait for it to end.")
+            return pool_beside_deal_message(self.url, workers)
         self._beat = threading.Event()
         self._beating = threading.Thread(target=self._heartbeat, args=(self._beat,), daemon=True,
                                          name="object-store lock heartbeat")
@@ -507,11 +505,7 @@ class ObjectStore:
         self.worker.start()
         runs = self.live_locks()
         if runs:
-            which = ", ".join("a run of the whole prompt set" if other is None else f"shard {other[0]} of {other[1]}"
-                              for other in runs)
-            return self._leave(f"{self.url} is being written by {which} ({', '.join(runs.values())}), which deals "
-                               "its work: a job with data.schedule: pull joins only a pool. Wait for it to end, or "
-                               "choose another writer.output_dir."), nothing
+            return quit_join(self, deal_beside_pool_message(self.url, runs)), nothing
         try:
             recorded = self.read_json(RUN_FILE)
             if recorded is None:
@@ -520,26 +514,15 @@ class ObjectStore:
                 except FileExistsError:
                     recorded = self.read_json(RUN_FILE)
         except ValueError:
-            return self._leave(f"{self.url}/{RUN_FILE} is not valid JSON; move it away to start the prefix "
+            return quit_join(self, f"{self.url}/{RUN_FILE} is not valid JSON; move it away to start the prefix "
                                "afresh."), nothing
         if recorded is not None and not self.allow_config_change:
             conflict = recorded_conflict(recorded, settings, self.url)
             if conflict:
-                return self._leave(conflict), nothing
+                return quit_join(self, conflict), nothing
         done, _, _ = self.recorded()
-        others = sorted(live_jobs(BucketPoolFiles(self)) - {str(self.pool)})
-        if others:
-            left = max(0, (total or 0) - len(done))
-            log.info(f"joined the pool writing {self.url} ({counted(len(others), 'other job')} working): "
-                     f"{left:,} of {total or 0:,} images left to make.")
+        log_joined(self.url, sorted(live_jobs(BucketPoolFiles(self)) - {str(self.pool)}), total, len(done))
         return None, done
-
-    def _leave(self, refusal: str) -> str:
-        """A pool's job refused: its registration says it failed."""
-        if self.worker is not None:
-            self.worker.leave(ended=False)
-            self.worker = None
-        return refusal
 
     def _conditional_puts(self) -> bool:
         """Whether the store refuses a second create of one object (what a pool's claims need)."""

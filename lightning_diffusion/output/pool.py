@@ -37,7 +37,8 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from lightning_diffusion.console import log
+from lightning_diffusion.console import counted, log
+from lightning_diffusion.output.lock import pid_alive
 
 POOL = "pool"
 WORKERS = f"{POOL}/workers"
@@ -54,16 +55,6 @@ def plan_digest(order: np.ndarray, starts: np.ndarray, batch_size: int) -> str:
     digest.update(np.ascontiguousarray(order, dtype=np.int64).tobytes())
     digest.update(np.ascontiguousarray(starts, dtype=np.int64).tobytes())
     return digest.hexdigest()[:16]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 class PoolFiles(Protocol):
@@ -167,7 +158,7 @@ def worker_live(files: PoolFiles, name: str, worker: dict[str, Any], lease_s: fl
     lease has not lapsed, and, on this host, its process is there."""
     if worker.get("state") not in ("working", "waiting"):
         return False
-    if worker.get("host") == socket.gethostname() and not _pid_alive(int(worker.get("pid") or 0)):
+    if worker.get("host") == socket.gethostname() and not pid_alive(int(worker.get("pid") or 0)):
         return False
     return files.age(name, worker) <= float(worker.get("lease_s") or lease_s)
 
@@ -394,3 +385,20 @@ def claim_order(costs: np.ndarray) -> np.ndarray:
     pool ends together."""
     return np.argsort(-np.asarray(costs), kind="stable")
 
+
+
+def quit_join(store: Any, refusal: str) -> str:
+    """A pool's job refused while joining (``FolderStore``/``ObjectStore._join``): its registration
+    says it failed, and the store holds no worker; returns ``refusal``."""
+    if store.worker is not None:
+        store.worker.leave(ended=False)
+        store.worker = None
+    return refusal
+
+
+def log_joined(where: Any, others: list[str], total: Optional[int], made: int) -> None:
+    """Say that a job joined a pool that other jobs work, and what is left to make."""
+    if others:
+        left = max(0, (total or 0) - made)
+        log.info(f"joined the pool writing {where} ({counted(len(others), 'other job')} working): "
+                 f"{left:,} of {total or 0:,} images left to make.")
