@@ -31,17 +31,24 @@ def short_reason(detail: str) -> str:
         return "no `_tp_plan`"
     if "text attention mask" in detail:
         return "text mask under ring"
-    return detail
+    # a refusal from the pipeline's class: its first clause (the docs' list below the table says why)
+    short = detail.split(": ")[0].split(", which")[0].replace(" (its __call__ has no prompt argument)", "")
+    return short.rstrip(".")
 
 
 def table(lines: list[dict]) -> str:
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for outcome in lines:
-        rows.setdefault((outcome["pipeline"], outcome["tiny"]), {})[outcome["strategy"]] = cell(outcome)
+        row = rows.setdefault((outcome["pipeline"], outcome["tiny"]), {})
+        text = cell(outcome)
+        if outcome["strategy"] in row and text not in row[outcome["strategy"]]:  # two refusals of one class
+            text = row[outcome["strategy"]] + "; " + text.removeprefix("refused: ")
+        row[outcome["strategy"]] = text
     columns = [c for c in ORDER if any(c in row for row in rows.values())]
     out = ["| pipeline | tiny copy | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for (pipeline, tiny), row in sorted(rows.items()):
-        out.append(f"| {pipeline} | `{tiny}` | " + " | ".join(row.get(c, "") for c in columns) + " |")
+        copy = f"`{tiny}`" if tiny.startswith("tiny:") else tiny
+        out.append(f"| {pipeline} | {copy} | " + " | ".join(row.get(c, "") for c in columns) + " |")
     return "\n".join(out)
 
 

@@ -52,12 +52,15 @@ BAD_SIZES = {"sdxl": ("34", "4"), "sd3": ("40", "16"), "flux2": ("40", "16"), "l
              "cogvideox": ("40", "16")}
 
 
-def record(pipeline: str, strategy: str, outcome: str, detail: str = "") -> None:
-    """Append one tested outcome for ``scripts/pipeline-table``."""
+def record(pipeline: str, strategy: str, outcome: str, detail: str = "", copy: str = "") -> None:
+    """Append one tested outcome for ``scripts/pipeline_table.py``: ``pipeline`` is a tiny copy's name
+    in ``PIPELINES``, or a pipeline class tested from its configs alone (``copy`` says so)."""
     target = os.environ.get("LIGHTNING_DIFFUSION_PIPELINE_RESULTS")
     if target:
+        known = PIPELINES.get(pipeline)
         with open(target, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"pipeline": PIPELINES[pipeline]["class"], "tiny": f"tiny:{pipeline}",
+            f.write(json.dumps({"pipeline": known["class"] if known else pipeline,
+                                "tiny": f"tiny:{pipeline}" if known else copy,
                                 "strategy": strategy, "outcome": outcome, "detail": detail}) + "\n")
 
 
@@ -266,6 +269,13 @@ def _model_folder(folder: Path, class_name: str, components: dict) -> Path:
      "a prompt record can give."),
     ("HeliosPipeline", {"transformer": ["diffusers", "HeliosTransformer3DModel"]},
      "HeliosPipeline needs the package ftfy, which is not installed: pip install ftfy."),
+    ("DDPMPipeline", {"unet": ["diffusers", "UNet2DModel"]},
+     "DDPMPipeline takes no prompt (its __call__ has no prompt argument): it makes pictures without a prompt "
+     "(unconditional), and a run makes one picture per prompt."),
+    ("AudioLDMPipeline", {"unet": ["diffusers", "UNet2DConditionModel"]},
+     "AudioLDMPipeline makes no pictures: its output (AudioPipelineOutput) holds audios, not images or frames."),
+    ("StableCascadePriorPipeline", {"prior": ["diffusers", "StableCascadeUNet"]},
+     "StableCascadePriorPipeline makes no pictures"),
 ])
 def test_a_pipeline_a_run_cannot_drive_is_refused_before_weights(class_name, components, message, tmp_path,
                                                                  cli_here):
@@ -283,6 +293,8 @@ def test_a_pipeline_a_run_cannot_drive_is_refused_before_weights(class_name, com
     proc = cli_here("predict", "--config", str(tmp_path / "run.yaml"), "--trainer.accelerator", "cpu")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    line = next(line for line in proc.stderr.splitlines() if message in line)
+    record(class_name, "one process", "refused", line[line.index(message) + len(class_name) + 1:], copy="configs only")
 
 
 @pytest.mark.parametrize("vae, expected", [
@@ -334,6 +346,8 @@ def test_a_controlnet_pipeline_takes_each_records_control_image_and_equals_diffu
                            num_inference_steps=2, guidance_scale=3.5, output_type="np").images[0]
         assert np.array_equal(np.asarray(direct, dtype=np.float32), arrays[i]), f"image {i}"
     assert not np.array_equal(arrays[0], arrays[1]), "another control image must give another picture"
+    record("StableDiffusionXLControlNetPipeline", "one process", "equal", "byte-identical to diffusers called directly",
+           copy="tiny:sdxl-controlnet")
     (tmp_path / "bare.jsonl").write_text(json.dumps({"prompt": "no control"}) + "\n")
     proc = run_here(*common, "--data.prompts", str(tmp_path / "bare.jsonl"), "--writer.output_dir",
                     str(tmp_path / "refused"), check=False)
@@ -412,3 +426,20 @@ def test_flux_controlnet_under_ulysses_is_refused_before_weights_in_one_line(tmp
     assert ("FluxControlNetPipeline cannot run under context parallelism: its controlnet has no _cp_plan, and the "
             "residuals it makes over the whole sequence join the transformer's blocks") in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    record("FluxControlNetPipeline", "ulysses 2", "refused", "its controlnet has no `_cp_plan`", copy="configs only")
+
+
+def test_a_video_pipelines_own_default_frame_count_is_accepted_whatever_its_rule():
+    """HeliosPipeline's default is 132 frames, made in chunks of 33 (not 4 x k + 1): its own default
+    runs; another count off its VAE's 4 x k + 1 rule is refused, naming the default."""
+    import diffusers
+
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
+
+    info = PipelineInfo("helios", "HeliosPipeline", diffusers.HeliosPipeline,
+                        {"_class_name": "HeliosPipeline", "vae": ["diffusers", "AutoencoderKLWan"]},
+                        configs={"vae": {"temperal_downsample": [False, True, True]}})
+    assert info.spec.temporal_scale == 4 and info.spec.default_frames == 132
+    assert info.frames_problems(132) == [] and info.frames_problems(33) == []
+    assert info.frames_problems(130) == ["num_frames=130 cannot be made by HeliosPipeline: use 4 x k + 1 frames (for "
+                                         "example 129, or its default 132)."]

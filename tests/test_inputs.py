@@ -19,6 +19,7 @@ from PIL import Image
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+from tests.test_any_pipeline import record as record_outcome
 
 ATOL = 1e-5
 IMG2IMG = ["--model.pipeline_class", "FluxImg2ImgPipeline"]
@@ -230,6 +231,8 @@ def test_strength_is_set_per_record_for_a_pipeline_outside_the_registry(tmp_path
                            num_inference_steps=4, guidance_scale=3.5, output_type="np").images[0]
         assert np.array_equal(np.asarray(direct, dtype=np.float32), arrays[i]), f"record {i}"
     assert not np.array_equal(arrays[0], arrays[1])
+    record_outcome("StableDiffusionXLImg2ImgPipeline", "one process", "equal",
+                   "byte-identical to diffusers called directly", copy="tiny:sdxl")
     (tmp_path / "none.jsonl").write_text(json.dumps({**records[0], "strength": 0.1}) + "\n")
     proc = run_here(*common, "--data.prompts", str(tmp_path / "none.jsonl"), "--writer.output_dir",
                     str(tmp_path / "refused"), check=False)

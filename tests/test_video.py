@@ -88,8 +88,8 @@ def test_animated_formats(fmt, tmp_path):
 
 
 def test_frame_counts_the_pipeline_cannot_make():
-    with pytest.raises(ConfigError,
-                       match=r"num_frames=8 cannot be made by WanPipeline: use 4 x k \+ 1 frames \(for example 9\)"):
+    with pytest.raises(ConfigError, match=r"num_frames=8 cannot be made by WanPipeline: use 4 x k \+ 1 frames "
+                                          r"\(for example 9, or its default 81\)"):
         DiffusionModule("tiny:wan", num_frames=8)
     with pytest.raises(ConfigError, match="FluxPipeline makes images, not videos"):
         DiffusionModule("tiny:flux", num_frames=9)

@@ -217,10 +217,13 @@ class PipelineInfo:
         if spec.frames_arg is None:
             return [f"{self.class_name} makes images, not videos; drop num_frames."]
         scale = spec.temporal_scale or 1
+        if frames == spec.default_frames and is_int(frames, 1):
+            return []  # its own default, whatever its rule (Helios' 132 frames are made in chunks of 33)
         if not is_int(frames, 1) or (frames - 1) % scale:
             example = max(1, round(((frames if is_int(frames) else 1) - 1) / scale)) * scale + 1
+            default = f", or its default {spec.default_frames}" if spec.default_frames else ""
             return [f"num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "
-                    f"(for example {example})."]
+                    f"(for example {example}{default})."]
         return []
 
     def call_value_problems(self, values: dict[str, Any]) -> list[str]:
@@ -263,14 +266,16 @@ class PipelineInfo:
         name = self.class_name
         parameters = inspect.signature(self.pipeline_class.__call__).parameters
         problems = []
+        needed = [arg for arg, p in parameters.items() if arg not in ("self", "prompt") and p.default is p.empty
+                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         if "prompt" not in parameters:
-            problems.append(f"{name} takes no prompt (its __call__ has no prompt argument): it is a stage of a larger "
-                            "pipeline; run the pipeline that makes pictures from prompts.")
+            what = ("it is a stage of a larger pipeline; run the pipeline that makes pictures from prompts" if needed
+                    else "it makes pictures without a prompt (unconditional), and a run makes one picture per prompt")
+            problems.append(f"{name} takes no prompt (its __call__ has no prompt argument): {what}.")
         why = no_pictures(self.pipeline_class)
         if why is not None:
             problems.append(f"{name} makes no pictures: {why}.")
-        needed = [arg for arg, p in parameters.items() if arg not in ("self", "prompt") and p.default is p.empty
-                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and arg not in given | record_fields]
+        needed = [arg for arg in needed if arg not in given | record_fields]
         if needed:
             problems.append(f"{name} needs {', '.join(needed)} (no default), which neither the config nor a prompt "
                             "record can give.")
