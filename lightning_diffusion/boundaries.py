@@ -19,6 +19,7 @@ mid-run.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, cast, runtime_checkable
 
@@ -68,6 +69,8 @@ class PromptSource(Protocol):
     # The batch plan of this rank's last ``predict_dataloader`` (None before it): its buckets go into
     # the run's summary.
     plan: Optional["BatchPlan"]
+    # The prompt records (the strategy's checks before loading read their sizes and inputs).
+    records: Sequence[dict[str, Any]]
 
     def run_plan(self) -> RunPlan:
         ...

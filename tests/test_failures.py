@@ -222,3 +222,27 @@ def test_a_stuck_peer_ends_the_replica_with_a_message_before_the_backend_timeout
         raise AssertionError("the stopped rank was left behind")
     run_here(*args, "--trainer.devices", "1", "--trainer.strategy", "data_parallel")
     assert [line["index"] for line in read_manifest_lines(out)] == list(range(COUNT))
+
+
+def test_the_stall_watch_drains_the_writer_the_run_context_names_while_it_is_set_up(tmp_path):
+    """The strategy reaches the writer only through its run context: the writer adds its drain at
+    setup and takes it away when the run ends; the strategy's stall watch calls what is there."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+
+    writer = ImageWriter(str(tmp_path / "out"), write_workers=0)
+    seen = []
+
+    class Look(Callback):
+        def on_predict_batch_end(self, trainer, *args, **kwargs):
+            seen.append(list(trainer.strategy.run_context.drains))
+
+    strategy = DataParallelStrategy()
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                      callbacks=[writer, Look()])
+    trainer.predict(DiffusionModule("tiny:flux", height=64, width=64, num_inference_steps=1),
+                    datamodule=PromptDataModule(["a fox"], batch_size=1))
+    assert seen == [[writer.drain_on_stall]]
+    assert strategy.run_context.drains == []
+    assert len(read_manifest_lines(tmp_path / "out")) == 1

@@ -33,7 +33,7 @@ import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import lightning.pytorch as pl
 import numpy as np
@@ -256,6 +256,7 @@ class ImageWriter(BasePredictionWriter):
         self._writers: Optional[WriterProcess | WriterThreads] = None
         self._batches = 0  # this rank's batches handed to its writers: the order of tar shard members
         self._pool: Optional[PoolSource] = None  # the data module, where its workers pull from a pool
+        self._drains: Optional[list[Callable[[], None]]] = None  # the run context's, while set up
         # Known at the run's end:
         self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
         self.summary: Optional[dict[str, Any]] = None
@@ -315,6 +316,10 @@ class ImageWriter(BasePredictionWriter):
         data: PromptSource = require(getattr(trainer, "datamodule", None), PromptSource, "a data module (datamodule=)")
         module: ImageSource = require(pl_module, ImageSource, "a LightningModule")
         self.started_at, self.predicting_at = time.time(), None
+        strategy = run_strategy(trainer.strategy)
+        self._drains = strategy.run_context.drains if strategy is not None else None
+        if self._drains is not None:  # a rank stalled in a collective writes what it queued before it ends
+            self._drains.append(self.drain_on_stall)
         self.plan = data.run_plan()
         self.total, self.shard, self.expected = self.plan.num_images, self.plan.shard, self.plan.expected
         # a job of a pool (data.schedule: pull) has a name of its own, the same on its ranks
@@ -498,7 +503,10 @@ class ImageWriter(BasePredictionWriter):
         return self.store.manifest_where
 
     def _release(self) -> None:
-        """The folder's lock given back (this process's staging folder removed)."""
+        """The folder's lock given back (this process's staging folder removed); the stall watch no
+        longer drains this writer."""
+        if self._drains is not None and self.drain_on_stall in self._drains:
+            self._drains.remove(self.drain_on_stall)
         if self.store is not None:
             self.store.release()
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from lightning_diffusion.run.preemption import StopController
@@ -43,6 +43,13 @@ def checked_by_launcher() -> bool:
 class RunContext:
     stop: StopController = field(default_factory=StopController)
     checked: bool = False
+    # What writes this run's images, drained by the stall watch before a stalled rank ends: the
+    # writer adds its ``drain_on_stall`` at setup and removes it at teardown.
+    drains: list[Callable[[], None]] = field(default_factory=list)
+
+    def drain_writers(self) -> None:
+        for drain in list(self.drains):
+            drain()
 
     def mark_checked(self) -> None:
         """This command line passed every check: the ranks this process starts trust it."""

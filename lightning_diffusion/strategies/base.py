@@ -36,10 +36,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_diffusion import console
+from lightning_diffusion.boundaries import PromptSource
 from lightning_diffusion.console import counted, log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems
-from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.pipelines import compat, quantization
 from lightning_diffusion.run import interrupt
 from lightning_diffusion.run.context import RunContext
@@ -240,7 +240,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             return None  # another LightningModule: nothing is known before loading
         trainer = module._trainer
         data = getattr(trainer, "datamodule", None)  # Lightning sets it only for a run given a data module
-        return module.request(data.records if isinstance(data, PromptDataModule) else None)
+        return module.request(data.records if isinstance(data, PromptSource) else None)
 
     @override
     def setup_environment(self) -> None:
@@ -385,7 +385,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         and text encoders' direct submodules beat too (``vae.decode`` is not a forward: a long video
         decode, tile by tile, would beat only through its decoder); the denoisers' do not, where a
         compiled model would break its graph at each of them."""
-        watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self._drain_writers,
+        watch = StallWatch(self._timeout.total_seconds(), self.global_rank, drain=self.run_context.drain_writers,
                            writes=self.writes_outputs)
         beat = torch.compiler.disable(watch.beat)  # a compiled model calls it outside its graphs
         denoisers = set(module.info.denoisers())
@@ -397,14 +397,6 @@ class DiffusionParallelStrategy(ParallelStrategy):
                 self._beats += [part.register_forward_pre_hook(beat), part.register_forward_hook(beat)]
         self._stall_watch = watch
         watch.start()
-
-    def _drain_writers(self) -> None:
-        from lightning_diffusion.output.writer import ImageWriter
-
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        for callback in trainer.callbacks if trainer is not None else []:  # type: ignore[attr-defined]  # set by Trainer
-            if isinstance(callback, ImageWriter):
-                callback.drain_on_stall()
 
     @override
     def model_to_device(self) -> None:
