@@ -69,8 +69,6 @@ class PromptSource(Protocol):
     # The batch plan of this rank's last ``predict_dataloader`` (None before it): its buckets go into
     # the run's summary.
     plan: Optional["BatchPlan"]
-    # The prompt records (the strategy's checks before loading read their sizes and inputs).
-    records: Sequence[dict[str, Any]]
 
     def run_plan(self) -> RunPlan:
         ...
@@ -86,6 +84,14 @@ class PromptSource(Protocol):
     def rejected_lines(self) -> list[dict[str, Any]]:
         """``rejected.jsonl``'s lines: each rejected record, its file:line, reason and images."""
         ...
+
+
+@runtime_checkable
+class RecordSource(Protocol):
+    """A data module whose prompt records the strategy's checks read before loading (their sizes
+    and input images: ``PromptDataModule``); any other runs without those checks."""
+
+    records: Sequence[dict[str, Any]]
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
-"""Turn the outcomes tests/test_any_pipeline.py records into the table of docs/pipelines.md.
+"""Turn the outcomes tests/pipelines/test_any_pipeline.py records into the table of docs/pipelines.md.
 
-    LIGHTNING_DIFFUSION_PIPELINE_RESULTS=results.jsonl python -m pytest tests/test_any_pipeline.py
+    LIGHTNING_DIFFUSION_PIPELINE_RESULTS=results.jsonl python -m pytest tests/pipelines/test_any_pipeline.py
     python scripts/pipeline_table.py results.jsonl [--write docs/pipelines.md]
 
 With ``--write`` the table replaces the part of the page between its two marker lines.

@@ -22,22 +22,11 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_diffusion.console import counted
+from lightning_diffusion.output.pool import FolderPoolFiles, live_workers, pid_alive
 from lightning_diffusion.output.shard import Shard, shard_name
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host lives (a pid no process can have, from a corrupt record,
-    is taken as alive: only a proven death frees a lock or a pool's batch)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 def pool_beside_deal_message(where: object, workers: dict[str, dict]) -> str:
@@ -102,8 +91,6 @@ def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optiona
     live runs of other shards that make some of the same images, or a pool of workers
     (``data.schedule: pull``) for a run that deals its work; for a run that joins the pool (``pull``),
     a live run that deals its work. None when it can."""
-    from lightning_diffusion.output.pool import FolderPoolFiles, live_workers
-
     if pull:
         runs = live_locks(folder)
         return deal_beside_pool_message(folder, runs) if runs else None

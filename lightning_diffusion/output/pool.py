@@ -38,7 +38,6 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from lightning_diffusion.console import counted, log
-from lightning_diffusion.output.lock import pid_alive
 
 POOL = "pool"
 WORKERS = f"{POOL}/workers"
@@ -55,6 +54,18 @@ def plan_digest(order: np.ndarray, starts: np.ndarray, batch_size: int) -> str:
     digest.update(np.ascontiguousarray(order, dtype=np.int64).tobytes())
     digest.update(np.ascontiguousarray(starts, dtype=np.int64).tobytes())
     return digest.hexdigest()[:16]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host lives (a pid no process can have, from a corrupt record,
+    is taken as alive: only a proven death frees a lock or a pool's batch)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
 
 
 class PoolFiles(Protocol):

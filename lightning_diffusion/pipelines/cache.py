@@ -60,7 +60,7 @@ CACHE_TYPES = {
 _FILLED = {"current_timestep_callback", "num_inference_steps"}
 # Python callables: not settable from a config (diffusers' defaults apply).
 _CALLABLES = {"attention_weight_callback", "low_frequency_weight_callback", "high_frequency_weight_callback"}
-# Transformers whose blocks the per-image first-block cache is verified on (tests/test_cache.py, or a
+# Transformers whose blocks the per-image first-block cache is verified on (tests/pipelines/test_cache.py, or a
 # tiny run): text and image tokens stay separate through every block. FLUX.2 joins them before its
 # single blocks, so a residual of the last block is not comparable with the first's.
 _POSITIVE_INTS = ("cache_interval", "max_skip_steps", "spatial_attention_block_skip_range",

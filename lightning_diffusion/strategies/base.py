@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_diffusion import console
-from lightning_diffusion.boundaries import PromptSource
+from lightning_diffusion.boundaries import RecordSource
 from lightning_diffusion.console import counted, log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems
@@ -240,7 +240,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
             return None  # another LightningModule: nothing is known before loading
         trainer = module._trainer
         data = getattr(trainer, "datamodule", None)  # Lightning sets it only for a run given a data module
-        return module.request(data.records if isinstance(data, PromptSource) else None)
+        return module.request(data.records if isinstance(data, RecordSource) else None)
 
     @override
     def setup_environment(self) -> None:

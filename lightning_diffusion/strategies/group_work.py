@@ -28,7 +28,7 @@ GPUs. ``GroupWork`` installs three things on a loaded pipeline, on every rank of
 Every rank of the group calls the pipeline with the same inputs, so the collectives here meet in the
 same order everywhere. Exactness: tiles are bit-identical; the by-sample splits run the encoders and
 the decoder on a smaller batch than one device does, which changes float rounding (within 1e-5 of
-one process on the tiny pipelines, see tests/test_group_work.py).
+one process on the tiny pipelines, see tests/strategies/test_group_work.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 HOOK_NAME = "lightning_diffusion.group_split"
-# VAE classes whose tiled decode the tile deal is tested on (tests/test_group_work.py).
+# VAE classes whose tiled decode the tile deal is tested on (tests/strategies/test_group_work.py).
 NOT_GATHERED = ("logits", "past_key_values", "cache", "loss")  # transformers 4 and 5 names
 _ALIGN = 16  # bytes: every tensor starts at an offset any dtype can be viewed from
 # Backends whose all-gather into one tensor is not copy-free: gloo's (torch 2.13) cuts the output

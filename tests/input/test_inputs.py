@@ -19,7 +19,7 @@ from PIL import Image
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
-from tests.test_any_pipeline import record as record_outcome
+from tests.pipelines.test_any_pipeline import record as record_outcome
 
 ATOL = 1e-5
 IMG2IMG = ["--model.pipeline_class", "FluxImg2ImgPipeline"]

@@ -23,7 +23,7 @@ from lightning_diffusion import PromptDataModule
 from lightning_diffusion.input.formats import read_records, split_names
 from lightning_diffusion.input.tables import TableRecords
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
-from tests.test_bad_input import OPENED  # its audit hook records every weight file opened
+from tests.run.test_bad_input import OPENED  # its audit hook records every weight file opened
 
 # Small and quick: 32x32 pixels, 2 steps, one image a call.
 FAST = ["--model.height", "32", "--model.width", "32", "--model.num_inference_steps", "2", "--data.batch_size", "2"]

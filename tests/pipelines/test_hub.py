@@ -18,9 +18,9 @@ import pytest
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines import tiny
+from tests.commands.test_slurm import cluster, job_log, submitted_job  # noqa: F401  (the cluster fixture)
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, tiny_args
 from tests.hub_server import HubServer
-from tests.test_slurm import cluster, job_log, submitted_job  # noqa: F401  (the cluster fixture)
 
 REPO_ID = "test/tiny-flux"
 

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_diffusion.cli import main
 
-CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
+CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml"))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])

@@ -26,8 +26,8 @@ from lightning_diffusion.commands import slurm as slurm_module
 from lightning_diffusion.commands import status as status_module
 from lightning_diffusion.output.lock import OutputLock, conflicting_runs, live_locks
 from lightning_diffusion.output.shard import Shard, in_shard, shard_size
+from tests.commands.test_slurm import cluster, job_log, slurm  # noqa: F401  (the cluster fixture)
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
-from tests.test_slurm import cluster, job_log, slurm  # noqa: F401  (the cluster fixture)
 
 TINY = str(REPO / "configs" / "tiny-flux.yaml")
 TWELVE = "[" + ", ".join(f"array prompt {i}" for i in range(12)) + "]"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, load_arrays, read_manifest_lines, run_here, tiny_args
-from tests.test_failures import children
+from tests.run.test_failures import children
 
 PROMPTS = "[" + ", ".join(f"prompt {n}" for n in range(12)) + "]"
 ARGS = ["--data.prompts", PROMPTS, "--data.batch_size", "2", "--model.height", "32", "--model.width", "32"]

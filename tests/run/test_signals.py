@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, read_manifest_lines, run_cli, tiny_args
-from tests.test_failures import children, group_alive, wait_for_images
+from tests.run.test_failures import children, group_alive, wait_for_images
 
 COUNT = 24
 

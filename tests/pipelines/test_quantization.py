@@ -17,7 +17,7 @@ import pytest
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.errors import ConfigError
 from tests.conftest import SHAPES_ARGS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
-from tests.test_cache import FBC, stats
+from tests.pipelines.test_cache import FBC, stats
 
 INT8WO = "{backend: torchao, quant_type: int8wo}"
 PSNR_FLOOR = 40.0  # dB against full precision; measured 51.4-55.1 dB on tiny:shapes (4 steps)

@@ -19,7 +19,7 @@ from PIL import Image
 
 from lightning_diffusion.output.files import EXIF_DESCRIPTION
 from tests.conftest import REPO, read_manifest_lines, run_here, tiny_args
-from tests.test_resume import finished_lines
+from tests.output.test_resume import finished_lines
 
 SHAPES = ["--data.prompts", "configs/prompts/shapes.txt", "--model.num_inference_steps", "2"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from lightning_diffusion.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 OPENED: list[str] = []
 

@@ -18,8 +18,8 @@ import pytest
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.lock import busy_message
 from lightning_diffusion.output.pool import WORKERS, FolderPoolFiles, Pool, live_workers, pool_summary
+from tests.commands.test_slurm import cluster  # noqa: F401  (the cluster fixture)
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, read_manifest_lines, run_here, tiny_args
-from tests.test_slurm import cluster  # noqa: F401  (the cluster fixture)
 
 PROMPTS = [p.strip() for p in FIVE_PROMPTS.strip("[]").split(",")]
 
@@ -246,7 +246,7 @@ def test_an_array_of_a_pool_runs_jobs_that_join_it_not_shards(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_an_array_of_three_pool_jobs_on_the_cluster_makes_each_image_once_as_one_process(cluster, tmp_path):
-    from tests.test_slurm import TINY, slurm
+    from tests.commands.test_slurm import TINY, slurm
 
     out = tmp_path / "out"
     twelve = "[" + ", ".join(f"pool prompt {i}" for i in range(12)) + "]"

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from lightning_diffusion.output.object_store import ObjectStore
+from tests.commands.test_slurm import cluster, slurm  # noqa: F401  (the cluster fixture)
 from tests.conftest import REPO, run_cli, run_here
-from tests.test_slurm import cluster, slurm  # noqa: F401  (the cluster fixture)
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -406,7 +406,7 @@ def test_a_slurm_job_array_writes_into_a_bucket_every_image_once_with_the_folder
 def test_two_jobs_pull_from_one_pool_in_a_bucket_each_image_once_as_one_job(s3, tmp_path):
     """``data.schedule: pull`` into a bucket: claims by conditional PUTs; two jobs at once share the
     five batches, and the samples are those one job writes into a folder."""
-    from tests.test_pool import _job, _summary
+    from tests.output.test_pool import _job, _summary
 
     fs = s3.fs()
     webdataset = "format='webdataset', samples_per_shard=1"
