@@ -226,7 +226,9 @@ def all_published() -> list[str]:
 
 # Tiny copies of pipelines that need no entry here (``tiny_zoo.py``): NAME -> builder path.
 TINY_ZOO = {name: f"lightning_diffusion.pipelines.tiny_zoo:build_{name.replace('-', '_')}"
-            for name in ("sdxl", "sdxl-controlnet", "sd3", "flux2", "ltx", "cogvideox")}
+            for name in ("sdxl", "sdxl-controlnet", "sd3", "flux2", "ltx", "cogvideox", "sana", "pixart-sigma",
+                         "pixart-alpha", "sd15", "sd15-img2img", "sd15-controlnet", "sd15-inpaint", "auraflow",
+                         "lumina2", "chroma", "mochi", "hunyuanvideo", "cogview4", "latte", "hunyuandit")}
 
 
 def _tiny_paths() -> dict[str, str]:

@@ -1,10 +1,13 @@
 """Pipelines the registry does not describe run on what is read from their classes and configs.
 
-Tiny random copies of StableDiffusionXL, StableDiffusion3, FLUX.2, LTX-Video and CogVideoX
-(``tiny_zoo``): one process byte-identical to diffusers called directly with the manifest's seeds;
-2 replicas byte-identical to one process; each context- or tensor-parallel mode that the
-transformer's diffusers plans allow equal to one process within ATOL, or refused before any weight
-loads with the reason. Every pipeline class diffusers exports is derived without weights.
+Tiny random copies of 20 pipelines (``tiny_zoo``: StableDiffusionXL, StableDiffusion3, FLUX.2,
+LTX-Video, CogVideoX, and in the slow tier SD 1.5 with its image-to-image, inpainting and ControlNet
+pipelines, Sana, PixArt-alpha and -sigma, HunyuanDiT, AuraFlow, Lumina2, Chroma, CogView4, Mochi,
+HunyuanVideo, Latte): one process byte-identical to diffusers called directly with the manifest's
+seeds (and each record's input images); 2 replicas byte-identical to one process (the first five);
+each context- or tensor-parallel mode that the transformer's diffusers plans allow equal to one
+process within ATOL, or refused before any weight loads with the reason. Every pipeline class
+diffusers exports is derived without weights.
 
 Each outcome is appended to ``$LIGHTNING_DIFFUSION_PIPELINE_RESULTS`` (a JSON-lines file) when it
 is set; ``scripts/pipeline-table`` turns that file into the table of docs/pipelines.md.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -26,30 +30,96 @@ from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here
 
 ATOL = 1e-5
 PROMPTS = "[a cat on a mat, a lighthouse in a storm]"
-# Per tiny pipeline: its size (and frames), a shorter text where the default pads far, and the
-# model-parallel modes its transformer's plans allow ("parity") or that are refused ("refused").
+SIZE = ["--model.height", "32", "--model.width", "32"]
+NO_PLANS = {"ulysses": "has no model with a context-parallel plan",
+            "tensor_parallel": "has no model with a tensor-parallel plan"}
+# The copies added after the first five: no replicas (data parallelism does not look inside the
+# pipeline), and their runs in the slow tier (the developer loop keeps the first five).
+LATER = {"replicas": False, "slow": True, "refused": NO_PLANS}
+# Sana's, PixArt's and HunyuanDiT's calls resize to their trained aspect ratios unless told not to.
+NO_BINNING = ["--model.call_kwargs.use_resolution_binning", "false"]
+# Per tiny pipeline: its size (and frames), a shorter text where the default pads far, the
+# model-parallel modes its transformer's plans allow ("parity") or that are refused ("refused"),
+# and the input files each record carries ("inputs").
 PIPELINES = {
-    "sdxl": {"args": ["--model.height", "32", "--model.width", "32"], "class": "StableDiffusionXLPipeline",
-             "refused": {"ulysses": "has no model with a context-parallel plan",
-                         "tensor_parallel": "has no model with a tensor-parallel plan"}},
-    "sd3": {"args": ["--model.height", "32", "--model.width", "32"], "class": "StableDiffusion3Pipeline",
-            "refused": {"ulysses": "has no model with a context-parallel plan",
-                        "tensor_parallel": "has no model with a tensor-parallel plan"}},
-    "flux2": {"args": ["--model.height", "32", "--model.width", "32", "--model.call_kwargs.max_sequence_length",
-                       "32"], "class": "Flux2Pipeline", "parity": ["ulysses", "ring", "tensor_parallel"]},
-    "ltx": {"args": ["--model.height", "32", "--model.width", "32", "--model.num_frames", "5"],
-            "class": "LTXPipeline", "parity": ["ulysses"],
+    "sdxl": {"args": SIZE, "class": "StableDiffusionXLPipeline", "refused": NO_PLANS},
+    "sd3": {"args": SIZE, "class": "StableDiffusion3Pipeline", "refused": NO_PLANS},
+    "flux2": {"args": [*SIZE, "--model.call_kwargs.max_sequence_length", "32"], "class": "Flux2Pipeline",
+              "parity": ["ulysses", "ring", "tensor_parallel"]},
+    "ltx": {"args": [*SIZE, "--model.num_frames", "5"], "class": "LTXPipeline", "parity": ["ulysses"],
             "refused": {"ring": "ring attention applies each rank's mask to every key/value block",
                         "tensor_parallel": "has no model with a tensor-parallel plan"}},
-    "cogvideox": {"args": ["--model.height", "32", "--model.width", "32", "--model.num_frames", "5",
-                           "--model.call_kwargs.max_sequence_length", "16"],
-                  "class": "CogVideoXPipeline",
-                  "refused": {"ulysses": "has no model with a context-parallel plan",
-                              "tensor_parallel": "has no model with a tensor-parallel plan"}},
+    "cogvideox": {"args": [*SIZE, "--model.num_frames", "5", "--model.call_kwargs.max_sequence_length", "16"],
+                  "class": "CogVideoXPipeline", "refused": NO_PLANS},
+    "sd15": {"args": SIZE, "class": "StableDiffusionPipeline", **LATER},
+    "sd15-img2img": {"args": [], "class": "StableDiffusionImg2ImgPipeline", "inputs": ("image",), **LATER},
+    "sd15-inpaint": {"args": SIZE, "class": "StableDiffusionInpaintPipeline", "inputs": ("image", "mask_image"),
+                     **LATER},
+    "sd15-controlnet": {"args": SIZE, "class": "StableDiffusionControlNetPipeline", "inputs": ("image",), **LATER},
+    "sana": {"args": [*SIZE, *NO_BINNING], "class": "SanaPipeline", **LATER},
+    "pixart-alpha": {"args": [*SIZE, *NO_BINNING], "class": "PixArtAlphaPipeline", **LATER},
+    "pixart-sigma": {"args": [*SIZE, *NO_BINNING], "class": "PixArtSigmaPipeline", **LATER},
+    "hunyuandit": {"args": [*SIZE, *NO_BINNING], "class": "HunyuanDiTPipeline", **LATER},
+    "auraflow": {"args": SIZE, "class": "AuraFlowPipeline", **LATER},
+    "lumina2": {"args": SIZE, "class": "Lumina2Pipeline", **LATER},
+    "chroma": {"args": SIZE, "class": "ChromaPipeline", **LATER},
+    "cogview4": {"args": SIZE, "class": "CogView4Pipeline", **LATER},
+    "mochi": {"args": [*SIZE, "--model.num_frames", "7"], "class": "MochiPipeline", **LATER},
+    "hunyuanvideo": {"args": [*SIZE, "--model.num_frames", "5"], "class": "HunyuanVideoPipeline", **LATER},
+    # Latte's frame argument is video_length (16 frames in its tiny copy): a video to the writer
+    "latte": {"args": SIZE, "class": "LattePipeline", "frames": True, **LATER},
 }
-# A size each pipeline cannot take, and the multiple its refusal names.
+# A size each pipeline cannot take, and the multiple its refusal names (an image-to-image call takes
+# its input's size: none).
 BAD_SIZES = {"sdxl": ("34", "4"), "sd3": ("40", "16"), "flux2": ("40", "16"), "ltx": ("34", "4"),
-             "cogvideox": ("40", "16")}
+             "cogvideox": ("40", "16"), "sd15": ("34", "4"), "sd15-inpaint": ("34", "4"),
+             "sd15-controlnet": ("34", "4"), "sana": ("34", "4"), "pixart-alpha": ("34", "8"),
+             "pixart-sigma": ("34", "8"), "hunyuandit": ("40", "16"), "auraflow": ("34", "8"),
+             "lumina2": ("40", "16"), "chroma": ("40", "16"), "cogview4": ("34", "8"), "mochi": ("40", "16"),
+             "hunyuanvideo": ("34", "8"), "latte": ("34", "8")}
+
+
+def tiers(names: list[str]) -> list:
+    """``names`` as parameters, the later copies' in the slow tier."""
+    return [pytest.param(name, marks=pytest.mark.slow) if PIPELINES[name].get("slow") else name for name in names]
+
+
+def call_args(name: str) -> dict:
+    """The call ``predict_args`` makes, as diffusers called directly takes it."""
+    import yaml
+
+    args = PIPELINES[name]["args"]
+    call = {"num_inference_steps": 2, "output_type": "np"}
+    for flag, value in zip(args, args[1:]):
+        if flag in ("--model.height", "--model.width", "--model.num_frames"):
+            call[flag.rsplit(".", 1)[1]] = int(value)
+        elif flag.startswith("--model.call_kwargs."):
+            call[flag.rsplit(".", 1)[1]] = yaml.safe_load(value)
+    return call
+
+
+def write_inputs(folder: Path) -> dict[str, Path]:
+    """32x32 input images and masks of two records, and the records of each kind of input."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(2):
+        Image.fromarray((rng.random((32, 32, 3)) * 255).astype("uint8")).save(folder / f"image{i}.png")
+        Image.fromarray(((rng.random((32, 32)) > 0.5) * 255).astype("uint8")).save(folder / f"mask{i}.png")
+    files = {}
+    for inputs in {spec["inputs"] for spec in PIPELINES.values() if "inputs" in spec}:
+        path = folder / f"{'-'.join(inputs)}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": prompt, **{name: f"{name.split('_')[0]}{i}.png"
+                                                                 for name in inputs}}) + "\n"
+                                for i, prompt in enumerate(["a cat on a mat", "a lighthouse in a storm"])))
+        files["-".join(inputs)] = path
+    return files
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return write_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def record(pipeline: str, strategy: str, outcome: str, detail: str = "", copy: str = "") -> None:
@@ -64,58 +134,62 @@ def record(pipeline: str, strategy: str, outcome: str, detail: str = "", copy: s
                                 "strategy": strategy, "outcome": outcome, "detail": detail}) + "\n")
 
 
-def predict_args(name: str, out: Path, *extra: str) -> list[str]:
+def predict_args(name: str, out: Path, *extra: str, inputs: Optional[dict[str, Path]] = None) -> list[str]:
+    """``predict`` of tiny:NAME into ``out``; ``inputs``: the records files of ``write_inputs`` (for a
+    pipeline whose records carry input images)."""
+    needed = PIPELINES[name].get("inputs")
+    prompts = str(inputs["-".join(needed)]) if needed and inputs else PROMPTS
     return ["predict", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
             "--model.pretrained_model_name_or_path", f"tiny:{name}", "--model.num_inference_steps", "2",
-            *PIPELINES[name]["args"], "--data.prompts", PROMPTS,
+            *PIPELINES[name]["args"], "--data.prompts", prompts,
             "--data.batch_size", "1", "--writer.output_dir", str(out), "--writer.save_arrays", "true",
             "--trainer.enable_progress_bar", "false", *extra]
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(tmp_path_factory, inputs):
     """One-process runs of every tiny pipeline, made once for the module."""
     made = {}
 
     def get(name: str) -> Path:
         if name not in made:
             out = tmp_path_factory.mktemp(f"{name}-one-process")
-            run_here(*predict_args(name, out))
+            run_here(*predict_args(name, out, inputs=inputs))
             made[name] = out
         return made[name]
 
     return get
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
-def test_one_process_equals_diffusers_called_directly(name, references):
+@pytest.mark.parametrize("name", tiers(list(PIPELINES)))
+def test_one_process_equals_diffusers_called_directly(name, references, inputs):
+    from PIL import Image
+
     from lightning_diffusion.pipelines import bare
 
     out = references(name)
     lines = read_manifest_lines(out)
     arrays = load_arrays(out)
     pipe = bare.load(f"tiny:{name}")
-    args = PIPELINES[name]["args"]
-    call = {"height": 32, "width": 32, "num_inference_steps": 2, "output_type": "np"}
-    if "--model.num_frames" in args:
-        call["num_frames"] = 5
-    if "--model.call_kwargs.max_sequence_length" in args:
-        call["max_sequence_length"] = int(args[args.index("--model.call_kwargs.max_sequence_length") + 1])
+    call = call_args(name)
+    video = "num_frames" in call or PIPELINES[name].get("frames", False)
+    folder = next(iter(inputs.values())).parent
     for line in lines:
-        output = bare.call(pipe, [line["prompt"]], [line["seed"]], **call)
-        direct = np.asarray(output.frames if "num_frames" in call else output.images, dtype=np.float32)[0]
+        given = {key: Image.open(folder / Path(line["inputs"][key]["file"]).name).convert(
+            "L" if key == "mask_image" else "RGB") for key in PIPELINES[name].get("inputs", ())}
+        output = bare.call(pipe, [line["prompt"]], [line["seed"]], **call, **given)
+        direct = np.asarray(output.frames if video else output.images, dtype=np.float32)[0]
         assert np.array_equal(direct, arrays[line["index"]]), f"{name} image {line['index']}"
-    kind = "video" if "num_frames" in call else "image"
-    assert all(line["file"].endswith(".mp4" if kind == "video" else ".png") for line in lines)
-    if kind == "video":  # the frames the pipeline made (CogVideoX's VAE makes its own count), recorded as made
+    assert all(line["file"].endswith(".mp4" if video else ".png") for line in lines)
+    if video:  # the frames the pipeline made (CogVideoX's VAE makes its own count), recorded as made
         assert all(line["num_frames"] == arrays[line["index"]].shape[0] > 1 for line in lines)
     record(name, "one process", "equal", "byte-identical to diffusers called directly")
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
-def test_a_size_the_pipeline_cannot_take_is_refused_before_weights(name, tmp_path):
+@pytest.mark.parametrize("name", tiers(list(BAD_SIZES)))
+def test_a_size_the_pipeline_cannot_take_is_refused_before_weights(name, tmp_path, inputs):
     size, multiple = BAD_SIZES[name]
-    proc = run_here(*predict_args(name, tmp_path / "out", "--model.height", size), check=False)
+    proc = run_here(*predict_args(name, tmp_path / "out", "--model.height", size, inputs=inputs), check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"height={size} cannot be made by {PIPELINES[name]['class']}: use a positive multiple of {multiple}" in (
         proc.stdout + proc.stderr)
@@ -143,10 +217,12 @@ PARITY = [(name, mode) for name, spec in PIPELINES.items() for mode in spec.get(
 REFUSED = [(name, mode) for name, spec in PIPELINES.items() for mode in spec.get("refused", {})]
 
 
-@pytest.mark.parametrize("name, mode", REFUSED, ids=[f"{name}-{mode}" for name, mode in REFUSED])
-def test_a_plan_the_pipeline_cannot_follow_is_refused_before_weights(name, mode, tmp_path, cli_here):
+@pytest.mark.parametrize("name, mode", [pytest.param(name, mode, marks=[pytest.mark.slow] * bool(
+    PIPELINES[name].get("slow")), id=f"{name}-{mode}") for name, mode in REFUSED])
+def test_a_plan_the_pipeline_cannot_follow_is_refused_before_weights(name, mode, tmp_path, cli_here, inputs):
     """Refused in the launching process, before any rank starts or any weight loads."""
-    proc = cli_here(*predict_args(name, tmp_path, "--trainer.devices", "2", "--trainer.strategy", mode))
+    proc = cli_here(*predict_args(name, tmp_path, "--trainer.devices", "2", "--trainer.strategy", mode,
+                                  inputs=inputs))
     text = proc.stdout + proc.stderr
     reason = PIPELINES[name]["refused"][mode]
     assert proc.returncode == 2 and reason in text, text[-3000:]
@@ -346,9 +422,9 @@ def test_a_controlnet_pipeline_takes_each_records_control_image_and_equals_diffu
     run_here(*common, "--data.prompts", str(tmp_path / "p.jsonl"), "--writer.output_dir", str(tmp_path / "out"))
     arrays = load_arrays(tmp_path / "out")
     pipe = bare.load("tiny:sdxl-controlnet")
-    for i, record in enumerate(records):
-        control = Image.open(tmp_path / record["image"]).convert("RGB")
-        direct = bare.call(pipe, [record["prompt"]], [record["seed"]], image=control, height=32, width=32,
+    for i, line in enumerate(records):
+        control = Image.open(tmp_path / line["image"]).convert("RGB")
+        direct = bare.call(pipe, [line["prompt"]], [line["seed"]], image=control, height=32, width=32,
                            num_inference_steps=2, guidance_scale=3.5, output_type="np").images[0]
         assert np.array_equal(np.asarray(direct, dtype=np.float32), arrays[i]), f"image {i}"
     assert not np.array_equal(arrays[0], arrays[1]), "another control image must give another picture"
