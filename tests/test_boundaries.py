@@ -10,7 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
-from lightning_diffusion.boundaries import ImageSource, PromptSource, RunPlan, run_strategy
+from lightning_diffusion.boundaries import ImageSource, PromptSource, RecordSource, RunPlan, run_strategy
 from lightning_diffusion.contract import DiffusionModel, DiffusionStrategy
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.shard import Shard
@@ -50,6 +50,7 @@ def test_strategies_tell_the_module_on_every_python(strategy):
     module, data = DiffusionModule("tiny:flux"), PromptDataModule(["a"])
     assert holds_from_python_312(module, DiffusionModel) and isinstance(module, DiffusionModel)
     assert holds_from_python_312(module, ImageSource) and holds_from_python_312(data, PromptSource)
+    assert holds_from_python_312(data, RecordSource) and isinstance(data, RecordSource)  # the strategy's checks
     assert holds_from_python_312(strategy(), DiffusionStrategy)
 
 
