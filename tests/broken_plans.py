@@ -4,6 +4,7 @@ early (used by tests only)."""
 from lightning.pytorch.callbacks import Callback
 
 from lightning_diffusion.strategies import ContextParallelStrategy, TensorParallelStrategy
+from lightning_diffusion.strategies.mesh_axes import TensorAxis
 
 
 class LocalAttentionUlysses(ContextParallelStrategy):
@@ -23,35 +24,38 @@ class SwappedFeedForwardTP(TensorParallelStrategy):
     """The transformer's ``_tp_plan`` with colwise and rowwise swapped on the feed-forward layers
     of the double blocks."""
 
-    def _load_sharded(self, name, cls, options, info, dtype):
-        plan = dict(cls._tp_plan)
-        plan["transformer_blocks.*.ff.net.0.proj"], plan["transformer_blocks.*.ff.net.2"] = "rowwise", "colwise"
-        broken = type(cls.__name__, (cls,), {"_tp_plan": plan})
-        return super()._load_sharded(name, broken, options, info, dtype)
+    class tensor_axis(TensorAxis):
+        def load(self, name, cls, options, info, dtype):
+            plan = dict(cls._tp_plan)
+            plan["transformer_blocks.*.ff.net.0.proj"], plan["transformer_blocks.*.ff.net.2"] = "rowwise", "colwise"
+            broken = type(cls.__name__, (cls,), {"_tp_plan": plan})
+            return super().load(name, broken, options, info, dtype)
 
 
 class FirstRankLoraSliceTP(TensorParallelStrategy):
     """Fuses LoRA updates into the shards with every rank adding rank 0's slice of each update
     (the right shapes, the wrong rows or columns on the other ranks)."""
 
-    def _fuse_sharded(self, pipeline, adapters):
-        from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+    class tensor_axis(TensorAxis):
+        def fuse(self, pipeline, adapters):
+            from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
 
-        from lightning_diffusion.pipelines import lora
+            from lightning_diffusion.pipelines import lora
 
-        class RankZero:  # the tp mesh as _local_shard reads it, always answering rank 0
-            def __init__(self, mesh):
-                self.mesh = mesh
+            class RankZero:  # the tp mesh as _local_shard reads it, always answering rank 0
+                def __init__(self, mesh):
+                    self.mesh = mesh
 
-            def get_local_rank(self):
-                return 0
+                def get_local_rank(self):
+                    return 0
 
-            def size(self):
-                return self.mesh.size()
+                def size(self):
+                    return self.mesh.size()
 
-        specs = {name: resolve_tp_shard_specs(getattr(pipeline, name), type(getattr(pipeline, name))._tp_plan,
-                                              self.tp_degree) for name in self._sharded}
-        lora.fuse_in_place(pipeline, adapters, specs, RankZero(self.device_mesh["tp"]))
+            degree = self.strategy.parallel_dims.tp
+            specs = {name: resolve_tp_shard_specs(getattr(pipeline, name), type(getattr(pipeline, name))._tp_plan,
+                                                  degree) for name in self.sharded}
+            lora.fuse_in_place(pipeline, adapters, specs, RankZero(self.strategy.device_mesh["tp"]))
 
 
 class LeaveBeforeTheEnd(Callback):

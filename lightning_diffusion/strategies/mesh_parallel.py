@@ -1,13 +1,14 @@
 """``MeshStrategy``: data x CFG x context x tensor parallelism on one device mesh, through diffusers'
 own parallel machinery. The data-, CFG-, context- and tensor-parallel strategies are presets of it.
 
-What runs where, per replica (one ``dp`` coordinate), each in its own module:
-* ``tp > 1``: the transformer is created shard by shard (``sharded_load``);
-* ``ring * ulysses > 1``: diffusers' context-parallel hooks split each image's tokens over the
-  ``("ring", "ulysses")`` sub-mesh (``context_parallel_hooks``); with ``tp`` too, Ulysses splits
-  the heads each TP rank holds, so ``tp * ulysses`` must divide the heads;
-* ``cfg == 2``: the two guidance passes run on the two ranks of a pair (``cfg_parallel_hooks``),
-  as a hook outside the context-parallel ones.
+Each model-parallel axis of a replica (one ``dp`` coordinate) is one object (``mesh_axes``): its
+checks before any weight loads, its change to the load, its hooks on the loaded pipeline.
+* ``tp > 1`` (``TensorAxis``): the transformer is created shard by shard (``sharded_load``);
+* ``ring * ulysses > 1`` (``ContextAxis``): diffusers' context-parallel hooks split each image's
+  tokens over the ``("ring", "ulysses")`` sub-mesh; with ``tp`` too, Ulysses splits the heads each
+  TP rank holds, so ``tp * ulysses`` must divide the heads;
+* ``cfg == 2`` (``CFGAxis``): the two guidance passes run on the two ranks of a pair, as a hook
+  outside the context-parallel ones.
 The rules checked before any weight loads are in ``checks`` (they return problems; the constructor,
 ``make_parallel_dims`` and the set-up raise them); the degrees in ``parallel_dims.ParallelDims``.
 """
@@ -15,37 +16,25 @@ The rules checked before any weight loads are in ``checks`` (they return problem
 from __future__ import annotations
 
 from datetime import timedelta
-from functools import partial
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 
-from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems, run_check
-from lightning_diffusion.pipelines import compat
-from lightning_diffusion.pipelines.specs import spec_for
-from lightning_diffusion.run.model_checks import attention_backend_problems, backend_dtype_problems
+from lightning_diffusion.run.model_checks import backend_dtype_problems
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
-from lightning_diffusion.strategies.cfg_parallel_hooks import CFGSplit
-from lightning_diffusion.strategies.checks import (
-    backend_device_problems,
-    cfg_problems,
-    context_parallel_problems,
-    resolved_attention_backend,
-    tensor_parallel_problems,
+from lightning_diffusion.strategies.checks import backend_device_problems
+from lightning_diffusion.strategies.context_parallel_hooks import mode_name
+from lightning_diffusion.strategies.mesh_axes import (
+    CFGAxis,
+    ContextAxis,
+    MeshAxis,
+    TensorAxis,
+    context_backend_problems,
 )
-from lightning_diffusion.strategies.context_parallel_hooks import enable_context_parallel, mode_name
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
-from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sharded
-
-
-def _context_backend_problems(name: str) -> list[str]:
-    """A strategy's attention backend under context parallelism: a diffusers backend that supports it
-    (``model_checks.attention_backend_problems``; whether its package is installed is checked for the
-    model's backend only)."""
-    return attention_backend_problems(name, "attention_backend", installed=False, context_parallel=True)
 
 
 class MeshStrategy(DiffusionParallelStrategy):
@@ -72,6 +61,10 @@ class MeshStrategy(DiffusionParallelStrategy):
 
     # A preset names the group it exists for ("cp", "tp" or "cfg"): a world too small for it is an error.
     required_group: Optional[str] = None
+    # The axes' classes (``mesh_axes``), in the order they wrap the pipeline; a subclass may replace one.
+    context_axis: type[ContextAxis] = ContextAxis
+    cfg_axis: type[CFGAxis] = CFGAxis
+    tensor_axis: type[TensorAxis] = TensorAxis
 
     def __init__(
         self,
@@ -97,13 +90,18 @@ class MeshStrategy(DiffusionParallelStrategy):
         if ulysses_anything and ring_anything:
             raise ConfigError("Set at most one of ulysses_anything and ring_anything.")
         if attention_backend is not None:
-            raise_problems(_context_backend_problems(attention_backend))
+            raise_problems(context_backend_problems(attention_backend))
         self.ulysses_anything = ulysses_anything
         self.ring_anything = ring_anything
         self.attention_backend = attention_backend
-        self._configured_backend = attention_backend  # with the model's, once the request is known
-        self._sharded: set[str] = set()
-        self._cfg_split: Optional[CFGSplit] = None
+        self.configured_backend = attention_backend  # with the model's, once the request is known
+        self.tensor = self.tensor_axis(self)
+        self._axes: tuple[MeshAxis, ...] = (self.context_axis(self), self.cfg_axis(self), self.tensor)
+
+    def axes(self, dims: Optional[ParallelDims] = None) -> list[MeshAxis]:
+        """The model-parallel axes of ``dims`` (this run's) whose degree is over 1."""
+        dims = dims or self.parallel_dims
+        return [axis for axis in self._axes if getattr(dims, axis.name) > 1]
 
     # ----------------------------------------------------------------- degrees and their rules
 
@@ -143,23 +141,14 @@ class MeshStrategy(DiffusionParallelStrategy):
                       device_type: Optional[str] = None) -> list:
         problems: list = super().check_request(request, world_size, device_type)
         dims = self.make_parallel_dims(world_size) if world_size is not None else self.parallel_dims
-        info = request.info
         device = torch.device(self.planned_device_type(device_type))
         backend = run_check(problems, self._backend, request)
         if backend is not None:
             problems += backend_device_problems(backend, device)
             if request.attention_backend is None:  # the model's is checked with the model
                 problems += backend_dtype_problems(backend, request.dtype, "the strategy's attention_backend")
-            if dims.cp > 1:
-                problems += _context_backend_problems(backend)
-        if dims.cp > 1:
-            run_check(problems, resolved_attention_backend, backend, device, dims, request.dtype)
-        if dims.cfg > 1:
-            problems += cfg_problems(info.class_name, dict(request.call_args), info.call_default, request.records)
-        if dims.cp > 1:
-            problems += context_parallel_problems(request, dims, self.ulysses_anything, self.ring_anything)
-        if dims.tp > 1:
-            problems += tensor_parallel_problems(request, dims)
+        for axis in self.axes(dims):
+            problems += axis.problems(request, dims, backend, device)
         return problems
 
     def _backend(self, request: ModelRequest) -> Optional[str]:
@@ -172,61 +161,15 @@ class MeshStrategy(DiffusionParallelStrategy):
         return ours or theirs
 
     def load_plan(self, request: ModelRequest) -> LoadPlan:
-        self._configured_backend = self._backend(request)
+        self.configured_backend = self._backend(request)
         plan = LoadPlan()
-        if self.tp_degree > 1:
-            options = {k: v for k, v in request.from_pretrained_kwargs.items() if k in PASSED_OPTIONS}
-            for name, cls in request.info.models_with("_tp_plan").items():
-                plan.components[name] = partial(self._load_sharded, name, cls, options)
-            if request.lora:
-                plan.fuse_adapters = self._fuse_sharded
+        for axis in self.axes():
+            axis.load_plan(plan, request)
         return plan
 
-    def _fuse_sharded(self, pipeline: Any, adapters: Any) -> None:
-        """Each rank adds its slice of every adapter update to its shards (diffusers refuses adapters
-        on a tensor-parallel model), cut as diffusers' ``_tp_plan`` cut the weights."""
-        from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
-
-        from lightning_diffusion.pipelines import lora
-
-        specs = {name: resolve_tp_shard_specs(getattr(pipeline, name), type(getattr(pipeline, name))._tp_plan,
-                                              self.tp_degree) for name in self._sharded}
-        lora.fuse_in_place(pipeline, adapters, specs, self.device_mesh["tp"])
-
-    def _load_sharded(self, name: str, cls: type[Any], options: dict, info: Any, dtype: torch.dtype) -> torch.nn.Module:
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
-        model = load_sharded(cls, info.path, name, dtype, self.device_mesh["tp"], **options)
-        self._sharded.add(name)
-        return model
-
     def setup_pipeline(self, pipeline: Any) -> Any:
-        dims = self.parallel_dims
-        if dims.cp > 1:
-            compat.apply_parallel_patches()
-            if self.root_device.type == "cpu":
-                compat.apply_cpu_rehearsal_patches()
-            for component in pipeline.components.values():
-                if isinstance(component, torch.nn.Module) and getattr(component, "_cp_plan", None) is not None:
-                    model: Any = component  # a diffusers model (its dtype is not nn.Module's)
-                    backend = resolved_attention_backend(self._configured_backend, self.root_device, dims, model.dtype)
-                    enable_context_parallel(
-                        component, self.device_mesh["ring", "ulysses"], dims.ring, dims.ulysses,
-                        self.ulysses_anything, self.ring_anything, backend, self.global_rank, self.world_size,
-                        self.root_device,
-                    )
-                    log.info(
-                        f"context parallel {self.cp_mode} (ring={dims.ring}, ulysses={dims.ulysses}"
-                        f"{f', on tp={dims.tp} shards' if dims.tp > 1 else ''}) on {type(component).__name__}, "
-                        f"attention backend {backend or 'default'}"
-                    )
-        if dims.cfg > 1:
-            # After the context-parallel hooks, so that the split wraps them: each branch sees whole inputs.
-            pair = self.device_mesh["cfg"]
-            entry = spec_for(type(pipeline).__name__).cfg
-            assert entry is not None  # cfg_problems refused a pipeline without one before loading
-            self._cfg_split = CFGSplit(pipeline, entry, pair.get_group(), pair.get_local_rank())
-            log.info(f"cfg parallel: {type(pipeline).__name__}'s cond and uncond passes on the two ranks of each pair")
+        for axis in self.axes():
+            axis.apply(pipeline)
         return pipeline
 
     # ----------------------------------------------------------------- lifecycle
@@ -249,12 +192,10 @@ class MeshStrategy(DiffusionParallelStrategy):
         module = self.lightning_module
         components: dict[str, Any] = dict(module.components) if isinstance(module, DiffusionModel) else {}
         for name, component in components.items():
-            if name not in self._sharded:
+            if name not in self.tensor.sharded:
                 component.to(self.root_device)
 
     def on_predict_end(self) -> None:
         super().on_predict_end()
-        if self._cfg_split is not None:
-            # Parity cannot tell a split from both ranks running both passes; this count can.
-            split, plain = self._cfg_split.split_calls, self._cfg_split.plain_calls
-            log.info(f"cfg parallel: {split} transformer calls split over the pair, {plain} run whole on both ranks")
+        for axis in self.axes():
+            axis.finish()
