@@ -81,23 +81,29 @@ def build_sdxl(directory: str | os.PathLike) -> Path:
     return _save(pipe, directory)
 
 
-def build_sdxl_controlnet(directory: str | os.PathLike) -> Path:
-    """StableDiffusionXLControlNetPipeline: tiny:sdxl's parts and a ControlNet made from its UNet,
-    whose conditioning embedding takes the control image down 4x, as the VAE does."""
-    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
+def _controlnet(unet, seed: int):
+    """A ControlNet made from ``unet`` whose conditioning embedding takes the control image down 4x,
+    as the tiny VAEs do; its own convolutions random rather than zero (``from_unet``'s start, no
+    effect until trained), so that a record's control image shows in its picture."""
+    from diffusers import ControlNetModel
 
-    from lightning_diffusion.pipelines.tiny import resolve
-
-    sdxl = StableDiffusionXLPipeline.from_pretrained(resolve("tiny:sdxl"))
-    torch.manual_seed(1)
-    controlnet = ControlNetModel.from_unet(sdxl.unet, conditioning_embedding_out_channels=(4, 8, 16))
-    # from_unet starts the control's own convolutions at zero (no effect until trained): random here,
-    # so that a record's control image shows in its picture
+    torch.manual_seed(seed)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(4, 8, 16))
     for module in (controlnet.controlnet_cond_embedding.conv_out, controlnet.controlnet_down_blocks,
                    controlnet.controlnet_mid_block):
         for parameter in module.parameters():
             torch.nn.init.normal_(parameter, std=0.2)
-    pipe = StableDiffusionXLControlNetPipeline(**sdxl.components, controlnet=controlnet)
+    return controlnet
+
+
+def build_sdxl_controlnet(directory: str | os.PathLike) -> Path:
+    """StableDiffusionXLControlNetPipeline: tiny:sdxl's parts and a ControlNet made from its UNet."""
+    from diffusers import StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
+
+    from lightning_diffusion.pipelines.tiny import resolve
+
+    sdxl = StableDiffusionXLPipeline.from_pretrained(resolve("tiny:sdxl"))
+    pipe = StableDiffusionXLControlNetPipeline(**sdxl.components, controlnet=_controlnet(sdxl.unet, 1))
     return _save(pipe, directory)
 
 
@@ -291,21 +297,14 @@ def build_sd15_img2img(directory: str | os.PathLike) -> Path:
 
 
 def build_sd15_controlnet(directory: str | os.PathLike) -> Path:
-    """StableDiffusionControlNetPipeline: tiny:sd15's parts and a ControlNet made from its UNet,
-    whose conditioning embedding takes the control image down 4x, as the VAE does."""
-    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
+    """StableDiffusionControlNetPipeline: tiny:sd15's parts and a ControlNet made from its UNet."""
+    from diffusers import StableDiffusionControlNetPipeline, StableDiffusionPipeline
 
     from lightning_diffusion.pipelines.tiny import resolve
 
     sd15 = StableDiffusionPipeline.from_pretrained(resolve("tiny:sd15"))
-    torch.manual_seed(1)
-    controlnet = ControlNetModel.from_unet(sd15.unet, conditioning_embedding_out_channels=(4, 8, 16))
-    # random rather than zero (from_unet's start), so that a record's control image shows in its picture
-    for module in (controlnet.controlnet_cond_embedding.conv_out, controlnet.controlnet_down_blocks,
-                   controlnet.controlnet_mid_block):
-        for parameter in module.parameters():
-            torch.nn.init.normal_(parameter, std=0.2)
-    pipe = StableDiffusionControlNetPipeline(**sd15.components, controlnet=controlnet, requires_safety_checker=False)
+    pipe = StableDiffusionControlNetPipeline(**sd15.components, controlnet=_controlnet(sd15.unet, 1),
+                                             requires_safety_checker=False)
     return _save(pipe, directory)
 
 
