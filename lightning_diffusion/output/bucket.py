@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_diffusion.output.lock import pid_alive
+from lightning_diffusion.output.pool import pid_alive
 
 UPLOAD_TRIES = 5  # an upload waits 1, 2, 4 and 8 s between tries, then the run stops
 

@@ -397,7 +397,6 @@ def claim_order(costs: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(costs), kind="stable")
 
 
-
 def quit_join(store: Any, refusal: str) -> str:
     """A pool's job refused while joining (``FolderStore``/``ObjectStore._join``): its registration
     says it failed, and the store holds no worker; returns ``refusal``."""

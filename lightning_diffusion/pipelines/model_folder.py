@@ -221,7 +221,8 @@ class PipelineInfo:
             return []  # its own default, whatever its rule (Helios' 132 frames are made in chunks of 33)
         if not is_int(frames, 1) or (frames - 1) % scale:
             example = max(1, round(((frames if is_int(frames) else 1) - 1) / scale)) * scale + 1
-            default = f", or its default {spec.default_frames}" if spec.default_frames else ""
+            default = (f", or its default {spec.default_frames}" if spec.default_frames
+                       and spec.default_frames != example else "")
             return [f"num_frames={frames!r} cannot be made by {self.class_name}: use {scale} x k + 1 frames "
                     f"(for example {example}{default})."]
         return []

@@ -11,6 +11,7 @@ degrees and implement the contract.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
@@ -240,7 +241,10 @@ class DiffusionParallelStrategy(ParallelStrategy):
             return None  # another LightningModule: nothing is known before loading
         trainer = module._trainer
         data = getattr(trainer, "datamodule", None)  # Lightning sets it only for a run given a data module
-        return module.request(data.records if isinstance(data, RecordSource) else None)
+        records = data.records if isinstance(data, RecordSource) else None
+        if not (isinstance(records, Sequence) and all(isinstance(r, Mapping) for r in records[:1])):
+            records = None  # another data module's "records" (a table, strings): no checks of records
+        return module.request(records)
 
     @override
     def setup_environment(self) -> None:

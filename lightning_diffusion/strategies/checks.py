@@ -130,8 +130,7 @@ def context_parallel_problems(request: ModelRequest, dims: ParallelDims, ulysses
         return problems
     refusal = context_refusal(info.spec, info.facts)
     if refusal:
-        instead = " or tensor parallelism" if info.facts.tp_plan else ""
-        return [f"{info.class_name} cannot run under context parallelism: {refusal}. Use data_parallel{instead}."]
+        return [f"{info.class_name} cannot run under context parallelism: {refusal}. Use data_parallel."]
     for name, cls in planned.items():
         missing = plan_misses(cls, info.configs.get(name, {}))
         if missing:

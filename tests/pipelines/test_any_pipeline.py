@@ -525,3 +525,39 @@ def test_a_video_pipelines_own_default_frame_count_is_accepted_whatever_its_rule
     assert info.frames_problems(132) == [] and info.frames_problems(33) == []
     assert info.frames_problems(130) == ["num_frames=130 cannot be made by HeliosPipeline: use 4 x k + 1 frames (for "
                                          "example 129, or its default 132)."]
+
+
+def _helios_request(tmp_path: Path):
+    """A ModelRequest for a configs-only 2-layer Helios folder (no weight, no ftfy needed to read it)."""
+    import torch
+
+    from lightning_diffusion.contract import ModelRequest
+    from lightning_diffusion.pipelines.model_folder import inspect_pipeline
+
+    folder = _model_folder(tmp_path / "helios", "HeliosPipeline",
+                           {"transformer": ["diffusers", "HeliosTransformer3DModel"],
+                            "vae": ["diffusers", "AutoencoderKLWan"]})
+    (folder / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "HeliosTransformer3DModel", "num_layers": 2, "num_attention_heads": 4, "attention_head_dim": 8,
+         "ffn_dim": 32, "text_dim": 32, "freq_dim": 32, "rope_dim": [4, 2, 2]}))
+    return ModelRequest(inspect_pipeline(str(folder)), torch.float32, {"height": 64, "width": 64})
+
+
+def test_the_strategy_refuses_context_parallelism_the_registry_or_the_folders_layers_rule_out(tmp_path, monkeypatch):
+    """Through the strategy's checks before loading: Helios' ``cp_refused`` in one line; with that
+    entry gone, the same 2-layer folder is refused because its plan names blocks 2-39."""
+    from lightning_diffusion.pipelines import specs
+    from lightning_diffusion.strategies import ContextParallelStrategy
+
+    def problems() -> list[str]:
+        return [str(p) for p in ContextParallelStrategy(ulysses_degree=2).check_request(
+            _helios_request(tmp_path / str(len(list(tmp_path.iterdir())))), world_size=2, device_type="cpu")]
+
+    assert problems() == ["HeliosPipeline cannot run under context parallelism: its transformer attends to the "
+                          "history tokens of the chunks it made before, which the token checks cannot count. Use "
+                          "data_parallel."]
+    monkeypatch.delitem(specs.SPECS, "HeliosPipeline")
+    found = problems()
+    assert len(found) == 1 and found[0].startswith(
+        "transformer (HeliosTransformer3DModel) lacks modules its _cp_plan in diffusers") and (
+        "(blocks.2.attn1, blocks.3.attn1, blocks.4.attn1 and 111 more)" in found[0]), found

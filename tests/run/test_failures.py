@@ -231,12 +231,16 @@ def test_the_stall_watch_drains_the_writer_the_run_context_names_while_it_is_set
 
     from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
 
-    writer = ImageWriter(str(tmp_path / "out"), write_workers=0)
-    seen = []
+    writer = ImageWriter(str(tmp_path / "out"), write_workers=1, write_in="thread")
+    seen, written = [], []
 
     class Look(Callback):
         def on_predict_batch_end(self, trainer, *args, **kwargs):
+            # After the writer's own batch end: the image is queued to its thread. The stall watch's
+            # call writes it now (as a rank stuck in a collective would, before it ends).
             seen.append(list(trainer.strategy.run_context.drains))
+            trainer.strategy.run_context.drain_writers()
+            written.append((writer._writers, sorted(p.name for p in (tmp_path / "out").glob("*.png"))))
 
     strategy = DataParallelStrategy()
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
@@ -244,5 +248,6 @@ def test_the_stall_watch_drains_the_writer_the_run_context_names_while_it_is_set
     trainer.predict(DiffusionModule("tiny:flux", height=64, width=64, num_inference_steps=1),
                     datamodule=PromptDataModule(["a fox"], batch_size=1))
     assert seen == [[writer.drain_on_stall]]
+    assert written == [(None, ["000000-a-fox.png"])]  # its writers drained and stopped, the image on disk
     assert strategy.run_context.drains == []
     assert len(read_manifest_lines(tmp_path / "out")) == 1
