@@ -2,8 +2,8 @@
 
 Entry point: ``ImageWriter`` (``writer``). Beside it: ``files`` (names, formats, one atomic write),
 ``background`` (writing off the prediction thread), ``settings`` (the writer's options), the stores
-(``folder_store``, ``object_store``) with their ``manifest`` and ``lock``, and ``shard`` (the images of
-one job-array task).
+(``folder_store``, ``object_store``) with their ``manifest``, ``lock`` and ``status``, ``shard`` (the
+images of one job-array task) and ``pool`` (workers that claim batches).
 """
 
 from typing import Any

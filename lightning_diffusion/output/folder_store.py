@@ -53,6 +53,7 @@ from lightning_diffusion.output.shard import (
     select,
     shard_name,
 )
+from lightning_diffusion.output.status import JobArrays, folder_status
 
 # Kernel file systems that hold no files of ours (writes fail or vanish); from /proc/mounts.
 PSEUDO_FILE_SYSTEMS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
@@ -167,6 +168,9 @@ class FolderStore:
     @contextlib.contextmanager
     def local_records(self, what: str) -> Iterator[Path]:
         yield self.folder
+
+    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> dict[str, Any]:
+        return folder_status(self.folder, now, arrays)
 
     @property
     def parts_glob(self) -> str:

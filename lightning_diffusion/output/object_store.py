@@ -76,6 +76,7 @@ from lightning_diffusion.output.shard import (
     select,
     shard_name,
 )
+from lightning_diffusion.output.status import JobArrays, bucket_status
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0
@@ -177,6 +178,9 @@ class ObjectStore:
             if not self.download_records(Path(folder)):
                 raise ConfigError(f"{what} {self.url} records no finished image.")
             yield Path(folder)
+
+    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> dict[str, Any]:
+        return bucket_status(self)
 
     @property
     def fs(self) -> tuple[Any, str]:

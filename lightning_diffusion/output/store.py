@@ -15,6 +15,7 @@ from typing import Any, ContextManager, Mapping, Optional, Protocol, Union
 import numpy as np
 
 from lightning_diffusion.output.shard import Shard
+from lightning_diffusion.output.status import JobArrays
 
 Location = Union[str, "os.PathLike[str]"]
 
@@ -120,6 +121,15 @@ class OutputStore(Protocol):
     def local_records(self, what: str) -> ContextManager[Path]:
         """The recorded images as a local folder that folder readers take (``eval``): the folder
         itself, or the records downloaded into a temporary one for the ``with`` block."""
+        ...
+
+    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> dict[str, Any]:
+        """How far the run is at time ``now`` (default: this moment), as ``lightning-diffusion status``
+        prints it (``status.folder_status`` names the keys): done and expected, failed and rejected,
+        the rate and ETA, the locks, each shard, a pool's workers. ``arrays``: what the scheduler
+        knows of the job arrays submitted into a folder (a bucket's are submitted from a job folder
+        of their own, which it does not read). Raises ``ConfigError`` where there is no output to
+        read."""
         ...
 
 
