@@ -11,7 +11,7 @@ degrees and implement the contract.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
@@ -41,6 +41,7 @@ from lightning_diffusion.boundaries import RecordSource
 from lightning_diffusion.console import counted, log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.input.records import Records
 from lightning_diffusion.pipelines import compat, quantization
 from lightning_diffusion.run import interrupt
 from lightning_diffusion.run.context import RunContext
@@ -242,8 +243,11 @@ class DiffusionParallelStrategy(ParallelStrategy):
         trainer = module._trainer
         data = getattr(trainer, "datamodule", None)  # Lightning sets it only for a run given a data module
         records = data.records if isinstance(data, RecordSource) else None
-        if not (isinstance(records, Sequence) and all(isinstance(r, Mapping) for r in records[:1])):
-            records = None  # another data module's "records" (a table, strings): no checks of records
+        # A prompt file's records (read lazily: indexing one would judge it, a rejected line included),
+        # or a list of mappings; another data module's "records" (a table, strings) are not checked.
+        if not (isinstance(records, Records) or (isinstance(records, list)
+                                                  and all(isinstance(r, Mapping) for r in records))):
+            records = None
         return module.request(records)
 
     @override
