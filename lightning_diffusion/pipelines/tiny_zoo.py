@@ -242,18 +242,26 @@ def build_sana(directory: str | os.PathLike) -> Path:
     return _save(pipe, directory)
 
 
-def build_pixart_sigma(directory: str | os.PathLike) -> Path:
-    """PixArtSigmaPipeline: a one-block DiT with 2x2 patches and learned variance over a 4x VAE, a T5."""
-    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+def _pixart(directory: str | os.PathLike, pipeline: str, text_tokens: int) -> Path:
+    """A PixArt pipeline (``pipeline``, a diffusers class name): a one-block DiT with 2x2 patches and
+    learned variance over a 4x VAE, a T5 whose prompts pad to ``text_tokens``."""
+    import diffusers
+    from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
 
     torch.manual_seed(0)
     transformer = PixArtTransformer2DModel(
         num_attention_heads=_HEADS, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1,
         norm_num_groups=4, cross_attention_dim=32, sample_size=32, patch_size=2, caption_channels=32,
     )
-    pipe = PixArtSigmaPipeline(tokenizer=_char_tokenizer(300), text_encoder=_t5(2), vae=_kl_vae(1, 4, (8, 16, 16)),
-                               transformer=transformer, scheduler=DPMSolverMultistepScheduler())
+    pipe = getattr(diffusers, pipeline)(tokenizer=_char_tokenizer(text_tokens), text_encoder=_t5(2),
+                                        vae=_kl_vae(1, 4, (8, 16, 16)), transformer=transformer,
+                                        scheduler=DPMSolverMultistepScheduler())
     return _save(pipe, directory)
+
+
+def build_pixart_sigma(directory: str | os.PathLike) -> Path:
+    """PixArtSigmaPipeline: PixArt-sigma's 300-token prompts."""
+    return _pixart(directory, "PixArtSigmaPipeline", 300)
 
 
 def _sd15_unet(seed: int, in_channels: int = 4):
@@ -483,18 +491,8 @@ def build_cogview4(directory: str | os.PathLike) -> Path:
 
 
 def build_pixart_alpha(directory: str | os.PathLike) -> Path:
-    """PixArtAlphaPipeline: tiny:pixart-sigma's shape (a one-block DiT with 2x2 patches and learned
-    variance over a 4x VAE, a T5) with PixArt-alpha's 120-token prompts."""
-    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
-
-    torch.manual_seed(0)
-    transformer = PixArtTransformer2DModel(
-        num_attention_heads=_HEADS, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1,
-        norm_num_groups=4, cross_attention_dim=32, sample_size=32, patch_size=2, caption_channels=32,
-    )
-    pipe = PixArtAlphaPipeline(tokenizer=_char_tokenizer(120), text_encoder=_t5(2), vae=_kl_vae(1, 4, (8, 16, 16)),
-                               transformer=transformer, scheduler=DPMSolverMultistepScheduler())
-    return _save(pipe, directory)
+    """PixArtAlphaPipeline: tiny:pixart-sigma's shape with PixArt-alpha's 120-token prompts."""
+    return _pixart(directory, "PixArtAlphaPipeline", 120)
 
 
 def build_latte(directory: str | os.PathLike) -> Path:
