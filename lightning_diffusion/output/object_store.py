@@ -62,10 +62,11 @@ from lightning_diffusion.output.bucket import (
     remove_dead_staging,
     tried,
 )
+from lightning_diffusion.output.bucket_pool import BucketPoolFiles, join_pool
 from lightning_diffusion.output.folder_store import output_dir_problems
-from lightning_diffusion.output.lock import deal_beside_pool_message, pid_alive, pool_beside_deal_message
+from lightning_diffusion.output.lock import pid_alive, pool_beside_deal_message
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
-from lightning_diffusion.output.pool import LEASE_S, Pool, live_jobs, live_workers, log_joined, quit_join
+from lightning_diffusion.output.pool import LEASE_S, Pool, live_workers
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,
@@ -385,7 +386,7 @@ class ObjectStore:
         except FileNotFoundError:
             return None
 
-    def _write_json(self, name: str, content: dict[str, Any], create: bool = False) -> None:
+    def write_json(self, name: str, content: dict[str, Any], create: bool = False) -> None:
         fs, root = self.fs
         data = json.dumps(content, indent=2).encode("utf-8")
         try:
@@ -463,7 +464,7 @@ class ObjectStore:
         if problems:
             return problems[0], nothing
         if self.pool is not None:
-            return self._join(settings, total)
+            return join_pool(self, settings, total)
         busy = self._take_lock()
         if busy is not None:
             return busy, nothing
@@ -474,7 +475,7 @@ class ObjectStore:
             return f"{self.url}/{RUN_FILE} is not valid JSON; move it away to start the prefix afresh.", nothing
         if recorded is None and self.shard is not None:
             try:  # the first shard makes run.json; the others compare with it
-                self._write_json(RUN_FILE, {**settings, "expected": total, "history": []}, create=True)
+                self.write_json(RUN_FILE, {**settings, "expected": total, "history": []}, create=True)
             except FileExistsError:
                 recorded = self.read_json(RUN_FILE)
         if recorded is not None and not self.allow_config_change:
@@ -488,54 +489,12 @@ class ObjectStore:
             return conflict, nothing
         self._history = list((self.read_json(self.record_name) or {}).get("history") or [])
         if self.shard is None:
-            self._write_json(RUN_FILE, {**settings, "expected": expected, "history": self._history})
+            self.write_json(RUN_FILE, {**settings, "expected": expected, "history": self._history})
         else:
-            self._write_json(self.record_name, {"shard": list(self.shard), "expected": self.expected,
+            self.write_json(self.record_name, {"shard": list(self.shard), "expected": self.expected,
                                                 "history": self._history})
         done, _, _ = self.recorded()
         return None, select(done, self.shard)
-
-    def _join(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
-        """``prepare`` for a job of a pool (``data.schedule: pull``): no lock (the jobs of a pool
-        write beside each other); refused beside a run that deals its work; run.json made by the
-        first job (a conditional PUT) and compared by the others, as a resume's."""
-        nothing = np.zeros(0, dtype=np.int64)
-        if not self._conditional_puts():
-            return (f"{self.url}: the store accepted a second conditional PUT (If-None-Match: *) of one object, so "
-                    "two workers could claim one batch: data.schedule: pull needs a store with conditional writes; "
-                    "use data.schedule: deal, or a shared folder."), nothing
-        # Registered first, checked after (a run that deals takes its lock first, then looks for a pool).
-        self.worker = Pool(BucketPoolFiles(self), str(self.pool), 0, self.lease_s)
-        self.worker.start()
-        runs = self.live_locks()
-        if runs:
-            return quit_join(self, deal_beside_pool_message(self.url, runs)), nothing
-        try:
-            recorded = self.read_json(RUN_FILE)
-            if recorded is None:
-                try:
-                    self._write_json(RUN_FILE, {**settings, "expected": total, "history": []}, create=True)
-                except FileExistsError:
-                    recorded = self.read_json(RUN_FILE)
-        except ValueError:
-            return quit_join(self, f"{self.url}/{RUN_FILE} is not valid JSON; move it away to start the prefix "
-                               "afresh."), nothing
-        if recorded is not None and not self.allow_config_change:
-            conflict = recorded_conflict(recorded, settings, self.url)
-            if conflict:
-                return quit_join(self, conflict), nothing
-        done, _, _ = self.recorded()
-        log_joined(self.url, sorted(live_jobs(BucketPoolFiles(self)) - {str(self.pool)}), total, len(done))
-        return None, done
-
-    def _conditional_puts(self) -> bool:
-        """Whether the store refuses a second create of one object (what a pool's claims need)."""
-        files = BucketPoolFiles(self)
-        name = f".conditional-check-{os.urandom(6).hex()}"
-        try:
-            return files.create(name, b"1") and not files.create(name, b"2")
-        finally:
-            self.fs[0].rm(files._path(name))
 
     def _record_plan(self, total: Optional[int]) -> Optional[str]:
         """The shard plan (``shard.plan_file``): made by the first task of its count
@@ -616,66 +575,13 @@ class ObjectStore:
     def record(self, summary: dict[str, Any]) -> None:
         if self.pool is not None:  # the jobs of a pool add to one history (read just before: a bucket has no lock)
             current = self.read_json(RUN_FILE) or {}
-            self._write_json(RUN_FILE, {**current, "history": [*(current.get("history") or []), summary]})
+            self.write_json(RUN_FILE, {**current, "history": [*(current.get("history") or []), summary]})
             return
         self._history.append(summary)
         if self.shard is None:
             current = self.read_json(RUN_FILE) or {}
-            self._write_json(RUN_FILE, {**{k: v for k, v in current.items() if k not in RUN_META},
+            self.write_json(RUN_FILE, {**{k: v for k, v in current.items() if k not in RUN_META},
                                         "expected": self.expected, "history": self._history})
         else:
-            self._write_json(self.record_name, {"shard": list(self.shard), "expected": self.expected,
+            self.write_json(self.record_name, {"shard": list(self.shard), "expected": self.expected,
                                                 "history": self._history})
-
-
-class BucketPoolFiles:
-    """A pool in a bucket prefix (``pool.PoolFiles``): creates by a conditional PUT (``If-None-Match:
-    *``), renewals by writing the registration again; a registration's age is the time it holds
-    (``beat``), so the workers' clocks must agree within the lease (NTP)."""
-
-    def __init__(self, store: ObjectStore) -> None:
-        self.store = store
-        self.where = store.url
-
-    def _path(self, name: str) -> str:
-        return f"{self.store.fs[1]}/{name}"
-
-    def create(self, name: str, data: bytes) -> bool:
-        try:
-            self.store.fs[0].pipe_file(self._path(name), data, mode="create")
-        except OSError as err:
-            if _already_there(err):
-                return False
-            raise
-        return True
-
-    def read(self, name: str) -> Optional[bytes]:
-        fs = self.store.fs[0]
-        fs.invalidate_cache(self._path(name))
-        try:
-            return fs.cat_file(self._path(name))
-        except FileNotFoundError:
-            return None
-
-    def put(self, name: str, data: bytes) -> None:
-        self.store.fs[0].pipe_file(self._path(name), data)
-
-    def exists(self, name: str) -> bool:
-        return self.read(name) is not None  # one GET (an object store's exists may also list the prefix)
-
-    def names(self, folder: str) -> list[str]:
-        fs = self.store.fs[0]
-        fs.invalidate_cache(self._path(folder))
-        try:
-            return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(self._path(folder), detail=False))
-        except FileNotFoundError:
-            return []
-
-    def renew(self, name: str, data: bytes) -> None:
-        self.put(name, data)
-
-    def age(self, name: str, content: dict[str, Any]) -> float:
-        return max(0.0, time.time() - float(content.get("beat") or 0.0))
-
-    def recorded(self) -> np.ndarray:
-        return self.store.recorded()[0]

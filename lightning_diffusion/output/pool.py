@@ -69,7 +69,7 @@ def pid_alive(pid: int) -> bool:
 
 
 class PoolFiles(Protocol):
-    """The few operations a pool needs of its storage (``FolderPoolFiles``, ``object_store.BucketPoolFiles``)."""
+    """The few operations a pool needs of its storage (``FolderPoolFiles``, ``bucket_pool.BucketPoolFiles``)."""
 
     where: str
 
@@ -398,7 +398,7 @@ def claim_order(costs: np.ndarray) -> np.ndarray:
 
 
 def quit_join(store: Any, refusal: str) -> str:
-    """A pool's job refused while joining (``FolderStore``/``ObjectStore._join``): its registration
+    """A pool's job refused while joining (``FolderStore._join``, ``bucket_pool.join_pool``): its registration
     says it failed, and the store holds no worker; returns ``refusal``."""
     if store.worker is not None:
         store.worker.leave(ended=False)
