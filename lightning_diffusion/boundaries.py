@@ -21,16 +21,19 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar, Union, cast, runtime_checkable
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.shard import Shard, shard_size
 
 if TYPE_CHECKING:
+    import os
+
     import numpy as np
     from torch.distributed import ProcessGroup
 
     from lightning_diffusion.input.batching import BatchPlan
+    from lightning_diffusion.output.pool import Pool, PoolFiles
     from lightning_diffusion.run.context import RunContext
 
 
@@ -46,7 +49,7 @@ class RunPlan:
     that pull batches (``data.schedule: pull``).
     """
 
-    prompts: Any
+    prompts: Union[str, os.PathLike[str], Sequence[object]]
     seed: int
     num_images_per_prompt: int
     num_images: int
@@ -99,13 +102,13 @@ class PoolSource(Protocol):
     """A data module whose workers pull batches from a pool (``PromptDataModule`` with
     ``data.schedule: pull``), as the writer drives it."""
 
-    def use_pool(self, files: Any, job: str, worker: Any = None) -> None:
+    def use_pool(self, files: PoolFiles, job: str, worker: Optional[Pool] = None) -> None:
         """Pull batches from the pool kept in ``files`` (``pool.PoolFiles``), as job ``job``
         (``data.schedule: pull``; the writer calls it at setup); ``worker``: the registration the
         store made when the job joined (``pool.Pool``, on global rank 0)."""
         ...
 
-    def holds(self, batch_indices: Any) -> bool:
+    def holds(self, batch_indices: Optional[Sequence[object]]) -> bool:
         """Whether this worker still holds the batch of ``batch_indices`` (its images are written
         only then); True for a run that deals its work."""
         ...
@@ -138,7 +141,7 @@ class RunStrategy(Protocol):
     # A gloo group without the collective timeout, for gathers that wait on the slowest rank.
     idle_group: Optional[ProcessGroup]
 
-    def replica_share(self) -> Optional[Callable[[Any], Any]]:
+    def replica_share(self) -> Optional[Callable[[object], object]]:
         """Hands the replica's writing rank's object to its other ranks; None for a replica of one."""
         ...
 
@@ -152,12 +155,17 @@ def run_strategy(strategy: object) -> Optional[RunStrategy]:
     return cast(RunStrategy, strategy) if found else None
 
 
-def require(part: object, protocol: type, role: str) -> Any:
+_P = TypeVar("_P")
+
+
+def require(part: object, protocol: Callable[..., _P], role: str) -> _P:
     """``part`` (a data module, a LightningModule) as a ``protocol``; refused, naming what it lacks,
     where it is not one."""
-    if isinstance(part, protocol):
-        return part
-    members = _members(protocol)
+    # ``protocol`` is a runtime-checkable Protocol class, typed as what makes a ``_P``: mypy takes
+    # no Protocol class where ``type[_P]`` is expected.
+    if isinstance(part, cast(type, protocol)):
+        return cast(_P, part)
+    members = _members(cast(type, protocol))
     missing = [name for name in members if not hasattr(part, name)]
     what = "nothing" if part is None else type(part).__name__
     raise ConfigError(f"the writer needs {role} that provides {', '.join(members)} ({protocol.__name__} in "

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
+    from lightning_diffusion.pipelines.lora import Adapter
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
 
@@ -66,7 +67,7 @@ class ModelRequest:
     records: Optional[Sequence[Mapping[str, Any]]] = None
     attention_backend: Optional[str] = None
     quantization: Optional[Mapping[str, Any]] = None
-    lora: Sequence[Any] = ()
+    lora: Sequence[Adapter] = ()
 
     def call_arg_sets(self) -> list[dict[str, Any]]:
         """The call arguments of every distinct kind of image: the config's, with each distinct set
@@ -94,7 +95,7 @@ class LoadPlan:
 
     components: dict[str, ComponentLoader] = field(default_factory=dict)
     pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
-    fuse_adapters: Optional[Callable[[Any, Sequence[Any]], None]] = None
+    fuse_adapters: Optional[Callable[[DiffusionPipeline, Sequence[Adapter]], None]] = None
 
 
 @runtime_checkable

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, TypeGuard, TypeVar
+from typing import Callable, Optional, TypeGuard, TypeVar
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ def raise_problems(problems: list) -> None:
         raise kind(f"{len(problems)} problems:\n  - " + "\n  - ".join(map(str, problems)))
 
 
-def run_check(problems: list, reader: Callable[..., T], *args: Any, **kwargs: Any) -> Optional[T]:
+def run_check(problems: list, reader: Callable[..., T], *args: object, **kwargs: object) -> Optional[T]:
     """Run a reader (a function that returns a value or raises ``ConfigError``: ``resolve_dtype``,
     ``read_records``, ``checks.planned_models``...) as a rule: its value, or None with its refusal
     appended to ``problems`` (the ConfigError itself, so that a subclass such as ``NodeConfigError``
@@ -59,6 +59,6 @@ def run_check(problems: list, reader: Callable[..., T], *args: Any, **kwargs: An
         return None
 
 
-def is_int(value: Any, minimum: Optional[int] = None) -> TypeGuard[int]:
+def is_int(value: object, minimum: Optional[int] = None) -> TypeGuard[int]:
     """An ``int`` (not a ``bool``), at least ``minimum`` when given: the one integer test of configs."""
     return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)

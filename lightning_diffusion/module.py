@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import lightning.pytorch as pl
 import numpy as np
@@ -19,17 +19,22 @@ from lightning_diffusion.input.costs import set_facts
 from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.input.images import INPUT_FIELDS
 from lightning_diffusion.input.records import Records
-from lightning_diffusion.input.verdicts import RecordChecks
-from lightning_diffusion.output.settings import OPTIONS, image_settings, recorded_options
+from lightning_diffusion.input.verdicts import JobRanks, RecordChecks
+from lightning_diffusion.output.settings import image_settings, recorded_options
 from lightning_diffusion.pipelines.cache import CacheStats, StepCache
-from lightning_diffusion.pipelines.loading import PipelineLoading
+from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
-from lightning_diffusion.run.failures import CallFailures
+from lightning_diffusion.pipelines.settings import ModelSettings
+from lightning_diffusion.run.failures import CallRunner
 from lightning_diffusion.run.model_checks import model_problems
-from lightning_diffusion.run.validation import MODEL_CALL_ARGS
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from lightning_diffusion.strategies.group_work import GroupWork
 
 
-class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningModule, DiffusionModel):
+class DiffusionModule(pl.LightningModule, DiffusionModel):
     """Runs a diffusers ``DiffusionPipeline`` on batches of prompt samples.
 
     Args:
@@ -86,39 +91,45 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
     that made it).
     Nothing here depends on the strategy: a strategy reads ``request()``, hands a ``LoadPlan`` to
     ``use_load_plan`` and its parallelised pipeline to ``use_pipeline`` (see ``contract``).
+
+    The module holds three parts, each built from the settings it needs: ``loader``
+    (``PipelineLoader``: how the pipeline loads), ``runner`` (``CallRunner``: a call's failures
+    under ``data.on_error``; it owns ``pad_batches``) and ``checks`` (``RecordChecks``: the records
+    the pipeline cannot make). The module owns the loaded ``pipeline`` (a strategy replaces it
+    through ``use_pipeline``), its ``components``, ``step_cache`` and ``batch_size``.
     """
 
     def __init__(
         self,
-        pretrained_model_name_or_path: str = "tiny:shapes",
-        torch_dtype: str = "float32",
-        height: Optional[int] = None,
-        width: Optional[int] = None,
-        num_inference_steps: Optional[int] = None,
-        guidance_scale: Optional[float] = None,
-        num_frames: Optional[int] = None,
-        call_kwargs: Optional[dict[str, Any]] = None,
-        from_pretrained_kwargs: Optional[dict[str, Any]] = None,
-        show_inner_progress: bool = False,
-        pad_batches: bool = True,
-        cache: Optional[dict[str, Any]] = None,
-        vae_tiling: Optional[Union[bool, dict[str, int]]] = None,
-        split_work: bool = True,
-        compile: Optional[str] = None,
-        vae_slicing: bool = False,
-        attention_backend: Optional[str] = None,
-        quantization: Optional[dict[str, Any]] = None,
-        pipeline_class: Optional[str] = None,
-        lora: Optional[list[dict[str, Any]]] = None,
+        pretrained_model_name_or_path: str = ModelSettings.pretrained_model_name_or_path,
+        torch_dtype: str = ModelSettings.torch_dtype,
+        height: Optional[int] = ModelSettings.height,
+        width: Optional[int] = ModelSettings.width,
+        num_inference_steps: Optional[int] = ModelSettings.num_inference_steps,
+        guidance_scale: Optional[float] = ModelSettings.guidance_scale,
+        num_frames: Optional[int] = ModelSettings.num_frames,
+        call_kwargs: Optional[dict[str, Any]] = ModelSettings.call_kwargs,
+        from_pretrained_kwargs: Optional[dict[str, Any]] = ModelSettings.from_pretrained_kwargs,
+        show_inner_progress: bool = ModelSettings.show_inner_progress,
+        pad_batches: bool = ModelSettings.pad_batches,
+        cache: Optional[dict[str, Any]] = ModelSettings.cache,
+        vae_tiling: Optional[Union[bool, dict[str, int]]] = ModelSettings.vae_tiling,
+        split_work: bool = ModelSettings.split_work,
+        compile: Optional[str] = ModelSettings.compile,
+        vae_slicing: bool = ModelSettings.vae_slicing,
+        attention_backend: Optional[str] = ModelSettings.attention_backend,
+        quantization: Optional[dict[str, Any]] = ModelSettings.quantization,
+        pipeline_class: Optional[str] = ModelSettings.pipeline_class,
+        lora: Optional[list[dict[str, Any]]] = ModelSettings.lora,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        named = {key: self.hparams[key] for key in MODEL_CALL_ARGS}
-        options = {key: self.hparams[key] for key in OPTIONS}
+        self.settings = ModelSettings.among(self.hparams)
+        named, options = self.settings.named_call_args(), self.settings.options()
         # Reads configs only: a bad path, a non-pipeline folder or an impossible size fails here,
         # in the launching process, before any worker starts or any weight is read. The size
         # budget (data.max_pixels) is the data module's: checked in ``setup``.
-        info, problems = model_problems(dict(self.hparams), max_pixels=None)
+        info, problems = model_problems(self.settings, max_pixels=None)
         raise_problems(problems)
         assert info is not None
         self.info: PipelineInfo = info
@@ -126,15 +137,13 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         self.base_call_args, self.call_kwargs = info.effective_call_args(named, call_kwargs)
         self.from_pretrained_kwargs = dict(from_pretrained_kwargs or {})
         self.show_inner_progress = show_inner_progress
-        self.pad_batches = pad_batches
         self.batch_size: Optional[int] = None  # the data module's, read in setup; else the largest seen
+        # What predict_step calls: the loaded pipeline, or what the strategy made of it (``use_pipeline``).
         self.pipeline: Any = None
         self.cache = dict(cache) if cache is not None else None
         self.step_cache: Optional[StepCache] = None
         self.split_work = split_work
-        self.group_work: Any = None
-        self.replica_group: Any = None  # the ranks that make the same images (``use_group``)
-        self.on_error = "fail"  # the data module's ``on_error``, read in setup
+        self.group_work: Optional[GroupWork] = None
         self.failures = 0  # records whose call failed in this run (``on_error: skip``)
         # This process's work in the run: images computed (padding included) and kept, seconds in calls.
         self.stats = {"computed": 0, "kept": 0, "busy_s": 0.0}
@@ -148,6 +157,14 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         self.load_plan = LoadPlan()
         # The pipeline's torch modules, registered so that Lightning's device moves reach them.
         self.components = nn.ModuleDict()
+        self.loader = PipelineLoader(
+            info, self.dtype_, dict(self.from_pretrained_kwargs), quantization=self.options["quantization"],
+            adapters=tuple(self.adapters), vae_tiling=self.options["vae_tiling"],
+            vae_slicing=self.options["vae_slicing"], attention_backend=self.options["attention_backend"],
+            compile=self.options["compile"], cache=self.cache,
+            num_inference_steps=self.call_args.get("num_inference_steps"), show_inner_progress=show_inner_progress)
+        self.runner = CallRunner(pad_batches, info.spec.call_batch)
+        self.checks = RecordChecks(info, self.call_args, self.cache)
 
     @property
     def model_path(self) -> str:
@@ -170,7 +187,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         ``data.on_bad_record: skip`` leaves out are not in their summary."""
         data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if isinstance(records, Records) and isinstance(data, PromptDataModule) and data.records is records:
-            self.record_verdicts(data)
+            self.checks.record_verdicts(data)
         return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
                             self.options["attention_backend"], self.options["quantization"], tuple(self.adapters))
 
@@ -188,18 +205,18 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         that the ranks sharing one transformer call must agree on them (``use_shard_group``)."""
         return self.cache is not None and self.cache.get("type") == "first_block"
 
-    def use_shard_group(self, group: Any) -> None:
+    def use_shard_group(self, group: Optional[ProcessGroup]) -> None:
         """The process group of the ranks that hold pieces of the same transformer call (ring x
         ulysses x tp of one replica and guidance branch); the cache agrees its decisions over it."""
         if self.step_cache is not None:
             self.step_cache.set_group(group)
 
-    def use_group(self, group: Any) -> None:
+    def use_group(self, group: Optional[ProcessGroup]) -> None:
         """The process group of the ranks that make the same images (one replica's cfg x ring x
         ulysses x tp ranks; ``None``: one process per replica): they agree on each call's failures
-        (``data.on_error: skip``), and text encoding and VAE decoding are split over it
-        (``group_work``) unless ``split_work`` is off."""
-        self.replica_group = group
+        (``data.on_error: skip``, ``CallRunner.group``), and text encoding and VAE decoding are split
+        over it (``group_work``) unless ``split_work`` is off."""
+        self.runner.group = group
         if not self.split_work or self.pipeline is None or self.group_work is not None:
             return
         from lightning_diffusion.strategies import group_work
@@ -214,11 +231,38 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         datamodule = getattr(self.trainer, "datamodule", None)
         if isinstance(datamodule, PromptDataModule):
             self.batch_size = datamodule.batch_size
-            self.on_error = datamodule.on_error
+            self.runner.on_error = datamodule.on_error
             self.failures, self.stats = 0, {"computed": 0, "kept": 0, "busy_s": 0.0}
-            datamodule.reject(self.agreed_verdicts(datamodule))
+            # cast: Lightning's Strategy does not declare the ranks every strategy has once started
+            strategy = cast(JobRanks, self._trainer.strategy) if self._trainer is not None else None
+            datamodule.reject(self.checks.agreed_verdicts(datamodule, strategy))
             facts = set_facts(self.info, self.call_args, datamodule.records, datamodule.rejected.rejected)
-            datamodule.use_batch_facts(*facts, pad=self.pad_batches)
+            datamodule.use_batch_facts(*facts, pad=self.runner.pad_batches)
+
+    def configure_model(self) -> None:
+        """Load the pipeline with the strategy's ``LoadPlan`` (once: a loaded module keeps its pipeline)."""
+        if self.pipeline is not None:
+            return
+        # cast: Lightning's Strategy does not declare the ranks every strategy has once started
+        strategy = cast(NodeRanks, self._trainer.strategy) if self._trainer is not None else None
+        self.loader.fetch_weights(strategy, self.global_rank)
+        self.load_pipeline(**self.loader.build_components(self.load_plan))
+
+    def load_pipeline(self, **components: nn.Module) -> None:
+        """Load the pipeline on the CPU (``PipelineLoader.load_pipeline``); ``components`` are
+        pre-built components (a strategy may build the transformer itself, sharded) passed through
+        to ``from_pretrained``. Its torch modules are registered in ``components``."""
+        loaded = self.loader.load_pipeline(self.load_plan, components, self.global_rank)
+        self.pipeline, self.step_cache = loaded.pipeline, loaded.step_cache
+        for name, component in loaded.pipeline.components.items():
+            if isinstance(component, nn.Module):
+                self.components[name] = component
+
+    def compile_denoisers(self) -> None:
+        """``model.compile`` on each denoiser of the pipeline the strategy set up (after its
+        context-parallel hooks, sharding and caches), once."""
+        if not self.compiled and self.pipeline is not None:
+            self.compiled = self.loader.compile_denoisers(self.pipeline, self.global_rank)
 
     def cache_summary(self) -> Optional[dict[str, Any]]:
         """What the step cache reused in this run, summed over every process (a collective: every
@@ -279,7 +323,8 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         results = {}
         start = time.perf_counter()
         for samples in calls:
-            for sample, (image, params, error) in zip(samples, self.run_call(samples)):
+            outcomes = self.runner.run_call(samples, self.generate, self.batch_size, self.global_rank)
+            for sample, (image, params, error) in zip(samples, outcomes):
                 result = {
                     "index": sample["index"],
                     "prompt": sample["prompt"],
@@ -300,12 +345,12 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
                  ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
         """One pipeline call for samples that share their arguments; noise from one CPU generator each.
         With ``pad_batches`` the call is padded to the batch size and the padding's outputs dropped.
-        ``agree``: the replica's ranks agree on its preparation and on the call (``_agree``)."""
-        samples, kwargs, given = self._step(agree, self.prepare_call, samples)
+        ``agree``: the replica's ranks agree on its preparation and on the call (``CallRunner.step``)."""
+        samples, kwargs, given = self.runner.step(agree, self.device, lambda: self.prepare_call(samples))
         real = len([s for s in samples if not s.get("padding")])
         self.stats["computed"] += len(samples)
         self.stats["kept"] += real
-        output = self._step(agree, lambda: self.pipeline(
+        output = self.runner.step(agree, self.device, lambda: self.pipeline(
             prompt=[sample["prompt"] for sample in samples],
             generator=[torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples],
             output_type="np",
@@ -326,7 +371,7 @@ class DiffusionModule(RecordChecks, PipelineLoading, CallFailures, pl.LightningM
         ``padding``), its keyword arguments (input images read) and what each sample's metadata
         records of its inputs."""
         size = min(self.batch_size or 0, self.info.spec.call_batch or self.batch_size or 0)
-        if self.pad_batches and len(samples) < size:
+        if self.runner.pad_batches and len(samples) < size:
             samples = samples + [{**samples[-1], "padding": True}] * (size - len(samples))
         kwargs = self.call_arguments(samples[0])
         kwargs.pop("negative_prompt", None)

@@ -9,7 +9,10 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    import argparse
 
 # name -> (module, one line for ``lightning-diffusion --help``)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -29,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def add_json_option(parser: Any, what: str) -> None:
+def add_json_option(parser: argparse.ArgumentParser, what: str) -> None:
     """Every subcommand's ``--json``: alone, ``what`` as JSON on stdout instead of the human
     report; ``--json FILE.json`` (or ``--json=FILE`` for any name), written to FILE beside the
     report. Parse with ``json_argv(argv)`` so that ``status --json DIR`` keeps DIR positional."""
@@ -51,7 +54,8 @@ def json_argv(argv: Optional[list[str]]) -> Optional[list[str]]:
     return out
 
 
-def report(json_to: Optional[str], result: Any, human: Callable[[], None], default: Any = None,
+def report(json_to: Optional[str], result: object, human: Callable[[], None],
+           default: Optional[Callable[[object], object]] = None,
            repeats_json: bool = False) -> None:
     """Print the human report (``human``) and the JSON as ``--json`` asks: on stdout alone (the
     report then goes to stderr, so that stdout parses, or nowhere where it ``repeats_json``), or

@@ -227,7 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.compare_diffusers:
         model, data = cfg.model, cfg.data
         from lightning_diffusion.pipelines.model_folder import inspect_pipeline
-        from lightning_diffusion.run.validation import MODEL_CALL_ARGS
+        from lightning_diffusion.pipelines.settings import MODEL_CALL_ARGS
 
         named = {k: model.get(k) for k in MODEL_CALL_ARGS}
         base, more = inspect_pipeline(model.pretrained_model_name_or_path).effective_call_args(

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines import hub
 from lightning_diffusion.run.config import read_config, report_config_error
 
+if TYPE_CHECKING:
+    from jsonargparse import Namespace
 
-def model_of(config: Any) -> tuple[str, dict[str, Any]]:
+
+def model_of(config: Namespace) -> tuple[str, dict[str, Any]]:
     model = config.model
     return model.pretrained_model_name_or_path, hub.hub_options(dict(model.get("from_pretrained_kwargs") or {}))
 
 
-def fetch_for(config: Any, config_path: Optional[str], dry_run: bool = False, out=sys.stdout) -> Optional[str]:
+def fetch_for(config: Namespace, config_path: Optional[str], dry_run: bool = False, out=sys.stdout) -> Optional[str]:
     """Plan (and unless ``dry_run`` fetch) the config's hub weights; the snapshot folder, or None
     for a local model. Hub failures raise a ConfigError with their own message."""
     repo, options = model_of(config)
@@ -65,7 +68,8 @@ def fetch_for(config: Any, config_path: Optional[str], dry_run: bool = False, ou
     return str(folder)
 
 
-def fetch_prompts(config: Any, config_path: Optional[str], dry_run: bool = False, out=sys.stdout) -> Optional[str]:
+def fetch_prompts(config: Namespace, config_path: Optional[str], dry_run: bool = False,
+                  out=sys.stdout) -> Optional[str]:
     """Plan (and unless ``dry_run`` fetch) a ``data.prompts`` of ``hf://datasets/NAME``: the Parquet
     files of ``data.split`` (``formats.split_names``); the snapshot folder, or None for prompts
     from elsewhere."""

@@ -31,13 +31,16 @@ import io
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_diffusion.commands import add_json_option, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB
 from lightning_diffusion.output.recorded import read_output, scan_manifest
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 FEATURE_POOL = 4  # VAE latents pooled to 4x4: 64 features for 4 latent channels
@@ -90,7 +93,7 @@ def match_reference(ours: dict[int, dict[str, Any]], ref: dict[int, dict[str, An
     return common
 
 
-def _check_sizes(images: dict[int, Any], refs: dict[int, Any], one_size: bool) -> None:
+def _check_sizes(images: dict[int, torch.Tensor], refs: dict[int, torch.Tensor], one_size: bool) -> None:
     for index, image in images.items():
         ref = refs.get(index)
         if ref is not None and ref.shape != image.shape:
@@ -319,7 +322,7 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else float("inf")
 
 
-def _finite(value: Any) -> Any:
+def _finite(value: object) -> object:
     """Strict JSON: an infinite PSNR (identical images) is written as the string "inf"."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)

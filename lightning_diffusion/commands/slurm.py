@@ -442,7 +442,7 @@ def main(argv: list[str]) -> int:
             # the job's nodes reach the store as this machine does: same variables (sbatch passes them on)
             raise_problems(outputs.store.write_problems())
         expected = expected_images(config)
-        if (args.array is not None or args.resubmit) and config.data.get("schedule") == "pull":
+        if (args.array is not None or args.resubmit) and config.data.schedule == "pull":
             res["array"] = pool_array(args, expected)  # each task a job of the pool: no shards
         elif args.array is not None or args.resubmit:
             res["array"] = plan_array(args, config, outputs, job_dir, expected)

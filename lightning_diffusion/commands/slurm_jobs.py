@@ -117,8 +117,8 @@ class Outputs:
         data = config.data
 
         def compute() -> Any:
-            return shard_owners(read_data(data), int(data.num_images_per_prompt), int(data.get("batch_size") or 1),
-                                bool(data.get("bucket", True)), num_shards)
+            return shard_owners(read_data(data), int(data.num_images_per_prompt), int(data.batch_size),
+                                bool(data.bucket), num_shards)
 
         try:
             owners = self.store.shard_plan(num_shards)
@@ -148,7 +148,7 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     from lightning_diffusion.commands import status
     from lightning_diffusion.output.shard import Shard
 
-    if int(config.data.get("num_shards") or 1) != 1:
+    if int(config.data.num_shards) != 1:
         raise ConfigError("--array sets data.num_shards and data.shard_index for each task; drop them from the config.")
     count = args.array or status.shard_count(job_dir)
     if count is None:
@@ -176,7 +176,7 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     if empty and args.array is not None and count <= total:  # more shards than images: check_config says so
         batches = len(np.unique(plan)) if len(plan) else 0
         raise ConfigError(f"--array {count}: the prompt set's batches (data.batch_size "
-                          f"{config.data.get('batch_size') or 1}) fill only {batches} shards; shards "
+                          f"{config.data.batch_size}) fill only {batches} shards; shards "
                           f"{','.join(map(str, empty[:10]))}{'...' if len(empty) > 10 else ''} would have nothing to "
                           f"make. Use --array {batches} or fewer, or a smaller data.batch_size.")
     shards = []

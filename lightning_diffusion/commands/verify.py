@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import TYPE_CHECKING, Optional, cast
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from lightning_diffusion.commands import add_json_option, json_argv, report
 from lightning_diffusion.input.formats import read_data
 from lightning_diffusion.pipelines.model_folder import dtype_name
 from lightning_diffusion.run.config import read_config, report_config_error
+
+if TYPE_CHECKING:
+    from jsonargparse import Namespace
 
 # (max abs difference, min PSNR dB, min SSIM) on decoded images in [0, 1], by dtype. float32 runs
 # differ by rounding only (measured up to 2e-6); half-precision kernels reorder sums more freely.
@@ -54,7 +57,7 @@ def compare(ours: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     return {"max_abs": max_abs, "psnr": psnr, "ssim": ssim}
 
 
-def plan_attention_backend(config: Any) -> Optional[str]:
+def plan_attention_backend(config: Namespace) -> Optional[str]:
     """The attention backend the plan's context-parallel denoisers run with when the strategy chose
     it (its ``attention_backend``, or ring's choice on CUDA); None when the model's own
     ``model.attention_backend`` is set, which the reference run reads from the same config. The

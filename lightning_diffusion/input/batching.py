@@ -19,11 +19,14 @@ from __future__ import annotations
 import heapq
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from lightning_diffusion.console import counted
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 
 @dataclass
@@ -49,7 +52,8 @@ class SetFacts:
         return cls(bucket, cost, list(keys))
 
 
-def call_key(call_args: dict[str, Any], input_fields: Sequence[str], input_sizes: Any = None) -> str:
+def call_key(call_args: dict[str, Any], input_fields: Sequence[str],
+             input_sizes: Optional[dict[str, list[tuple[int, int]]]] = None) -> str:
     """What must be equal for images to share one pipeline call (``DiffusionModule.predict_step``
     groups a batch by the same key)."""
     key = json.dumps(call_args, sort_keys=True, default=str)
@@ -126,7 +130,7 @@ class BatchPlan:
         return line
 
 
-def index_array(indices: Any) -> np.ndarray:
+def index_array(indices: ArrayLike) -> np.ndarray:
     """``indices`` as an integer array: an index array as it is (int32 where a run keeps them so), a
     list or an empty one as int64."""
     found = np.asarray(indices)

@@ -32,9 +32,10 @@ from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.images import record_inputs
 from lightning_diffusion.input.pull import PullSampler, still_held
 from lightning_diffusion.input.records import Records, RecordVerdicts, call_overrides, summarize_records  # noqa: F401
-from lightning_diffusion.output.pool import LEASE_S, Pool, PoolFiles, plan_conflict, plan_digest
+from lightning_diffusion.input.settings import DataSettings
+from lightning_diffusion.output.pool import Pool, PoolFiles, plan_conflict, plan_digest
 from lightning_diffusion.output.shard import Shard, deal_shards, select, shard_members
-from lightning_diffusion.run.validation import MAX_PIXELS, MAX_PROMPT_CHARS, data_problems
+from lightning_diffusion.run.validation import data_problems
 
 
 def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) -> int:
@@ -149,17 +150,18 @@ def shard_owners(records: Records, num_images_per_prompt: int, batch_size: int, 
     return deal_shards(plan_batches(indices, buckets, costs, batch_size, bucket), total, num_shards)
 
 
-def run_plan(prompts: Any, seed: int, num_images_per_prompt: int, records: Records, reading: dict[str, Any],
-             shard: Optional[Shard] = None, pull: bool = False, lease_s: float = LEASE_S) -> RunPlan:
-    """The ``RunPlan`` of a prompt set read as ``records`` with the ``data`` settings ``reading``
-    (``columns``, ``keep_columns``, ``split``): the data module's, and ``preflight``'s before a run."""
+def run_plan(settings: DataSettings, records: Records, shard: Optional[Shard] = None) -> RunPlan:
+    """The ``RunPlan`` of the prompt set of the data group's ``settings``, read as ``records``: the
+    data module's, and ``preflight``'s before a run."""
     from lightning_diffusion.input.tables import TableRecords
 
+    prompts, copies = settings.prompts, settings.num_images_per_prompt
     one_file = isinstance(prompts, (str, os.PathLike)) and Path(prompts).expanduser().is_file()
     files = tuple(records.files) if isinstance(records, TableRecords) and not one_file else ()
+    reading = {"columns": settings.columns, "keep_columns": settings.keep_columns, "split": settings.split}
     shaped = {f"data.{key}": value for key, value in reading.items() if value}
-    return RunPlan(prompts, seed, num_images_per_prompt, len(records) * num_images_per_prompt, shard, files,
-                   shaped or None, pull, lease_s)
+    return RunPlan(prompts, settings.seed, copies, len(records) * copies, shard, files, shaped or None,
+                   settings.schedule == "pull", settings.lease_s)
 
 
 class PromptDataModule(pl.LightningDataModule):
@@ -216,31 +218,31 @@ class PromptDataModule(pl.LightningDataModule):
     def __init__(
         self,
         prompts: Union[str, list[Any]],
-        batch_size: int = 1,
-        seed: int = 0,
-        num_images_per_prompt: int = 1,
-        num_workers: int = 0,
-        inputs_root: Optional[str] = None,
-        num_shards: int = 1,
-        shard_index: int = 0,
-        max_pixels: int = MAX_PIXELS,
-        max_prompt_chars: int = MAX_PROMPT_CHARS,
-        on_bad_record: str = "fail",
-        on_error: str = "fail",
-        bucket: bool = True,
-        columns: Optional[dict[str, Optional[str]]] = None,
-        keep_columns: Optional[list[str]] = None,
-        split: Optional[str] = None,
-        schedule: str = "deal",
-        lease_s: float = LEASE_S,
+        batch_size: int = DataSettings.batch_size,
+        seed: int = DataSettings.seed,
+        num_images_per_prompt: int = DataSettings.num_images_per_prompt,
+        num_workers: int = DataSettings.num_workers,
+        inputs_root: Optional[str] = DataSettings.inputs_root,
+        num_shards: int = DataSettings.num_shards,
+        shard_index: int = DataSettings.shard_index,
+        max_pixels: int = DataSettings.max_pixels,
+        max_prompt_chars: int = DataSettings.max_prompt_chars,
+        on_bad_record: str = DataSettings.on_bad_record,
+        on_error: str = DataSettings.on_error,
+        bucket: bool = DataSettings.bucket,
+        columns: Optional[dict[str, Optional[str]]] = DataSettings.columns,
+        keep_columns: Optional[list[str]] = DataSettings.keep_columns,
+        split: Optional[str] = DataSettings.split,
+        schedule: str = DataSettings.schedule,
+        lease_s: float = DataSettings.lease_s,
     ) -> None:
         super().__init__()
-        settings = {"schedule": schedule, "lease_s": lease_s,
-                    "batch_size": batch_size, "seed": seed, "num_images_per_prompt": num_images_per_prompt,
-                    "inputs_root": inputs_root, "num_shards": num_shards, "shard_index": shard_index,
-                    "max_pixels": max_pixels, "max_prompt_chars": max_prompt_chars, "on_bad_record": on_bad_record,
-                    "on_error": on_error, "columns": columns, "keep_columns": keep_columns, "split": split}
+        settings = DataSettings(
+            prompts, batch_size, seed, num_images_per_prompt, num_workers, inputs_root, num_shards, shard_index,
+            max_pixels, max_prompt_chars, on_bad_record, on_error, bucket, columns, keep_columns, split, schedule,
+            lease_s)
         raise_problems(data_problems(settings))
+        self.settings = settings
         self.prompts = prompts
         self.batch_size = batch_size
         self.seed = seed
@@ -297,9 +299,7 @@ class PromptDataModule(pl.LightningDataModule):
 
     def run_plan(self) -> RunPlan:
         """What the writer records of this prompt set (``boundaries.RunPlan``)."""
-        return run_plan(self.prompts, self.seed, self.num_images_per_prompt, self.records,
-                        {"columns": self.columns, "keep_columns": self.keep_columns, "split": self.split}, self.shard,
-                        self.schedule == "pull", self.lease_s)
+        return run_plan(self.settings, self.records, self.shard)
 
     def use_pool(self, files: PoolFiles, job: str, worker: Optional[Pool] = None) -> None:
         """Pull batches from the pool in ``files`` as job ``job`` (``data.schedule: pull``);

@@ -16,7 +16,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
 from lightning_diffusion.input.records import (
     _CONSTANTS,
@@ -32,8 +32,9 @@ from lightning_diffusion.input.records import (
     _shown,
     check_record,
 )
+from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
 from lightning_diffusion.input.tables import TableRecords
-from lightning_diffusion.run.validation import MAX_PROMPT_CHARS, column_problems
+from lightning_diffusion.run.validation import column_problems
 
 
 class Offsets:
@@ -81,7 +82,7 @@ class LineRecords(Records):
         self.jsonl = path.suffix.lower() == ".jsonl"
         self.offsets = Offsets()
         self.blanks = array("q")  # for each blank line: the records before it (for line numbers)
-        self._file: Optional[Any] = None
+        self._file: Optional[BinaryIO] = None
         self._pid: Optional[int] = None
         self._base = path.resolve().parent
         shape = self.columns.shape if self.columns else None
@@ -108,7 +109,7 @@ class LineRecords(Records):
     def source(self, position: int) -> str:
         return f"{self.where}:{position + 1 + bisect_right(self.blanks, position)}"
 
-    def _parse(self, raw: bytes, position: int) -> tuple[Any, bool]:
+    def _parse(self, raw: bytes, position: int) -> tuple[object, bool]:
         """The line's value, and whether it holds a NaN or Infinity (to be refused)."""
         try:
             line = raw.decode("utf-8")
@@ -329,7 +330,7 @@ def check_source(prompts: Union[str, os.PathLike], split: Optional[str] = None) 
 _READ: dict[tuple, Records] = {}
 
 
-def read_records(prompts: Union[str, os.PathLike, Sequence[Any]], max_chars: int = MAX_PROMPT_CHARS,
+def read_records(prompts: Union[str, os.PathLike, Sequence[object]], max_chars: int = MAX_PROMPT_CHARS,
                  columns: Optional[Mapping[str, Optional[str]]] = None, keep_columns: Optional[Sequence[str]] = None,
                  split: Optional[str] = None) -> Records:
     """Read prompt records from a path (``.txt``, ``.jsonl``, ``.csv``, ``.parquet``; a folder of
@@ -341,7 +342,7 @@ def read_records(prompts: Union[str, os.PathLike, Sequence[Any]], max_chars: int
     ``records.bad``. Files are read lazily after one checking pass: a ``.txt`` or ``.jsonl`` file
     costs 8 bytes a line in memory (``LineRecords``), Parquet and datasets a few numbers a row group
     (``TableRecords``), plus 4 bytes a record for its call-argument set."""
-    problems = column_problems({"columns": columns, "keep_columns": keep_columns, "split": split})
+    problems = column_problems(columns, keep_columns, split)
     if problems:
         raise PromptFileError(" ".join(problems))
     shape = Columns.of(columns, keep_columns)

@@ -7,7 +7,7 @@ import hashlib
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 # Input files a record may carry (a path, or a list of paths for pipelines that take several);
 # relative paths resolve against the prompt file's folder.
@@ -19,7 +19,7 @@ def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:
     return {name: record[name] for name in INPUT_FIELDS if record.get(name) is not None}
 
 
-def _paths(value: Any) -> list[str]:
+def _paths(value: Union[str, list[str]]) -> list[str]:
     return value if isinstance(value, list) else [value]
 
 

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, Callable, Optional, Union
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import numpy as np
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_diffusion.console import log
 from lightning_diffusion.output.pool import Pool, claim_order
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 Key = tuple[int, int, tuple[int, ...]]
 WAIT = "wait"  # what the writing rank sends its replica's other ranks while it waits for other workers
@@ -33,7 +36,7 @@ class PullSampler(DistributedSampler):
     writing rank, through ``share``: that rank's object to every rank of the replica). ``dataset``:
     a ``data.BatchDataset`` of the whole set's plan, whose samples are the images left to make."""
 
-    def __init__(self, dataset: Any, pool: Optional[Pool], share: Optional[Callable[[Any], Any]] = None,
+    def __init__(self, dataset: Dataset, pool: Optional[Pool], share: Optional[Callable[[object], object]] = None,
                  stopping: Optional[threading.Event] = None, poll_s: Optional[float] = None,
                  requested: Optional[threading.Event] = None) -> None:
         super().__init__(dataset, num_replicas=1, rank=0, shuffle=False, drop_last=False)
@@ -55,7 +58,7 @@ class PullSampler(DistributedSampler):
     def __len__(self) -> int:
         raise TypeError("a pool's batches are claimed while the run goes: the sampler has no length")
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         if self.pool is None:  # a follower: the writing rank's claims, until it says None
             while (key := self.share(None) if self.share is not None else None) is not None:
                 if key != WAIT:
@@ -139,7 +142,7 @@ class PullSampler(DistributedSampler):
             if self._stopped(self.poll_s):
                 return
 
-    def _settle(self, batch: int) -> Any:
+    def _settle(self, batch: int) -> Union[Key, Literal[False], None]:
         """For a batch another worker claimed: None while its worker works (wait), False when it is
         recorded or another worker took it over first (nothing to do), else this worker's takeover."""
         pool = self.pool
@@ -164,7 +167,7 @@ class PullSampler(DistributedSampler):
         return batch, generation + 1, tuple(recorded.tolist())
 
 
-def still_held(pool: Optional[Pool], keys: Any) -> bool:
+def still_held(pool: Optional[Pool], keys: Optional[Sequence[object]]) -> bool:
     """Whether this worker still holds the batch of ``keys`` (Lightning's batch indices: the one key
     this sampler yielded): False once another worker took it over."""
     if pool is None or not keys:

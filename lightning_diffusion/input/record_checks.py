@@ -6,15 +6,18 @@ fields and files record by record. ``records.RecordVerdicts`` holds the outcome.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lightning_diffusion.input.images import file_problems
 from lightning_diffusion.input.records import CallArgSet, RecordVerdicts, as_records
 from lightning_diffusion.run import validation
 from lightning_diffusion.run.validation import SEED_MAX
 
+if TYPE_CHECKING:
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
-def check_records(info: Any, records: Sequence[Any], call_args: Optional[dict[str, Any]] = None,
+
+def check_records(info: PipelineInfo, records: Sequence[object], call_args: Optional[dict[str, Any]] = None,
                   inputs_root: Optional[str] = None, max_pixels: Optional[int] = None,
                   num_images_per_prompt: int = 1) -> RecordVerdicts:
     """Every record against the pipeline ``info`` describes: the lines rejected while reading, each
@@ -54,7 +57,7 @@ def check_records(info: Any, records: Sequence[Any], call_args: Optional[dict[st
     return records.verdicts
 
 
-def _field_problems(info: Any, entry: CallArgSet) -> list[str]:
+def _field_problems(info: PipelineInfo, entry: CallArgSet) -> list[str]:
     """Input fields and a negative prompt that this pipeline (or these weights) cannot take or needs."""
     problems = []
     for name in entry.with_inputs:

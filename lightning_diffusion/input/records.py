@@ -32,11 +32,15 @@ from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.input.images import INPUT_FIELDS
-from lightning_diffusion.run.validation import CALL_ARGS, MAX_PROMPT_CHARS, SEED_MAX, non_finite
+from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
+from lightning_diffusion.run.validation import CALL_ARGS, SEED_MAX, non_finite
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Fields of a record that are not pipeline-call arguments.
 RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)
@@ -62,7 +66,7 @@ class PromptFileError(ConfigError):
     """A prompt file or inline prompt list that cannot be used; the message names file and line."""
 
 
-def _json_ready(value: Any) -> Any:
+def _json_ready(value: object) -> object:
     """A kept column's value as JSON holds it (a timestamp as ISO text, a decimal as text)."""
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
@@ -105,7 +109,7 @@ class Columns:
         names = [self.column(name) for name in COLUMN_FIELDS]
         return list(dict.fromkeys(c for c in [*names, *self.keep] if c is not None and c in available))
 
-    def shape(self, item: Any) -> tuple[Any, Optional[dict[str, Any]]]:
+    def shape(self, item: object) -> tuple[object, Optional[dict[str, Any]]]:
         """A source's item as a record's fields, and its kept columns (None when none is asked)."""
         if not self or not isinstance(item, dict):
             return item, None
@@ -182,7 +186,7 @@ class RecordSummary:
         self._same = 0  # while ``_set_of`` is None: the one set of every record so far
         self._count = 0
         self.sets: list[CallArgSet] = []
-        self._ids: dict[Any, int] = {}
+        self._ids: dict[tuple[object, tuple[bool, ...]], int] = {}  # (overrides, fields present) -> set
         self.rejected_sets: frozenset[int] = frozenset()  # sets the pipeline refuses (``check_records``)
         self.large_seeds: dict[int, int] = {}  # position -> seed, for seeds near the generator's limit
 
@@ -191,7 +195,7 @@ class RecordSummary:
         """Each record's set: an ``array`` of 4 bytes a record, or ``Same`` while all share one."""
         return self._set_of if self._set_of is not None else Same(self._same, self._count)
 
-    def set_array(self) -> Any:
+    def set_array(self) -> np.ndarray:
         """``set_of`` as a uint32 numpy array (a broadcast of one value, no memory, while all share one)."""
         import numpy as np
 
@@ -216,7 +220,7 @@ class RecordSummary:
         # large set have only a prompt and a seed.)
         overrides: dict[str, Any] = {}
         if record.keys() <= _PLAIN_FIELDS:
-            key: Any = _PLAIN_KEY
+            key: tuple[object, tuple[bool, ...]] = _PLAIN_KEY
         else:
             named = record.keys() - _RECORD_FIELD_SET
             fields = _NONE_PRESENT if _PRESENCE_SET.isdisjoint(record) else tuple(
@@ -233,7 +237,8 @@ class RecordSummary:
         """``add`` for a record of a prompt and perhaps a seed, nothing else (checked)."""
         self._add(_PLAIN_KEY, {}, _NO_FIELDS, seed)
 
-    def _add(self, key: Any, overrides: dict[str, Any], record: Mapping[str, Any], seed: Optional[int]) -> None:
+    def _add(self, key: tuple[object, tuple[bool, ...]], overrides: dict[str, Any], record: Mapping[str, Any],
+             seed: Optional[int]) -> None:
         number = self._count + 1
         set_id = self._ids.get(key)
         if set_id is None:
@@ -315,7 +320,7 @@ class Records(Sequence):
         """``file:line`` of the record at ``position``."""
         return f"{self.where}:{position + 1}"
 
-    def _accept(self, position: int, item: Any, constants: bool = True) -> Optional[dict[str, Any]]:
+    def _accept(self, position: int, item: object, constants: bool = True) -> Optional[dict[str, Any]]:
         """Check one parsed item; a bad one is kept as a rejected position (``constants``: it may
         hold a NaN or Infinity)."""
         try:
@@ -326,7 +331,7 @@ class Records(Sequence):
         self.summary.add(record)
         return record
 
-    def _accept_plain(self, position: int, item: Any, constants: bool = True) -> None:
+    def _accept_plain(self, position: int, item: object, constants: bool = True) -> None:
         """``_accept`` for the reading pass, whose records are summarised, not kept: a record of a
         prompt and perhaps a seed, as most of a large set are, is checked here in a few steps."""
         if type(item) is dict and item.keys() <= _PLAIN_FIELDS:
@@ -361,7 +366,7 @@ class Records(Sequence):
 class ListRecords(Records):
     """Records held in memory: a ``.csv`` file's rows (with their line numbers) or an inline list."""
 
-    def __init__(self, items: Sequence[Any], where: str, lines: Optional[Sequence[int]] = None,
+    def __init__(self, items: Sequence[object], where: str, lines: Optional[Sequence[int]] = None,
                  base: Optional[Path] = None, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> None:
         super().__init__(max_chars, columns)
         self.where = where
@@ -396,7 +401,7 @@ class ListRecords(Records):
     def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
         return self[position], self.kept[position] if self.kept is not None else None
 
-    def __eq__(self, other: Any) -> bool:
+    def __eq__(self, other: object) -> bool:
         return list(self) == list(other) if isinstance(other, (list, Records)) else NotImplemented
 
 
@@ -418,7 +423,7 @@ class _Problem(Exception):
     """A record's problem, worded without its place (``check_record`` and ``Records`` add it)."""
 
 
-def check_record(item: Any, where: str, base: Optional[Path] = None, constants: bool = True,
+def check_record(item: object, where: str, base: Optional[Path] = None, constants: bool = True,
                  max_chars: int = MAX_PROMPT_CHARS) -> dict[str, Any]:
     """One record's fields, checked without the pipeline; returns it with its input paths resolved
     against ``base`` (the prompt file's folder). Raises ``PromptFileError`` naming ``where``.
@@ -429,7 +434,7 @@ def check_record(item: Any, where: str, base: Optional[Path] = None, constants: 
         raise PromptFileError(f"{where}: {problem}") from None
 
 
-def _checked(item: Any, base: Optional[Path], constants: bool, max_chars: int) -> dict[str, Any]:
+def _checked(item: object, base: Optional[Path], constants: bool, max_chars: int) -> dict[str, Any]:
     """``check_record``'s checks, once a record of the reading pass (kept lean: it runs for each of
     millions of records); raises ``_Problem``."""
     if isinstance(item, str):
@@ -484,12 +489,12 @@ def call_overrides(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in RECORD_FIELDS}
 
 
-def as_records(records: Sequence[Any]) -> Records:
+def as_records(records: Sequence[object]) -> Records:
     """``records`` as ``Records`` (a plain list of mappings is wrapped, as an inline list)."""
     return records if isinstance(records, Records) else ListRecords(list(records), "inline prompts")
 
 
-def summarize_records(records: Sequence[Any]) -> RecordSummary:
+def summarize_records(records: Sequence[object]) -> RecordSummary:
     return as_records(records).summary
 
 

@@ -23,7 +23,7 @@ from lightning_diffusion.input.records import (
     _shown,
     check_record,
 )
-from lightning_diffusion.run.validation import MAX_PROMPT_CHARS
+from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -80,15 +80,15 @@ class TableRecords(Records):
         self.chunk_start = array("q")  # chunk -> its first record
         self.chunk_file = array("I")   # chunk -> its file
         self.chunk_key = array("q")    # chunk -> its row group, or the byte offset (a stream) or number of its batch
-        self.schemas: list[Any] = []    # file -> its Arrow schema
+        self.schemas: list[pa.Schema] = []    # file -> its Arrow schema
         self.streams: list[bool] = []   # file -> an Arrow stream (not the random-access file format)
         self.projections: list[list[str]] = []  # file -> the columns read
         self.fields: list[list[tuple[str, str]]] = []  # file -> (record field, its column) of the fields it has
         self.floats: list[bool] = []  # file -> a field's column may hold a NaN or Infinity
         self._total = 0
-        self._handles: dict[int, Any] = {}
+        self._handles: dict[int, Union[pq.ParquetFile, pa.MemoryMappedFile, pa.ipc.RecordBatchFileReader]] = {}
         self._pid: Optional[int] = None
-        self._chunks: OrderedDict[int, Any] = OrderedDict()
+        self._chunks: OrderedDict[int, Union[pa.Table, pa.RecordBatch]] = OrderedDict()
         for number, path in enumerate(files):
             self.file_start.append(self._total)
             for key, batches in self._scan(number, path):
@@ -158,7 +158,7 @@ class TableRecords(Records):
                                for t in (schema.field(column).type for _, column in fields)))
         return shape.wanted(names)
 
-    def _scan(self, number: int, path: Path) -> Iterator[tuple[int, Iterator[Any]]]:
+    def _scan(self, number: int, path: Path) -> Iterator[tuple[int, Iterator[pa.RecordBatch]]]:
         """Open file ``number`` and check its schema; then each chunk's key and its record batches."""
         import pyarrow as pa
 

@@ -1,12 +1,14 @@
 """The records a pipeline cannot make, found once for the job: global rank 0 checks them (reading each
 input file once), every rank learns its verdicts and refuses or skips alike.
 
-``RecordChecks`` is the part of ``DiffusionModule`` that its ``setup`` runs before the batch plan.
+``RecordChecks`` holds what the checks read of the model; ``DiffusionModule`` holds one, and its
+``setup`` runs it before the batch plan.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar
 
 from lightning_diffusion.boundaries import run_strategy
 from lightning_diffusion.console import log
@@ -17,23 +19,42 @@ from lightning_diffusion.input.records import RecordVerdicts
 from lightning_diffusion.run.model_checks import model_cache_problems
 from lightning_diffusion.run.validation import pixel_problems
 
+if TYPE_CHECKING:
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
-class RecordChecks:
-    """Mixed into ``DiffusionModule``: ``record_verdicts`` and ``agreed_verdicts``."""
+T = TypeVar("T")
 
-    info: Any
-    cache: Optional[dict[str, Any]]
-    _trainer: Any
+
+class JobRanks(Protocol):
+    """What agreeing on the verdicts reads of the run's strategy (every Lightning strategy has these
+    once its processes have started, though its base class does not declare the ranks)."""
 
     @property
-    def call_args(self) -> dict[str, Any]:
-        raise NotImplementedError  # DiffusionModule's
+    def global_rank(self) -> int:
+        ...
+
+    @property
+    def world_size(self) -> int:
+        ...
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        ...
+
+
+class RecordChecks:
+    """The records the pipeline of ``info`` cannot make with the config's ``call_args`` (before
+    per-record overrides) and step ``cache`` (``None``: none), and the problems that refuse the run."""
+
+    def __init__(self, info: PipelineInfo, call_args: Mapping[str, Any], cache: Optional[Mapping[str, Any]]) -> None:
+        self.info = info
+        self.call_args = dict(call_args)
+        self.cache = cache
 
     def record_verdicts(self, data: PromptDataModule) -> tuple[RecordVerdicts, list[str]]:
         """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
         whatever ``on_bad_record`` says (a size over the budget in the config, a cache that does not
         suit the records' guidance passes, no record left)."""
-        verdicts = check_records(self.info, data.records, self.call_args, data.inputs_root, data.max_pixels,
+        verdicts = check_records(self.info, data.records, dict(self.call_args), data.inputs_root, data.max_pixels,
                                  data.num_images_per_prompt)
         problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.max_pixels)]
         if self.cache is not None:
@@ -41,12 +62,11 @@ class RecordChecks:
         problems += verdicts.refusal(len(data.records), data.on_bad_record)
         return verdicts, problems
 
-    def agreed_verdicts(self, data: PromptDataModule) -> RecordVerdicts:
+    def agreed_verdicts(self, data: PromptDataModule, strategy: Optional[JobRanks]) -> RecordVerdicts:
         """``record_verdicts`` as global rank 0 finds them (it reads each input file once for the
-        job), on every rank; raises its problems on every rank. Ranks started by the CLI, whose
-        launching process checked the same command line, skip it when bad records refuse the run."""
-        # Any: Lightning's Strategy does not declare the ranks its subclasses have
-        strategy: Any = self._trainer.strategy if self._trainer is not None else None
+        job), on every rank of ``strategy`` (``None``: no Trainer, one process); raises its problems
+        on every rank. Ranks started by the CLI, whose launching process checked the same command
+        line, skip it when bad records refuse the run."""
         ours = run_strategy(strategy)
         context = ours.run_context if ours is not None else None
         if context is not None and context.checked and data.on_bad_record == "fail":

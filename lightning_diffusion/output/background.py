@@ -40,7 +40,6 @@ from typing import IO, Any, Optional, cast
 from lightning_diffusion.console import log
 from lightning_diffusion.output.files import OutputFiles
 
-WRITE_IN = ("process", "thread")
 STALL_WARNING = 300.0  # seconds a put or a close waits for the writers before it says so
 
 
@@ -156,7 +155,7 @@ class WriterThreads(_Writers):
 # ----------------------------------------------------------------------------------- the pipe's frames
 # A frame: <Q pickle length><I buffer count>, <Q length> per buffer, the pickle, the buffers.
 
-def frame(value: Any) -> tuple[bytes, list[memoryview]]:
+def frame(value: object) -> tuple[bytes, list[memoryview]]:
     """``value`` as a frame's pickle and its out-of-band buffers (raises if it cannot be pickled)."""
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
@@ -171,7 +170,7 @@ def write_frame(stream: IO[bytes], data: bytes, views: list[memoryview]) -> None
     stream.flush()
 
 
-def send(stream: IO[bytes], value: Any) -> None:
+def send(stream: IO[bytes], value: object) -> None:
     write_frame(stream, *frame(value))
 
 
@@ -272,7 +271,7 @@ class WriterProcess(_Writers):
             except OSError:
                 pass
 
-    def _send(self, value: Any, batch: bool = True) -> None:
+    def _send(self, value: object, batch: bool = True) -> None:
         if self._ended.is_set():
             return  # the child is gone: the reader says why; what waits is dropped
         try:

@@ -16,9 +16,12 @@ import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning_diffusion.output.pool import pid_alive
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 UPLOAD_TRIES = 5  # an upload waits 1, 2, 4 and 8 s between tries, then the run stops
 
@@ -29,7 +32,7 @@ MANIFESTS = "manifest"
 FAILURES = "failed"
 
 
-def is_url(output_dir: Any) -> bool:
+def is_url(output_dir: object) -> bool:
     """Whether ``writer.output_dir`` names an object store (``scheme://...``) rather than a folder."""
     return isinstance(output_dir, str) and "://" in output_dir
 
@@ -47,7 +50,7 @@ def resolved_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     return resolved
 
 
-def open_url(url: str, options: Optional[Mapping[str, Any]] = None) -> tuple[Any, str]:
+def open_url(url: str, options: Optional[Mapping[str, Any]] = None) -> tuple[AbstractFileSystem, str]:
     """(fsspec file system, path inside it) of ``url``."""
     import fsspec
 
@@ -75,7 +78,7 @@ def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> li
     naming the URL and never a secret."""
     bucket = url.split("://", 1)[-1].split("/", 1)[0]
 
-    def probe(fs: Any, root: str) -> None:
+    def probe(fs: AbstractFileSystem, root: str) -> None:
         name = f"{root}/.write-check-{os.urandom(6).hex()}"
         fs.pipe_file(name, b"")
         fs.rm(name)
@@ -91,8 +94,8 @@ def read_problems(url: str, what: str, options: Optional[Mapping[str, Any]] = No
                      "nothing there (no bucket or prefix of that name).")
 
 
-def _problems(url: str, options: Optional[Mapping[str, Any]], what: str, verb: str, probe: Any,
-              missing: str) -> list[str]:
+def _problems(url: str, options: Optional[Mapping[str, Any]], what: str, verb: str,
+              probe: Callable[[AbstractFileSystem, str], object], missing: str) -> list[str]:
     try:
         fs, root = open_url(url, options)
         probe(fs, root)
@@ -111,7 +114,7 @@ def _problems(url: str, options: Optional[Mapping[str, Any]], what: str, verb: s
 ANSWERS = (FileNotFoundError, FileExistsError, ValueError)  # a missing or existing object, bad JSON
 
 
-def tried(what: str, url: str, call: Any, answers: tuple[type[BaseException], ...] = ANSWERS) -> Any:
+def tried(what: str, url: str, call: Callable[[], Any], answers: tuple[type[BaseException], ...] = ANSWERS) -> Any:
     """``call()``, tried ``UPLOAD_TRIES`` times, 1, 2, 4 and 8 s apart; then an OSError in one line
     naming ``what`` and the URL. ``answers`` are not failures: raised at once."""
     for attempt in range(UPLOAD_TRIES):
@@ -133,19 +136,19 @@ class Uploader:
     def __init__(self, url: str, options: Optional[Mapping[str, Any]], rank: int, run: str, tag: str = "") -> None:
         self.url, self.options, self.rank, self.run = url, dict(options or {}), rank, run
         self.tag = tag  # after the rank in its manifest objects' names: ``.pool-JOB`` for a job of a pool
-        self._fs: Optional[tuple[Any, str]] = None
+        self._fs: Optional[tuple[AbstractFileSystem, str]] = None
         self._failed: Optional[str] = None  # an upload that failed every try: the later ones are not tried
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fs": None}
 
     @property
-    def fs(self) -> tuple[Any, str]:
+    def fs(self) -> tuple[AbstractFileSystem, str]:
         if self._fs is None:
             self._fs = open_url(self.url, self.options)
         return self._fs
 
-    def _put(self, what: str, put: Any) -> None:
+    def _put(self, what: str, put: Callable[[], object]) -> None:
         if self._failed is not None:  # the run stops with that one; the queued shards wait for a resume
             raise OSError(self._failed)
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import numpy as np
 
@@ -21,7 +21,28 @@ from lightning_diffusion.output.manifest import RUN_FILE, recorded_conflict
 from lightning_diffusion.output.pool import Pool, live_jobs, log_joined, quit_join
 
 if TYPE_CHECKING:
-    from lightning_diffusion.output.object_store import ObjectStore
+    from fsspec import AbstractFileSystem
+
+
+class BucketStore(Protocol):
+    """What a pool asks of its bucket (``object_store.ObjectStore``)."""
+
+    url: str
+    pool: Optional[str]  # this job's name in the pool
+    lease_s: float
+    worker: Optional[Pool]  # the job's first worker, once registered
+    allow_config_change: bool
+
+    @property
+    def fs(self) -> tuple[AbstractFileSystem, str]: ...
+
+    def recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]: ...
+
+    def live_locks(self) -> dict[Optional[tuple[int, int]], str]: ...
+
+    def read_json(self, name: str) -> Optional[dict[str, Any]]: ...
+
+    def write_json(self, name: str, content: dict[str, Any], create: bool = False) -> None: ...
 
 
 class BucketPoolFiles:
@@ -29,7 +50,7 @@ class BucketPoolFiles:
     *``), renewals by writing the registration again; a registration's age is the time it holds
     (``beat``), so the workers' clocks must agree within the lease (NTP)."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: BucketStore) -> None:
         self.store = store
         self.where = store.url
 
@@ -77,7 +98,7 @@ class BucketPoolFiles:
         return self.store.recorded()[0]
 
 
-def join_pool(store: ObjectStore, settings: dict[str, Any],
+def join_pool(store: BucketStore, settings: dict[str, Any],
               total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
     """``ObjectStore.prepare`` for a job of a pool (``data.schedule: pull``): no lock (the jobs of a pool
     write beside each other); refused beside a run that deals its work; run.json made by the
@@ -112,7 +133,7 @@ def join_pool(store: ObjectStore, settings: dict[str, Any],
     return None, done
 
 
-def conditional_puts(store: ObjectStore) -> bool:
+def conditional_puts(store: BucketStore) -> bool:
     """Whether the store refuses a second create of one object (what a pool's claims need)."""
     files = BucketPoolFiles(store)
     name = f".conditional-check-{os.urandom(6).hex()}"

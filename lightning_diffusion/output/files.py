@@ -13,9 +13,9 @@ import re
 import tarfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from PIL import Image
@@ -23,7 +23,11 @@ from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.manifest import atomic_write, failures_part
+from lightning_diffusion.output.settings import FILES_PER_FOLDER, IMAGE_FORMATS, WriterSettings
 from lightning_diffusion.output.shard import in_shard
+
+if TYPE_CHECKING:
+    from lightning_diffusion.output.bucket import Uploader
 
 
 def slugify(prompt: str, max_length: int = 40) -> str:
@@ -35,19 +39,6 @@ def image_filename(index: int, prompt: str, suffix: str = ".png") -> str:
     return f"{index:06d}-{slugify(prompt)}{suffix}"
 
 
-LAYOUTS = ("auto", "flat", "sharded")
-FORMATS = ("files", "webdataset")
-FILES_PER_FOLDER = 10_000  # img2dataset's shard size; listing and backing up folders stays fast
-SAMPLES_PER_SHARD = 1_000  # a tar shard: about 1 GB of 1024x1024 PNGs; a kill loses at most the open one
-
-
-def resolve_layout(layout: str, expected: Optional[int], files_per_folder: int) -> str:
-    """``auto``: ``flat`` when the run's images fit in one folder of ``files_per_folder`` (or their
-    count is unknown: a data module other than ``PromptDataModule``), else ``sharded`` (no folder of
-    a million-image run holds more than ``files_per_folder`` files)."""
-    if layout != "auto":
-        return layout
-    return "flat" if expected is None or expected <= files_per_folder else "sharded"
 
 
 def output_name(index: int, prompt: str, suffix: str, layout: str = "flat",
@@ -89,12 +80,6 @@ def stale_temporaries(folder: Path, shard: Optional[tuple[int, int]], deep: bool
     return found
 
 
-VIDEO_FORMATS = ("mp4", "webp", "gif")
-IMAGE_FORMATS = {"png": ".png", "webp": ".webp", "jpeg": ".jpg"}
-FSYNC = ("file", "batch", "off")
-# PNG's zlib level: 1 encodes several times faster than Pillow's default 6, for slightly larger
-# files (measured in docs/writing.md).
-PNG_COMPRESS_LEVEL = 1
 EXIF_DESCRIPTION = 0x010E  # ImageDescription: where WebP and JPEG files carry the parameters (JSON)
 
 
@@ -147,25 +132,16 @@ class OutputFiles:
     """
 
     output_dir: Path
-    image_format: str = "png"
-    quality: int = 90
-    png_compress_level: int = PNG_COMPRESS_LEVEL
-    fsync: str = "batch"
-    save_arrays: bool = False
-    video_format: str = "mp4"
-    fps: int = 16
+    settings: WriterSettings = field(default_factory=WriterSettings)  # the writer group's values
     part: Optional[Path] = None
-    layout: str = "flat"  # resolved: flat or sharded
-    files_per_folder: int = FILES_PER_FOLDER
-    format: str = "files"
-    samples_per_shard: int = SAMPLES_PER_SHARD
+    layout: str = "flat"  # the writer's layout, resolved: flat or sharded
     # Where a closed tar shard goes from here (``bucket.Uploader``: a bucket), before its lines
     # are appended; None: it stays in ``output_dir``.
-    publish: Optional[Any] = None
+    publish: Optional[Uploader] = None
 
     def __post_init__(self) -> None:
         self._part_lock = threading.Lock()
-        self._shards = TarShards(self) if self.format == "webdataset" else None
+        self._shards = TarShards(self) if self.settings.format == "webdataset" else None
         self._folders: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -201,7 +177,7 @@ class OutputFiles:
                 if "error" in item:
                     continue
                 lines.append(self.write_output(item))
-                if self.fsync == "file":
+                if self.settings.fsync == "file":
                     done, lines = lines, []  # appended once, even if the append fails
                     self._append(done)
         finally:
@@ -214,7 +190,7 @@ class OutputFiles:
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
         with self._part_lock, part.open("a", encoding="utf-8") as f:
             f.write(text)
-            if self.fsync != "off":
+            if self.settings.fsync != "off":
                 f.flush()
                 os.fsync(f.fileno())
 
@@ -223,22 +199,22 @@ class OutputFiles:
         index, prompt = item["index"], item["prompt"]
         metadata = self.metadata(item)
         pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
-        sync = self.fsync != "off"
+        sync = self.settings.fsync != "off"
         if pixels.ndim == 4:  # a video: frames x height x width x 3
-            name = self._name(index, prompt, f".{self.video_format}")
+            name, fps = self._name(index, prompt, f".{self.settings.video_format}"), self.settings.fps
             text = json.dumps(metadata, ensure_ascii=False)
-            if self.video_format == "mp4":
+            if self.settings.video_format == "mp4":
                 tags = {"title": prompt, "comment": text}
-                size = atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, self.fps, tags), sync)
+                size = atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, fps, tags), sync)
             else:
                 size = atomic_write(self.output_dir / name,
-                                     lambda f: write_animation(f, pixels, self.fps, self.video_format, text), sync)
-            metadata["fps"] = self.fps
+                                    lambda f: write_animation(f, pixels, fps, self.settings.video_format, text), sync)
+            metadata["fps"] = self.settings.fps
         else:
-            name = self._name(index, prompt, IMAGE_FORMATS[self.image_format])
+            name = self._name(index, prompt, IMAGE_FORMATS[self.settings.image_format])
             picture = Image.fromarray(pixels)
             size = atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), sync)
-        if self.save_arrays:
+        if self.settings.save_arrays:
             atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]), sync)
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
@@ -246,7 +222,7 @@ class OutputFiles:
 
     def _name(self, index: int, prompt: str, suffix: str) -> str:
         """The output's path in the folder, its subfolder made once (``layout``)."""
-        name = output_name(index, prompt, suffix, self.layout, self.files_per_folder)
+        name = output_name(index, prompt, suffix, self.layout, self.settings.files_per_folder)
         folder = name.rpartition("/")[0]
         if folder and folder not in self._folders:
             (self.output_dir / folder).mkdir(exist_ok=True)
@@ -261,14 +237,14 @@ class OutputFiles:
         buffer = io.BytesIO()
         if pixels.ndim == 4:
             text = json.dumps(metadata, ensure_ascii=False)
-            if self.video_format == "mp4":
-                write_mp4(buffer, pixels, self.fps, {"title": item["prompt"], "comment": text})
+            if self.settings.video_format == "mp4":
+                write_mp4(buffer, pixels, self.settings.fps, {"title": item["prompt"], "comment": text})
             else:
-                write_animation(buffer, pixels, self.fps, self.video_format, text)
-            metadata["fps"] = self.fps
-            return f".{self.video_format}", buffer.getvalue(), metadata
+                write_animation(buffer, pixels, self.settings.fps, self.settings.video_format, text)
+            metadata["fps"] = self.settings.fps
+            return f".{self.settings.video_format}", buffer.getvalue(), metadata
         self.encode(Image.fromarray(pixels), metadata, buffer)
-        return IMAGE_FORMATS[self.image_format], buffer.getvalue(), metadata
+        return IMAGE_FORMATS[self.settings.image_format], buffer.getvalue(), metadata
 
     @staticmethod
     def metadata(item: dict[str, Any]) -> dict[str, Any]:
@@ -280,18 +256,19 @@ class OutputFiles:
             metadata["columns"] = item["columns"]
         return metadata
 
-    def encode(self, picture: Image.Image, metadata: dict[str, Any], file: Any) -> None:
+    def encode(self, picture: Image.Image, metadata: dict[str, Any], file: IO[bytes]) -> None:
         """One picture in ``image_format``, its parameters where that format keeps text."""
-        if self.image_format == "png":
+        if self.settings.image_format == "png":
             info = PngInfo()
             for key, value in metadata.items():
                 info.add_text(key, json.dumps(value, ensure_ascii=False) if key == "columns" else str(value))
             info.add_text("parameters", json.dumps(metadata, ensure_ascii=False))
-            picture.save(file, format="PNG", pnginfo=info, compress_level=self.png_compress_level)
+            picture.save(file, format="PNG", pnginfo=info, compress_level=self.settings.png_compress_level)
             return
         exif = Image.Exif()
         exif[EXIF_DESCRIPTION] = json.dumps(metadata)  # ASCII (escaped), as EXIF text must be
-        picture.save(file, format=self.image_format.upper(), quality=self.quality, exif=exif.tobytes())
+        picture.save(file, format=self.settings.image_format.upper(), quality=self.settings.quality,
+                     exif=exif.tobytes())
 
 
 class TarShards:
@@ -309,7 +286,7 @@ class TarShards:
         self.turn = threading.Condition(self.lock)
         self.next_batch = 0  # batches are appended in the rank's order (several threads encode them)
         self.tar: Optional[tarfile.TarFile] = None
-        self.handle: Optional[Any] = None
+        self.handle: Optional[IO[bytes]] = None
         self.tmp: Optional[Path] = None
         self.name = ""
         self.lines: list[dict[str, Any]] = []
@@ -352,7 +329,7 @@ class TarShards:
             self.lines.append({"index": item["index"], "prompt": item["prompt"], "seed": item["seed"],
                                "file": self.name, "member": f"{key}{suffix}", "bytes": len(data), **{
                                    k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")}})
-            if len(self.lines) >= self.files.samples_per_shard:
+            if len(self.lines) >= self.files.settings.samples_per_shard:
                 self._close()
 
     def close(self) -> None:
@@ -378,7 +355,7 @@ class TarShards:
         try:
             self.tar.close()
             self.handle.flush()
-            if self.files.fsync != "off":
+            if self.files.settings.fsync != "off":
                 os.fsync(self.handle.fileno())
             size = os.fstat(self.handle.fileno()).st_size
             self.handle.close()

@@ -18,11 +18,12 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 import numpy as np
 
 from lightning_diffusion.console import log
+from lightning_diffusion.input.settings import LEASE_S
 from lightning_diffusion.output.files import stale_temporaries
 from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
 from lightning_diffusion.output.manifest import (
@@ -40,8 +41,9 @@ from lightning_diffusion.output.manifest import (
     rejected_images,
     settings_conflict,
 )
-from lightning_diffusion.output.pool import LEASE_S, FolderPoolFiles, Pool, live_jobs, log_joined, quit_join
+from lightning_diffusion.output.pool import FolderPoolFiles, Pool, live_jobs, log_joined, quit_join
 from lightning_diffusion.output.recorded import finished, merge_manifest, repair_manifest
+from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,
@@ -54,6 +56,9 @@ from lightning_diffusion.output.shard import (
     shard_name,
 )
 from lightning_diffusion.output.status import JobArrays, folder_status
+
+if TYPE_CHECKING:
+    from lightning_diffusion.output.recorded import Finished
 
 # Kernel file systems that hold no files of ours (writes fail or vanish); from /proc/mounts.
 PSEUDO_FILE_SYSTEMS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
@@ -134,7 +139,7 @@ class FolderStore:
         self.adopted = False  # the shard deals as the folder's recorded plan, not as this run computed
 
     @classmethod
-    def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
+    def open(cls, location: Union[str, os.PathLike[str]], shard: Optional[Shard], *, allow_config_change: bool = False,
              options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
              pool: Optional[str] = None, lease_s: Optional[float] = None) -> "FolderStore":
         """``store.open_store``'s folder (``options`` and ``staging_dir`` are a bucket's)."""
@@ -147,8 +152,8 @@ class FolderStore:
         return str(self.folder / MANIFEST)
 
     @staticmethod
-    def settings_problems(settings: Mapping[str, Any]) -> list[str]:
-        return output_dir_problems(Path(str(settings["output_dir"])).expanduser())
+    def settings_problems(settings: WriterSettings) -> list[str]:
+        return output_dir_problems(Path(str(settings.output_dir)).expanduser())
 
     def write_problems(self) -> list[str]:
         return []  # the folder's checks are ``settings_problems`` and the lock's, when the run starts
@@ -293,7 +298,7 @@ class FolderStore:
             log.info("%s: removed %d half-written temporary file%s of an earlier run that was stopped.",
                      self.folder, len(stale), "" if len(stale) == 1 else "s")
 
-    def _repair(self, found: Any) -> None:
+    def _repair(self, found: Finished) -> None:
         """Drop the manifest's lines that do not count (their files are gone or cut)."""
         dropped = repair_manifest(self.folder, found)
         if dropped:
@@ -301,7 +306,7 @@ class FolderStore:
             log.info("%s: %d line%s that did not count left the manifest (%s); their images are made again.",
                      self.folder / MANIFEST, dropped, "" if dropped == 1 else "s", shown)
 
-    def _inputs_changed(self, found: Any) -> Optional[str]:
+    def _inputs_changed(self, found: Finished) -> Optional[str]:
         """Why the folder's pictures no longer match their input files (their records' images
         changed since), or None."""
         with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -77,7 +77,7 @@ PROMPTS_HASH = "data.prompts_sha256"
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def prompts_hash(prompts: Any, files: Sequence[str] = ()) -> str:
+def prompts_hash(prompts: Union[str, os.PathLike[str], Sequence[object]], files: Sequence[str] = ()) -> str:
     """SHA-256 of a prompt file's bytes, of the bytes of ``files`` in order (a set read from several:
     a folder or glob of Parquet files, a dataset), or of an inline list's JSON: a copy under another
     path is the same prompt set."""
@@ -178,7 +178,7 @@ def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = 
     return [p for p in parts if not ((m := siblings.fullmatch(p.name)) and int(m.group(1)) != shard[0])]
 
 
-def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]], done: Any,
+def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int]], done: np.ndarray,
                    live_jobs: Sequence[str] = ()) -> int:
     """Fold the failure parts into ``failed.jsonl``: the images that failed in this run, and those
     of earlier runs that are still not made (``done``: the indices in the manifest, an array) and

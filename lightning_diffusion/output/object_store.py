@@ -41,12 +41,13 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.input.settings import LEASE_S
 from lightning_diffusion.output.bucket import (
     FAILURES,
     MANIFESTS,
@@ -66,7 +67,8 @@ from lightning_diffusion.output.bucket_pool import BucketPoolFiles, join_pool
 from lightning_diffusion.output.folder_store import output_dir_problems
 from lightning_diffusion.output.lock import pid_alive, pool_beside_deal_message
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
-from lightning_diffusion.output.pool import LEASE_S, Pool, live_workers
+from lightning_diffusion.output.pool import Pool, live_workers
+from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import (
     Shard,
     adopt,
@@ -78,6 +80,9 @@ from lightning_diffusion.output.shard import (
     shard_name,
 )
 from lightning_diffusion.output.status import JobArrays, bucket_status
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0
@@ -100,7 +105,7 @@ class ObjectStore:
         self.staging_dir = staging_dir
         self._local_dir: Optional[Path] = None
         self.expected: Optional[int] = None
-        self._fs: Optional[tuple[Any, str]] = None
+        self._fs: Optional[tuple[AbstractFileSystem, str]] = None
         self._history: list = []
         self._locked = False
         self._beat: Optional[threading.Event] = None
@@ -111,7 +116,7 @@ class ObjectStore:
         self.worker: Optional[Pool] = None  # the job's first worker, registered by ``prepare`` (a pool's)
 
     @classmethod
-    def open(cls, location: Any, shard: Optional[Shard], *, allow_config_change: bool = False,
+    def open(cls, location: Union[str, os.PathLike[str]], shard: Optional[Shard], *, allow_config_change: bool = False,
              options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
              pool: Optional[str] = None, lease_s: Optional[float] = None) -> "ObjectStore":
         """``store.open_store``'s bucket prefix."""
@@ -136,20 +141,20 @@ class ObjectStore:
         return f"{self.url}/{MANIFESTS}/"
 
     @staticmethod
-    def settings_problems(settings: Mapping[str, Any]) -> list[str]:
+    def settings_problems(settings: WriterSettings) -> list[str]:
         """A ``writer.output_dir`` URL's settings (reaching the store is ``write_problems``)."""
-        url, problems = settings["output_dir"], []
-        if settings.get("format", "files") != "webdataset":
+        url, problems = settings.output_dir, []
+        if settings.format != "webdataset":
             problems.append(f"writer.output_dir {url} is an object store, which takes tar shards uploaded whole: set "
                             "writer.format: webdataset.")
-        if settings.get("save_arrays"):
+        if settings.save_arrays:
             problems.append(f"writer.save_arrays writes .npy files beside the images, which an object store "
                             f"({url}) does not take; leave it off.")
-        options = settings.get("storage_options")
+        options = settings.storage_options
         if options is not None and not (isinstance(options, Mapping) and all(isinstance(k, str) for k in options)):
             problems.append("writer.storage_options must be a mapping of fsspec options, got "
                             f"{type(options).__name__}.")
-        staging = settings.get("staging_dir")
+        staging = settings.staging_dir
         if staging is not None and (not isinstance(staging, (str, os.PathLike)) or not str(staging).strip()):
             problems.append(f"writer.staging_dir must name a local folder, got {staging!r}.")
         elif staging is not None:
@@ -184,7 +189,7 @@ class ObjectStore:
         return bucket_status(self)
 
     @property
-    def fs(self) -> tuple[Any, str]:
+    def fs(self) -> tuple[AbstractFileSystem, str]:
         if self._fs is None:
             self._fs = open_url(self.url, self.options)
         return self._fs

@@ -33,17 +33,18 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import numpy as np
 
 from lightning_diffusion.console import counted, log
+from lightning_diffusion.input.settings import LEASE_S
+
+if TYPE_CHECKING:
+    from lightning_diffusion.input.batching import BatchPlan
 
 POOL = "pool"
 WORKERS = f"{POOL}/workers"
-LEASE_S = 180.0  # data.lease_s's default: how long a silent worker's claims wait before a takeover
-MIN_LEASE_S = 2.0  # a renewal every lease/4: below this, renewals would cost more than they protect
-SCHEDULES = ("deal", "pull")
 
 
 
@@ -379,7 +380,7 @@ class Pool:
                 if name != self.worker and worker_live(self.files, f"{WORKERS}/{name}.json", worker, self.lease_s)}
 
 
-def plan_conflict(files: PoolFiles, digest: str, plan: Any) -> Optional[str]:
+def plan_conflict(files: PoolFiles, digest: str, plan: BatchPlan) -> Optional[str]:
     """Why a job whose batch plan has ``digest`` cannot join the pool in ``files``: its live workers
     pull the batches of another plan (another batch size or bucketing, another pipeline's buckets)."""
     theirs = sorted({str(worker["plan"]) for worker in live_workers(files).values() if worker.get("plan")} - {digest})
@@ -406,7 +407,7 @@ def quit_join(store: Any, refusal: str) -> str:
     return refusal
 
 
-def log_joined(where: Any, others: list[str], total: Optional[int], made: int) -> None:
+def log_joined(where: Union[str, Path], others: list[str], total: Optional[int], made: int) -> None:
     """Say that a job joined a pool that other jobs work, and what is left to make."""
     if others:
         left = max(0, (total or 0) - made)

@@ -14,12 +14,16 @@ import re
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, _parts_to_merge, atomic_write, merge_lock
 from lightning_diffusion.output.shard import select
+
+if TYPE_CHECKING:
+    # ``keep(index, (file, member or None), raw line, file name, line number)``: a line that counts.
+    _Keep = Callable[[int, tuple[str, Optional[str]], bytes, str, int], None]
 
 # The names the writer gives an output: ``000123-a-red-fox.png`` (in a numbered subfolder in the
 # sharded layout), or member ``000000123.png`` of tar shard ``shard-000000100.tar``: the output's
@@ -123,7 +127,8 @@ class _Looked:
         return verdict
 
 
-def _check_lines(looked: _Looked, where: str, lines: Any, trusted: bool, keep: Any, problems: list[str]) -> None:
+def _check_lines(looked: _Looked, where: str, lines: Iterable[tuple[int, bytes]], trusted: bool, keep: _Keep,
+                 problems: list[str]) -> None:
     """Each complete line of ``lines`` ((number, raw) pairs) checked: parsed, inside the folder, its
     file whole unless ``trusted``; ``keep(index, key, raw, where, number)`` for those that count."""
     for number, raw in lines:
@@ -148,7 +153,7 @@ def _check_lines(looked: _Looked, where: str, lines: Any, trusted: bool, keep: A
             problems.append(f"{where}:{number}: {name!r} is missing or not the size recorded")
 
 
-def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: Any) -> list[str]:
+def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: _Keep) -> list[str]:
     """The one reading of manifest files, line by line (``_check_lines``); returns what did not
     count, as ``file:line: why``."""
     problems: list[str] = []
@@ -161,7 +166,7 @@ def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: Any) -> l
     return problems
 
 
-def _read_blocks(looked: _Looked, file: Path, indices: array, keep: Any, problems: list[str]) -> None:
+def _read_blocks(looked: _Looked, file: Path, indices: array, keep: _Keep, problems: list[str]) -> None:
     """``file``'s lines block by block: a block whose lines all have the writer's shape
     (``_block_columns``) is read with a pattern and arrays (a million lines in about a second),
     any other line by line."""
@@ -298,7 +303,7 @@ def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) 
     indices = array("q")
     with_inputs: dict[int, dict[str, Any]] = {}
 
-    def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+    def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
         indices.append(index)
         if b'"inputs": {' in raw:
             with_inputs[index] = json.loads(raw)
@@ -321,9 +326,9 @@ def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) 
     repeated = set(unique[counts > 1].tolist())
     conflicted: set[int] = set()
     if repeated:  # the lines of those indices, with their files: a repeat counts, a conflict does not
-        seen: dict[int, tuple[Any, str]] = {}
+        seen: dict[int, tuple[tuple[str, Optional[str]], str]] = {}
 
-        def compare(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+        def compare(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
             if index not in repeated:
                 return
             where = f"{name}:{number}"
@@ -370,7 +375,7 @@ def repair_manifest(output_dir: str | os.PathLike, found: Finished) -> int:
             nonlocal written, dropped
             chunk: list[bytes] = []
 
-            def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+            def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
                 nonlocal written, dropped
                 if index >= len(written):  # appended by a sibling shard since ``found``
                     written = np.concatenate([written, np.zeros(index + 1 - len(written) + len(written) // 2, bool)])
@@ -412,7 +417,7 @@ def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
                     out.write(b"\n")
             chunk: list[bytes] = []
 
-            def keep(index: int, key: Any, raw: bytes, name: str, number: int) -> None:
+            def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
                 indices.append(index)
                 chunk.append(raw)
                 if len(chunk) >= 10_000:

@@ -1,6 +1,6 @@
-"""The settings of a run, each declared once: the writer group's options (default, choices,
-bounds), which ``ImageWriter``'s signature, ``validation.writer_problems``, ``preflight`` and
-run.json all read; and what run.json records of the model, the prompt set and the storage, which
+"""The settings of a run, each declared once: the writer group's options (``WriterSettings``:
+default, choices, bounds), which ``ImageWriter``'s signature, ``validation.writer_problems``,
+``preflight`` and run.json all read; and what run.json records of the model, the prompt set and the storage, which
 the writer and ``preflight`` both compute (so that a folder made with other settings is refused
 before anything starts, and again by the writer when the run starts).
 
@@ -10,37 +10,46 @@ Kept free of torch and Lightning: the CLI's checks and the writer process import
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.output.background import WRITE_IN
-from lightning_diffusion.output.files import (
-    FILES_PER_FOLDER,
-    FORMATS,
-    FSYNC,
-    IMAGE_FORMATS,
-    LAYOUTS,
-    PNG_COMPRESS_LEVEL,
-    SAMPLES_PER_SHARD,
-    VIDEO_FORMATS,
-    resolve_layout,
-)
 from lightning_diffusion.output.manifest import PROMPTS_HASH, prompts_hash
 
 if TYPE_CHECKING:
     from lightning_diffusion.boundaries import RunPlan
 
+# The choices of the writer's options.
+LAYOUTS = ("auto", "flat", "sharded")
+FORMATS = ("files", "webdataset")
+FILES_PER_FOLDER = 10_000  # img2dataset's shard size; listing and backing up folders stays fast
+SAMPLES_PER_SHARD = 1_000  # a tar shard: about 1 GB of 1024x1024 PNGs; a kill loses at most the open one
+VIDEO_FORMATS = ("mp4", "webp", "gif")
+IMAGE_FORMATS = {"png": ".png", "webp": ".webp", "jpeg": ".jpg"}
+FSYNC = ("file", "batch", "off")
+# PNG's zlib level: 1 encodes several times faster than Pillow's default 6, for slightly larger
+# files (measured in docs/writing.md).
+PNG_COMPRESS_LEVEL = 1
+WRITE_IN = ("process", "thread")  # the writer process (``background.WriterProcess``), or threads
+
+
+def resolve_layout(layout: str, expected: Optional[int], files_per_folder: int) -> str:
+    """``auto``: ``flat`` when the run's images fit in one folder of ``files_per_folder`` (or their
+    count is unknown: a data module other than ``PromptDataModule``), else ``sharded`` (no folder of
+    a million-image run holds more than ``files_per_folder`` files)."""
+    if layout != "auto":
+        return layout
+    return "flat" if expected is None or expected <= files_per_folder else "sharded"
+
 
 @dataclass(frozen=True)
-class Option:
-    """One option of a config group: its default, and the values it may take (``choices``, or an
-    integer from ``minimum`` to ``maximum``); ``label`` names it in messages where its config key
-    alone would not say enough, ``hint`` ends its message."""
+class Rule:
+    """The values one option of a config group may take (``choices``, or an integer from
+    ``minimum`` to ``maximum``); ``label`` names it in messages where its config key alone would not
+    say enough, ``hint`` ends its message."""
 
-    default: Any
     choices: tuple[Any, ...] = ()
     minimum: Optional[int] = None
     maximum: Optional[int] = None
@@ -49,44 +58,57 @@ class Option:
     hint: str = ""
 
 
-# ``ImageWriter``'s options (``output_dir`` is checked as a folder by ``validation``).
-WRITER: dict[str, Option] = {
-    "output_dir": Option("outputs"),
-    "save_arrays": Option(False),
-    "video_format": Option("mp4", VIDEO_FORMATS),
-    "fps": Option(16, minimum=1, integer=True),
-    "allow_config_change": Option(False),
-    "image_format": Option("png", tuple(IMAGE_FORMATS)),
-    "quality": Option(90, minimum=1, maximum=100, integer=True, label="writer.quality (WebP and JPEG)"),
-    "png_compress_level": Option(PNG_COMPRESS_LEVEL, minimum=0, maximum=9, integer=True),
-    "fsync": Option("batch", FSYNC),
-    "write_queue": Option(2, minimum=1, integer=True),
-    "write_workers": Option(2, minimum=0, integer=True, hint=" (0: write on the prediction thread)"),
-    "write_in": Option("process", WRITE_IN),
-    "layout": Option("auto", LAYOUTS),
-    "files_per_folder": Option(FILES_PER_FOLDER, minimum=1, integer=True),
-    "format": Option("files", FORMATS),
-    "samples_per_shard": Option(SAMPLES_PER_SHARD, minimum=1, integer=True),
+def ruled(default: Any, **rule: Any) -> Any:
+    """A settings field with its default and its ``Rule``."""
+    return field(default=default, metadata={"rule": Rule(**rule)})
+
+
+@dataclass(frozen=True)
+class WriterSettings:
+    """``ImageWriter``'s options (the ``writer`` group), each declared once: its default here is the
+    one ``ImageWriter``'s signature, ``validation.writer_problems``, ``preflight`` and run.json use.
+    Values are as given: ``validation.writer_problems`` says what is wrong with them."""
+
+    output_dir: str = "outputs"  # checked as a folder, or a bucket's URL, by its store
+    save_arrays: bool = False
+    video_format: str = ruled("mp4", choices=VIDEO_FORMATS)
+    fps: int = ruled(16, minimum=1, integer=True)
+    allow_config_change: bool = False
+    image_format: str = ruled("png", choices=tuple(IMAGE_FORMATS))
+    quality: int = ruled(90, minimum=1, maximum=100, integer=True, label="writer.quality (WebP and JPEG)")
+    png_compress_level: int = ruled(PNG_COMPRESS_LEVEL, minimum=0, maximum=9, integer=True)
+    fsync: str = ruled("batch", choices=FSYNC)
+    write_workers: int = ruled(2, minimum=0, integer=True, hint=" (0: write on the prediction thread)")
+    write_queue: int = ruled(2, minimum=1, integer=True)
+    write_in: str = ruled("process", choices=WRITE_IN)
+    layout: str = ruled("auto", choices=LAYOUTS)
+    files_per_folder: int = ruled(FILES_PER_FOLDER, minimum=1, integer=True)
+    format: str = ruled("files", choices=FORMATS)
+    samples_per_shard: int = ruled(SAMPLES_PER_SHARD, minimum=1, integer=True)
     # an object store (output_dir s3://...): where tar shards are built, and fsspec's options
-    "staging_dir": Option(None),
-    "storage_options": Option(None),
-}
+    staging_dir: Optional[str] = None
+    storage_options: Optional[dict[str, Any]] = None
 
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> WriterSettings:
+        """The group's values: ``given`` (a parsed config's ``writer`` section, or keyword
+        arguments), every absent option at its default."""
+        unknown = sorted(set(given) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"the writer has no option {', '.join(unknown)}; it has: "
+                              f"{', '.join(f.name for f in fields(cls))}.")
+        return cls(**given)
 
-def writer_settings(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The writer group's values: ``given`` (a parsed config's ``writer`` section, or keyword
-    arguments), every absent option at its default."""
-    unknown = sorted(set(given) - set(WRITER))
-    if unknown:
-        raise ConfigError(f"the writer has no option {', '.join(unknown)}; it has: {', '.join(WRITER)}.")
-    return {name: given.get(name, option.default) for name, option in WRITER.items()}
+    @classmethod
+    def rules(cls) -> Iterator[tuple[str, Rule]]:
+        """Each option that has a rule, with it."""
+        for option in fields(cls):
+            if "rule" in option.metadata:
+                yield option.name, option.metadata["rule"]
 
 
 # ----------------------------------------------------------------------------- what run.json records
 
-# The module's options that change pictures (float rounding, seams): recorded in run.json and in
-# each image's metadata, so that a folder is not resumed with other values.
-OPTIONS = ("pipeline_class", "lora", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
 
 
 def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -119,23 +141,23 @@ def image_settings(
     }
 
 
-def storage_settings(writer: Mapping[str, Any], expected: Optional[int]) -> dict[str, Any]:
+def storage_settings(writer: WriterSettings, expected: Optional[int]) -> dict[str, Any]:
     """Where outputs go, as run.json records it (the defaults, loose files in one folder, record
     nothing: a folder made before these keys resumes): a resume with another layout or format is
     refused like other settings. ``expected``: the prompt set's images (``auto`` decides by it)."""
     settings: dict[str, Any] = {}
-    if writer["format"] != "files":
-        settings["writer.format"] = writer["format"]
-    elif resolve_layout(writer["layout"], expected, writer["files_per_folder"]) == "sharded":
-        settings.update({"writer.layout": "sharded", "writer.files_per_folder": writer["files_per_folder"]})
+    if writer.format != "files":
+        settings["writer.format"] = writer.format
+    elif resolve_layout(writer.layout, expected, writer.files_per_folder) == "sharded":
+        settings.update({"writer.layout": "sharded", "writer.files_per_folder": writer.files_per_folder})
     return settings
 
 
-def run_settings(image: dict[str, Any], plan: Optional["RunPlan"], writer: Mapping[str, Any]) -> dict[str, Any]:
+def run_settings(image: dict[str, Any], plan: Optional[RunPlan], writer: WriterSettings) -> dict[str, Any]:
     """run.json's settings: the model's (``image_settings``), the seeds and the prompt set (its
     content hash compared, its path recorded) of ``plan`` (None: a data module that gives none),
     a non-default video or image encoding and the storage of the ``writer`` group's values
-    (``writer_settings``)."""
+    (``WriterSettings``)."""
     settings = {**image, **storage_settings(writer, plan.num_images if plan is not None else None)}
     if plan is not None:
         settings["data.seed"] = plan.seed
@@ -145,8 +167,8 @@ def run_settings(image: dict[str, Any], plan: Optional["RunPlan"], writer: Mappi
                                         else str(Path(plan.prompts).expanduser().resolve()))
         settings[PROMPTS_HASH] = prompts_hash(plan.prompts, plan.files)
         settings.update(plan.reading or {})
-    if writer["video_format"] != WRITER["video_format"].default or writer["fps"] != WRITER["fps"].default:
-        settings.update({"writer.video_format": writer["video_format"], "writer.fps": writer["fps"]})
-    if writer["image_format"] != "png":  # lossy files differ from the PNGs of the same pictures
-        settings.update({"writer.image_format": writer["image_format"], "writer.quality": writer["quality"]})
+    if writer.video_format != WriterSettings.video_format or writer.fps != WriterSettings.fps:
+        settings.update({"writer.video_format": writer.video_format, "writer.fps": writer.fps})
+    if writer.image_format != "png":  # lossy files differ from the PNGs of the same pictures
+        settings.update({"writer.image_format": writer.image_format, "writer.quality": writer.quality})
     return json.loads(json.dumps(settings, default=str))

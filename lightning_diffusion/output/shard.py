@@ -20,9 +20,14 @@ image. ``None`` stands for a run of the whole prompt set wherever a shard is opt
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    from lightning_diffusion.input.batching import BatchPlan
 
 MAX_SHARDS = 2**16 - 1  # a shard number is kept in 2 bytes an image
 
@@ -53,7 +58,7 @@ class Shard(_Pair):
             return 0 <= index < len(self.owners) and int(self.owners[index]) == self.shard_index
         return index % self.num_shards == self.shard_index
 
-    def select(self, indices: Any) -> np.ndarray:
+    def select(self, indices: ArrayLike) -> np.ndarray:
         """The ``indices`` (an integer array) that belong to this shard."""
         indices = np.asarray(indices, dtype=np.int64)
         if self.owners is None:
@@ -92,7 +97,7 @@ def in_shard(index: int, shard: Optional[tuple[int, int]]) -> bool:
     return shard is None or _as(shard).holds(index)
 
 
-def select(indices: Any, shard: Optional[tuple[int, int]]) -> np.ndarray:
+def select(indices: ArrayLike, shard: Optional[tuple[int, int]]) -> np.ndarray:
     """The ``indices`` that belong to ``shard`` (all of them for None)."""
     return np.asarray(indices, dtype=np.int64) if shard is None else _as(shard).select(indices)
 
@@ -110,7 +115,7 @@ def shard_members(total: int, shard: Optional[tuple[int, int]]) -> np.ndarray:
 # ----------------------------------------------------------------------------- the deal and its record
 
 
-def deal_shards(plan: Any, total: int, num_shards: int) -> np.ndarray:
+def deal_shards(plan: BatchPlan, total: int, num_shards: int) -> np.ndarray:
     """The shard of each of ``total`` images: ``plan``'s batches (a ``batching.BatchPlan`` of the
     whole set) dealt to ``num_shards`` by cost, the costliest first, each to the least loaded."""
     batch_owner = np.zeros(len(plan), dtype=np.uint16)

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ContextManager, Mapping, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, Protocol, Union
 
 import numpy as np
 
+from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import Shard
 from lightning_diffusion.output.status import JobArrays
+
+if TYPE_CHECKING:
+    from lightning_diffusion.output.bucket import Uploader
+    from lightning_diffusion.output.pool import Pool, PoolFiles
 
 Location = Union[str, "os.PathLike[str]"]
 
@@ -31,11 +36,13 @@ class OutputStore(Protocol):
     adopted: bool  # after ``prepare``: the shard deals as the recorded plan, not as this run computed it
     # After ``prepare`` of a job of a pool: its first worker's registration (``pool.Pool``), made
     # before anything loads so that a run that deals and starts meanwhile sees it; else None.
-    worker: Any
+    worker: Optional[Pool]
     # The storage as messages name it (a folder, a URL), and the local folder this process's
     # files are written into (the folder itself, or where tar shards wait for their upload).
     where: str
-    local_dir: Path
+
+    @property
+    def local_dir(self) -> Path: ...  # read only: ``ObjectStore``'s is a property
 
     def prepare(self, settings: dict[str, Any], expected: Optional[int],
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
@@ -48,7 +55,7 @@ class OutputStore(Protocol):
         """Where ``rank`` appends the manifest lines of what it writes."""
         ...
 
-    def publisher(self, rank: int) -> Any:
+    def publisher(self, rank: int) -> Optional[Uploader]:
         """What takes ``rank``'s closed tar shards on from ``local_dir`` (``files.OutputFiles.publish``)."""
         ...
 
@@ -82,7 +89,7 @@ class OutputStore(Protocol):
         """Give back what the store holds: the lock, a staging folder."""
         ...
 
-    def pool_files(self) -> Any:
+    def pool_files(self) -> PoolFiles:
         """Where a pool's workers register and claim batches (``pool.PoolFiles``), for a store
         opened with ``pool`` (``data.schedule: pull``)."""
         ...
@@ -95,7 +102,7 @@ class OutputStore(Protocol):
         ...
 
     @staticmethod
-    def settings_problems(settings: Mapping[str, Any]) -> list[str]:
+    def settings_problems(settings: WriterSettings) -> list[str]:
         """What this kind of store refuses among the writer's settings (``writer.output_dir`` and
         the keys that go with it), before anything runs."""
         ...
@@ -134,7 +141,7 @@ class OutputStore(Protocol):
 
 
 
-def _kinds() -> list[tuple[Any, type[OutputStore]]]:
+def _kinds() -> list[tuple[Callable[[Location], bool], type[OutputStore]]]:
     """(does this location belong to the store, the store) in the order they are asked."""
     from lightning_diffusion.output.bucket import is_url
     from lightning_diffusion.output.folder_store import FolderStore

@@ -43,9 +43,9 @@ from lightning_diffusion.boundaries import ImageSource, PoolSource, PromptSource
 from lightning_diffusion.console import counted, log
 from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
-from lightning_diffusion.output.files import OutputFiles, resolve_layout, size_text, to_uint8
+from lightning_diffusion.output.files import OutputFiles, size_text, to_uint8
 from lightning_diffusion.output.manifest import FAILED, REJECTED
-from lightning_diffusion.output.settings import WRITER, run_settings, writer_settings
+from lightning_diffusion.output.settings import WriterSettings, resolve_layout, run_settings
 from lightning_diffusion.output.shard import adopt, plan_file
 from lightning_diffusion.output.store import OutputStore, open_store, store_class
 from lightning_diffusion.run.validation import writer_problems
@@ -180,7 +180,7 @@ class ImageWriter(BasePredictionWriter):
         storage_options: the object store's fsspec options (endpoint, credentials...); a value
             ``env:NAME`` is read from the environment variable ``NAME``. Never recorded.
 
-    The defaults are the writer group's declaration (``settings.WRITER``). Only one run may write
+    The defaults are the writer group's declaration (``settings.WriterSettings``). Only one run may write
     into a folder at a time (``.lock``, taken over when its run is dead), or one run a shard for the
     shards of one count (``PromptDataModule(num_shards=...)``).
     """
@@ -189,27 +189,27 @@ class ImageWriter(BasePredictionWriter):
 
     def __init__(
         self,
-        output_dir: str = WRITER["output_dir"].default,
-        save_arrays: bool = WRITER["save_arrays"].default,
-        video_format: str = WRITER["video_format"].default,
-        fps: int = WRITER["fps"].default,
-        allow_config_change: bool = WRITER["allow_config_change"].default,
-        image_format: str = WRITER["image_format"].default,
-        quality: int = WRITER["quality"].default,
-        png_compress_level: int = WRITER["png_compress_level"].default,
-        fsync: str = WRITER["fsync"].default,
-        write_workers: int = WRITER["write_workers"].default,
-        write_queue: int = WRITER["write_queue"].default,
-        write_in: str = WRITER["write_in"].default,
-        layout: str = WRITER["layout"].default,
-        files_per_folder: int = WRITER["files_per_folder"].default,
-        format: str = WRITER["format"].default,
-        samples_per_shard: int = WRITER["samples_per_shard"].default,
-        staging_dir: Optional[str] = WRITER["staging_dir"].default,
-        storage_options: Optional[dict[str, Any]] = WRITER["storage_options"].default,
+        output_dir: str = WriterSettings.output_dir,
+        save_arrays: bool = WriterSettings.save_arrays,
+        video_format: str = WriterSettings.video_format,
+        fps: int = WriterSettings.fps,
+        allow_config_change: bool = WriterSettings.allow_config_change,
+        image_format: str = WriterSettings.image_format,
+        quality: int = WriterSettings.quality,
+        png_compress_level: int = WriterSettings.png_compress_level,
+        fsync: str = WriterSettings.fsync,
+        write_workers: int = WriterSettings.write_workers,
+        write_queue: int = WriterSettings.write_queue,
+        write_in: str = WriterSettings.write_in,
+        layout: str = WriterSettings.layout,
+        files_per_folder: int = WriterSettings.files_per_folder,
+        format: str = WriterSettings.format,
+        samples_per_shard: int = WriterSettings.samples_per_shard,
+        staging_dir: Optional[str] = WriterSettings.staging_dir,
+        storage_options: Optional[dict[str, Any]] = WriterSettings.storage_options,
     ) -> None:
         super().__init__(write_interval="batch")
-        self.settings = writer_settings(dict(
+        self.settings = WriterSettings.of(dict(
             output_dir=output_dir, save_arrays=save_arrays, video_format=video_format, fps=fps,
             allow_config_change=allow_config_change, image_format=image_format, quality=quality,
             png_compress_level=png_compress_level, fsync=fsync, write_workers=write_workers, write_queue=write_queue,
@@ -222,24 +222,7 @@ class ImageWriter(BasePredictionWriter):
                               "or set writer.write_in: thread.")
         # A folder; for a store the nodes reach on their own (a bucket), where its files are built.
         shared = store_class(output_dir).needs_shared_folder
-        self.output_dir = Path(output_dir).expanduser() if shared else Path(staging_dir or ".")
-        self.save_arrays = save_arrays
-        self.video_format = video_format
-        self.fps = fps
-        self.allow_config_change = allow_config_change
-        self.image_format = image_format
-        self.quality = quality
-        self.png_compress_level = png_compress_level
-        self.fsync = fsync
-        self.write_workers = write_workers
-        self.write_queue = write_queue
-        self.write_in = write_in
-        self.layout = layout
-        self.files_per_folder = files_per_folder
-        self.format = format
-        self.samples_per_shard = samples_per_shard
-        self.staging_dir = staging_dir
-        self.storage_options = storage_options
+        self.local_folder = Path(output_dir).expanduser() if shared else Path(staging_dir or ".")
         # Set by setup, for one run:
         self.plan: Optional[RunPlan] = None  # the data module's, handed over at setup
         self.store: Optional[OutputStore] = None
@@ -274,7 +257,7 @@ class ImageWriter(BasePredictionWriter):
     def parts_folder(self) -> Path:
         """The folder this process writes its files and manifest part into (the output folder, or
         its staging folder for a bucket; a full disk is said with its free space)."""
-        return self.store.local_dir if self.store is not None else self.output_dir
+        return self.store.local_dir if self.store is not None else self.local_folder
 
     @staticmethod
     def writes_outputs(trainer: pl.Trainer) -> bool:
@@ -295,19 +278,19 @@ class ImageWriter(BasePredictionWriter):
 
         token = f".nodes-check-{os.urandom(6).hex()}" if trainer.is_global_zero else None
         if token is not None:
-            (self.output_dir / token).write_bytes(b"")
+            (self.local_folder / token).write_bytes(b"")
         token = trainer.strategy.broadcast(token)
         assert token is not None  # rank 0's, on every rank
-        sees = (self.output_dir / token).exists() if trainer.local_rank == 0 else None
+        sees = (self.local_folder / token).exists() if trainer.local_rank == 0 else None
         node = f"node {trainer.node_rank} ({socket.gethostname()})"
         seen = [entry for entry in gather_idle(trainer.strategy, (node, sees)) if entry[1] is not None]
         if trainer.is_global_zero:
-            (self.output_dir / token).unlink(missing_ok=True)
+            (self.local_folder / token).unlink(missing_ok=True)
         blind = sorted({name for name, saw in seen if not saw})
         if blind:
             if trainer.is_global_zero:
                 self._release()
-            raise ConfigError(f"writer.output_dir {self.output_dir} is not one folder shared by the nodes: "
+            raise ConfigError(f"writer.output_dir {self.local_folder} is not one folder shared by the nodes: "
                               f"{', '.join(blind)} {'does' if len(blind) == 1 else 'do'} not see what {seen[0][0]} "
                               "writes there (node-local storage?). Put it on a file system every node mounts.")
 
@@ -324,9 +307,10 @@ class ImageWriter(BasePredictionWriter):
         self.total, self.shard, self.expected = self.plan.num_images, self.plan.shard, self.plan.expected
         # a job of a pool (data.schedule: pull) has a name of its own, the same on its ranks
         job = trainer.strategy.broadcast(os.urandom(4).hex()) if self.plan.pull else None
-        self.store = open_store(self.settings["output_dir"], self.plan.shard,
-                                allow_config_change=self.allow_config_change, options=self.storage_options,
-                                staging_dir=self.staging_dir, pool=job, lease_s=self.plan.lease_s)
+        given = self.settings
+        self.store = open_store(given.output_dir, self.plan.shard, allow_config_change=given.allow_config_change,
+                                options=given.storage_options, staging_dir=given.staging_dir, pool=job,
+                                lease_s=self.plan.lease_s)
         result: tuple[Optional[str], Any, bool] = (None, [], False)
         if trainer.is_global_zero:
             result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted)
@@ -356,9 +340,9 @@ class ImageWriter(BasePredictionWriter):
         data.skip_indices(self.done)
         self._rank = trainer.global_rank
         self._part = self.store.part(trainer.global_rank)
-        if self.write_workers and self.writes_outputs(trainer):
-            kind = WriterProcess if self.write_in == "process" else WriterThreads
-            self._writers = kind(self.files, self.write_workers, self.write_queue,
+        if self.settings.write_workers and self.writes_outputs(trainer):
+            kind = WriterProcess if self.settings.write_in == "process" else WriterThreads
+            self._writers = kind(self.files, self.settings.write_workers, self.settings.write_queue,
                                  f"rank {trainer.global_rank}'s image writers")
 
     @property
@@ -368,10 +352,9 @@ class ImageWriter(BasePredictionWriter):
         if self._files is None or self._files.part != self._part:
             store, rank = self.store, self._rank
             self._files = self.files_class(
-                store.local_dir if store is not None else self.output_dir, self.image_format, self.quality,
-                self.png_compress_level, self.fsync, self.save_arrays, self.video_format, self.fps, self._part,
-                resolve_layout(self.layout, self.total, self.files_per_folder), self.files_per_folder, self.format,
-                self.samples_per_shard, store.publisher(rank) if store is not None else None)
+                store.local_dir if store is not None else self.local_folder, self.settings, self._part,
+                resolve_layout(self.settings.layout, self.total, self.settings.files_per_folder),
+                store.publisher(rank) if store is not None else None)
         return self._files
 
     # ----------------------------------------------------------------- writing off the prediction thread
@@ -414,14 +397,14 @@ class ImageWriter(BasePredictionWriter):
             return
         if self._pool is not None and not self._pool.holds(batch_indices):  # taken over by another worker meanwhile
             return
-        if self.format == "webdataset":  # a shard's members in the order of the batches, whatever writes them
+        if self.settings.format == "webdataset":  # a shard's members in the order of the batches, whatever writes them
             prediction = [{**item, "batch": self._batches} for item in prediction]
             self._batches += 1
         if self._writers is None:
             self.files.write_batch(prediction)
             return
         self._raise_error(self._writers)
-        if not self.save_arrays:  # videos are queued as 8-bit frames, a quarter of their float memory; images
+        if not self.settings.save_arrays:  # videos are queued as 8-bit frames, a quarter of their float memory; images
             # as the pipeline's floats (converted by the writer: no time of the prediction thread)
             prediction = [{**item, "image": to_uint8(item["image"])} if "image" in item and item["image"].ndim == 4
                           else item for item in prediction]

@@ -99,7 +99,7 @@ def _is_number_list(value: object) -> bool:
 
 # One rule an option's value: (the test, the message; {name}, {value!r}, {kind} and {what} filled).
 # Each applies wherever the option is set (a name the cache type does not take is reported apart).
-_VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+_VALUE_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     **{name: (_is_positive_int, "model.cache.{name} must be an integer >= 1, got {value!r}.")
        for name in _POSITIVE_INTS},
     **{name: (_is_timestep_range, "model.cache.{name} must be two timesteps [low, high], got {value!r}.")

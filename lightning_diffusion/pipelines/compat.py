@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _APPLIED: set[str] = set()
 
@@ -109,7 +112,7 @@ def _patch_all_gather_anything_for_gloo() -> None:
 
     original = context_parallel._all_gather_anything
 
-    def _all_gather_anything(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def _all_gather_anything(tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
         if "nccl" in str(dist.get_backend(group=group)) and tensor.device.type != "cpu":
             return original(tensor, dim, group)
         tensor = tensor.contiguous()
@@ -232,7 +235,7 @@ def apply_pipeline_patches() -> None:
     _patch_wan_i2v_prompt_clean_without_ftfy()
 
 
-def set_collective_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:
+def set_collective_timeout(timeout: timedelta, group: Optional[ProcessGroup] = None) -> None:
     """torch 2.13 gives ``init_process_group`` one timeout for the rendezvous (connecting to the
     store) and the collectives, and ``init_device_mesh`` none for the groups it makes; the
     strategies set the collectives' own here (the default group's when ``group`` is None), through
@@ -243,7 +246,7 @@ def set_collective_timeout(timeout: timedelta, group: Optional[Any] = None) -> N
         setter(timeout, group)
 
 
-def collective_timeout(group: Any) -> Optional[timedelta]:
+def collective_timeout(group: ProcessGroup) -> Optional[timedelta]:
     """The timeout a group's collectives wait, read back from its backend's options (gloo, NCCL)."""
     for device in group._device_types:
         options = getattr(group._get_backend(device), "options", None)

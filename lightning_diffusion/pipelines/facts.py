@@ -17,6 +17,7 @@ import logging
 import math
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -231,7 +232,7 @@ def models_with_plan(attribute: str) -> list[str]:
     return sorted(found)
 
 
-def _call_default(parameters: Any, name: str) -> Any:
+def _call_default(parameters: Mapping[str, inspect.Parameter], name: str) -> Any:
     parameter = parameters.get(name)
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 

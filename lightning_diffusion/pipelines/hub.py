@@ -18,9 +18,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Optional
 
 from lightning_diffusion.errors import ConfigError
+
+if TYPE_CHECKING:
+    from huggingface_hub import DryRunFileInfo
 
 # from_pretrained options that choose which files of a repository are read; the first three are
 # also those of a single file's download (hf_hub_download has no variant).
@@ -32,7 +35,7 @@ def file_options(options: Optional[dict[str, Any]]) -> dict[str, Any]:
     return {k: v for k, v in (options or {}).items() if k in FILE_OPTIONS and v is not None}
 
 
-def is_hub_id(path: Any) -> bool:
+def is_hub_id(path: object) -> bool:
     """``owner/name`` that is not a local folder (nor a ``tiny:`` pipeline)."""
     return (isinstance(path, str) and not path.startswith(("tiny:", ".", "/", "~")) and path.count("/") == 1
             and not Path(path).expanduser().exists())
@@ -194,7 +197,7 @@ class Plan:
 
 
 class _Planned(Exception):
-    def __init__(self, result: Any, patterns: dict[str, Any]) -> None:
+    def __init__(self, result: Optional[list[DryRunFileInfo]], patterns: dict[str, Any]) -> None:
         super().__init__("planned")
         self.result, self.patterns = result, patterns
 
@@ -207,7 +210,7 @@ def _snapshot_dry_run() -> Iterator[None]:
 
     original = pipeline_utils.snapshot_download
 
-    def planned(repo_id: str, **kwargs: Any) -> Any:
+    def planned(repo_id: str, **kwargs: Any) -> NoReturn:
         patterns = {k: kwargs.get(k) for k in ("allow_patterns", "ignore_patterns", "revision")}
         result = None if kwargs.get("local_files_only") else original(repo_id, dry_run=True, **kwargs)
         raise _Planned(result, patterns)

@@ -2,12 +2,15 @@
 with the strategy's ``LoadPlan``, then the options that change the loaded pipeline (quantization,
 LoRA adapters fused, VAE tiling and slicing, the attention backend, the step cache, compilation).
 
-``PipelineLoading`` is the part of ``DiffusionModule`` that Lightning's ``configure_model`` runs.
+``PipelineLoader`` holds the model's loading settings; ``DiffusionModule`` holds one, and its
+``configure_model`` (Lightning's hook) loads with it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol, Union
 
 import torch
 from torch import nn
@@ -18,41 +21,77 @@ from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines import compat, quantization
 from lightning_diffusion.pipelines.cache import StepCache, install
 
+if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
-class PipelineLoading:
-    """Mixed into ``DiffusionModule``: ``configure_model`` and what it calls."""
+    from lightning_diffusion.pipelines.lora import Adapter
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
+    from lightning_diffusion.pipelines.quantization import BackendConfig
 
-    info: Any
-    dtype_: torch.dtype
-    from_pretrained_kwargs: dict[str, Any]
-    options: dict[str, Any]
-    adapters: list[Any]
-    cache: Optional[dict[str, Any]]
-    show_inner_progress: bool
-    load_plan: LoadPlan
-    pipeline: Any
-    components: nn.ModuleDict
-    step_cache: Optional[StepCache]
-    compiled: bool
-    _trainer: Any
-    global_rank: int
+
+class NodeRanks(Protocol):
+    """What fetching the weights reads of the run's strategy (every Lightning strategy has these
+    once its processes have started, though its base class does not declare the ranks)."""
 
     @property
-    def call_args(self) -> dict[str, Any]:
-        raise NotImplementedError  # DiffusionModule's
+    def local_rank(self) -> int:
+        ...
 
-    def configure_model(self) -> None:
-        if self.pipeline is not None:
-            return
-        self.fetch_weights()
+    @property
+    def world_size(self) -> int:
+        ...
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        ...
+
+
+class LoadedPipeline(NamedTuple):
+    """What ``PipelineLoader.load_pipeline`` made: the pipeline with its options applied, and the
+    step cache installed on it (``None`` without ``model.cache``)."""
+
+    pipeline: DiffusionPipeline
+    step_cache: Optional[StepCache]
+
+
+@dataclass(frozen=True)
+class PipelineLoader:
+    """How the pipeline of ``info`` loads, from the model's settings: ``dtype``, the user's
+    ``from_pretrained_kwargs``, ``quantization``, the LoRA ``adapters``, ``vae_tiling``,
+    ``vae_slicing``, ``attention_backend``, ``compile``, the step ``cache`` (with the config's
+    ``num_inference_steps``; ``None``: the pipeline's default) and ``show_inner_progress``.
+
+    It keeps no pipeline: the one it loads is returned (``LoadedPipeline``) and owned by the module
+    (``DiffusionModule.pipeline``, which a strategy may then replace with its parallelised one)."""
+
+    info: PipelineInfo
+    dtype: torch.dtype
+    from_pretrained_kwargs: dict[str, Any] = field(default_factory=dict)
+    quantization: Optional[Mapping[str, Any]] = None
+    adapters: Sequence[Adapter] = ()
+    vae_tiling: Union[bool, Mapping[str, int], None] = None
+    vae_slicing: bool = False
+    attention_backend: Optional[str] = None
+    compile: Optional[str] = None
+    cache: Optional[Mapping[str, Any]] = None
+    num_inference_steps: Optional[int] = None
+    show_inner_progress: bool = False
+
+    def load(self, plan: LoadPlan, strategy: Optional[NodeRanks], global_rank: int) -> LoadedPipeline:
+        """The weights fetched (``fetch_weights``), the components ``plan`` builds built, then the
+        pipeline loaded with them (``load_pipeline``). ``strategy``: the run's (``None``: no
+        Trainer); ``global_rank``: this process's, whose rank 0 logs."""
+        self.fetch_weights(strategy, global_rank)
+        return self.load_pipeline(plan, self.build_components(plan), global_rank)
+
+    def build_components(self, plan: LoadPlan) -> dict[str, nn.Module]:
+        """The components ``plan`` builds itself (a transformer sharded while it loads, one placed
+        by a device map), each quantized as ``model.quantization`` says."""
         quantized = self.quantization_configs()
-        self.load_pipeline(**{
-            name: load(self.info, self.dtype_,
-                       **({"quantization_config": quantized[name]} if name in quantized else {}))
-            for name, load in self.load_plan.components.items()
-        })
+        return {name: load(self.info, self.dtype,
+                           **({"quantization_config": quantized[name]} if name in quantized else {}))
+                for name, load in plan.components.items()}
 
-    def fetch_weights(self) -> None:
+    def fetch_weights(self, strategy: Optional[NodeRanks], global_rank: int) -> None:
         """A hub id with network: the first process of each node fetches what ``from_pretrained``
         reads while the node's other processes wait, instead of every rank downloading (and
         locking) the same tens of gigabytes at once; offline, the cache was checked before loading."""
@@ -60,28 +99,28 @@ class PipelineLoading:
 
         if not hub.is_hub_id(self.info.path) or hub.offline() or self.from_pretrained_kwargs.get("local_files_only"):
             return
-        strategy: Any = self._trainer.strategy if self._trainer is not None else None  # (Any: as above)
         if strategy is None or strategy.local_rank == 0:
             try:
-                folder = hub.fetch(self.info.path, self.from_pretrained_kwargs, progress=self.global_rank == 0)
+                folder = hub.fetch(self.info.path, self.from_pretrained_kwargs, progress=global_rank == 0)
             except Exception as err:
                 known = hub.message(err, self.info.path, self.from_pretrained_kwargs)
                 if known is None:
                     raise
                 raise ConfigError(known) from err
-            if self.global_rank == 0:
+            if global_rank == 0:
                 log.info(f"{self.info.path}: weights in the cache at {folder}")
         if strategy is not None and strategy.world_size > 1:
             strategy.barrier("weights_fetched")
 
-    def quantization_configs(self) -> dict[str, Any]:
+    def quantization_configs(self) -> dict[str, BackendConfig]:
         """``model.quantization`` as each quantized component's backend config (none without it)."""
-        spec = self.options["quantization"]
+        spec = self.quantization
         return quantization.component_configs(spec, self.info.model_index, tuple(self.info.denoisers())) if spec else {}
 
-    def load_pipeline(self, **components: Any) -> None:
+    def load_pipeline(self, plan: LoadPlan, components: Mapping[str, nn.Module], global_rank: int) -> LoadedPipeline:
         """Load the pipeline on the CPU; ``components`` are pre-built components (a strategy may
-        build the transformer itself, sharded) passed through to ``from_pretrained``."""
+        build the transformer itself, sharded) passed through to ``from_pretrained``, with the
+        ``plan``'s extra arguments."""
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 
@@ -94,13 +133,14 @@ class PipelineLoading:
         if quantized:  # a component the strategy built was quantized by its loader
             options["quantization_config"] = quantization.pipeline_config(quantized)
         compat.apply_pipeline_patches()
-        pipeline = self.info.pipeline_class.from_pretrained(  # model.pipeline_class, else the folder's
-            self.info.path, dtype=self.dtype_, **options, **self.load_plan.pipeline_kwargs, **components
+        # model.pipeline_class, else the folder's
+        pipeline: DiffusionPipeline = self.info.pipeline_class.from_pretrained(
+            self.info.path, dtype=self.dtype, **options, **plan.pipeline_kwargs, **components
         )
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)
-        if self.options["quantization"] is not None and self.global_rank == 0:
-            spec = self.options["quantization"]
+        if self.quantization is not None and global_rank == 0:
+            spec = self.quantization
             for name, (left, total) in quantization.left_unquantized(
                     pipeline, spec, quantization.quantized(spec, tuple(self.info.denoisers()))).items():
                 log.warning(f"model.quantization: {left} of {name}'s {total} linear layers loaded in full precision "
@@ -108,43 +148,42 @@ class PipelineLoading:
         if self.adapters:  # fused before any strategy hook, cache or compile sees the weights
             from lightning_diffusion.pipelines import lora
 
-            (self.load_plan.fuse_adapters or lora.fuse)(pipeline, self.adapters)
-            if self.global_rank == 0:
+            (plan.fuse_adapters or lora.fuse)(pipeline, self.adapters)
+            if global_rank == 0:
                 log.info(f"model.lora: {', '.join(f'{a.name} x {a.scale:g}' for a in self.adapters)} fused")
-        tiling = self.options["vae_tiling"]
+        tiling = self.vae_tiling
         if tiling:
             pipeline.vae.enable_tiling(**(tiling if isinstance(tiling, dict) else {}))
-        if self.options["vae_slicing"]:
+        if self.vae_slicing:
             pipeline.vae.enable_slicing()
-        self.pipeline = pipeline
-        if self.options["attention_backend"] is not None:
-            for component in self.denoiser_modules().values():
-                component.set_attention_backend(self.options["attention_backend"])
-        for name, component in pipeline.components.items():
-            if isinstance(component, nn.Module):
-                self.components[name] = component
+        if self.attention_backend is not None:
+            for component in self.denoiser_modules(pipeline).values():
+                component.set_attention_backend(self.attention_backend)
+        step_cache = None
         if self.cache is not None:
-            steps = self.call_args.get("num_inference_steps") or self.info.call_default("num_inference_steps")
-            self.step_cache = install(self.cache, pipeline, steps, separate_passes=self.info.spec.cfg is not None)
+            steps = self.num_inference_steps or self.info.call_default("num_inference_steps")
+            step_cache = install(self.cache, pipeline, steps, separate_passes=self.info.spec.cfg is not None)
+        return LoadedPipeline(pipeline, step_cache)
 
-    def compile_denoisers(self) -> None:
-        """``model.compile`` on each denoiser of the pipeline the strategy set up (after its
-        context-parallel hooks, sharding and caches), once."""
-        mode = self.options["compile"]
-        if mode is None or self.compiled or self.pipeline is None:
-            return
-        modules = self.denoiser_modules()
+    def compile_denoisers(self, pipeline: object, global_rank: int) -> bool:
+        """``model.compile`` on each denoiser of ``pipeline`` (the one the strategy set up: after
+        its context-parallel hooks, sharding and caches); whether it compiled (not without
+        ``model.compile``). The module calls it once."""
+        mode = self.compile
+        if mode is None:
+            return False
+        modules = self.denoiser_modules(pipeline)
         for component in modules.values():
             if mode == "regional":
                 component.compile_repeated_blocks()
             else:
                 component.compile()
-        self.compiled = True
-        if self.global_rank == 0:
+        if global_rank == 0:
             log.info(f"model.compile: {mode} on {', '.join(modules)}; the first batch of each shape compiles")
+        return True
 
-    def denoiser_modules(self) -> dict[str, Any]:
+    def denoiser_modules(self, pipeline: object) -> dict[str, Any]:
         """The pipeline's denoisers that are loaded (Wan 2.1 lists an empty ``transformer_2``): diffusers
         models (``Any``: their methods, such as ``set_attention_backend``, are not nn.Module's)."""
-        found = {name: getattr(self.pipeline, name, None) for name in self.info.denoisers()}
+        found = {name: getattr(pipeline, name, None) for name in self.info.denoisers()}
         return {name: module for name, module in found.items() if isinstance(module, nn.Module)}

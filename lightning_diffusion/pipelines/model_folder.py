@@ -13,13 +13,16 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from lightning_diffusion.errors import ConfigError, is_int
 from lightning_diffusion.pipelines.facts import PipelineFacts, derive, no_pictures
 from lightning_diffusion.pipelines.specs import PipelineSpec, spec_for
+
+if TYPE_CHECKING:
+    import ast
 
 # Arguments the project sets itself for every call; users must not pass them in call_kwargs. (A
 # ``negative_prompt`` there is the default of the records that have none of their own.)
@@ -346,7 +349,7 @@ def missing_packages(pipeline_class: type) -> list[str]:
     return missing
 
 
-def _availability_check(test: Any) -> Optional[str]:
+def _availability_check(test: ast.expr) -> Optional[str]:
     """``is_ftfy_available`` for ``if is_ftfy_available():``; None for any other test."""
     import ast
 
@@ -355,7 +358,7 @@ def _availability_check(test: Any) -> Optional[str]:
     return None
 
 
-def _used_unguarded(node: Any, names: set[str], check: str) -> bool:
+def _used_unguarded(node: ast.AST, names: set[str], check: str) -> bool:
     """Whether one of ``names`` is read somewhere under ``node`` but not under ``if check():``."""
     import ast
 
@@ -375,7 +378,7 @@ _TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str:
 _PLURALS = {float: "numbers", int: "integers", bool: "booleans", str: "strings"}
 
 
-def matches_annotation(annotation: Any, value: Any) -> Optional[bool]:
+def matches_annotation(annotation: Any, value: object) -> Optional[bool]:
     """Whether a config value fits a pipeline argument's annotation: True, False, or None when the
     annotation says nothing checkable (tensors, images, callables: left to the pipeline)."""
     import types
@@ -511,7 +514,7 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
     return PipelineInfo(path, class_name, cls, model_index, configs, dict(recommended))
 
 
-def task_pipeline(name: Any, weights_class: str, model_index: dict[str, Any]) -> type[Any]:
+def task_pipeline(name: object, weights_class: str, model_index: dict[str, Any]) -> type[Any]:
     """``model.pipeline_class``: a diffusers pipeline class that the folder's components can build."""
     import diffusers
 

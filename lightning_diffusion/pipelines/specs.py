@@ -21,6 +21,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
+    import os
+    from pathlib import Path
+
     from lightning_diffusion.pipelines.facts import PipelineFacts
 
 
@@ -41,7 +44,7 @@ class CFGBranches:
     one_call: bool = False
     transformers: tuple[str, ...] = ("transformer",)
 
-    def runs(self, scale: Any, negative: bool) -> bool:
+    def runs(self, scale: object, negative: bool) -> bool:
         """Whether the pipeline runs its second (negative) guidance pass: ``scale`` (the value of
         ``scale_arg``) above 1 and, where the pipeline needs one, a negative prompt (``negative``)."""
         return isinstance(scale, (int, float)) and scale > 1 and (negative or not self.needs_negative_prompt)
@@ -236,7 +239,7 @@ def _tiny_paths() -> dict[str, str]:
             **TINY_ZOO}
 
 
-def tiny_builders() -> dict[str, Callable[..., Any]]:
+def tiny_builders() -> dict[str, Callable[[str | os.PathLike[str]], Path]]:
     """``tiny:NAME`` -> the builder function (imported only when asked)."""
     return {name: _load(path) for name, path in _tiny_paths().items()}
 
@@ -245,7 +248,7 @@ def tiny_names() -> list[str]:
     return list(_tiny_paths())
 
 
-def tiny_builder(name: str) -> Optional[Callable[..., Any]]:
+def tiny_builder(name: str) -> Optional[Callable[[str | os.PathLike[str]], Path]]:
     path = _tiny_paths().get(name)
     return _load(path) if path else None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import sys
 import warnings
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
@@ -31,6 +31,10 @@ from lightning_diffusion.run.preflight import Verdict, preflight
 from lightning_diffusion.run.progress import ImageProgressBar
 from lightning_diffusion.strategies.accelerators import accelerator_for_job
 
+if TYPE_CHECKING:
+    from jsonargparse import Namespace
+    from lightning.pytorch import LightningDataModule
+
 console.quiet_lightning()
 
 TRAINER_DEFAULTS = {
@@ -43,7 +47,7 @@ TRAINER_DEFAULTS = {
 }
 
 
-def _known_keys(parser: Any) -> list[str]:
+def _known_keys(parser: object) -> list[str]:
     keys = []
     for action in getattr(parser, "_actions", []):
         dest = getattr(action, "dest", None)
@@ -164,7 +168,8 @@ class DiffusionCLI(LightningCLI):
                                                                per_task)}
         return super()._instantiate_trainer(config, callbacks)
 
-    def predict(self, model: DiffusionModule, datamodule: Any = None, return_predictions: Optional[bool] = None,
+    def predict(self, model: DiffusionModule, datamodule: Optional[LightningDataModule] = None,
+                return_predictions: Optional[bool] = None,
                 **kwargs: Any):
         # Returning predictions would keep every image of the run in memory; the writer has them.
         return self.trainer.predict(
@@ -180,7 +185,7 @@ class _ParseOnly(DiffusionCLI):
         pass
 
 
-def read_config(config: str, overrides: Optional[list[str]] = None, check: bool = True) -> Any:
+def read_config(config: str, overrides: Optional[list[str]] = None, check: bool = True) -> Namespace:
     """Parse ``config`` with ``overrides`` (any ``predict`` flag) exactly as ``predict`` does and,
     with ``check``, run its weight-free checks (``check_config``); returns the config namespace
     (``cfg.model.height``, ``cfg.data.prompts``, ``cfg.trainer.strategy``...). Problems raise one
@@ -193,7 +198,7 @@ def read_config(config: str, overrides: Optional[list[str]] = None, check: bool 
     return parsed
 
 
-def check_config(config: Any, here: bool = True) -> Verdict:
+def check_config(config: Namespace, here: bool = True) -> Verdict:
     """Every weight-free check of a parsed config (``preflight``), reported in one ``ConfigError``;
     returns the verdict (whether the checks were complete, whether anything is left to make)."""
     verdict = preflight(config, here)

@@ -15,7 +15,10 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import yaml
 
 MAX_CONFIG_BYTES = 1 << 20  # a config of this project is a few kB; a MiB leaves room for long inline lists
 MAX_EXPANDED_NODES = 100_000  # YAML nodes after alias expansion (a "billion laughs" file has 10^9)
@@ -28,7 +31,7 @@ def allowed_modules() -> tuple[str, ...]:
     return (*CLASS_MODULES, *extra)
 
 
-def class_path_problem(value: Any, where: str) -> Optional[str]:
+def class_path_problem(value: object, where: str) -> Optional[str]:
     """A ``class_path`` outside the allowed modules (checked before anything imports it)."""
     if not isinstance(value, str):
         return f"{where} must be a dotted class name, not {type(value).__name__}."
@@ -46,14 +49,14 @@ def class_path_problem(value: Any, where: str) -> Optional[str]:
 CLASS_KEYS = ("callbacks", "plugins", "strategy", "logger", "profiler", "accelerator")
 
 
-def _shorthand(value: Any, where: str) -> list[str]:
+def _shorthand(value: object, where: str) -> list[str]:
     """Problems of dotted class names given as the plain value of a ``CLASS_KEYS`` key."""
     values = value if isinstance(value, list) else [value]
     found = [class_path_problem(v, where) for v in values if isinstance(v, str) and "." in v.strip("./")]
     return [p for p in found if p]
 
 
-def _class_paths(data: Any, where: str) -> list[str]:
+def _class_paths(data: object, where: str) -> list[str]:
     problems = []
     if isinstance(data, dict):
         for key, value in data.items():
@@ -72,7 +75,7 @@ def _class_paths(data: Any, where: str) -> list[str]:
     return problems
 
 
-def _expanded_size(node: Any, memo: dict[int, int]) -> int:
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
     """Nodes of a composed YAML document once its aliases are expanded (an alias shares its node)."""
     import yaml
 
@@ -215,7 +218,7 @@ def unknown_keys(words: list[str], keys: list[str]) -> list[str]:
 
     found: list[str] = []
 
-    def look(value: Any, prefix: str) -> None:
+    def look(value: object, prefix: str) -> None:
         for name, inner in (value.items() if isinstance(value, dict) else []):
             key = f"{prefix}{name}"
             if key in groups and key not in known - groups:

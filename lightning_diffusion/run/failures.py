@@ -1,14 +1,14 @@
 """A pipeline call's failures: what ``data.on_error`` does with them, the agreement of a replica's
 ranks on each step of a call, and the out-of-memory retry one record at a time.
 
-``CallFailures`` is the part of ``DiffusionModule`` that runs one call (``generate``) and turns its
-failure into a failed record (``on_error: skip``) or a ``RecordFailure`` that names the records
-(``fail``).
+``CallRunner`` runs one call (the module's ``generate``, passed in) and turns its failure into a
+failed record (``on_error: skip``) or a ``RecordFailure`` that names the records (``fail``);
+``DiffusionModule`` holds one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -16,35 +16,52 @@ import torch
 from lightning_diffusion.console import log
 from lightning_diffusion.errors import RecordFailure
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 Outcome = tuple[Optional[np.ndarray], Optional[dict], Optional[str]]
+T = TypeVar("T")
 
 
-class CallFailures:
-    """Mixed into ``DiffusionModule``: ``run_call`` around its ``generate``."""
+class Generate(Protocol):
+    """One pipeline call for ``samples`` (``DiffusionModule.generate``): their images and the
+    parameters that made each; ``agree``: the replica's ranks agree on each step (``CallRunner.step``)."""
 
-    on_error: str
-    pad_batches: bool
-    batch_size: Optional[int]
-    replica_group: Any
-    info: Any
-    global_rank: int
-    device: torch.device
-
-    def generate(self, samples: list[dict[str, Any]], agree: bool = False
+    def __call__(self, samples: list[dict[str, Any]], agree: bool = False
                  ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
-        raise NotImplementedError  # DiffusionModule's
+        ...
 
-    def run_call(
-        self, samples: list[dict[str, Any]]
-    ) -> list[Outcome]:
-        """(image, params, None) for each sample of one pipeline call, or (None, None, reason) for
-        a sample whose call failed or whose image is not finite. With ``on_error: fail`` a failure
-        raises ``RecordFailure`` naming its records; with ``skip`` the ranks of the replica agree on
-        each step of the call (``_agree``), and out of memory retries the samples one at a time."""
+
+class CallRunner:
+    """Runs pipeline calls under ``data.on_error``.
+
+    ``pad_batches``: the model's setting, owned here: the module pads a call to the batch size
+    (``DiffusionModule.prepare_call``) while it is on, and ``run_call`` turns it off while it
+    retries the samples of a call that ran out of memory one at a time. ``call_batch``: the most
+    prompts the pipeline takes in one call (``PipelineSpec.call_batch``; ``None``: no limit).
+    ``on_error``: the data module's (``fail`` until the module's ``setup`` sets it). ``group``: the
+    process group of the ranks that make the same images (the module's ``use_group``; ``None``:
+    one process per replica), over which each step of a call is agreed."""
+
+    def __init__(self, pad_batches: bool, call_batch: Optional[int], on_error: str = "fail",
+                 group: Optional[ProcessGroup] = None) -> None:
+        self.pad_batches = pad_batches
+        self.call_batch = call_batch
+        self.on_error = on_error
+        self.group = group
+
+    def run_call(self, samples: list[dict[str, Any]], generate: Generate, batch_size: Optional[int],
+                 rank: int) -> list[Outcome]:
+        """(image, params, None) for each sample of one pipeline call (``generate``), or (None, None,
+        reason) for a sample whose call failed or whose image is not finite. With ``on_error: fail``
+        a failure raises ``RecordFailure`` naming its records; with ``skip`` the ranks of the replica
+        agree on each step of the call (``step``), and out of memory retries the samples one at a
+        time. ``batch_size``: the batch size the call was padded to; ``rank``: this process's global
+        rank, for the messages."""
         skip = self.on_error == "skip"
         images, params, failure = None, None, None
         try:
-            images, params = self.generate(samples, agree=True) if skip else self.generate(samples)
+            images, params = generate(samples, agree=True) if skip else generate(samples)
         except Agreed as agreed:
             failure = agreed.reason
         except Exception as err:
@@ -53,12 +70,13 @@ class CallFailures:
             log_traceback(samples, err)
             failure = last_line(err)  # one rank, no group: nothing to agree
         if failure is not None:
-            padded = self.pad_batches and min(self.batch_size or 1, self.info.spec.call_batch or 1 << 30) > 1
+            padded = self.pad_batches and min(batch_size or 1, self.call_batch or 1 << 30) > 1
             if failure.startswith(OOM_NAMES) and (len(samples) > 1 or padded):
-                log.warning(f"[rank {self.global_rank}] {which(samples)}: out of memory; retrying one record at a "
+                log.warning(f"[rank {rank}] {which(samples)}: out of memory; retrying one record at a "
                             "time, unpadded", extra={"all_ranks": True})
                 free_memory()
-                return [outcome for sample in samples for outcome in self._run_alone(sample)]
+                return [outcome for sample in samples
+                        for outcome in self._run_alone(sample, generate, batch_size, rank)]
             return [(None, None, failure)] * len(samples)
         assert images is not None and params is not None  # the call returned them (no failure)
         outcomes: list[Outcome] = []
@@ -71,27 +89,29 @@ class CallFailures:
                 raise RecordFailure(f"{which([sample])} failed: {NOT_FINITE}")
         return outcomes
 
-    def _run_alone(self, sample: dict[str, Any]) -> list[Outcome]:
+    def _run_alone(self, sample: dict[str, Any], generate: Generate, batch_size: Optional[int],
+                   rank: int) -> list[Outcome]:
         """One sample in a call of its own, unpadded (after out of memory at the batch size)."""
         saved, self.pad_batches = self.pad_batches, False
         try:
-            return self.run_call([sample])
+            return self.run_call([sample], generate, batch_size, rank)
         finally:
             self.pad_batches = saved
 
-    def _agree(self, error: Optional[BaseException]) -> None:
+    def agree_on(self, error: Optional[BaseException], device: torch.device) -> None:
         """The replica's ranks agree on one step of a call (``on_error: skip``): when any of them
         failed, every one raises ``Agreed`` with the first failing rank's reason, so that none goes
         on into a collective the failed one never enters. A failure inside the pipeline on some
-        ranks only, in the middle of a collective, cannot be agreed: the collective times out."""
-        group = self.replica_group
+        ranks only, in the middle of a collective, cannot be agreed: the collective times out.
+        ``device``: where the group's collectives take their tensors (the module's device)."""
+        group = self.group
         if group is None:
             if error is not None:
                 raise Agreed(last_line(error)) from error
             return
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if error is None else 1], device=self.device)
+        flag = torch.tensor([0 if error is None else 1], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if not int(flag.item()):
             return
@@ -100,18 +120,18 @@ class CallFailures:
         reason = next(r for r in reasons if r is not None)
         raise Agreed(reason) from error
 
-    def _step(self, agree: bool, step: Any, *args: Any) -> Any:
-        """``step(*args)``; with ``agree``, the replica's ranks agree on how it went (``_agree``)
-        before any of them goes on, whether it raised here or elsewhere."""
+    def step(self, agree: bool, device: torch.device, run: Callable[[], T]) -> T:
+        """``run()``; with ``agree``, the replica's ranks agree on how it went (``agree_on``) before
+        any of them goes on, whether it raised here or elsewhere."""
         if not agree:
-            return step(*args)
+            return run()
         try:
-            result = step(*args)
+            result = run()
         except Exception as err:
             log_traceback(None, err)
-            self._agree(err)
-            raise  # _agree raised (with one rank, too): not reached
-        self._agree(None)
+            self.agree_on(err, device)
+            raise  # agree_on raised (with one rank, too): not reached
+        self.agree_on(None, device)
         return result
 
 

@@ -1,4 +1,4 @@
-"""The model section checked before any weight loads (``DiffusionModule``'s arguments by name):
+"""The model group checked before any weight loads (``pipelines.settings.ModelSettings``):
 the pipeline's folder and class, the call arguments, and each option against the pipeline
 (attention backend, compile, VAE tiling and slicing, step cache, LoRA adapters, quantization).
 Rules follow ``validation``'s convention: each returns its problems.
@@ -14,7 +14,6 @@ from lightning_diffusion.errors import ConfigError, run_check
 from lightning_diffusion.run.validation import (
     MAX_PIXELS,
     MAX_STEPS,
-    MODEL_CALL_ARGS,
     call_arg_problems,
     integer,
     pixel_problems,
@@ -27,35 +26,35 @@ if TYPE_CHECKING:
     from lightning_diffusion.input.records import RecordSummary
     from lightning_diffusion.pipelines.lora import Adapter
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
+    from lightning_diffusion.pipelines.settings import ModelSettings
 
 COMPILE_MODES = ("regional", "full")
 
 
-def model_problems(settings: Mapping[str, Any], records: Optional[RecordSummary] = None,
+def model_problems(settings: ModelSettings, records: Optional[RecordSummary] = None,
                    max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[PipelineInfo], list]:
-    """Every weight-free check of the model section (``DiffusionModule``'s arguments by name);
+    """Every weight-free check of the model group's values (``DiffusionModule``'s arguments);
     returns the pipeline's info (None when the path itself is wrong) and the problems.
     ``records``: the prompt records' ``RecordSummary``, when known (their negative prompts decide whether a guidance
     pass on the negative runs, which some caches cannot share)."""
     from lightning_diffusion.pipelines import quantization
     from lightning_diffusion.pipelines.model_folder import inspect_pipeline, resolve_dtype
 
-    named = {key: settings.get(key) for key in MODEL_CALL_ARGS}
-    call_kwargs = dict(settings.get("call_kwargs") or {})
-    from_pretrained_kwargs = dict(settings.get("from_pretrained_kwargs") or {})
+    named = settings.named_call_args()
+    call_kwargs = dict(settings.call_kwargs or {})
+    from_pretrained_kwargs = dict(settings.from_pretrained_kwargs or {})
     problems: list = []
-    run_check(problems, resolve_dtype, settings.get("torch_dtype", "float32"))
-    if settings.get("attention_backend") is not None:
-        problems += attention_backend_problems(settings["attention_backend"])
+    run_check(problems, resolve_dtype, settings.torch_dtype)
+    if settings.attention_backend is not None:
+        problems += attention_backend_problems(settings.attention_backend)
         if not problems:
-            problems += backend_dtype_problems(settings["attention_backend"],
-                                               resolve_dtype(settings.get("torch_dtype", "float32")))
-    if settings.get("quantization") is not None and "quantization_config" in from_pretrained_kwargs:
+            problems += backend_dtype_problems(settings.attention_backend, resolve_dtype(settings.torch_dtype))
+    if settings.quantization is not None and "quantization_config" in from_pretrained_kwargs:
         problems.append("model.quantization and model.from_pretrained_kwargs.quantization_config both quantize: keep "
                         "model.quantization.")
     path_problems: list = []
-    info = run_check(path_problems, inspect_pipeline, settings["pretrained_model_name_or_path"],
-                     settings.get("pipeline_class"), from_pretrained_kwargs)
+    info = run_check(path_problems, inspect_pipeline, settings.pretrained_model_name_or_path,
+                     settings.pipeline_class, from_pretrained_kwargs)
     if info is None:
         # The path is wrong: still report what needs no pipeline.
         steps = named.get("num_inference_steps")
@@ -73,18 +72,18 @@ def model_problems(settings: Mapping[str, Any], records: Optional[RecordSummary]
     if negative is not None and not isinstance(negative, str):
         problems.append(f"model.call_kwargs.negative_prompt is the default negative prompt of every record: "
                         f"give one string, not {negative!r} (records set their own in the prompt file).")
-    cache = settings.get("cache")
+    cache = settings.cache
     if cache is not None:
         base, extra = info.effective_call_args(named, call_kwargs)
         problems += model_cache_problems(info, cache, {**base, **extra}, records)
-    problems += vae_tiling_problems(info, settings.get("vae_tiling"))
-    problems += compile_problems(info, settings.get("compile"))
-    if settings.get("lora"):
-        problems += lora_problems(info, settings["lora"], settings.get("quantization"))
-    if settings.get("quantization") is not None:
+    problems += vae_tiling_problems(info, settings.vae_tiling)
+    problems += compile_problems(info, settings.compile)
+    if settings.lora:
+        problems += lora_problems(info, settings.lora, settings.quantization)
+    if settings.quantization is not None:
         classes = {name: info.component_class(name) for name in info.model_index}
-        problems += quantization.check(settings["quantization"], info.model_index, classes, tuple(info.denoisers()))
-    if settings.get("vae_slicing") and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}),
+        problems += quantization.check(settings.quantization, info.model_index, classes, tuple(info.denoisers()))
+    if settings.vae_slicing and not _vae_has(info.component_class("vae"), info.configs.get("vae", {}),
                                                     "use_slicing"):
         problems.append(f"model.vae_slicing: {info.class_name}'s VAE cannot decode sample by sample; "
                         "remove model.vae_slicing.")

@@ -38,12 +38,20 @@ import re
 import signal
 import subprocess
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_diffusion.console import log
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torch.distributed import ProcessGroup, Store
+
+    # What ``signal.signal`` takes and answers: a handler, SIG_DFL or SIG_IGN, or None (one set outside Python).
+    _Handler = Union[Callable[[int, Optional[FrameType]], object], int, None]
 
 _ALL = {"all_ranks": True}
 
@@ -71,23 +79,23 @@ class StopController:
         self.interrupted = threading.Event()  # ... and it was SIGINT (Ctrl-C)
         self.slurm = False                   # requeue when stopped early (SLURM jobs only)
         self.totals: Optional[tuple[int, Optional[int]]] = None  # (in the manifest, expected), set by the writer
-        self._previous_sigint: Any = None
+        self._previous_sigint: _Handler = None
         self.stopping = threading.Event()    # the ranks of this replica agreed to stop
         self.enabled = False
         self.stopped_early = False
         self.images_made = 0
         self._installed = False
-        self._group: Optional[Any] = None
+        self._group: Optional[ProcessGroup] = None
         self._device = torch.device("cpu")
         self._rank = 0
-        self._store: Optional[Any] = None
-        self._previous_sigterm: Any = None
-        self._previous_sigterm_after: Any = None  # what SIGTERM does once the run gave it back
+        self._store: Optional[Store] = None
+        self._previous_sigterm: _Handler = None
+        self._previous_sigterm_after: _Handler = None  # what SIGTERM does once the run gave it back
         self._watching_terminate = False
 
     # ----------------------------------------------------------------- signals
 
-    def _record(self, signum: int, frame: Any) -> None:
+    def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         if signum == signal.SIGTERM and not self._watching_terminate:
             # Left installed after the run (Lightning restores the handlers it found, ours among them,
             # after the strategy gave SIGTERM back): act as if it were not there.
@@ -105,7 +113,7 @@ class StopController:
             _say(f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
                  f"then {then}.")
 
-    def _interrupt(self, signum: int, frame: Any) -> None:
+    def _interrupt(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.interrupted.is_set():  # the second Ctrl-C: stop now
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
@@ -159,7 +167,8 @@ class StopController:
 
     # ----------------------------------------------------------------- the run
 
-    def enable(self, replica_group: Optional[Any], device: torch.device, global_rank: int, slurm: bool = False) -> None:
+    def enable(self, replica_group: Optional[ProcessGroup], device: torch.device, global_rank: int,
+               slurm: bool = False) -> None:
         """Stop on the signals for this run: ``replica_group`` holds the ranks that make the same
         images (None for a replica of one rank); ``slurm``: a SLURM job, which also stops on SLURM's
         signals and is requeued when it stops early. Every run stops on Ctrl-C."""

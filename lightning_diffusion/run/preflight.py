@@ -22,19 +22,19 @@ from lightning_diffusion.input.data import run_plan, shard_owners
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.record_checks import check_records
 from lightning_diffusion.input.records import RecordVerdicts
+from lightning_diffusion.input.settings import MAX_PROMPT_CHARS, DataSettings
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
 from lightning_diffusion.output.manifest import MANIFEST, settings_conflict
 from lightning_diffusion.output.recorded import Finished, finished
-from lightning_diffusion.output.settings import OPTIONS, image_settings, recorded_options, run_settings, writer_settings
+from lightning_diffusion.output.settings import WriterSettings, image_settings, recorded_options, run_settings
 from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
 from lightning_diffusion.output.store import open_store, store_class
 from lightning_diffusion.pipelines import lora
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
+from lightning_diffusion.pipelines.settings import ModelSettings
 from lightning_diffusion.run.model_checks import model_problems
 from lightning_diffusion.run.validation import (
-    MAX_PROMPT_CHARS,
-    MODEL_CALL_ARGS,
     column_problems,
     data_problems,
     devices_problems,
@@ -161,32 +161,32 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     then the ranks must run them themselves); and, ``here``, whether the folder already holds every
     image. ``here``: the run is on this machine (``slurm`` and ``k8s`` render a job for others: this
     machine's GPUs are not asked about)."""
-    model, data, writer = dict(config.model), dict(config.data), dict(config.writer)
+    model = ModelSettings.of(dict(config.model))
+    data, writer = DataSettings.of(dict(config.data)), WriterSettings.of(dict(config.writer))
     problems: list = []
     nothing_left: Optional[str] = None
-    chars = data.get("max_prompt_chars", MAX_PROMPT_CHARS)
+    chars = data.max_prompt_chars
     # A bad data.columns, data.keep_columns or data.split is data_problems' to name: the records are not read.
-    records = None if column_problems(data) else run_check(
-        problems, read_records, data["prompts"], chars if is_int(chars, 1) else MAX_PROMPT_CHARS,
-        data.get("columns"), data.get("keep_columns"), data.get("split"))
-    num_images = (len(records) * data["num_images_per_prompt"]
-                  if records is not None and is_int(data.get("num_images_per_prompt"), 1) else None)
+    records = None if column_problems(data.columns, data.keep_columns, data.split) else run_check(
+        problems, read_records, data.prompts, chars if is_int(chars, 1) else MAX_PROMPT_CHARS,
+        data.columns, data.keep_columns, data.split)
+    copies = data.num_images_per_prompt if is_int(data.num_images_per_prompt, 1) else None
+    num_images = len(records) * copies if records is not None and copies is not None else None
     problems += data_problems(data, num_images)
-    max_pixels = data.get("max_pixels") if is_int(data.get("max_pixels"), 1) else None
+    max_pixels = data.max_pixels if is_int(data.max_pixels, 1) else None
     info, model_found = model_problems(model, records.summary if records is not None else None, max_pixels)
     problems = model_found + problems
-    named = {key: model.get(key) for key in MODEL_CALL_ARGS}
+    named = model.named_call_args()
     call_args: dict[str, Any] = {}
     if info is not None:
-        base, extra = info.effective_call_args(named, model.get("call_kwargs"))
+        base, extra = info.effective_call_args(named, model.call_kwargs)
         call_args = {**base, **extra}
     if records is not None:
         if info is not None and not model_found:
-            copies = data["num_images_per_prompt"] if is_int(data.get("num_images_per_prompt"), 1) else 1
-            verdicts = check_records(info, records, call_args, data.get("inputs_root"), max_pixels, copies)
+            verdicts = check_records(info, records, call_args, data.inputs_root, max_pixels, copies or 1)
         else:  # the lines that failed while reading; the rest is checked once the model is right
             verdicts = RecordVerdicts(dict(records.bad))
-        problems += verdicts.refusal(len(records), data.get("on_bad_record", "fail"))
+        problems += verdicts.refusal(len(records), data.on_bad_record)
     problems += writer_problems(writer)
     problems += devices_problems(config.trainer.get("devices"), config.trainer.get("num_nodes"))
     if here:
@@ -199,45 +199,42 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     if strategy is not None and size is not None:
         run_check(problems, strategy.make_parallel_dims, size)
         if info is not None and not problems:
-            options = {key: model.get(key) for key in OPTIONS}
-            request = ModelRequest(info, resolve_dtype(model["torch_dtype"]), call_args,
-                                   dict(model.get("from_pretrained_kwargs") or {}), records,
+            options = model.options()
+            request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
+                                   dict(model.from_pretrained_kwargs or {}), records,
                                    options["attention_backend"], options["quantization"],
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
-    if not store_class(writer["output_dir"]).needs_shared_folder:  # a bucket: its lock, settings and records
+    if not store_class(writer.output_dir).needs_shared_folder:  # a bucket: its lock, settings and records
         if here and not problems:                                  # are read when the run starts
-            problems += open_store(writer["output_dir"], options=writer.get("storage_options")).write_problems()
+            problems += open_store(writer.output_dir, options=writer.storage_options).write_problems()
         return Verdict(problems, complete, None)
-    if not problems and is_int(data.get("num_shards", 1), 1) and is_int(data.get("shard_index", 0), 0):
-        problems += busy_folder_problems(writer["output_dir"], data.get("num_shards", 1), data.get("shard_index", 0),
-                                         data.get("schedule") == "pull")
+    if not problems and is_int(data.num_shards, 1) and is_int(data.shard_index, 0):
+        problems += busy_folder_problems(writer.output_dir, data.num_shards, data.shard_index, data.schedule == "pull")
     if info is not None and records is not None and not problems:
-        folder = Path(writer["output_dir"]).expanduser()
+        folder = Path(writer.output_dir).expanduser()
         found = finished(folder) if folder.is_dir() else None
         shard = None
-        if data.get("num_shards", 1) > 1:  # as the run deals it (``data.shard_owners``, or the folder's plan)
-            count = data["num_shards"]
-            shard = Shard(data.get("shard_index", 0), count)
+        if data.num_shards > 1:  # as the run deals it (``data.shard_owners``, or the folder's plan)
+            count = data.num_shards
+            shard = Shard(data.shard_index, count)
             recorded = recorded_owners(folder, count) if folder.is_dir() else None
             if recorded is None:
-                shard.owners = shard_owners(records, data["num_images_per_prompt"], data["batch_size"],
-                                            data.get("bucket", True), count)
-            problem = adopt(shard, recorded, len(records) * data["num_images_per_prompt"],
+                shard.owners = shard_owners(records, data.num_images_per_prompt, data.batch_size, data.bucket, count)
+            problem = adopt(shard, recorded, len(records) * data.num_images_per_prompt,
                             str(folder / plan_file(count)))
             problems += [problem] if problem else []
-        problems += disk_space_problems(info, call_args, records, data["num_images_per_prompt"], writer["output_dir"],
+        problems += disk_space_problems(info, call_args, records, data.num_images_per_prompt, writer.output_dir,
                                         shard, found)
-        if not writer.get("allow_config_change"):
+        if not writer.allow_config_change:
             # The writer checks again when the run starts; here it costs no process start.
-            plan = run_plan(data["prompts"], data["seed"], data["num_images_per_prompt"], records,
-                            {key: data.get(key) for key in ("columns", "keep_columns", "split")})
+            plan = run_plan(data, records)
             settings = run_settings(
-                image_settings(model["pretrained_model_name_or_path"], dtype_name(model["torch_dtype"]), call_args,
-                               dict(model.get("from_pretrained_kwargs") or {}), model.get("cache"),
-                               recorded_options({key: model.get(key) for key in OPTIONS})),
-                plan, writer_settings(writer))
-            conflict = settings_conflict(Path(writer["output_dir"]).expanduser(), settings)
+                image_settings(model.pretrained_model_name_or_path, dtype_name(model.torch_dtype), call_args,
+                               dict(model.from_pretrained_kwargs or {}), model.cache,
+                               recorded_options(model.options())),
+                plan, writer)
+            conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)
             if conflict:
                 problems.append(conflict)
         if here and not problems and found is not None and num_images is not None:

@@ -13,7 +13,7 @@ import datetime
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
@@ -21,6 +21,9 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning_diffusion.console import log
 from lightning_diffusion.output.manifest import part_counts
 from lightning_diffusion.output.writer import ImageWriter
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 def _clock(seconds: float) -> str:
@@ -43,7 +46,7 @@ class ImageProgressBar(ProgressBar):
         self.terminal = terminal
         self._enabled = True
         self._writer: Optional[ImageWriter] = None
-        self._bar: Optional[Any] = None
+        self._bar: Optional[tqdm] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()

@@ -32,26 +32,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.errors import is_int
+from lightning_diffusion.input.settings import MAX_PIXELS, ON_BAD_RECORD, ON_ERROR, DataSettings
+from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import MAX_SHARDS
 
 if TYPE_CHECKING:
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
-# The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
-# tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
-# small enough that a runaway line (megabytes) costs one record, not the tokenizer's memory.
-MAX_PROMPT_CHARS = 20_000
-# The pixels of one image (or video frame) a config or record may ask for unless ``data.max_pixels``
-# says more: 4096 x 4096, four times FLUX.1's largest published size. A typo of 10000 x 10000 would
-# otherwise be found by the device's memory, after the weights loaded.
-MAX_PIXELS = 4096 * 4096
 MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps
 # torch.Generator.manual_seed takes 0 .. 2**64 - 1 (a larger seed raises "Overflow when unpacking long long").
 SEED_MAX = 2 ** 64 - 1
 MAX_GUIDANCE = 100.0
 
-# The DiffusionModule arguments that are pipeline-call arguments of every image.
-MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
 
 
 # ----------------------------------------------------------------------------- value rules
@@ -267,11 +259,8 @@ def strength_problems(info: PipelineInfo, args: Mapping[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- the data section
 
 
-ON_BAD_RECORD = ("fail", "skip")
-ON_ERROR = ("fail", "skip")
-
-
-def column_problems(settings: Mapping[str, Any]) -> list[str]:
+def column_problems(columns: Optional[Mapping[str, Optional[str]]], keep: Optional[Sequence[str]],
+                    split: Optional[str]) -> list[str]:
     """``data.columns`` (record field -> a source's column, or null: not read), ``data.keep_columns``
     (column names) and ``data.split`` (a dataset's split), by themselves; against a file:
     ``tables.TableRecords``."""
@@ -279,7 +268,6 @@ def column_problems(settings: Mapping[str, Any]) -> list[str]:
 
     fields = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS, *CALL_ARGS)
     problems: list[str] = []
-    columns = settings.get("columns")
     if columns is not None and not (isinstance(columns, Mapping) and all(isinstance(k, str) for k in columns)):
         problems.append(f"data.columns must map record fields to columns ({{prompt: caption, seed: id}}), "
                         f"got {columns!r}.")
@@ -294,35 +282,34 @@ def column_problems(settings: Mapping[str, Any]) -> list[str]:
                             f"got {columns[named[0]]!r}.")
         if "prompt" in columns and columns["prompt"] is None:
             problems.append("data.columns.prompt cannot be null: every record has a prompt.")
-    keep = settings.get("keep_columns")
     if keep is not None and (isinstance(keep, str) or not isinstance(keep, Sequence)
                              or not all(isinstance(c, str) and c.strip() for c in keep)):
         problems.append(f"data.keep_columns must be a list of column names, got {keep!r}.")
-    split = settings.get("split")
     if split is not None and not (isinstance(split, str) and split.strip()):
         problems.append(f"data.split must name a split of the dataset (train, test, ...), got {split!r}.")
     return problems
 
 
-def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None) -> list[str]:
-    """``PromptDataModule``'s arguments by name; ``num_images``: the prompt set's, when known."""
-    problems: list[str] = column_problems(settings)
+def data_problems(settings: DataSettings, num_images: Optional[int] = None) -> list[str]:
+    """The data group's values (``PromptDataModule``'s arguments); ``num_images``: the prompt
+    set's, when known."""
+    problems = column_problems(settings.columns, settings.keep_columns, settings.split)
     for name in ("batch_size", "num_images_per_prompt", "num_shards"):
-        problems += integer(settings.get(name, 1), f"data.{name}")
-    seed = settings.get("seed", 0)
+        problems += integer(getattr(settings, name), f"data.{name}")
+    seed = settings.seed
     if not (is_int(seed, 0) and seed <= SEED_MAX):
         problems.append(f"data.seed must be an integer from 0 to 2**64 - 1, got {seed!r}.")
     if num_images is not None and is_int(seed, 0) and seed + num_images - 1 > SEED_MAX:
         problems.append(f"data.seed {seed} + the {num_images:,} images of the prompt set passes the generator's "
                         "largest seed, 2**64 - 1; use a smaller data.seed.")
-    problems += integer(settings.get("max_pixels", MAX_PIXELS), "data.max_pixels", 1)
-    problems += integer(settings.get("max_prompt_chars", MAX_PROMPT_CHARS), "data.max_prompt_chars", 1)
-    problems += one_of(settings.get("on_bad_record", "fail"), "data.on_bad_record", ON_BAD_RECORD)
-    problems += one_of(settings.get("on_error", "fail"), "data.on_error", ON_ERROR)
-    root = settings.get("inputs_root")
+    problems += integer(settings.max_pixels, "data.max_pixels", 1)
+    problems += integer(settings.max_prompt_chars, "data.max_prompt_chars", 1)
+    problems += one_of(settings.on_bad_record, "data.on_bad_record", ON_BAD_RECORD)
+    problems += one_of(settings.on_error, "data.on_error", ON_ERROR)
+    root = settings.inputs_root
     if root is not None and not Path(str(root)).expanduser().is_dir():
         problems.append(f"data.inputs_root {root} is not a folder.")
-    shards, index = settings.get("num_shards", 1), settings.get("shard_index", 0)
+    shards, index = settings.num_shards, settings.shard_index
     if is_int(shards, 1) and not (is_int(index, 0) and index < shards):
         problems.append(f"data.shard_index must be an integer from 0 to data.num_shards - 1 = {shards - 1}, "
                         f"got {index!r}.")
@@ -336,17 +323,17 @@ def data_problems(settings: Mapping[str, Any], num_images: Optional[int] = None)
     return problems
 
 
-def pool_problems(settings: Mapping[str, Any]) -> list[str]:
+def pool_problems(settings: DataSettings) -> list[str]:
     """``data.schedule`` and ``data.lease_s``: a pool has no shards (its jobs are workers of the
     whole set), and a lease of a few seconds at least."""
-    from lightning_diffusion.output.pool import LEASE_S, MIN_LEASE_S, SCHEDULES
+    from lightning_diffusion.input.settings import MIN_LEASE_S, SCHEDULES
 
-    schedule, lease = settings.get("schedule", "deal"), settings.get("lease_s", LEASE_S)
+    schedule, lease = settings.schedule, settings.lease_s
     problems = one_of(schedule, "data.schedule", SCHEDULES)
     if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease >= MIN_LEASE_S:
         problems.append(f"data.lease_s must be a number of seconds, at least {MIN_LEASE_S:g} (a worker renews its "
                         f"claims every lease/4), got {lease!r}.")
-    if schedule == "pull" and is_int(settings.get("num_shards", 1), 2):
+    if schedule == "pull" and is_int(settings.num_shards, 2):
         problems.append("data.schedule: pull makes the whole prompt set with every job that joins the pool: set "
                         "data.num_shards to 1 (the tasks of a job array join as workers, without shards).")
     return problems
@@ -355,23 +342,21 @@ def pool_problems(settings: Mapping[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- the writer section
 
 
-def writer_problems(settings: Mapping[str, Any]) -> list[str]:
-    """``ImageWriter``'s arguments by name (absent ones take their defaults), against the writer
-    group's declaration (``settings.WRITER``)."""
-    from lightning_diffusion.output.settings import WRITER
+def writer_problems(settings: WriterSettings) -> list[str]:
+    """The writer group's values (``ImageWriter``'s arguments) against their rules
+    (``settings.WriterSettings``), and the output location's own (``OutputStore.settings_problems``)."""
     from lightning_diffusion.output.store import store_class
 
-    output_dir = settings.get("output_dir", WRITER["output_dir"].default)
+    output_dir = settings.output_dir
     named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
-    given = {**settings, "output_dir": output_dir}
-    problems: list[str] = store_class(output_dir).settings_problems(given) if named else [
+    problems: list[str] = store_class(output_dir).settings_problems(settings) if named else [
         f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
         "folder)."]
-    for name, option in WRITER.items():
-        value, key = settings.get(name, option.default), f"writer.{name}"
-        if option.choices:
-            problems += one_of(value, key, option.choices)
-        elif option.integer:
-            problems += [p.replace(key, option.label or key) + option.hint
-                         for p in integer(value, key, option.minimum, option.maximum)]
+    for name, rule in WriterSettings.rules():
+        value, key = getattr(settings, name), f"writer.{name}"
+        if rule.choices:
+            problems += one_of(value, key, rule.choices)
+        elif rule.integer:
+            problems += [p.replace(key, rule.label or key) + rule.hint
+                         for p in integer(value, key, rule.minimum, rule.maximum)]
     return problems

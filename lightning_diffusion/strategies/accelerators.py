@@ -13,10 +13,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
+
+if TYPE_CHECKING:
+    from lightning.pytorch.accelerators import Accelerator
 
 
 def slurm_tasks_per_node(environ: Mapping[str, str]) -> Optional[int]:
@@ -51,7 +54,7 @@ def gpus_bound_to_tasks(visible_gpus: int, tasks_per_node: Optional[int], gpus_p
     return visible_gpus == gpus_per_task and allocated >= tasks_per_node * gpus_per_task
 
 
-def requested_count(devices: Any) -> Optional[int]:
+def requested_count(devices: object) -> Optional[int]:
     """How many devices a ``trainer.devices`` value asks for (None for ``auto`` / ``-1``)."""
     if isinstance(devices, (list, tuple)):
         return len(devices)
@@ -83,12 +86,13 @@ class TaskBoundCUDAAccelerator(CUDAAccelerator):
         return slurm_tasks_per_node(os.environ) or 1
 
     @classmethod
-    def register_accelerators(cls, accelerator_registry: Any) -> None:
+    def register_accelerators(cls, accelerator_registry: object) -> None:
         pass  # passed as an instance (``accelerator_for_job``), never by name
 
 
-def accelerator_for_job(accelerator: Any, devices: Any, gpus_per_task: int = 1,
-                        environ: Optional[Mapping[str, str]] = None, visible_gpus: Optional[int] = None) -> Any:
+def accelerator_for_job(accelerator: Union[str, Accelerator], devices: object, gpus_per_task: int = 1,
+                        environ: Optional[Mapping[str, str]] = None,
+                        visible_gpus: Optional[int] = None) -> Union[str, Accelerator]:
     """The accelerator to build the Trainer with: ``accelerator`` as given, or a
     ``TaskBoundCUDAAccelerator`` when this is a SLURM task that sees only its own ``gpus_per_task``
     GPUs and ``devices`` asks for the node's tasks (or ``auto``)."""

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from torch.distributed import ProcessGroup
+    from torch.utils.hooks import RemovableHandle
 
     from lightning_diffusion.pipelines.staged import StagedPipeline
 
@@ -125,13 +127,13 @@ class DiffusionParallelStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=float(seconds))
         self._backend_timeout = self._timeout + BACKEND_GRACE
         self._stall_watch: Optional[StallWatch] = None
-        self._beats: list[Any] = []  # the watch's hooks on the pipeline's models
+        self._beats: list[RemovableHandle] = []  # the watch's hooks on the pipeline's models
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
-        self._idle_group: Optional[Any] = None
-        self._replica_group: Optional[Any] = None
-        self._shard_group: Optional[Any] = None
+        self._idle_group: Optional[ProcessGroup] = None
+        self._replica_group: Optional[ProcessGroup] = None
+        self._shard_group: Optional[ProcessGroup] = None
         self._device_mesh: Optional[DeviceMesh] = None
         # Stop on SLURM's signals (see ``preemption``), in SLURM jobs.
         self._stop_on_signal = False
@@ -433,7 +435,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
-    def replica_share(self) -> Optional[Callable[[Any], Any]]:
+    def replica_share(self) -> Optional[Callable[[object], object]]:
         """What hands the object of a replica's first rank (its writing rank) to the replica's
         other ranks, one call on each (a pool's claims: ``pull.PullSampler``); None where a
         replica is one rank."""
@@ -443,7 +445,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         source = dist.get_global_rank(group, 0)
         device = self.root_device if self.root_device.type != "cpu" else None  # NCCL sends tensors on the GPU
 
-        def share(obj: Any) -> Any:
+        def share(obj: object) -> object:
             holder = [obj]
             dist.broadcast_object_list(holder, src=source, group=group, device=device)
             return holder[0]
@@ -451,7 +453,7 @@ class DiffusionParallelStrategy(ParallelStrategy):
         return share
 
     @property
-    def idle_group(self) -> Optional[Any]:
+    def idle_group(self) -> Optional[ProcessGroup]:
         """The gloo group of every rank with ``IDLE_TIMEOUT``, for waits as long as another rank's
         last images (``barrier``, the writer's end-of-run gather); None before the process group."""
         return self._idle_group

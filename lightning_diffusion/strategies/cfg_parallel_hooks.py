@@ -62,9 +62,9 @@ class CFGSplit:
         self.entry = entry
         self.group = group
         self.branch = branch  # 0: this rank computes cond, 1: uncond
-        self.encoded: list[Any] = []
+        self.encoded: list[tuple[object, ...]] = []  # encode_prompt's outputs in this pipeline call
         self.denoising = False
-        self.pending: Optional[Any] = None
+        self.pending: Optional[tuple[object, _Prediction]] = None  # (its hidden states, the uncond answer)
         self.split_calls = 0
         self.plain_calls = 0
         self.pipeline = pipeline

@@ -58,8 +58,8 @@ def backend_device_problems(name: str, device: torch.device) -> list[str]:
     return []
 
 
-def cfg_problems(class_name: str, call_args: dict[str, Any], default: Callable[[str], Any],
-                 records: Optional[Sequence[Any]]) -> list[str]:
+def cfg_problems(class_name: str, call_args: dict[str, Any], default: Callable[[str], object],
+                 records: Optional[Sequence[object]]) -> list[str]:
     """A cfg pair would only run the same work twice unless the pipeline's spec says how its two
     guidance passes are fed and the config turns the negative branch on; refuse instead.
     ``default(name)``: the pipeline's default for a call argument (``PipelineInfo.call_default``:
@@ -236,7 +236,7 @@ def plan_misses(cls: type[Any], config: dict[str, Any]) -> list[str]:
     if model is None:
         return []
 
-    def found(module: Any, atoms: list[str]) -> bool:
+    def found(module: object, atoms: list[str]) -> bool:
         if not atoms:
             return True
         head, rest = atoms[0], atoms[1:]

@@ -7,7 +7,7 @@ import os
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -20,6 +20,13 @@ from lightning_diffusion.pipelines.staged import StagedPipeline, stages_for
 from lightning_diffusion.run.validation import integer
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from transformers import PreTrainedModel
+
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
 # The model a pipeline's weights are mostly in; "auto" spreads this one over devices, CPU and disk.
 DENOISERS = ("transformer", "unet")
@@ -271,8 +278,8 @@ class DeviceMapStrategy(MeshStrategy):
             plan.components[name] = partial(self._load_placed, name, cls, target)
         return plan
 
-    def _load_placed(self, name: str, cls: type[Any], target: str, info: Any, dtype: torch.dtype,
-                     **from_pretrained: Any) -> torch.nn.Module:
+    def _load_placed(self, name: str, cls: type[Union[ModelMixin, PreTrainedModel]], target: str, info: PipelineInfo,
+                     dtype: torch.dtype, **from_pretrained: object) -> torch.nn.Module:
         kwargs: dict[str, Any] = dict(from_pretrained)  # quantization_config
         if target == "auto":
             kwargs.update(device_map="auto", max_memory=self.accelerate_max_memory())
@@ -306,7 +313,7 @@ class DeviceMapStrategy(MeshStrategy):
                 continue
             component.to("cpu" if name in stage_resident else self.root_device)
 
-    def setup_pipeline(self, pipeline: Any) -> Any:
+    def setup_pipeline(self, pipeline: DiffusionPipeline) -> Union[DiffusionPipeline, StagedPipeline]:
         """Report where each component went; wrap the pipeline in its stages when ``staged``."""
         placement = []
         for name, component in pipeline.components.items():

@@ -152,7 +152,7 @@ class _Hook(ModelHook):
 
     fn_ref: Any  # diffusers' HookFunctionReference, whose original_forward it types as None (its initial value)
 
-    def __init__(self, route: Callable[[Callable, tuple, dict], Any]) -> None:
+    def __init__(self, route: Callable[[Callable, tuple, dict], object]) -> None:
         super().__init__()
         self.route = route
 
@@ -190,7 +190,7 @@ class GroupWork:
         self.bytes_received = 0  # by this rank's exchanges, its own share included
         if isinstance(self.vae, torch.nn.Module) and callable(getattr(self.vae, "decode", None)):
             vae: Any = self.vae  # a diffusers VAE: its methods are not nn.Module's attributes
-            self._original_decode: Callable[..., Any] = vae.decode
+            self._original_decode: Callable[..., _Decoded] = vae.decode
             vae.decode = self.decode
             if type(vae).__name__ in TILE_PARALLEL and getattr(vae, "use_tiling", False):
                 self.tiles = True
@@ -292,7 +292,7 @@ class GroupWork:
             return None
         return found[1]
 
-    def _hidden_state_readers(self, encoders: set[str]) -> dict[Any, tuple[str, int, int, int]]:
+    def _hidden_state_readers(self, encoders: set[str]) -> dict[CodeType, tuple[str, int, int, int]]:
         """The methods of the pipeline's class that read one hidden state of an encoder's output and
         nothing else of it (their code -> encoder, index, lines of the call): ``_one_hidden_state``."""
         readers = {}

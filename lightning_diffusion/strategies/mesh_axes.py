@@ -11,8 +11,9 @@ of your own replaces one by its class attribute (``MeshStrategy.tensor_axis`` an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
@@ -33,6 +34,14 @@ from lightning_diffusion.strategies.context_parallel_hooks import enable_context
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
 from lightning_diffusion.strategies.sharded_load import PASSED_OPTIONS, load_sharded
 
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_diffusion.pipelines.lora import Adapter
+    from lightning_diffusion.pipelines.model_folder import PipelineInfo
+
 
 class AxisHost(Protocol):
     """What an axis reads of its strategy (``MeshStrategy``): the run's degrees and mesh, this rank's
@@ -46,7 +55,7 @@ class AxisHost(Protocol):
     def parallel_dims(self) -> ParallelDims: ...
 
     @property
-    def device_mesh(self) -> Any: ...  # torch's DeviceMesh, indexed by axis names
+    def device_mesh(self) -> DeviceMesh: ...  # indexed by axis names
 
     @property
     def root_device(self) -> torch.device: ...
@@ -85,7 +94,7 @@ class MeshAxis:
     def load_plan(self, plan: LoadPlan, request: ModelRequest) -> None:
         """Change how the pipeline of ``request`` loads (``plan``)."""
 
-    def apply(self, pipeline: Any) -> None:
+    def apply(self, pipeline: DiffusionPipeline) -> None:
         """Parallelise the loaded pipeline, placed on this rank's device."""
 
     def finish(self) -> None:
@@ -105,7 +114,7 @@ class ContextAxis(MeshAxis):
         run_check(problems, resolved_attention_backend, backend, device, dims, request.dtype)
         return problems + context_parallel_problems(request, dims, strategy.ulysses_anything, strategy.ring_anything)
 
-    def apply(self, pipeline: Any) -> None:
+    def apply(self, pipeline: DiffusionPipeline) -> None:
         strategy, dims = self.strategy, self.strategy.parallel_dims
         compat.apply_parallel_patches()
         if strategy.root_device.type == "cpu":
@@ -142,7 +151,7 @@ class CFGAxis(MeshAxis):
         info = request.info
         return cfg_problems(info.class_name, dict(request.call_args), info.call_default, request.records)
 
-    def apply(self, pipeline: Any) -> None:
+    def apply(self, pipeline: DiffusionPipeline) -> None:
         pair = self.strategy.device_mesh["cfg"]
         entry = spec_for(type(pipeline).__name__).cfg
         assert entry is not None  # cfg_problems refused a pipeline without one before loading
@@ -177,7 +186,8 @@ class TensorAxis(MeshAxis):
         if request.lora:
             plan.fuse_adapters = self.fuse
 
-    def load(self, name: str, cls: type[Any], options: dict, info: Any, dtype: torch.dtype) -> torch.nn.Module:
+    def load(self, name: str, cls: type[ModelMixin], options: dict, info: PipelineInfo,
+             dtype: torch.dtype) -> torch.nn.Module:
         """Component ``name`` (a ``cls``) of the model folder ``info`` as this rank's shards."""
         strategy = self.strategy
         if strategy.root_device.type == "cuda":
@@ -186,7 +196,7 @@ class TensorAxis(MeshAxis):
         self.sharded.add(name)
         return model
 
-    def fuse(self, pipeline: Any, adapters: Any) -> None:
+    def fuse(self, pipeline: DiffusionPipeline, adapters: Sequence[Adapter]) -> None:
         """Each rank adds its slice of every adapter update to its shards (diffusers refuses adapters
         on a tensor-parallel model), cut as diffusers' ``_tp_plan`` cut the weights."""
         from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs

@@ -16,7 +16,7 @@ The rules checked before any weight loads are in ``checks`` (they return problem
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -35,6 +35,12 @@ from lightning_diffusion.strategies.mesh_axes import (
     context_backend_problems,
 )
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+
+    from lightning_diffusion.pipelines.staged import StagedPipeline
+
 
 
 class MeshStrategy(DiffusionParallelStrategy):
@@ -167,7 +173,7 @@ class MeshStrategy(DiffusionParallelStrategy):
             axis.load_plan(plan, request)
         return plan
 
-    def setup_pipeline(self, pipeline: Any) -> Any:
+    def setup_pipeline(self, pipeline: DiffusionPipeline) -> Union[DiffusionPipeline, StagedPipeline]:
         for axis in self.axes():
             axis.apply(pipeline)
         return pipeline

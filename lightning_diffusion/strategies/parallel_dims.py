@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -19,6 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_diffusion.console import counted
 from lightning_diffusion.errors import ConfigError, is_int, raise_problems
 from lightning_diffusion.pipelines import compat
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 MESH_DIMS = ("dp", "cfg", "ring", "ulysses", "tp")
 
@@ -184,21 +187,21 @@ class ProcessGroups:
     group would be the rank alone, or is not needed)."""
 
     mesh: DeviceMesh
-    replica: Optional[Any]
-    shard: Optional[Any]
+    replica: Optional[ProcessGroup]
+    shard: Optional[ProcessGroup]
 
-    def all(self) -> list[Any]:
+    def all(self) -> list[ProcessGroup]:
         """Every group made for this rank (the mesh's dimensions and flattened groups included)."""
         return mesh_groups(self.mesh) + [group for group in (self.replica, self.shard) if group is not None]
 
 
-def mesh_groups(mesh: DeviceMesh) -> list[Any]:
+def mesh_groups(mesh: DeviceMesh) -> list[ProcessGroup]:
     """The process groups of this rank in ``mesh``: one per dimension, and the flattened ones."""
     flattened = mesh._get_root_mesh()._flatten_mapping  # not sliced by name: deprecated for flattened dims
     return [mesh[name].get_group() for name in mesh.mesh_dim_names or ()] + [m.get_group() for m in flattened.values()]
 
 
-def new_groups(groups: list[list[int]], rank: int, timeout: timedelta) -> Optional[Any]:
+def new_groups(groups: list[list[int]], rank: int, timeout: timedelta) -> Optional[ProcessGroup]:
     """Create every group of ``groups`` (every rank creates every group, in the same order) and
     return ``rank``'s; ``None`` when the groups are single ranks."""
     if len(groups[0]) == 1:

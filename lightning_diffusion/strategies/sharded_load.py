@@ -5,18 +5,23 @@ whole planned weight."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from lightning_diffusion.console import log
 from lightning_diffusion.pipelines import compat
 
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
+    from torch.distributed.device_mesh import DeviceMesh
+
 # from_pretrained options passed on to a sharded load (the others are refused before loading).
 PASSED_OPTIONS = ("revision", "variant", "token", "cache_dir")
 
 
-def load_sharded(cls: type[Any], path: str, subfolder: Optional[str], dtype: torch.dtype, tp_mesh: Any, **options: Any):
+def load_sharded(cls: type[ModelMixin], path: str, subfolder: Optional[str], dtype: torch.dtype, tp_mesh: DeviceMesh,
+                 **options: Any) -> ModelMixin:
     """Create ``cls`` from ``path/subfolder`` with this rank's shard of every planned weight."""
     from diffusers import TensorParallelConfig
 

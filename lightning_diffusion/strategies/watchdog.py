@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -40,6 +40,9 @@ from typing_extensions import override
 
 from lightning_diffusion.console import INTERRUPTED_LINE, log
 from lightning_diffusion.run import interrupt
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 _ALL = {"all_ranks": True}  # a rank's own news: printed on every rank
 
@@ -64,7 +67,8 @@ class Launcher(_SubprocessScriptLauncher):
     """Lightning's script launcher, less its child-process observer: the ``Watchdog`` watches."""
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., object], *args: object, trainer: Optional[pl.Trainer] = None,
+               **kwargs: object) -> object:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             inherited = os.environ.get(LAUNCHER_PID)
@@ -240,7 +244,7 @@ class StallWatch:
     def stop(self) -> None:
         self._stop.set()
 
-    def beat(self, *_: Any) -> None:
+    def beat(self, *_: object) -> None:
         """Progress (a model call began or ended); also a forward (pre-)hook."""
         self._last = time.monotonic()
 

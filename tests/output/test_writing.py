@@ -183,8 +183,8 @@ def test_a_files_class_the_writer_process_cannot_import_is_refused(tmp_path):
     mine = type("MyWriter", (ImageWriter,), {"files_class": local})
     with pytest.raises(ConfigError, match="defined in the script being run.*writer.write_in: thread"):
         mine(str(tmp_path))
-    assert mine(str(tmp_path), write_in="thread").write_in == "thread"
-    assert mine(str(tmp_path), write_workers=0).write_workers == 0
+    assert mine(str(tmp_path), write_in="thread").settings.write_in == "thread"
+    assert mine(str(tmp_path), write_workers=0).settings.write_workers == 0
 
 
 @pytest.mark.parametrize("image_format, suffix", [("webp", ".webp"), ("jpeg", ".jpg")])
@@ -318,9 +318,10 @@ def test_a_writer_that_fails_at_its_drain_on_rank_1_fails_rank_0_too(tmp_path):
 def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_temporary(tmp_path, fsync):
     """The batch's lines are appended together (one open and one sync a batch), but a failure on its
     third file still records the two written before it, each with its size, and nothing else."""
+    from lightning_diffusion.output.settings import WriterSettings
     from tests.slow_writer import FailingFiles
 
-    files = FailingFiles(tmp_path, fsync=fsync, part=tmp_path / "part.jsonl")
+    files = FailingFiles(tmp_path, WriterSettings(fsync=fsync), part=tmp_path / "part.jsonl")
     batch = [{"index": i, "prompt": f"prompt {i}", "seed": i, "params": {"height": 8},
               "image": np.full((8, 8, 3), i / 4, np.float32)} for i in range(4)]
     with pytest.raises(OSError, match="disk full"):

@@ -1,0 +1,71 @@
+"""The model group's options (``DiffusionModule``'s arguments), each declared once: the defaults
+here are the ones ``DiffusionModule``'s signature, ``model_checks.model_problems``, ``preflight``
+and run.json use.
+
+Kept free of torch and Lightning: the CLI's checks import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from lightning_diffusion.errors import ConfigError
+
+# The call arguments the model group names (the rest go in ``call_kwargs``); records may set them.
+MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
+# The options that change pictures (float rounding, seams): recorded in run.json and in each image's
+# metadata, so that a folder is not resumed with other values.
+OPTIONS = ("pipeline_class", "lora", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``DiffusionModule``'s options (the ``model`` group). Values are as given:
+    ``model_checks.model_problems`` says what is wrong with them."""
+
+    pretrained_model_name_or_path: str = "tiny:shapes"
+    torch_dtype: str = "float32"
+    height: Optional[int] = None
+    width: Optional[int] = None
+    num_inference_steps: Optional[int] = None
+    guidance_scale: Optional[float] = None
+    num_frames: Optional[int] = None
+    call_kwargs: Optional[dict[str, Any]] = None
+    from_pretrained_kwargs: Optional[dict[str, Any]] = None
+    show_inner_progress: bool = False
+    pad_batches: bool = True
+    cache: Optional[dict[str, Any]] = None
+    vae_tiling: Optional[Union[bool, dict[str, int]]] = None
+    split_work: bool = True
+    compile: Optional[str] = None
+    vae_slicing: bool = False
+    attention_backend: Optional[str] = None
+    quantization: Optional[dict[str, Any]] = None
+    pipeline_class: Optional[str] = None
+    lora: Optional[list[dict[str, Any]]] = None
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> ModelSettings:
+        """The group's values: ``given`` (a parsed config's ``model`` section, ``DiffusionModule``'s
+        hyperparameters, or keyword arguments), every absent option at its default."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ConfigError(f"the model has no option {', '.join(unknown)}; it has: {', '.join(names)}.")
+        return cls(**given)
+
+    @classmethod
+    def among(cls, given: Mapping[str, Any]) -> ModelSettings:
+        """The group's values among ``given``, which may hold more (the hyperparameters of a
+        subclass of ``DiffusionModule`` hold its own arguments too)."""
+        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+    def named_call_args(self) -> dict[str, Any]:
+        """The call arguments the group names (``MODEL_CALL_ARGS``), None where not given."""
+        return {key: getattr(self, key) for key in MODEL_CALL_ARGS}
+
+    def options(self) -> dict[str, Any]:
+        """The options that change pictures (``OPTIONS``), as given."""
+        return {key: getattr(self, key) for key in OPTIONS}
