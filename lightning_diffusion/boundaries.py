@@ -120,6 +120,17 @@ class PoolSource(Protocol):
 
 
 @runtime_checkable
+class ShardSource(Protocol):
+    """A data module that makes one shard of a job array (``PromptDataModule`` with
+    ``data.num_shards`` over 1), as the writer drives it."""
+
+    def use_shard(self, shard: Shard) -> None:
+        """Make ``shard``'s images, as its plan deals them: the plan the output location recorded
+        for the array, which its first task made (``shard.adopt``; the writer calls it at setup)."""
+        ...
+
+
+@runtime_checkable
 class ImageSource(Protocol):
     """A LightningModule as the writer reads it (``DiffusionModule``)."""
 

@@ -293,6 +293,13 @@ class PromptDataModule(pl.LightningDataModule):
                 shard_owners(self.records, self.num_images_per_prompt, self.batch_size, self.bucket, self.num_shards))
         return self._shard
 
+    def use_shard(self, shard: Shard) -> None:
+        """Make ``shard``'s images as its plan deals them (the output location's recorded plan, which
+        the writer adopted at setup: ``boundaries.ShardSource``)."""
+        if (shard.shard_index, shard.num_shards) != (self.shard_index, self.num_shards):
+            raise ValueError(f"shard {tuple(shard)} is not this data module's ({self.shard_index}, {self.num_shards})")
+        self._shard = shard
+
     def shard_images(self) -> np.ndarray:
         """The indices this run is for: every image, or its shard's."""
         return shard_members(self.num_images, self.shard)

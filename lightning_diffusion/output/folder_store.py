@@ -334,7 +334,7 @@ class FolderStore:
             recorded = first_plan(self, count, total, lambda: owners)
             atomic_write(path, lambda f: f.write(owners_bytes(recorded)))
         self.adopted = not np.array_equal(recorded, owners)
-        problem = adopt(self.shard, recorded, total, str(path))
+        self.shard, problem = adopt(self.shard, recorded, total, str(path))
         self.expected = self.shard.size(total)
         return problem
 

@@ -521,7 +521,7 @@ class ObjectStore:
             recorded = owners_from_bytes(tried(f"reading {name} at", self.url,
                                                lambda: fs.cat_file(f"{root}/{name}")))
         self.adopted = not np.array_equal(recorded, owners)
-        problem = adopt(self.shard, recorded, total, f"{self.url}/{name}")
+        self.shard, problem = adopt(self.shard, recorded, total, f"{self.url}/{name}")
         self.expected = self.shard.size(total)
         return problem
 

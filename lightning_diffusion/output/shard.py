@@ -39,13 +39,18 @@ class _Pair(NamedTuple):
 
 class Shard(_Pair):
     """Shard ``shard_index`` of ``num_shards`` (a tuple, so that run.json records it as ``[T, N]``);
-    ``owners`` (set by ``with_owners``): the shard of every image of the set, where it is known."""
+    ``owners``: the shard of every image of the set, where it is known. Immutable: ``with_owners``
+    and ``adopt`` make a new one, so a plan one part takes never changes what another part holds."""
 
     owners: Optional[np.ndarray] = None
 
-    def with_owners(self, owners: Optional[np.ndarray]) -> "Shard":
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Shard is immutable ({name}): with_owners makes one with a plan")
+
+    def with_owners(self, owners: Optional[np.ndarray]) -> Shard:
+        """This shard, dealt by ``owners`` (the shard of every image)."""
         shard = Shard(self.shard_index, self.num_shards)
-        shard.owners = owners
+        object.__setattr__(shard, "owners", owners)
         return shard
 
     @property
@@ -149,19 +154,18 @@ def recorded_owners(folder: Path, num_shards: int) -> Optional[np.ndarray]:
         return None
 
 
-def adopt(shard: Shard, recorded: Optional[np.ndarray], total: int, where: str) -> Optional[str]:
-    """Make ``shard`` deal as the plan ``recorded`` at ``where`` does (the first task's: a task run
+def adopt(shard: Shard, recorded: Optional[np.ndarray], total: int, where: str) -> tuple[Shard, Optional[str]]:
+    """``shard`` dealt as the plan ``recorded`` at ``where`` deals it (the first task's: a task run
     with another ``data.batch_size`` or ``data.bucket`` makes the recorded shard's images all the
-    same). Why it cannot: the plan is not one of ``total`` images (another prompt set). None when
-    adopted or when there is no plan."""
+    same), and why it cannot be: the plan is not one of ``total`` images (another prompt set). Where
+    there is no plan, or on a refusal, ``shard`` itself."""
     if recorded is None:
-        return None
+        return shard, None
     if len(recorded) != total or (len(recorded) and int(recorded.max()) >= shard.num_shards):
-        return (f"{where} deals {len(recorded):,} images to {shard.num_shards} shards, but this prompt set has "
-                f"{total:,}: the array's first task ran with another prompt set. Use another output folder, or "
-                "another shard count.")
-    shard.owners = recorded
-    return None
+        return shard, (f"{where} deals {len(recorded):,} images to {shard.num_shards} shards, but this prompt set "
+                       f"has {total:,}: the array's first task ran with another prompt set. Use another output "
+                       "folder, or another shard count.")
+    return shard.with_owners(recorded), None
 
 
 def index_rule(total: int, num_shards: int) -> np.ndarray:

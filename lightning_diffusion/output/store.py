@@ -33,7 +33,10 @@ class OutputStore(Protocol):
     # A folder every node must see (the writer checks that before the run); False for a storage
     # the nodes reach on their own.
     needs_shared_folder: bool
-    adopted: bool  # after ``prepare``: the shard deals as the recorded plan, not as this run computed it
+    # The shard of a job array this run makes (None: the whole set); after ``prepare``, dealt by the
+    # plan the store holds (``adopted``: that plan, not the one this run computed).
+    shard: Optional[Shard]
+    adopted: bool
     # After ``prepare`` of a job of a pool: its first worker's registration (``pool.Pool``), made
     # before anything loads so that a run that deals and starts meanwhile sees it; else None.
     worker: Optional[Pool]

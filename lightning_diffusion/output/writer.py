@@ -39,7 +39,15 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_diffusion.boundaries import ImageSource, PoolSource, PromptSource, RunPlan, require, run_strategy
+from lightning_diffusion.boundaries import (
+    ImageSource,
+    PoolSource,
+    PromptSource,
+    RunPlan,
+    ShardSource,
+    require,
+    run_strategy,
+)
 from lightning_diffusion.console import counted, log
 from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
@@ -222,7 +230,7 @@ class ImageWriter(BasePredictionWriter):
                               "or set writer.write_in: thread.")
         # A folder; for a store the nodes reach on their own (a bucket), where its files are built.
         shared = store_class(output_dir).needs_shared_folder
-        self.local_folder = Path(output_dir).expanduser() if shared else Path(staging_dir or ".")
+        self.output_dir = Path(output_dir).expanduser() if shared else Path(staging_dir or ".")
         # Set by setup, for one run:
         self.plan: Optional[RunPlan] = None  # the data module's, handed over at setup
         self.store: Optional[OutputStore] = None
@@ -257,7 +265,7 @@ class ImageWriter(BasePredictionWriter):
     def parts_folder(self) -> Path:
         """The folder this process writes its files and manifest part into (the output folder, or
         its staging folder for a bucket; a full disk is said with its free space)."""
-        return self.store.local_dir if self.store is not None else self.local_folder
+        return self.store.local_dir if self.store is not None else self.output_dir
 
     @staticmethod
     def writes_outputs(trainer: pl.Trainer) -> bool:
@@ -278,19 +286,19 @@ class ImageWriter(BasePredictionWriter):
 
         token = f".nodes-check-{os.urandom(6).hex()}" if trainer.is_global_zero else None
         if token is not None:
-            (self.local_folder / token).write_bytes(b"")
+            (self.output_dir / token).write_bytes(b"")
         token = trainer.strategy.broadcast(token)
         assert token is not None  # rank 0's, on every rank
-        sees = (self.local_folder / token).exists() if trainer.local_rank == 0 else None
+        sees = (self.output_dir / token).exists() if trainer.local_rank == 0 else None
         node = f"node {trainer.node_rank} ({socket.gethostname()})"
         seen = [entry for entry in gather_idle(trainer.strategy, (node, sees)) if entry[1] is not None]
         if trainer.is_global_zero:
-            (self.local_folder / token).unlink(missing_ok=True)
+            (self.output_dir / token).unlink(missing_ok=True)
         blind = sorted({name for name, saw in seen if not saw})
         if blind:
             if trainer.is_global_zero:
                 self._release()
-            raise ConfigError(f"writer.output_dir {self.local_folder} is not one folder shared by the nodes: "
+            raise ConfigError(f"writer.output_dir {self.output_dir} is not one folder shared by the nodes: "
                               f"{', '.join(blind)} {'does' if len(blind) == 1 else 'do'} not see what {seen[0][0]} "
                               "writes there (node-local storage?). Put it on a file system every node mounts.")
 
@@ -318,14 +326,18 @@ class ImageWriter(BasePredictionWriter):
         error, done, adopted = trainer.strategy.broadcast(result)
         if error:
             raise ConfigError(error)
-        if adopted and not trainer.is_global_zero:  # rank 0 took the folder's recorded shard plan: so does every rank
-            shard = self.plan.shard
+        if adopted:  # rank 0 took the folder's recorded shard plan: so does every rank, and its data module
+            shard = self.store.shard
             assert shard is not None
-            recorded = self.store.shard_plan(shard.num_shards)
-            problem = adopt(shard, recorded, self.total, f"{self.store.where}/{plan_file(shard.num_shards)}")
-            if recorded is None or problem:
-                raise ConfigError(problem or f"{self.store.where}: rank {trainer.global_rank} does not see the shard "
-                                  "plan rank 0 recorded there.")
+            if not trainer.is_global_zero:
+                recorded = self.store.shard_plan(shard.num_shards)
+                shard, problem = adopt(shard, recorded, self.total, f"{self.store.where}/{plan_file(shard.num_shards)}")
+                if recorded is None or problem:
+                    raise ConfigError(problem or f"{self.store.where}: rank {trainer.global_rank} does not see the "
+                                      "shard plan rank 0 recorded there.")
+            require(data, ShardSource, "a data module that makes one shard of a job array").use_shard(shard)
+            self.plan = data.run_plan()
+            self.shard = self.plan.shard
         self.expected = self.plan.expected
         if job is not None:
             self._pool = require(data, PoolSource, "a data module that pulls batches (data.schedule: pull)")
@@ -352,7 +364,7 @@ class ImageWriter(BasePredictionWriter):
         if self._files is None or self._files.part != self._part:
             store, rank = self.store, self._rank
             self._files = self.files_class(
-                store.local_dir if store is not None else self.local_folder, self.settings, self._part,
+                store.local_dir if store is not None else self.output_dir, self.settings, self._part,
                 resolve_layout(self.settings.layout, self.total, self.settings.files_per_folder),
                 store.publisher(rank) if store is not None else None)
         return self._files

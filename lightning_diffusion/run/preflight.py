@@ -220,9 +220,10 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             shard = Shard(data.shard_index, count)
             recorded = recorded_owners(folder, count) if folder.is_dir() else None
             if recorded is None:
-                shard.owners = shard_owners(records, data.num_images_per_prompt, data.batch_size, data.bucket, count)
-            problem = adopt(shard, recorded, len(records) * data.num_images_per_prompt,
-                            str(folder / plan_file(count)))
+                shard = shard.with_owners(
+                    shard_owners(records, data.num_images_per_prompt, data.batch_size, data.bucket, count))
+            shard, problem = adopt(shard, recorded, len(records) * data.num_images_per_prompt,
+                                   str(folder / plan_file(count)))
             problems += [problem] if problem else []
         problems += disk_space_problems(info, call_args, records, data.num_images_per_prompt, writer.output_dir,
                                         shard, found)
