@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar, Union, cast, runtime_checkable
 
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.input.settings import LEASE_S
 from lightning_diffusion.output.shard import Shard, shard_size
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class RunPlan:
     files: tuple[str, ...] = ()
     reading: Optional[dict[str, Any]] = None
     pull: bool = False  # ``data.schedule: pull``: the run's workers pull batches from a pool in the output
-    lease_s: float = 180.0  # ``data.lease_s``, with ``pull``
+    lease_s: float = LEASE_S  # ``data.lease_s``, with ``pull``
 
     @property
     def expected(self) -> int:

@@ -54,8 +54,10 @@ class DataSettings:
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> DataSettings:
-        """The group's values: ``given`` (a parsed config's ``data`` section, or keyword arguments),
-        every absent option at its default."""
+        """The group's values: ``given`` (a parsed config's ``data`` section, or keyword arguments), every
+        absent option at its default."""
+        # jsonargparse's meta keys (``__path__``: the group was given as a file) are not options.
+        given = {key: value for key, value in given.items() if not key.startswith("__")}
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(given) - set(names))
         if unknown:

@@ -78,8 +78,8 @@ class WriterSettings:
     quality: int = ruled(90, minimum=1, maximum=100, integer=True, label="writer.quality (WebP and JPEG)")
     png_compress_level: int = ruled(PNG_COMPRESS_LEVEL, minimum=0, maximum=9, integer=True)
     fsync: str = ruled("batch", choices=FSYNC)
-    write_workers: int = ruled(2, minimum=0, integer=True, hint=" (0: write on the prediction thread)")
     write_queue: int = ruled(2, minimum=1, integer=True)
+    write_workers: int = ruled(2, minimum=0, integer=True, hint=" (0: write on the prediction thread)")
     write_in: str = ruled("process", choices=WRITE_IN)
     layout: str = ruled("auto", choices=LAYOUTS)
     files_per_folder: int = ruled(FILES_PER_FOLDER, minimum=1, integer=True)
@@ -87,12 +87,14 @@ class WriterSettings:
     samples_per_shard: int = ruled(SAMPLES_PER_SHARD, minimum=1, integer=True)
     # an object store (output_dir s3://...): where tar shards are built, and fsspec's options
     staging_dir: Optional[str] = None
-    storage_options: Optional[dict[str, Any]] = None
+    storage_options: Optional[dict[str, Any]] = field(default=None, repr=False)  # credentials: never shown
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> WriterSettings:
-        """The group's values: ``given`` (a parsed config's ``writer`` section, or keyword
-        arguments), every absent option at its default."""
+        """The group's values: ``given`` (a parsed config's ``writer`` section, or keyword arguments), every
+        absent option at its default."""
+        # jsonargparse's meta keys (``__path__``: the group was given as a file) are not options.
+        given = {key: value for key, value in given.items() if not key.startswith("__")}
         unknown = sorted(set(given) - {f.name for f in fields(cls)})
         if unknown:
             raise ConfigError(f"the writer has no option {', '.join(unknown)}; it has: "

@@ -32,6 +32,7 @@ import re
 import shutil
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, cast
 
@@ -363,8 +364,10 @@ class ImageWriter(BasePredictionWriter):
         for the run: a tar shard stays open between batches)."""
         if self._files is None or self._files.part != self._part:
             store, rank = self.store, self._rank
+            where = store.local_dir if store is not None else self.output_dir
+            # the store's credentials stay in this process: the files need none
             self._files = self.files_class(
-                store.local_dir if store is not None else self.output_dir, self.settings, self._part,
+                where, replace(self.settings, storage_options=None), self._part,
                 resolve_layout(self.settings.layout, self.total, self.settings.files_per_folder),
                 store.publisher(rank) if store is not None else None)
         return self._files

@@ -76,13 +76,6 @@ class PipelineLoader:
     num_inference_steps: Optional[int] = None
     show_inner_progress: bool = False
 
-    def load(self, plan: LoadPlan, strategy: Optional[NodeRanks], global_rank: int) -> LoadedPipeline:
-        """The weights fetched (``fetch_weights``), the components ``plan`` builds built, then the
-        pipeline loaded with them (``load_pipeline``). ``strategy``: the run's (``None``: no
-        Trainer); ``global_rank``: this process's, whose rank 0 logs."""
-        self.fetch_weights(strategy, global_rank)
-        return self.load_pipeline(plan, self.build_components(plan), global_rank)
-
     def build_components(self, plan: LoadPlan) -> dict[str, nn.Module]:
         """The components ``plan`` builds itself (a transformer sharded while it loads, one placed
         by a device map), each quantized as ``model.quantization`` says."""

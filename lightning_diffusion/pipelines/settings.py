@@ -50,6 +50,8 @@ class ModelSettings:
     def of(cls, given: Mapping[str, Any]) -> ModelSettings:
         """The group's values: ``given`` (a parsed config's ``model`` section, ``DiffusionModule``'s
         hyperparameters, or keyword arguments), every absent option at its default."""
+        # jsonargparse's meta keys (``__path__``: the group was given as a file) are not options.
+        given = {key: value for key, value in given.items() if not key.startswith("__")}
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(given) - set(names))
         if unknown:

@@ -48,3 +48,21 @@ def test_real_model_config_degrees_fit_its_devices_and_model(config):
         assert sizes.text_tokens % dims.cp == 0 or spec.prompt_length_text
     if dims.cfg > 1:
         assert spec.cfg is not None
+
+
+def test_groups_given_as_their_own_files_pass_the_checks_before_loading(tmp_path):
+    """``--model m.yaml --data d.yaml --writer w.yaml``: each group read from its file (jsonargparse
+    marks it with ``__path__``) is checked as the same group written inline."""
+    from lightning_diffusion.run.config import read_config
+    from lightning_diffusion.run.preflight import preflight
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    (tmp_path / "m.yaml").write_text("pretrained_model_name_or_path: tiny:shapes\nnum_inference_steps: 2\n")
+    (tmp_path / "d.yaml").write_text(f"prompts: {prompts}\nbatch_size: 1\n")
+    (tmp_path / "w.yaml").write_text(f"output_dir: {tmp_path / 'out'}\nimage_format: webp\n")
+    config = read_config("configs/tiny.yaml", ["--model", str(tmp_path / "m.yaml"), "--data", str(tmp_path / "d.yaml"),
+                                               "--writer", str(tmp_path / "w.yaml"), "--trainer.devices", "1"])
+    assert "__path__" in config.model and "__path__" in config.writer
+    verdict = preflight(config)
+    assert verdict.problems == [] and verdict.complete
