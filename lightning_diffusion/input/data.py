@@ -238,9 +238,10 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         settings = DataSettings(
-            prompts, batch_size, seed, num_images_per_prompt, num_workers, inputs_root, num_shards, shard_index,
-            max_pixels, max_prompt_chars, on_bad_record, on_error, bucket, columns, keep_columns, split, schedule,
-            lease_s)
+            prompts=prompts, batch_size=batch_size, seed=seed, num_images_per_prompt=num_images_per_prompt,
+            num_workers=num_workers, inputs_root=inputs_root, num_shards=num_shards, shard_index=shard_index,
+            max_pixels=max_pixels, max_prompt_chars=max_prompt_chars, on_bad_record=on_bad_record, on_error=on_error,
+            bucket=bucket, columns=columns, keep_columns=keep_columns, split=split, schedule=schedule, lease_s=lease_s)
         raise_problems(data_problems(settings))
         self.settings = settings
         self.prompts = prompts
