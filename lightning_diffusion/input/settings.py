@@ -8,10 +8,11 @@ Kept free of torch and Lightning: the CLI's checks import it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.groups import group_options
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
 # tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
@@ -56,12 +57,7 @@ class DataSettings:
     def of(cls, given: Mapping[str, Any]) -> DataSettings:
         """The group's values: ``given`` (a parsed config's ``data`` section, or keyword arguments), every
         absent option at its default."""
-        # jsonargparse's meta keys (``__path__``: the group was given as a file) are not options.
-        given = {key: value for key, value in given.items() if not key.startswith("__")}
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise ConfigError(f"the data module has no option {', '.join(unknown)}; it has: {', '.join(names)}.")
+        given = group_options(cls, given, "the data module")
         if "prompts" not in given:
             raise ConfigError("data.prompts is required: a prompt file, a dataset, or a list of records.")
         return cls(**given)

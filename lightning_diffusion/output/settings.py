@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.groups import group_options
 from lightning_diffusion.output.manifest import PROMPTS_HASH, prompts_hash
 
 if TYPE_CHECKING:
@@ -93,13 +94,7 @@ class WriterSettings:
     def of(cls, given: Mapping[str, Any]) -> WriterSettings:
         """The group's values: ``given`` (a parsed config's ``writer`` section, or keyword arguments), every
         absent option at its default."""
-        # jsonargparse's meta keys (``__path__``: the group was given as a file) are not options.
-        given = {key: value for key, value in given.items() if not key.startswith("__")}
-        unknown = sorted(set(given) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"the writer has no option {', '.join(unknown)}; it has: "
-                              f"{', '.join(f.name for f in fields(cls))}.")
-        return cls(**given)
+        return cls(**group_options(cls, given, "the writer"))
 
     @classmethod
     def rules(cls) -> Iterator[tuple[str, Rule]]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.groups import group_options
 
 # The call arguments the model group names (the rest go in ``call_kwargs``); records may set them.
 MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
@@ -50,13 +50,7 @@ class ModelSettings:
     def of(cls, given: Mapping[str, Any]) -> ModelSettings:
         """The group's values: ``given`` (a parsed config's ``model`` section, ``DiffusionModule``'s
         hyperparameters, or keyword arguments), every absent option at its default."""
-        # jsonargparse's meta keys (``__path__``: the group was given as a file) are not options.
-        given = {key: value for key, value in given.items() if not key.startswith("__")}
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise ConfigError(f"the model has no option {', '.join(unknown)}; it has: {', '.join(names)}.")
-        return cls(**given)
+        return cls(**group_options(cls, given, "the model"))
 
     @classmethod
     def among(cls, given: Mapping[str, Any]) -> ModelSettings:
