@@ -18,10 +18,7 @@ from lightning_diffusion.commands import COMMANDS
 CONFIG_COMMANDS = ("predict", "verify", "benchmark", "slurm", "k8s", "download")
 # Of those, the ones whose prompt set is read on this machine (k8s's is the pods').
 LOCAL_DATA_COMMANDS = ("predict", "verify", "benchmark", "slurm")
-# The command whose start-up ends when its prediction loop starts (run.start_up); verify and
-# benchmark time or compare runs, and run with the collector on from the start, as diffusers does.
-PREDICTING = ("predict",)
-from lightning_diffusion.run import interrupt, start_up
+from lightning_diffusion.run import interrupt
 
 
 def usage() -> str:
@@ -68,8 +65,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"lightning-diffusion: error: {text}", file=sys.stderr)
         sys.exit(2)
     command = importlib.import_module(COMMANDS[words[0]][0])
-    if words[0] not in PREDICTING:  # a run's start-up ends when its prediction loop starts
-        start_up.resume()
     sys.exit(command.main(words[1:]))
 
 
@@ -81,7 +76,6 @@ def run() -> None:
     exception": exit -6 after every image is written), which SLURM and shells read as a failed
     job; a failed run ends the same way, with its traceback and exit code 1. In-process callers
     use ``main``."""
-    start_up.pause()  # until the prediction loop starts (run.start_up)
     interrupt.take_start_up(sys.argv[1:])  # done already where the package was imported as the command line
     try:
         main()

@@ -25,7 +25,6 @@ from lightning_diffusion.pipelines.cache import CacheStats, StepCache
 from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.pipelines.settings import ModelSettings
-from lightning_diffusion.run import start_up
 from lightning_diffusion.run.failures import CallRunner
 from lightning_diffusion.run.model_checks import model_problems
 
@@ -287,7 +286,6 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
                 "reused_fraction": round(reused / image_steps, 4) if image_steps else 0.0}
 
     def on_predict_start(self) -> None:
-        start_up.resume()  # the command line paused the cycle collector for the start-up
         self.compile_denoisers()
         if self.step_cache is not None:  # a second predict on the same module counts afresh
             self.step_cache.stats, self.cache_totals = CacheStats(), None

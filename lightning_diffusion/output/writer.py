@@ -57,7 +57,6 @@ from lightning_diffusion.output.manifest import FAILED, REJECTED
 from lightning_diffusion.output.settings import WriterSettings, resolve_layout, run_settings
 from lightning_diffusion.output.shard import adopt, plan_file
 from lightning_diffusion.output.store import OutputStore, open_store, store_class
-from lightning_diffusion.run import start_up
 from lightning_diffusion.run.validation import writer_problems
 
 
@@ -427,7 +426,6 @@ class ImageWriter(BasePredictionWriter):
         self._writers.put(prediction)  # blocks while the queue is full: memory stays bounded
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        start_up.resume()  # the command line paused the cycle collector for the start-up (as the module does)
         self.predicting_at = time.time()
         if self.pending is not None:  # the records data.on_bad_record: skip leaves out are not to make
             self.pending = max(0, self.pending - len(self._data(trainer).rejected_images()))

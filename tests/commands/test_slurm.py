@@ -10,6 +10,7 @@ tolerance of every strategy test here; see test_data_parallel.py for why not bit
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
@@ -72,12 +73,17 @@ def cluster_nodes() -> int:
 
 
 @pytest.fixture
-def cluster():
+def cluster(tmp_path_factory):
     if cluster_nodes() < 2:
         message = "no local two-node SLURM cluster (run scripts/slurm-local start as root)"
         if os.environ.get("LIGHTNING_DIFFUSION_SLURM") == "required":
             pytest.fail(message)
         pytest.skip(message)
+    # One test at a time on the cluster: pytest-xdist's workers share it (the lock file is in the
+    # folder their temporary folders share), and a test may wait for idle nodes or its job's start.
+    with open(tmp_path_factory.getbasetemp().parent / "slurm-cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def nodes_idle() -> bool:
