@@ -206,7 +206,8 @@ def script_value_problems(args: argparse.Namespace, config_path: Path, predict_a
                           output_dir: Any, job_dir: Path) -> list[str]:
     """Values that reach the rendered script's ``#SBATCH`` lines or comments, where a newline or
     another control character would end the line and run the rest as a command: refused. (Words
-    of the ``srun`` command line are quoted for the shell; ``#SBATCH`` lines cannot be quoted.)"""
+    of the ``srun`` command line are quoted for the shell, those of ``#SBATCH`` lines for sbatch
+    (``sbatch_word``), but neither reading lets a quoted word span lines.)"""
     values = {"--job-name": args.job_name, "--partition": args.partition, "--account": args.account,
               "--time": args.time, "--mem": args.mem, "--config": str(config_path),
               "writer.output_dir": str(output_dir), "the job folder": str(job_dir),
@@ -223,6 +224,26 @@ def script_value_problems(args: argparse.Namespace, config_path: Path, predict_a
         if value is not None and (not value.strip() or " " in value):
             problems.append(f"{name} must be one word without spaces, got {value!r}.")
     return problems
+
+
+_SBATCH_PLAIN = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
+
+
+def sbatch_word(word: str) -> str:
+    """``word`` as one argument of an ``#SBATCH`` line. sbatch splits those lines at white space,
+    removes quotes, takes a backslash as an escape and an unescaped ``#`` as the start of a comment
+    (older Slurm honours only double quotes, and ends the line at a ``#`` even within them): a word
+    of other characters than letters, digits and ``@%+=:,./-`` is written in double quotes with
+    ``\\``, ``"`` and ``#`` escaped, which both readings give back as the word. (White space
+    ends a word even after a backslash: only quotes keep it.)"""
+    if _SBATCH_PLAIN.fullmatch(word):
+        return word
+    return '"' + re.sub(r'([\\"#])', r"\\\1", word) + '"'
+
+
+def sbatch_option(flag: str, value: Any) -> str:
+    """``--flag=value`` for an ``#SBATCH`` line, the value quoted as sbatch reads it."""
+    return f"{flag}={sbatch_word(str(value))}"
 
 
 def time_limit_seconds(text: Optional[str]) -> Optional[int]:
@@ -292,7 +313,7 @@ def render(
     q = shlex.quote
     name = job_name(args, config_path)
     sbatch = [
-        f"--job-name={name}",
+        sbatch_option("--job-name", name),
         f"--nodes={res['nodes']}",
         f"--ntasks-per-node={res['tasks_per_node']}",
     ]
@@ -307,20 +328,21 @@ def render(
     for flag in ("mem", "time", "partition", "account"):
         value = getattr(args, flag)
         if value is not None:
-            sbatch.append(f"--{flag.replace('_', '-')}={value}")
+            sbatch.append(sbatch_option(f"--{flag.replace('_', '-')}", value))
     array = res.get("array")
     if array is not None:
         tasks = ",".join(str(t) for t in array["shards"])
         if array["shards"] == list(range(array["num_shards"])) and len(array["shards"]) > 1:
             tasks = f"0-{array['num_shards'] - 1}"
         sbatch.append(f"--array={tasks}" + (f"%{array['max_concurrent']}" if array.get("max_concurrent") else ""))
+    log_folder = str(job_dir).replace("%", "%%")  # sbatch replaces %j, %A... in the log's name; %% is a %
     sbatch += [
         f"--signal=USR1@{args.signal_seconds}",
         "--requeue",
         "--open-mode=append",
-        f"--chdir={Path.cwd()}",
-        f"--output={job_dir}/slurm-{'%A_%a' if array is not None else '%j'}.out",
-        *args.extra_sbatch,
+        sbatch_option("--chdir", Path.cwd()),
+        sbatch_option("--output", f"{log_folder}/slurm-{'%A_%a' if array is not None else '%j'}.out"),
+        *(sbatch_word(option) for option in args.extra_sbatch),
     ]
     predict = [
         *command_prefix(), "predict", "--config", str(config_path), *predict_args,
@@ -416,8 +438,6 @@ def main(argv: list[str]) -> int:
         config = read_config(str(config_path), predict_args, check=False)
         strategy = build_strategy(config.trainer.get("strategy"))
         res = resources(config.trainer, args.nodes, args.gpus_per_node, getattr(strategy, "devices_per_process", 1))
-        if args.submit:
-            _slurm_command("sbatch")  # before the checks below, which take seconds
         if args.signal_seconds < 1:
             raise ConfigError(f"--signal-seconds must be >= 1, got {args.signal_seconds}.")
         limit = time_limit_seconds(args.time)
@@ -459,8 +479,12 @@ def main(argv: list[str]) -> int:
             # A script rendered (or previewed) on a laptop without the weights or the network: the job checks
             # the model when it starts, and --submit fetches the weights before it submits.
             print(f"lightning-diffusion slurm: warning: the model was not checked here: {err}", file=sys.stderr)
-        if args.submit and not args.no_download:  # after the checks: a job that cannot run fetches nothing
-            res["weights"] = fetch_weights(config, str(config_path))
+        if args.submit:
+            # The input is judged above, the environment here: only a job about to be submitted needs sbatch,
+            # and before the weights are fetched or anything is written.
+            _slurm_command("sbatch")
+            if not args.no_download:  # after the checks: a job that cannot run fetches nothing
+                res["weights"] = fetch_weights(config, str(config_path))
         if args.submit or args.script:
             if outputs.folder is not None:
                 check_output_folder(outputs.folder, create=args.submit)

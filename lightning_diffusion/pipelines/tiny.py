@@ -7,6 +7,7 @@ the normal ``from_pretrained`` path, so the tiny model exercises exactly the cod
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -526,7 +527,10 @@ def resolve(name: str) -> str:
         return str(SHIPPED[kind])
     builder = specs.tiny_builder(kind)
     if builder is None:
-        raise ConfigError(f"Unknown tiny pipeline {name!r}; choose one of: {', '.join(names())}")
+        known = names()
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"Unknown tiny pipeline {name!r}{hint}; choose one of: {', '.join(known)}")
     target = cache_root() / f"tiny-{kind}-v{_BUILD_VERSION}"
     if (target / "model_index.json").is_file():
         return str(target)

@@ -274,3 +274,11 @@ def test_verbose_shows_the_libraries_messages_but_not_lightning_clis_warning_abo
                    "--data.prompts", '["a red circle on a white background"]')
     assert "LightningCLI's args parameter" not in proc.stderr, proc.stderr[-2000:]
     assert "made 1 output" in proc.stderr
+
+
+def test_a_misspelt_tiny_pipeline_is_refused_with_the_nearest_name(cli_here):
+    proc = cli_here("predict", "--config", str(REPO / "configs/tiny.yaml"),
+                    "--model.pretrained_model_name_or_path", "tiny:shape")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("Unknown tiny pipeline 'tiny:shape' (did you mean 'tiny:shapes'?); choose one of: tiny:shapes, "
+            "tiny:flux") in proc.stderr

@@ -267,6 +267,87 @@ def test_a_rendered_script_with_shell_words_in_every_value_runs_none_of_them(slu
     assert str(out) in words and str(config) in words  # passed on as the very words given
 
 
+def sbatch_reads(line: str, old: bool = False) -> list[str]:
+    """The arguments sbatch takes from an ``#SBATCH`` line, read as its ``_get_argument``
+    (src/sbatch/opt.c) reads them: words split at white space, quotes removed, a backslash escaping
+    the next character, an unescaped ``#`` ending the line. ``old``: the reading of earlier Slurm,
+    where only double quotes count and a ``#`` ends the line even between them."""
+    rest, words, i = line[len("#SBATCH"):], [], 0
+    while True:
+        while i < len(rest) and rest[i].isspace():
+            i += 1
+        word: list[str] = []
+        quote, escaped, comment = "", False, False
+        while i < len(rest) and (quote or not rest[i].isspace()):
+            char = rest[i]
+            i += 1
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+                continue
+            elif old and char == '"':
+                quote = "" if quote else char
+                continue
+            elif old and char == "#":
+                comment = True
+                break
+            elif not old and quote:
+                if char == quote:
+                    quote = ""
+                    continue
+            elif not old and char in "\"'":
+                quote = char
+                continue
+            elif not old and char == "#":
+                comment = True
+                break
+            word.append(char)
+        assert old or not quote, f"sbatch: unmatched quote in {line!r}"  # the old reading does not check
+        if word:
+            words.append("".join(word))
+        if comment or i >= len(rest):
+            return words
+
+
+def test_sbatch_reads_each_value_of_an_sbatch_line_back_as_given(slurm_here, tmp_path):
+    """A working folder, a job folder and --extra-sbatch values with spaces, quotes, '#', a backslash,
+    '$(..)' and unicode: each #SBATCH line is one argument to sbatch, the very value given, in both
+    of sbatch's readings; a '%' of the log folder is written '%%' (sbatch's literal %)."""
+    work = tmp_path / 'my runs #1 "q" \' \\ $(touch pwned) ü'
+    work.mkdir()
+    job_dir = work / "logs 50%"
+    comment = "--comment=two words # not a comment \"quoted\" 'single' \\ $(touch pwned) ü"
+    proc = slurm_here("--config", TINY, "--job-dir", str(job_dir), f"--extra-sbatch={comment}",
+                      "--extra-sbatch=--qos=high", "--", "--data.prompts", FIVE_PROMPTS,
+                      "--writer.output_dir", str(work / "out"), cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("#SBATCH")]
+    expected = {"--chdir": f"--chdir={work}", "--output": f"--output={work}/logs 50%%/slurm-%j.out",
+                "--comment": comment, "--qos": "--qos=high", "--job-name": "--job-name=lightning-diffusion-tiny-flux"}
+    for old in (False, True):
+        read = [sbatch_reads(line, old) for line in lines]
+        assert all(len(words) == 1 for words in read), read
+        options = {words[0].partition("=")[0]: words[0] for words in read}
+        assert {flag: options[flag] for flag in expected} == expected, old
+    assert "#SBATCH --qos=high" in lines  # a plain value is written as it is
+    assert subprocess.run(["bash", "-n"], input=proc.stdout, text=True).returncode == 0
+    assert not list(tmp_path.rglob("pwned"))
+
+
+def test_the_input_is_judged_before_sbatch_is_looked_for(slurm_here, tmp_path):
+    """Without sbatch on PATH, --submit with a mistake says the mistake, not that sbatch is missing."""
+    path = {"PATH": str(Path(sys.executable).parent)}
+    proc = slurm_here("--config", TINY, "--submit", "--partition", "two words", "--", "--data.prompts", FIVE_PROMPTS,
+                      "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path, env=path)
+    assert proc.returncode == 2 and "--partition must be one word without spaces" in proc.stderr, proc.stderr
+    assert "sbatch is not installed" not in proc.stderr
+    proc = slurm_here("--config", TINY, "--resubmit", "--", "--data.prompts", FIVE_PROMPTS,
+                      "--writer.output_dir", str(tmp_path / "out"), cwd=tmp_path, env=path)
+    assert proc.returncode == 2 and "holds no shards of a job array" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_slurms_own_error_is_passed_through(cluster, tmp_path):
     proc = slurm("--config", TINY, "--partition", "no-such-partition", "--submit", "--", "--data.prompts", FIVE_PROMPTS,
