@@ -36,6 +36,8 @@ from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
 from lightning_diffusion.input.tables import TableRecords
 from lightning_diffusion.run.validation import column_problems
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors put first in a file
+
 
 class Offsets:
     """Byte offsets of a file's lines in 4 bytes a line: each offset less its block's base (an
@@ -87,7 +89,8 @@ class LineRecords(Records):
         self._base = path.resolve().parent
         shape = self.columns.shape if self.columns else None
         with path.open("rb") as f:
-            offset = 0
+            offset = len(BOM) if f.read(len(BOM)) == BOM else 0  # UTF-8 with or without a byte-order mark
+            f.seek(offset)
             for raw in f:
                 if raw.isspace():
                     self.blanks.append(len(self.offsets))
@@ -372,7 +375,7 @@ def read_data(data: Mapping[str, Any]) -> Records:
 
 
 def _read_csv(path: Path, max_chars: int = MAX_PROMPT_CHARS, columns: Columns = Columns()) -> ListRecords:
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:  # with or without a byte-order mark
         reader = csv.DictReader(f)
         header = list(reader.fieldnames or [])
         missing = _first_missing(columns, header)

@@ -12,11 +12,14 @@ from __future__ import annotations
 import re
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
 from lightning_diffusion import console
@@ -25,7 +28,12 @@ from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.module import DiffusionModule
 from lightning_diffusion.output.writer import ImageWriter
-from lightning_diffusion.run.config_guard import unknown_keys, unknown_keys_message
+from lightning_diffusion.run.config_guard import (
+    allowed_modules,
+    not_imported_message,
+    unknown_keys,
+    unknown_keys_message,
+)
 from lightning_diffusion.run.context import RunContext, checked_by_launcher, first_process
 from lightning_diffusion.run.preflight import Verdict, preflight
 from lightning_diffusion.run.progress import ImageProgressBar
@@ -67,6 +75,10 @@ def friendly_parser_error(message: str, keys: list[str]) -> str:
             key = f"{unknown.group(1)}.{key}"
         return unknown_keys_message([key], keys)
     typed = re.match(r'Parser key "([^"]+)":', message)
+    denied = re.search(r"Importing '([\w.]+)' is not allowed.*?Got value: (\S+)", message, re.S)
+    if denied:  # the parser's own import check (``import_policy``): an object defined outside the allowed modules
+        return not_imported_message(typed.group(1) if typed else "a value", repr(denied.group(2)),
+                                    denied.group(1).rpartition(".")[0] or denied.group(1))
     if typed:
         given = re.search(r"(?:Given value|Got value): (.*)", message)
         kinds = re.findall(r"Expected a <class '(\w+)'>", message)
@@ -74,6 +86,28 @@ def friendly_parser_error(message: str, keys: list[str]) -> str:
         if given and names:
             return f"{typed.group(1)}: expected {' or '.join(names)}, got {given.group(1).strip()!r}"
     return " ".join(line.strip() for line in message.strip().splitlines()[:3])
+
+
+@contextmanager
+def import_policy() -> Iterator[None]:
+    """While the parser runs: its own check of the import paths a value names (jsonargparse 4.53
+    and later), behind ``config_guard``'s check of the text. Only the allowed modules
+    (``config_guard.allowed_modules``) may be named, and an object only where the module that
+    defines it is allowed too (``torch.os.system`` is ``os.system``). The parser's settings are
+    put back after, for programs that use jsonargparse themselves."""
+    saved = None
+    try:
+        from jsonargparse import _common, set_parsing_settings
+
+        saved = {key: _common.parsing_settings[key] for key in ("import_path_verdicts", "import_paths_enforced")}
+        set_parsing_settings(import_path_denylist=["*"], import_path_allowlist=list(allowed_modules()))
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        pass  # an older jsonargparse, or an allowed name it does not take: config_guard's check stands
+    try:
+        yield
+    finally:
+        if saved is not None:
+            _common.parsing_settings.update(saved)
 
 
 class _Parser(LightningArgumentParser):
@@ -119,16 +153,17 @@ class DiffusionCLI(LightningCLI):
         warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended to run from within")
         if self._parses_argv and checked_by_launcher():
             self.run_context.checked = True
-        super().__init__(
-            DiffusionModule,
-            PromptDataModule,
-            save_config_callback=None,
-            parser_class=_Parser,
-            trainer_defaults=TRAINER_DEFAULTS,
-            seed_everything_default=False,
-            args=args,
-            run=run,
-        )
+        with import_policy():
+            super().__init__(
+                DiffusionModule,
+                PromptDataModule,
+                save_config_callback=None,
+                parser_class=_Parser,
+                trainer_defaults=TRAINER_DEFAULTS,
+                seed_everything_default=False,
+                args=args,
+                run=run,
+            )
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -166,7 +201,10 @@ class DiffusionCLI(LightningCLI):
         per_task = getattr(config.get("strategy"), "devices_per_process", 1)
         config = {**config, "accelerator": accelerator_for_job(config.get("accelerator", "auto"), config.get("devices"),
                                                                per_task)}
-        return super()._instantiate_trainer(config, callbacks)
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except MisconfigurationException as err:  # devices this machine does not have: one line, exit code 2
+            raise ConfigError("trainer: " + " ".join(str(err).split())) from err
 
     def predict(self, model: DiffusionModule, datamodule: Optional[LightningDataModule] = None,
                 return_predictions: Optional[bool] = None,

@@ -4,9 +4,13 @@ The parser (jsonargparse) quotes what it cannot read and imports the module a ``
 before it finds that the class does not fit, so a wrong ``--config`` (``/etc/shadow``) would print
 the file's content and a ``class_path`` would run a module's import-time code. Here, first: the
 file's size, that it is YAML whose aliases expand to a bounded size, that its top level is a
-mapping, and that every ``class_path`` names a module of this project, of Lightning or of torch
-(or one that ``LIGHTNING_DIFFUSION_CLASS_MODULES`` adds). Messages name the file, a line and keys,
-never the content. Nothing heavy is imported.
+mapping, and that every ``class_path``, and every dotted name a class's arguments give (which the
+parser imports for an argument that takes a function: ``on_predict_start: os.system``), names a
+module of this project, of Lightning or of torch (or one that ``LIGHTNING_DIFFUSION_CLASS_MODULES``
+adds); ``LambdaCallback``, which calls the functions its arguments name, is refused by name. A
+file is read through at most ``MAX_CONFIG_BYTES`` + 1 bytes, whatever kind of file it is
+(``/dev/zero``). Messages name the file, a line and keys, never the content. Nothing heavy is
+imported, and nothing a config names.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -26,23 +31,68 @@ CLASS_MODULES = ("lightning_diffusion", "lightning", "pytorch_lightning", "light
 CLASS_MODULES_ENV = "LIGHTNING_DIFFUSION_CLASS_MODULES"
 
 
+# Classes of the allowed modules that a config may not build: each runs what its arguments name.
+DENIED_CLASSES = {"LambdaCallback": "calls the functions its arguments name"}
+# A dotted Python name (``pkg.module.name``): the parser imports it for an argument that takes a
+# function or a class.
+DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+# The config groups: ``--trainer FILE`` reads a group from a file, as ``--config`` reads them all.
+GROUPS = ("model", "data", "writer", "trainer")
+
+
 def allowed_modules() -> tuple[str, ...]:
     extra = [m.strip() for m in os.environ.get(CLASS_MODULES_ENV, "").split(",") if m.strip()]
     return (*CLASS_MODULES, *extra)
 
 
+def _allowed(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in allowed_modules())
+
+
+def not_imported_message(where: str, what: str, module: str) -> str:
+    """``WHERE names WHAT of module M, which is not imported for a config: ...``."""
+    return (f"{where} names {what} of module {module!r}, which is not imported for a config: classes and functions "
+            f"come from {', '.join(CLASS_MODULES)} (add your own package to {CLASS_MODULES_ENV}, comma-separated, to "
+            "use its classes).")
+
+
 def class_path_problem(value: object, where: str) -> Optional[str]:
-    """A ``class_path`` outside the allowed modules (checked before anything imports it)."""
+    """A ``class_path`` outside the allowed modules, or a class of ``DENIED_CLASSES`` (checked
+    before anything imports it)."""
     if not isinstance(value, str):
         return f"{where} must be a dotted class name, not {type(value).__name__}."
-    module = value.rpartition(".")[0]
+    module, _, name = value.strip().rpartition(".")
+    if name in DENIED_CLASSES:
+        return (f"{where}: {name} {DENIED_CLASSES[name]}, which a config may not do; write a Callback class in a "
+                f"package of your own and add the package to {CLASS_MODULES_ENV}.")
     if not module:
         return None  # a bare class name: the parser looks it up among the registered classes
-    if any(module == m or module.startswith(m + ".") for m in allowed_modules()):
+    if _allowed(module):
         return None
-    return (f"{where} names a class of module {module!r}, which is not imported for a config: classes come from "
-            f"{', '.join(CLASS_MODULES)} (add your own package to {CLASS_MODULES_ENV}, comma-separated, to use "
-            "its classes).")
+    return not_imported_message(where, "a class", module)
+
+
+def _importable(module: str) -> bool:
+    """Whether a top-level module can be imported, found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def dotted_name_problem(value: object, where: str) -> Optional[str]:
+    """A class's argument that names a function or class of an importable module outside the
+    allowed ones (``on_predict_start: os.system``): the parser would import it for an argument
+    that takes one. Judged from the text; a dotted string of no importable module (a file name
+    such as ``out.png``) is left to the argument's own type."""
+    if not isinstance(value, str) or not DOTTED_NAME.fullmatch(value.strip()):
+        return None
+    module = value.strip().rpartition(".")[0]
+    if _allowed(module) or not _importable(module.split(".")[0]):
+        return None
+    return not_imported_message(where, repr(value.strip()), module)
 
 
 # Keys whose plain string value names a class (Lightning's shorthand ``callbacks: [pkg.Class]``).
@@ -50,28 +100,38 @@ CLASS_KEYS = ("callbacks", "plugins", "strategy", "logger", "profiler", "acceler
 
 
 def _shorthand(value: object, where: str) -> list[str]:
-    """Problems of dotted class names given as the plain value of a ``CLASS_KEYS`` key."""
+    """Problems of class names given as the plain value of a ``CLASS_KEYS`` key (a dotted name, or
+    a bare one of ``DENIED_CLASSES``)."""
     values = value if isinstance(value, list) else [value]
-    found = [class_path_problem(v, where) for v in values if isinstance(v, str) and "." in v.strip("./")]
+    found = [class_path_problem(v, where) for v in values
+             if isinstance(v, str) and ("." in v.strip("./") or v.strip() in DENIED_CLASSES)]
     return [p for p in found if p]
 
 
-def _class_paths(data: object, where: str) -> list[str]:
+def _class_paths(data: object, where: str, arguments: bool = False) -> list[str]:
+    """Problems of the class names in ``data``, and, within a class's part of the config
+    (``arguments``: a ``class_path``'s mapping, a ``CLASS_KEYS`` value), of the dotted names its
+    arguments give."""
     problems = []
+    if isinstance(data, dict) and "class_path" in data:
+        refused = class_path_problem(data["class_path"], f"{where}.class_path" if where else "class_path")
+        if refused:
+            return [refused]  # its arguments are not for any class
     if isinstance(data, dict):
+        arguments = arguments or "class_path" in data
         for key, value in data.items():
             name = f"{where}.{key}" if where else str(key)
-            if key == "class_path":
-                problem = class_path_problem(value, name)
-                if problem:
-                    problems.append(problem)
-            else:
+            if key != "class_path":
                 if key in CLASS_KEYS:
                     problems += _shorthand(value, name)
-                problems += _class_paths(value, name)
+                problems += _class_paths(value, name, arguments or key in CLASS_KEYS)
     elif isinstance(data, list):
         for i, value in enumerate(data):
-            problems += _class_paths(value, f"{where}[{i}]")
+            problems += _class_paths(value, f"{where}[{i}]", arguments)
+    elif arguments:
+        problem = dotted_name_problem(data, where)
+        if problem:
+            problems.append(problem)
     return problems
 
 
@@ -93,21 +153,61 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
     return size
 
 
-def config_file_problems(path: str) -> list[str]:
-    """Why ``path`` cannot be read as a config, naming the file and a line, never its content."""
+def names_file(value: str) -> bool:
+    """Whether ``value`` names something a config is read from (a file, a pipe, a device), not a
+    folder, not nothing (then it may be YAML given in place)."""
+    try:
+        return Path(value).expanduser().exists() and not Path(value).expanduser().is_dir()
+    except (OSError, ValueError):  # a name too long to be a path, a NUL byte: YAML given in place
+        return False
+
+
+def read_config_text(path: str) -> tuple[Optional[str], Optional[str]]:
+    """The text of config file ``path`` and None, or None and why it cannot be a config: at most
+    ``MAX_CONFIG_BYTES`` + 1 bytes are read, whatever kind of file it is (``/dev/zero`` is not
+    read to its end), and a pipe or a device is refused (the parser would read it a second time)."""
+    file = Path(path).expanduser()
+    try:
+        mode = file.stat().st_mode
+        with file.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        return None, f"{path} cannot be read ({err.strerror or type(err).__name__})."
+    if len(data) > MAX_CONFIG_BYTES:
+        size = f"{file.stat().st_size:,} bytes" if stat.S_ISREG(mode) else f"more than {MAX_CONFIG_BYTES:,} bytes"
+        return None, (f"{path} is {size}; a config is at most {MAX_CONFIG_BYTES:,} (put long prompt lists in a prompt "
+                      "file: data.prompts).")
+    if not stat.S_ISREG(mode):
+        return None, f"{path} is not a regular file (a pipe or a device): write the config to a file."
+    try:
+        return data.decode("utf-8-sig"), None
+    except UnicodeDecodeError:
+        return None, f"{path} cannot be read as UTF-8 text (UnicodeDecodeError)."
+
+
+def _config_data(path: str) -> object:
+    """A config file's YAML, read within the bound; None where it cannot be read (the guard says why)."""
     import yaml
 
-    file = Path(path).expanduser()
-    if not file.is_file():
-        return []  # the reader says the file is missing, as it does today
-    size = file.stat().st_size
-    if size > MAX_CONFIG_BYTES:
-        return [f"{path} is {size:,} bytes; a config is at most {MAX_CONFIG_BYTES:,} (put long prompt lists in a "
-                "prompt file: data.prompts)."]
+    text, _ = read_config_text(path) if names_file(path) else (None, None)
+    if text is None:
+        return None
     try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        return [f"{path} cannot be read as UTF-8 text ({type(err).__name__})."]
+        return yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError, RecursionError):
+        return None
+
+
+def config_file_problems(path: str, where: str = "") -> list[str]:
+    """Why ``path`` cannot be read as a config, naming the file and a line, never its content.
+    ``where``: the key that reads the file (``--trainer FILE``: ``trainer``), else a whole config."""
+    import yaml
+
+    if not names_file(path):
+        return []  # the reader says the file is missing, as it does today
+    text, problem = read_config_text(path)
+    if text is None:
+        return [problem or f"{path} cannot be read."]
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except RecursionError:
@@ -117,20 +217,21 @@ def config_file_problems(path: str) -> list[str]:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or "not YAML"
         return [f"{path} is not valid YAML{at}: {problem}."]
-    if node is None:
-        return []
+    if node is None or (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null"):
+        return [f"{path} is empty (or only comments): a config is a mapping of keys (trainer:, model:, data:, "
+                "writer:), as in configs/tiny.yaml."]
     if _expanded_size(node, {}) > MAX_EXPANDED_NODES:
         return [f"{path}: its YAML aliases expand to more than {MAX_EXPANDED_NODES:,} values; write the values out "
                 "instead of nesting aliases."]
     not_keys = [] if not isinstance(node, yaml.MappingNode) else [
         key.start_mark.line + 1 for key, _ in node.value
         if not (isinstance(key, yaml.ScalarNode) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(key.value)))]
-    if not isinstance(node, yaml.MappingNode) or not_keys:
+    if not where and (not isinstance(node, yaml.MappingNode) or not_keys):
         at = f" (line {not_keys[0]} is not a key)" if not_keys else ""
         return [f"{path} is not a config: its top level is not a mapping of keys (trainer:, model:, data:, "
                 f"writer:){at}, as in configs/tiny.yaml."]
     try:
-        return _class_paths(yaml.safe_load(text), "")
+        return _class_paths(yaml.safe_load(text), where, where.rsplit(".", 1)[-1] in CLASS_KEYS)
     except (yaml.YAMLError, RecursionError) as err:  # a tag safe YAML cannot build (!include), nesting too deep
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -146,8 +247,11 @@ def words_problems(words: list[str]) -> list[str]:
         if not value and i + 1 < len(words):
             value = words[i + 1]
         key = name[2:].removesuffix("+")
+        parts = key.split(".")
         if name in ("--config", "-c"):
-            problems += config_file_problems(value) if Path(value).expanduser().is_file() else _inline(value, "")
+            problems += config_file_problems(value) if names_file(value) else _inline(value, "")
+        elif name.startswith("--") and (key in GROUPS or parts[-1] in CLASS_KEYS) and names_file(value):
+            problems += config_file_problems(value, key)  # a group or a class read from a file
         elif name.startswith("--") and key.endswith(".class_path"):
             problem = class_path_problem(value, key)
             if problem:
@@ -156,6 +260,11 @@ def words_problems(words: list[str]) -> list[str]:
             problems += _inline(value, key)
         elif name.startswith("--") and key.rsplit(".", 1)[-1] in CLASS_KEYS:
             problems += _shorthand(value, key)
+        elif name.startswith("--") and any(part in CLASS_KEYS or part in ("init_args", "dict_kwargs")
+                                           for part in parts[:-1]):
+            problem = dotted_name_problem(value, key)  # --trainer.callbacks.init_args.on_predict_start=os.system
+            if problem:
+                problems.append(problem)
     return problems
 
 
@@ -170,7 +279,7 @@ def _inline(value: str, where: str) -> list[str]:
         data = yaml.safe_load(value)
     except (yaml.YAMLError, RecursionError):
         return []  # the parser reports it
-    problems = _class_paths(data, where) if isinstance(data, (dict, list)) else []
+    problems = _class_paths(data, where, takes_class) if isinstance(data, (dict, list)) else []
     return problems + (_shorthand(data, where) if takes_class else [])
 
 
@@ -206,8 +315,6 @@ def unknown_keys(words: list[str], keys: list[str]) -> list[str]:
     """Every key that ``words`` (a command line: ``--group.key`` flags and the YAML files of its
     ``--config``) sets and the parser does not know, in the order given. A key under one that takes
     a whole value (``trainer.strategy.init_args.ulysses``, ``model.cache.type``) is known."""
-    import yaml
-
     known = {k for k in keys if not k.endswith(".help")}
     groups = {k.rpartition(".")[0] for k in known if "." in k}
     groups |= {".".join(g.split(".")[:i]) for g in list(groups) for i in range(1, g.count(".") + 1)}
@@ -229,10 +336,7 @@ def unknown_keys(words: list[str], keys: list[str]) -> list[str]:
     for i, word in enumerate(words):
         if word == "--config" and i + 1 < len(words) or word.startswith("--config="):
             path = words[i + 1] if word == "--config" else word.split("=", 1)[1]
-            try:
-                look(yaml.safe_load(Path(path).read_text()), "")
-            except (OSError, ValueError, yaml.YAMLError):
-                continue
+            look(_config_data(path), "")
         elif word.startswith("--") and len(word) > 2:
             key = word[2:].split("=", 1)[0].rstrip("+")
             if key not in ("config", "help", "print_config") and unknown(key) and key not in found:
@@ -284,8 +388,6 @@ def key_problems(words: list[str]) -> list[str]:
 def _given(words: list[str], group: str, names: tuple[str, ...]) -> dict[str, Any]:
     """The values of ``group``'s keys ``names`` as the parser would end with them: the config files
     and the flags in the order given, the last one winning."""
-    import yaml
-
     found: dict[str, Any] = {}
     for i, word in enumerate(words):
         flag, _, value = word.partition("=")
@@ -294,10 +396,7 @@ def _given(words: list[str], group: str, names: tuple[str, ...]) -> dict[str, An
         if flag == f"--{group}":  # the whole group given at once: the parser reads it
             return {}
         if flag in ("--config", "-c"):
-            try:
-                data = yaml.safe_load(Path(value).expanduser().read_text())
-            except (OSError, ValueError, yaml.YAMLError):
-                continue
+            data = _config_data(value)
             section = data.get(group) if isinstance(data, dict) else None
             if isinstance(section, dict):
                 found.update({name: section[name] for name in names if name in section})

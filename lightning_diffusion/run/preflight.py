@@ -36,6 +36,7 @@ from lightning_diffusion.pipelines.settings import ModelSettings
 from lightning_diffusion.run.model_checks import model_problems
 from lightning_diffusion.run.validation import (
     column_problems,
+    cpu_devices_problems,
     data_problems,
     devices_problems,
     writer_problems,
@@ -132,6 +133,17 @@ def accelerator_problems(accelerator: Any) -> list[str]:
     return []
 
 
+def cpu_problems(trainer: Any) -> list[str]:
+    """A run on this machine's CPU: ``trainer.devices`` as processes its cores can run
+    (``validation.cpu_devices_problems``); a GPU run's devices are Lightning's to check."""
+    import os
+
+    if device_type(trainer.get("accelerator")) != "cpu":
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpu_devices_problems(trainer.get("devices"), cores)
+
+
 def device_type(accelerator: Any) -> str:
     """The device type a config's ``trainer.accelerator`` gives on this machine."""
     name = str(accelerator or "auto").lower()
@@ -188,9 +200,11 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             verdicts = RecordVerdicts(dict(records.bad))
         problems += verdicts.refusal(len(records), data.on_bad_record)
     problems += writer_problems(writer)
-    problems += devices_problems(config.trainer.get("devices"), config.trainer.get("num_nodes"))
+    devices_found = devices_problems(config.trainer.get("devices"), config.trainer.get("num_nodes"))
+    problems += devices_found
     if here:
         problems += accelerator_problems(config.trainer.get("accelerator"))
+        problems += [] if devices_found else cpu_problems(config.trainer)
     # Built first, so that a bad strategy argument is reported with the other problems; its rules
     # against the model run once the model and records are known to be right.
     strategy = run_check(problems, build_strategy, config.trainer.get("strategy"))

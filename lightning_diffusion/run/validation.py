@@ -43,6 +43,18 @@ MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps
 # torch.Generator.manual_seed takes 0 .. 2**64 - 1 (a larger seed raises "Overflow when unpacking long long").
 SEED_MAX = 2 ** 64 - 1
 MAX_GUIDANCE = 100.0
+# Images in one pipeline call: every call is padded to data.batch_size (model.pad_batches), so a
+# batch size far past the prompt set would compute padding only (4 prompts, batch size 10**8).
+MAX_BATCH_SIZE = 4096
+# Processes a CPU run may start for each CPU core of this machine (trainer.devices on accelerator cpu).
+MAX_PROCESSES_PER_CORE = 4
+# Folders a run does not write into, nor below: the system's own (/dev/shm, memory for files, is
+# not; /proc and /sys are refused as kernel file systems by the output store's check, wherever they
+# are mounted).
+SYSTEM_FOLDERS = ("/etc", "/bin", "/sbin", "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/dev")
+# Folders a run does not write into themselves (below them is fine): the root and the folders of
+# other folders; the user's home folder (HOME) is one too.
+PARENT_FOLDERS = ("/", "/var", "/home", "/root")
 
 
 
@@ -65,9 +77,10 @@ def devices_problems(devices: object, num_nodes: object) -> list[str]:
     problems = integer(num_nodes if num_nodes is not None else 1, "trainer.num_nodes")
     if devices is None or devices == "auto" or devices == -1 or devices == "-1" or is_int(devices, 1):
         return problems
-    if isinstance(devices, str) and all(part.strip().isdigit() for part in devices.split(",") if part.strip()) \
-            and devices.strip(", "):
-        return problems
+    text = devices if isinstance(devices, str) else ""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if parts and all(part.isdigit() for part in parts) and ("," in text or int(parts[0]) >= 1):
+        return problems  # "0,1" names devices; "0" is a count, as Lightning reads it
     if isinstance(devices, list) and devices and all(is_int(d, 0) for d in devices):
         return problems
     return problems + [f"trainer.devices must be a count of devices (1, 8), auto, -1 (all of them) or a list of device "
@@ -86,6 +99,25 @@ def number(value: Any, name: str, low: Optional[float] = None, high: Optional[fl
         return [f"{name} must be {kind}, got {value!r}."]
     bracket = "(" if low_open else "["
     return [f"{name} must be in {bracket}{low:g}, {high:g}], got {value!r}."]
+
+
+def cpu_devices_problems(devices: object, cores: int) -> list[str]:
+    """``trainer.devices`` of a run on this machine's CPU (a valid value, ``devices_problems``):
+    a count of processes, as Lightning's CPU accelerator takes it (not -1, not device indices), at
+    most ``MAX_PROCESSES_PER_CORE`` for each of the machine's ``cores``: refused before any
+    process starts, each of which would load the whole pipeline."""
+    if devices is None or devices == "auto":
+        return []
+    count = int(devices) if isinstance(devices, str) and devices.strip().isdigit() else devices
+    if not is_int(count, 1):
+        return [f"trainer.devices on accelerator cpu is a count of processes (1, 4), not -1 nor a list of devices, "
+                f"got {devices!r}."]
+    most = MAX_PROCESSES_PER_CORE * cores
+    if count > most:
+        return [f"trainer.devices {count:,} on accelerator cpu would start {count:,} processes on this machine's "
+                f"{cores} CPU core{'s' if cores != 1 else ''}; at most {MAX_PROCESSES_PER_CORE} a core ({most:,}): "
+                "lower trainer.devices."]
+    return []
 
 
 def one_of(value: object, name: str, choices: Sequence[Any]) -> list[str]:
@@ -296,6 +328,9 @@ def data_problems(settings: DataSettings, num_images: Optional[int] = None) -> l
     problems = column_problems(settings.columns, settings.keep_columns, settings.split)
     for name in ("batch_size", "num_images_per_prompt", "num_shards"):
         problems += integer(getattr(settings, name), f"data.{name}")
+    if is_int(settings.batch_size, MAX_BATCH_SIZE + 1):
+        problems.append(f"data.batch_size {settings.batch_size:,} is over {MAX_BATCH_SIZE:,}, the most images one "
+                        "pipeline call is padded to; use a batch size the device holds.")
     seed = settings.seed
     if not (is_int(seed, 0) and seed <= SEED_MAX):
         problems.append(f"data.seed must be an integer from 0 to 2**64 - 1, got {seed!r}.")
@@ -349,9 +384,11 @@ def writer_problems(settings: WriterSettings) -> list[str]:
 
     output_dir = settings.output_dir
     named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
-    problems: list[str] = store_class(output_dir).settings_problems(settings) if named else [
-        f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
-        "folder)."]
+    local = named and store_class(output_dir).needs_shared_folder  # a folder, not a bucket
+    problems: list[str] = (system_folder_problems(str(output_dir)) if local else []) or (
+        store_class(output_dir).settings_problems(settings) if named else [
+            f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
+            "folder)."])
     for name, rule in WriterSettings.rules():
         value, key = getattr(settings, name), f"writer.{name}"
         if rule.choices:
@@ -360,3 +397,29 @@ def writer_problems(settings: WriterSettings) -> list[str]:
             problems += [p.replace(key, rule.label or key) + rule.hint
                          for p in integer(value, key, rule.minimum, rule.maximum)]
     return problems
+
+
+def system_folder_problems(output_dir: str, home: Optional[str] = None) -> list[str]:
+    """``writer.output_dir`` in a folder a run must not write into: the file system's root, a
+    system folder or below one (``SYSTEM_FOLDERS``: /etc, /usr...), or one of ``PARENT_FOLDERS``
+    or the user's home folder (``home``, by default HOME) itself; below those is fine. Judged on the
+    folder as given and with its links resolved (``/lib`` is ``/usr/lib`` on many systems)."""
+    given = Path(output_dir).expanduser()
+    home = os.environ.get("HOME", "") if home is None else home
+    homes = {os.path.normpath(home), os.path.realpath(home)} if home.strip() else set()
+    for folder in dict.fromkeys([os.path.normpath(os.path.abspath(given)), os.path.realpath(given)]):
+        system = next((s for s in SYSTEM_FOLDERS if folder == s or folder.startswith(s + "/")), None)
+        if folder == "/dev/shm" or folder.startswith("/dev/shm/"):
+            system = None  # a file system of files in memory, for files
+        if folder == "/":
+            return [f"writer.output_dir {output_dir!r} is the file system's root: a run writes its images, manifest "
+                    "and lock into writer.output_dir; choose a folder of your own."]
+        if system is not None:
+            return [f"writer.output_dir {output_dir!r} is {'in ' if folder != system else ''}{system}, a folder of "
+                    "the system's (no run writes in /etc, /usr, /bin, /sbin, /lib*, /boot, /dev or below them); "
+                    "choose a folder of your own."]
+        if folder in PARENT_FOLDERS or folder in homes:
+            which = "the home folder (HOME)" if folder in homes else folder
+            return [f"writer.output_dir {output_dir!r} is {which} itself, which holds other folders: choose a "
+                    f"folder below it, such as {os.path.join(folder, 'outputs')}."]
+    return []
