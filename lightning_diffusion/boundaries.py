@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar, Union, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol, TypeVar, Union, cast, runtime_checkable
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.input.settings import LEASE_S
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from lightning_diffusion.input.batching import BatchPlan
+    from lightning_diffusion.output.fence import Claim
     from lightning_diffusion.output.pool import Pool, PoolFiles
     from lightning_diffusion.run.context import RunContext
 
@@ -59,6 +60,8 @@ class RunPlan:
     reading: Optional[dict[str, Any]] = None
     pull: bool = False  # ``data.schedule: pull``: the run's workers pull batches from a pool in the output
     lease_s: float = LEASE_S  # ``data.lease_s``, with ``pull``
+    batch_size: int = 1  # ``data.batch_size`` and ``data.bucket``: a pool's jobs must plan the same batches
+    bucket: bool = True
 
     @property
     def expected(self) -> int:
@@ -109,9 +112,10 @@ class PoolSource(Protocol):
         store made when the job joined (``pool.Pool``, on global rank 0)."""
         ...
 
-    def holds(self, batch_indices: Optional[Sequence[object]]) -> bool:
-        """Whether this worker still holds the batch of ``batch_indices`` (its images are written
-        only then); True for a run that deals its work."""
+    def claim_of(self, batch_indices: Optional[Sequence[object]]) -> Union[Claim, None, Literal[False]]:
+        """The claim this worker holds the batch of ``batch_indices`` under (``fence.Claim``: its
+        images are published under it), False once another worker took the batch over, None for a
+        batch that is not a pool's."""
         ...
 
     def leave_pool(self, ended: bool) -> None:

@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import numpy as np
@@ -30,9 +30,10 @@ from lightning_diffusion.errors import ConfigError, raise_problems
 from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.images import record_inputs
-from lightning_diffusion.input.pull import PullSampler, still_held
+from lightning_diffusion.input.pull import PullSampler, claim_of
 from lightning_diffusion.input.records import Records, RecordVerdicts, call_overrides, summarize_records  # noqa: F401
 from lightning_diffusion.input.settings import DataSettings
+from lightning_diffusion.output.fence import Claim
 from lightning_diffusion.output.pool import Pool, PoolFiles, plan_conflict, plan_digest
 from lightning_diffusion.output.shard import Shard, deal_shards, select, shard_members
 from lightning_diffusion.run.validation import data_problems
@@ -161,7 +162,7 @@ def run_plan(settings: DataSettings, records: Records, shard: Optional[Shard] = 
     reading = {"columns": settings.columns, "keep_columns": settings.keep_columns, "split": settings.split}
     shaped = {f"data.{key}": value for key, value in reading.items() if value}
     return RunPlan(prompts, settings.seed, copies, len(records) * copies, shard, files, shaped or None,
-                   settings.schedule == "pull", settings.lease_s)
+                   settings.schedule == "pull", settings.lease_s, settings.batch_size, settings.bucket)
 
 
 class PromptDataModule(pl.LightningDataModule):
@@ -315,9 +316,9 @@ class PromptDataModule(pl.LightningDataModule):
         self._pool_at = (files, job)
         self.pool = worker
 
-    def holds(self, batch_indices: Any) -> bool:
-        """Whether this worker still holds the batch of ``batch_indices`` (``pull.still_held``)."""
-        return still_held(self.pool, batch_indices)
+    def claim_of(self, batch_indices: Any) -> Union[Claim, None, Literal[False]]:
+        """The claim this worker holds the batch of ``batch_indices`` under (``pull.claim_of``)."""
+        return claim_of(self.pool, batch_indices)
 
     def leave_pool(self, ended: bool) -> None:
         """Stop this worker's renewals and record how it ended (``pool.Pool.leave``)."""
@@ -426,7 +427,7 @@ class PromptDataModule(pl.LightningDataModule):
             if self.pool is None:  # (replica 0's writing rank registered when the job joined)
                 self.pool = Pool(files, job, kwargs["rank"], self.lease_s)
             self.pool.register(digest, {"batches": len(self.plan), "images": self.plan.images,
-                                        "batch_size": self.batch_size})
+                                        "batch_size": self.batch_size, "bucket": self.bucket})
         dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
         stop = strategy.run_context.stop if strategy is not None else None
         sampler = PullSampler(dataset, self.pool, share=strategy.replica_share() if strategy is not None else None,

@@ -22,7 +22,8 @@ import numpy as np
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_diffusion.console import log
-from lightning_diffusion.output.pool import Pool, claim_order
+from lightning_diffusion.output.fence import Claim
+from lightning_diffusion.output.pool import SEALED, Pool, claim_order
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -53,7 +54,7 @@ class PullSampler(DistributedSampler):
         # worker that stopped before keeps to what this job found recorded when it started).
         self._recorded = np.zeros(0, dtype=np.int64)
         self._read_after: set[str] = set()
-        self._started = time.time()
+        self._started = pool.clock() if pool is not None else time.time()  # the pool's clock (tests drive it)
 
     def __len__(self) -> int:
         raise TypeError("a pool's batches are claimed while the run goes: the sampler has no length")
@@ -136,7 +137,7 @@ class PullSampler(DistributedSampler):
                         return
                     pool.wait(True)
             waiting = still
-            if all(pool.waiting(pool.holder(batch)[1]) for batch in waiting):
+            if all(pool.waiting(pool.holder(batch)[1].removeprefix(SEALED)) for batch in waiting):
                 return
             yield WAIT  # the replica's other ranks hear from this rank at every poll
             if self._stopped(self.poll_s):
@@ -144,39 +145,47 @@ class PullSampler(DistributedSampler):
 
     def _settle(self, batch: int) -> Union[Key, Literal[False], None]:
         """For a batch another worker claimed: None while its worker works (wait), False when it is
-        recorded or another worker took it over first (nothing to do), else this worker's takeover."""
+        recorded or another worker took it over first (nothing to do), else this worker's takeover.
+        A bucket's batch sealed by a worker that stopped is taken over only once the seal lapsed
+        (``Pool.seal_lapsed``)."""
         pool = self.pool
         assert pool is not None
         generation, holder = pool.holder(batch)
+        sealed = holder.startswith(SEALED)
+        holder = holder.removeprefix(SEALED)
         if holder == pool.worker:
             return False  # this worker's own (a takeover it already made)
         if pool.working(holder):
             return None
-        if holder not in self._read_after and not pool.stopped_before(holder, self._started):
-            self._recorded = pool.files.recorded()  # what it recorded since this job started
+        if sealed or (holder not in self._read_after and not pool.stopped_before(holder, self._started)):
+            self._recorded = pool.files.recorded()  # what it recorded since this job started (a seal: its upload)
             self._read_after.add(holder)
         left = self._left(batch)
-        recorded = left[np.isin(left, self._recorded)]
-        if len(recorded) == len(left):
+        if np.isin(left, self._recorded).all():
             return False
-        if not pool.take_over(batch, generation):
-            return None  # another worker took it at the same moment: settled next round
+        if sealed and not pool.seal_lapsed(holder):
+            return None
+        taken, recorded = pool.take_over(batch, generation, left)
+        if not taken:
+            # recorded meanwhile (nothing to do), or another worker took it at the same moment (settled next round)
+            return False if len(recorded) == len(left) else None
         self.claimed += 1
         log.info(f"pool: took over batch {batch} from worker {holder or 'unknown'} (not working any more): "
                  f"{len(left) - len(recorded)} of its images are not recorded.")
         return batch, generation + 1, tuple(recorded.tolist())
 
 
-def still_held(pool: Optional[Pool], keys: Optional[Sequence[object]]) -> bool:
-    """Whether this worker still holds the batch of ``keys`` (Lightning's batch indices: the one key
-    this sampler yielded): False once another worker took it over."""
+def claim_of(pool: Optional[Pool], keys: Optional[Sequence[object]]) -> Union[Claim, None, Literal[False]]:
+    """The claim this worker holds the batch of ``keys`` under (Lightning's batch indices: the one
+    key this sampler yielded), False once another worker took it over (seen before any of its
+    images is encoded; the fence, at publication, is what decides), None where it is not a pool's."""
     if pool is None or not keys:
-        return True
+        return None
     key = keys[0]
     if not isinstance(key, tuple):
-        return True
-    lost = pool.lost(key[0], key[1])
-    if lost:
+        return None
+    if pool.lost(key[0], key[1]):
         log.warning(f"pool: batch {key[0]} was taken over by another worker while this one made it (its renewals "
                     "stopped for longer than data.lease_s); its images are left to that worker.")
-    return not lost
+        return False
+    return Claim(pool.claims, key[0], key[1], pool.worker)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from lightning_diffusion.output.fence import already_there as _already_there  # noqa: F401  (its users import it here)
 from lightning_diffusion.output.pool import pid_alive
 
 if TYPE_CHECKING:
@@ -157,6 +158,11 @@ class Uploader:
             self._failed = str(err)
             raise
 
+    def pool_name(self, name: str) -> str:
+        """A pool's tar shard in the bucket: named by its first image and its worker (``JOB-R``), so
+        that no two workers' shards can have one name."""
+        return name.removesuffix(".tar") + f".{self.tag.removeprefix('.pool-')}-{self.rank}.tar"
+
     def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:
         fs, root = self.fs
         self._put(local.name, lambda: fs.put_file(str(local), f"{root}/{local.name}"))
@@ -168,14 +174,6 @@ class Uploader:
         fs, root = self.fs
         name = f"{FAILURES}/{self.run}.rank-{self.rank}.jsonl"
         self._put(name, lambda: fs.pipe_file(f"{root}/{name}", local.read_bytes()))
-
-
-def _already_there(err: BaseException) -> bool:
-    """A conditional PUT refused because the object exists: s3fs says FileExistsError for AWS's
-    412; an S3-compatible store may answer 412 or 409 without the header s3fs looks for."""
-    text = f"{err} {err.__cause__ or ''}"
-    return isinstance(err, FileExistsError) or any(
-        word in text for word in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
 
 
 def _lines(blob: bytes) -> list[dict[str, Any]]:

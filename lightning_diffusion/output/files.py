@@ -22,7 +22,8 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.output.manifest import atomic_write, failures_part
+from lightning_diffusion.output.fence import Claim, Fence, pause
+from lightning_diffusion.output.manifest import atomic_write, failures_part, temporary_name, temporary_write
 from lightning_diffusion.output.settings import FILES_PER_FOLDER, IMAGE_FORMATS, WriterSettings
 from lightning_diffusion.output.shard import in_shard
 
@@ -80,6 +81,21 @@ def stale_temporaries(folder: Path, shard: Optional[tuple[int, int]], deep: bool
     return found
 
 
+def worker_temporaries(folder: Path, workers: set[str]) -> list[Path]:
+    """The temporaries a pool's ``workers`` left half-written (``manifest.temporary_name``: theirs
+    carry their name), in the folder and its numbered subfolders."""
+    found = []
+    folders = [folder] + [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)
+                          and re.fullmatch(r"\d{5,}", e.name)]
+    for where in folders:
+        for entry in os.scandir(where):
+            if entry.name.startswith(".") and ".tmp-" in entry.name and entry.is_file(follow_symlinks=False):
+                owner = entry.name.rpartition(".tmp-")[0].rpartition(".")[2]
+                if owner in workers:
+                    found.append(Path(entry.path))
+    return found
+
+
 EXIF_DESCRIPTION = 0x010E  # ImageDescription: where WebP and JPEG files carry the parameters (JSON)
 
 
@@ -118,6 +134,19 @@ def failure_line(item: dict[str, Any]) -> dict[str, Any]:
             "error": item["error"], "failed": round(time.time(), 3)}
 
 
+def claim_key(item: dict[str, Any]) -> dict[str, str]:
+    """A pool's manifest line records the claim its output was made under (``fence.Claim.token``)."""
+    claim = item.get("claim")
+    return {"claim": claim.token} if claim is not None else {}
+
+
+def _log_lost(claim: Claim) -> None:
+    from lightning_diffusion.console import log
+
+    log.warning(f"pool: batch {claim.batch} was taken over by another worker while this one made it (its "
+                "renewals stopped for longer than data.lease_s); its images are left to that worker.")
+
+
 def to_uint8(image: np.ndarray) -> np.ndarray:
     """Float [0, 1] -> uint8, rounding as diffusers' ``numpy_to_pil`` does."""
     return (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
@@ -138,6 +167,9 @@ class OutputFiles:
     # Where a closed tar shard goes from here (``bucket.Uploader``: a bucket), before its lines
     # are appended; None: it stays in ``output_dir``.
     publish: Optional[Uploader] = None
+    # A pool's publication under its claims (``fence``): items that carry a ``claim`` are made
+    # visible only while it holds their batch. None: a run that deals its work.
+    fence: Optional[Fence] = None
 
     def __post_init__(self) -> None:
         self._part_lock = threading.Lock()
@@ -171,6 +203,10 @@ class OutputFiles:
             self._shards.add([item for item in prediction if "error" not in item],
                              prediction[0].get("batch") if prediction else None)
             return
+        claim = prediction[0].get("claim") if prediction else None
+        if claim is not None and self.fence is not None:
+            self._write_fenced([item for item in prediction if "error" not in item], claim)
+            return
         lines: list[dict[str, Any]] = []
         try:
             for item in prediction:
@@ -184,6 +220,34 @@ class OutputFiles:
             if lines:
                 self._append(lines)
 
+    def _write_fenced(self, items: list[dict[str, Any]], claim: Claim) -> None:
+        """A pool's batch: every file under its temporary name, then, inside the fence, renamed into
+        place and its lines appended, or, where the batch was taken over meanwhile, removed."""
+        renames: list[tuple[Path, Path]] = []
+        try:
+            lines = [self.write_output(item, renames) for item in items]
+            pause("written")
+
+            def publish(held: set[Claim]) -> None:
+                if not held:
+                    return
+                while renames:
+                    tmp, path = renames.pop(0)
+                    os.replace(tmp, path)
+                pause("published")
+                self._append(lines)
+
+            self.fence_publish([claim], publish)
+        finally:
+            for tmp, _ in renames:
+                tmp.unlink(missing_ok=True)
+
+    def fence_publish(self, claims: list[Claim], publish) -> None:
+        """``publish`` through the fence; the batches lost are said once each."""
+        assert self.fence is not None
+        for claim in sorted(self.fence.publish(claims, publish), key=lambda c: c.batch):
+            _log_lost(claim)
+
     def _append(self, lines: list[dict[str, Any]], part: Optional[Path] = None) -> None:
         part = part or self.part
         assert part is not None
@@ -194,31 +258,41 @@ class OutputFiles:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def write_output(self, item: dict[str, Any]) -> dict[str, Any]:
-        """Write one image or video (and its array) atomically; return its manifest line."""
+    def write_output(self, item: dict[str, Any], renames: Optional[list[tuple[Path, Path]]] = None) -> dict[str, Any]:
+        """Write one image or video (and its array) atomically; return its manifest line. With
+        ``renames``, each file is left under its temporary name and (temporary, path) is added
+        there: the caller renames it into place (``_write_fenced``)."""
         index, prompt = item["index"], item["prompt"]
         metadata = self.metadata(item)
         pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
         sync = self.settings.fsync != "off"
+
+        def put(path: Path, write) -> int:
+            if renames is None:
+                return atomic_write(path, write, sync)
+            tmp, size = temporary_write(path, write, sync, item["claim"].worker if item.get("claim") else "")
+            renames.append((tmp, path))
+            return size
+
         if pixels.ndim == 4:  # a video: frames x height x width x 3
             name, fps = self._name(index, prompt, f".{self.settings.video_format}"), self.settings.fps
             text = json.dumps(metadata, ensure_ascii=False)
             if self.settings.video_format == "mp4":
                 tags = {"title": prompt, "comment": text}
-                size = atomic_write(self.output_dir / name, lambda f: write_mp4(f, pixels, fps, tags), sync)
+                size = put(self.output_dir / name, lambda f: write_mp4(f, pixels, fps, tags))
             else:
-                size = atomic_write(self.output_dir / name,
-                                    lambda f: write_animation(f, pixels, fps, self.settings.video_format, text), sync)
+                size = put(self.output_dir / name,
+                           lambda f: write_animation(f, pixels, fps, self.settings.video_format, text))
             metadata["fps"] = self.settings.fps
         else:
             name = self._name(index, prompt, IMAGE_FORMATS[self.settings.image_format])
             picture = Image.fromarray(pixels)
-            size = atomic_write(self.output_dir / name, lambda f: self.encode(picture, metadata, f), sync)
+            size = put(self.output_dir / name, lambda f: self.encode(picture, metadata, f))
         if self.settings.save_arrays:
-            atomic_write(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]), sync)
+            put(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]))
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
-        }, "written": round(time.time(), 3)}
+        }, **claim_key(item), "written": round(time.time(), 3)}
 
     def _name(self, index: int, prompt: str, suffix: str) -> str:
         """The output's path in the folder, its subfolder made once (``layout``)."""
@@ -278,7 +352,10 @@ class TarShards:
     shard is synced, renamed into place (``shard-{first index}.tar``), and only then are its
     samples' manifest lines appended. A kill loses at most the open shard: its temporary file is
     never read, its images have no line, and a resume makes them again with the same bytes.
-    Members carry no time or owner, so a shard of the same samples is the same bytes."""
+    Members carry no time or owner, so a shard of the same samples is the same bytes. A pool's
+    shard is published through the fence (``fence``): the members of batches taken over meanwhile
+    are left out of it (the shard is written again without them), and it is named by the first
+    member it keeps."""
 
     def __init__(self, files: OutputFiles) -> None:
         self.files = files
@@ -288,8 +365,8 @@ class TarShards:
         self.tar: Optional[tarfile.TarFile] = None
         self.handle: Optional[IO[bytes]] = None
         self.tmp: Optional[Path] = None
-        self.name = ""
         self.lines: list[dict[str, Any]] = []
+        self.claims: list[Optional[Claim]] = []  # each line's (a pool's batches), else None
 
     def add(self, prediction: list[dict[str, Any]], batch: Optional[int] = None) -> None:
         """Encode a batch (in parallel with other threads), then append it after the batches the
@@ -322,13 +399,15 @@ class TarShards:
     def _append_samples(self, encoded: list) -> None:
         for item, suffix, data, metadata in encoded:
             if self.tar is None:
-                self._open(item["index"])
+                self._open(item["index"], item["claim"].worker if item.get("claim") else "")
             key = f"{item['index']:09d}"
             self._member(f"{key}{suffix}", data)
             self._member(f"{key}.json", json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
             self.lines.append({"index": item["index"], "prompt": item["prompt"], "seed": item["seed"],
-                               "file": self.name, "member": f"{key}{suffix}", "bytes": len(data), **{
-                                   k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")}})
+                               "file": "", "member": f"{key}{suffix}", "bytes": len(data), **{
+                                   k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")},
+                               **claim_key(item)})
+            self.claims.append(item.get("claim"))
             if len(self.lines) >= self.files.settings.samples_per_shard:
                 self._close()
 
@@ -336,9 +415,8 @@ class TarShards:
         with self.lock:
             self._close()
 
-    def _open(self, first_index: int) -> None:
-        self.name = shard_name(first_index)
-        self.tmp = self.files.output_dir / f".{self.name}.tmp-{os.getpid()}-{os.urandom(6).hex()}"
+    def _open(self, first_index: int, owner: str = "") -> None:
+        self.tmp = temporary_name(self.files.output_dir / shard_name(first_index), owner)
         self.handle = open(self.tmp, "wb")
         self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.USTAR_FORMAT)  # no per-member PAX header
 
@@ -359,22 +437,63 @@ class TarShards:
                 os.fsync(self.handle.fileno())
             size = os.fstat(self.handle.fileno()).st_size
             self.handle.close()
-            os.replace(self.tmp, self.files.output_dir / self.name)
         except BaseException:
             self.handle.close()
             self.tmp.unlink(missing_ok=True)
-            self.tar, self.lines = None, []
+            self.tar, self.lines, self.claims = None, [], []
             raise
-        lines, self.lines, self.tar = self.lines, [], None
+        tmp, lines, claims = self.tmp, self.lines, self.claims
+        self.tar, self.lines, self.claims = None, [], []
+        pause("written")
+        pool = {claim for claim in claims if claim is not None}
+        try:
+            if pool and self.files.fence is not None:
+                self.files.fence_publish(sorted(pool, key=lambda c: c.batch),
+                                         lambda held: self._publish(tmp, size, lines, claims, held))
+            else:
+                self._publish(tmp, size, lines, claims, pool)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _publish(self, tmp: Path, size: int, lines: list[dict[str, Any]], claims: list[Optional[Claim]],
+                 held: set[Claim]) -> None:
+        """The closed shard renamed (uploaded, for a bucket) and then its lines appended: only the
+        samples of the batches still held (``held``, of a pool's) or of no claim."""
+        keep = [n for n, claim in enumerate(claims) if claim is None or claim in held]
+        if not keep:
+            return
+        if len(keep) < len(lines):
+            lines = [lines[n] for n in keep]
+            size = _without_members(tmp, {line["member"].partition(".")[0] for line in lines}, self.files.settings)
+        name = shard_name(lines[0]["index"])
+        if self.files.publish is not None and claims[keep[0]] is not None:
+            name = self.files.publish.pool_name(name)  # a pool's shards in a bucket: one name a worker
+        os.replace(tmp, self.files.output_dir / name)
+        pause("published")
         stamp = round(time.time(), 3)
-        lines = [{**line, "shard_bytes": size, "written": stamp} for line in lines]
+        lines = [{**line, "file": name, "shard_bytes": size, "written": stamp} for line in lines]
         if self.files.publish is not None:  # uploaded whole, and recorded there, before the lines count here
-            local = self.files.output_dir / self.name
+            local = self.files.output_dir / name
             try:
                 self.files.publish.shard(local, lines)
             finally:
                 local.unlink(missing_ok=True)
         self.files._append(lines)
+
+
+def _without_members(path: Path, keys: set[str], settings: WriterSettings) -> int:
+    """Write the tar ``path`` again with only the members of ``keys`` (their names before the first
+    dot), headers and bytes as they were; returns its new size."""
+    def copy(out: IO[bytes]) -> None:
+        with tarfile.open(path, mode="r") as old, \
+                tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as new:
+            for info in old.getmembers():
+                if info.name.partition(".")[0] in keys:
+                    new.addfile(info, old.extractfile(info))
+
+    tmp, size = temporary_write(path, copy, settings.fsync != "off")
+    os.replace(tmp, path)
+    return size
 
 
 def size_text(count: float) -> str:

@@ -24,7 +24,8 @@ import numpy as np
 
 from lightning_diffusion.console import log
 from lightning_diffusion.input.settings import LEASE_S
-from lightning_diffusion.output.files import stale_temporaries
+from lightning_diffusion.output.fence import FolderFence
+from lightning_diffusion.output.files import stale_temporaries, worker_temporaries
 from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
 from lightning_diffusion.output.manifest import (
     MANIFEST,
@@ -41,7 +42,7 @@ from lightning_diffusion.output.manifest import (
     rejected_images,
     settings_conflict,
 )
-from lightning_diffusion.output.pool import FolderPoolFiles, Pool, live_jobs, log_joined, quit_join
+from lightning_diffusion.output.pool import FolderPoolFiles, Pool, gone_workers, live_jobs, log_joined, quit_join
 from lightning_diffusion.output.recorded import finished, merge_manifest, repair_manifest
 from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import (
@@ -196,6 +197,10 @@ class FolderStore:
     def publisher(self, rank: int) -> None:
         return None  # files are written in place
 
+    def fence(self, publisher: None) -> FolderFence:
+        """A pool's publication: under the folder's merge lock (``fence``)."""
+        return FolderFence(self.folder)
+
     @property
     def record_file(self) -> Path:
         """Where this run's history goes: ``run.json``, or its shard's ``run.shard-T-of-N.json``."""
@@ -270,6 +275,8 @@ class FolderStore:
         others = self._other_jobs()
         if not others:
             self._sweep()
+        else:  # the temporaries of the pool's workers that are gone (theirs carry their names)
+            self._sweep(worker_temporaries(self.folder, gone_workers(FolderPoolFiles(self.folder), self.lease_s)))
         run_file = self.folder / RUN_FILE
         with merge_lock(self.folder):
             conflict = None if self.allow_config_change else settings_conflict(self.folder, settings)
@@ -288,10 +295,11 @@ class FolderStore:
         log_joined(self.folder, others, total, len(found.indices))
         return None, found.indices
 
-    def _sweep(self) -> None:
+    def _sweep(self, stale: Optional[list[Path]] = None) -> None:
         """Remove the temporaries of an earlier run that was killed (where its parts were left
-        unmerged, in the images' folders too)."""
-        stale = stale_temporaries(self.folder, self.shard, deep=any(self.folder.glob(PART_GLOB)))
+        unmerged, in the images' folders too), or ``stale``."""
+        if stale is None:
+            stale = stale_temporaries(self.folder, self.shard, deep=any(self.folder.glob(PART_GLOB)))
         for path in stale:
             path.unlink(missing_ok=True)
         if stale:
@@ -364,7 +372,8 @@ class FolderStore:
         parts = part_counts(self.folder, self.parts_glob)
         others = self._other_jobs() if self.pool is not None else []
         merged = merge_manifest(self.folder, self.shard, live_jobs=others)
-        done = np.union1d(done, select(merged, self.shard))
+        # a pool's: every image recorded now, the other jobs' too (their parts still being appended)
+        done = finished(self.folder).indices if self.pool is not None else np.union1d(done, select(merged, self.shard))
         return parts, done, merge_failures(self.folder, self.shard, done, live_jobs=others)
 
     def record(self, summary: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -49,12 +50,17 @@ def failures_part(part: Path) -> Path:
     return part.with_name("failed." + part.name.removeprefix("manifest."))
 
 
-def atomic_write(path: Path, write, fsync: bool = True) -> int:
-    """``path`` appears whole or not at all (written under a temporary name, then renamed); with
-    ``fsync`` its bytes are on disk before the rename. The temporary name is unique across the
-    nodes and threads writing into one folder (equal pids are common in containers). Returns the
-    file's size."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(6).hex()}")
+def temporary_name(path: Path, owner: str = "") -> Path:
+    """A temporary name beside ``path``: ``.NAME.tmp-PID-RANDOM``, unique across the nodes and threads
+    writing into one folder (equal pids are common in containers); ``.NAME.OWNER.tmp-PID-RANDOM`` for
+    a pool's worker ``owner``, whose leftovers another job sweeps once that worker is gone."""
+    return path.with_name(f".{path.name}{'.' + owner if owner else ''}.tmp-{os.getpid()}-{os.urandom(6).hex()}")
+
+
+def temporary_write(path: Path, write, fsync: bool = True, owner: str = "") -> tuple[Path, int]:
+    """``path``'s bytes written under a temporary name beside it (``temporary_name``), with ``fsync``
+    on disk; returns (the temporary, its size). Renamed into place by the caller, or removed."""
+    tmp = temporary_name(path, owner)
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -62,6 +68,17 @@ def atomic_write(path: Path, write, fsync: bool = True) -> int:
             if fsync:
                 os.fsync(f.fileno())
             size = os.fstat(f.fileno()).st_size
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp, size
+
+
+def atomic_write(path: Path, write, fsync: bool = True) -> int:
+    """``path`` appears whole or not at all (``temporary_write``, then renamed); with ``fsync`` its
+    bytes are on disk before the rename. Returns the file's size."""
+    tmp, size = temporary_write(path, write, fsync)
+    try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -148,18 +165,37 @@ def part_counts(output_dir: str | os.PathLike, glob: str = "manifest.part-*.json
     return counts
 
 
+# Per folder in this process: a re-entrant lock for its threads and how deep the holder is: POSIX
+# locks belong to a process, so threads are kept apart here, and only the outermost hold takes and
+# releases the file's lock (an inner release would free it for every process).
+_HELD: dict[str, list[Any]] = {}
+_HELD_GUARD = threading.Lock()
+
+
 @contextlib.contextmanager
 def merge_lock(folder: Path):
-    """One merge of ``manifest.jsonl`` at a time in a folder (the shards of a job array merge into
-    it from several nodes): a POSIX lock, which NFS serves too."""
+    """One merge of ``manifest.jsonl`` (or one publication of a pool's batch, ``fence``) at a time in
+    a folder (the shards of a job array merge into it from several nodes): a POSIX lock, which NFS
+    serves too, held by one thread of a process at a time; nested holds by one thread are allowed."""
     import fcntl
 
-    with open(folder / MERGE_LOCK, "a") as f:
-        fcntl.lockf(f, fcntl.LOCK_EX)
+    key = os.path.abspath(folder)
+    with _HELD_GUARD:
+        held = _HELD.setdefault(key, [threading.RLock(), 0, None])
+    with held[0]:
+        if held[1] == 0:
+            handle = open(Path(folder) / MERGE_LOCK, "a")
+            fcntl.lockf(handle, fcntl.LOCK_EX)
+            held[2] = handle
+        held[1] += 1
         try:
             yield
         finally:
-            fcntl.lockf(f, fcntl.LOCK_UN)
+            held[1] -= 1
+            if held[1] == 0:
+                handle, held[2] = held[2], None
+                fcntl.lockf(handle, fcntl.LOCK_UN)
+                handle.close()
 
 
 def _parts_to_merge(folder: Path, shard: Optional[tuple[int, int]], glob: str = PART_GLOB,

@@ -64,10 +64,12 @@ from lightning_diffusion.output.bucket import (
     tried,
 )
 from lightning_diffusion.output.bucket_pool import BucketPoolFiles, join_pool
+from lightning_diffusion.output.fence import BucketFence, counted_generations, parse_token
 from lightning_diffusion.output.folder_store import output_dir_problems
 from lightning_diffusion.output.lock import pid_alive, pool_beside_deal_message
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
-from lightning_diffusion.output.pool import Pool, live_workers
+from lightning_diffusion.output.pool import POOL, Pool, live_workers
+from lightning_diffusion.output.recorded import writer_name
 from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import (
     Shard,
@@ -203,6 +205,10 @@ class ObjectStore:
 
     def publisher(self, rank: int) -> Uploader:
         return Uploader(self.url, self.options, rank, self.run, "" if self.pool is None else f".pool-{self.pool}")
+
+    def fence(self, publisher: Uploader) -> BucketFence:
+        """A pool's publication: each batch sealed by a conditional PUT before its upload (``fence``)."""
+        return BucketFence(publisher)
 
     @property
     def lock_name(self) -> str:
@@ -408,21 +414,51 @@ class ObjectStore:
         return tried("reading the records at", self.url, self._recorded)
 
     def _recorded_lines(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """Each manifest line that names a tar of its recorded size, with the rank that wrote it, in
-        the manifest objects' order (an image recorded twice: its first line counts)."""
+        """Each manifest line that counts (``_counts``), with the rank that wrote it, in the manifest
+        objects' order (an image recorded twice: its first line counts)."""
+        for _, rank, lines, verdicts in self._manifest_objects():
+            for line, counts in zip(lines, verdicts):
+                if counts:
+                    yield rank, line
+
+    def _manifest_objects(self) -> Iterator[tuple[str, int, list[dict[str, Any]], list[Optional[bool]]]]:
+        """Each manifest object: (its path, the rank that wrote it, its lines, each line's verdict:
+        True where it counts; False where its claim was taken over, ``fence``; None where it names
+        no tar of its recorded size, or not the writer's name for its image)."""
         fs, root = self.fs
         fs.invalidate_cache()  # listings are read afresh: other ranks and tasks add to them
         listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)
                    if entry.get("type") != "directory"}
         names = fs.find(f"{root}/{MANIFESTS}")
         blobs = fs.cat(names, on_error="return") if names else {}  # one gone since the listing: skipped
+        counted: dict[str, dict[int, int]] = {}  # a pool's claims: digest -> batch -> the generation that counts
         for name, blob in sorted(blobs.items()):
             if isinstance(blob, Exception):
                 continue
             rank = int(name.rsplit(".rank-", 1)[-1].split(".")[0]) if ".rank-" in name else 0
-            for line in _lines(blob):
-                if listing.get(line.get("file")) == line.get("shard_bytes"):
-                    yield rank, line
+            lines = _lines(blob)
+            yield name, rank, lines, [self._counts(line, listing, counted) for line in lines]
+
+    def _counts(self, line: dict[str, Any], listing: dict[str, int],
+                counted: dict[str, dict[int, int]]) -> Optional[bool]:
+        """A manifest line counts where it names a tar of the prefix of the size it records, a
+        member named as the writer names the line's image, and, for a pool's line, a claim whose
+        batch was not taken over after it was sealed (``fence``)."""
+        file, member, size = line.get("file"), line.get("member"), line.get("shard_bytes")
+        if not (isinstance(file, str) and isinstance(member, str) and isinstance(size, int)
+                and listing.get(file) == size and writer_name(line["index"], file, member)):
+            return None
+        token = parse_token(line.get("claim"))
+        if token is None:
+            return True
+        digest, batch, generation = token
+        if digest not in counted:
+            fs, root = self.fs
+            try:
+                counted[digest] = counted_generations(fs.ls(f"{root}/{POOL}/claims-{digest}", detail=False))
+            except FileNotFoundError:
+                counted[digest] = {}
+        return counted[digest].get(batch) == generation
 
     def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
         fs, root = self.fs
@@ -549,15 +585,11 @@ class ObjectStore:
         every, rank_of, failed = self.recorded()
         mine = select(every, self.shard)
         made: dict[int, int] = {}
-        if self.pool is not None:  # this job's images: its ranks' manifest objects (``.pool-JOB``)
-            fs, root = self.fs
-            recorded = set(every.tolist())
-            names = fs.glob(f"{root}/{MANIFESTS}/*.pool-{self.pool}.jsonl")
-            for name, blob in (fs.cat(names, on_error="return") if names else {}).items():
-                if isinstance(blob, Exception):
-                    continue
-                rank = int(name.rsplit(".rank-", 1)[-1].split(".")[0])
-                made[rank] = made.get(rank, 0) + sum(line["index"] in recorded for line in _lines(blob))
+        if self.pool is not None:  # this job's images: its ranks' manifest lines that count (``.pool-JOB``)
+            for name, rank, lines, verdicts in self._manifest_objects():
+                if name.endswith(f".pool-{self.pool}.jsonl"):
+                    made[rank] = made.get(rank, 0) + sum(counts is True for counts in verdicts)
+            self._remove_stale()
         for index in np.setdiff1d(mine, done).tolist() if self.pool is None else []:
             made[rank_of[index]] = made.get(rank_of[index], 0) + 1  # this run's images, by the rank that made them
         # failed.jsonl: every shard's failures not made since (a rerun retries them), one line an image
@@ -569,6 +601,25 @@ class ObjectStore:
                                                      for _, line in sorted(left.items())).encode("utf-8"))
         now = {line["index"] for line in self.failed_now() if line["index"] not in finished}
         return made, np.union1d(done, mine), len(now)
+
+    def _remove_stale(self) -> None:
+        """Remove what a pool's worker uploaded under a claim taken over after its seal (a worker
+        silent for ``pool.SEAL_GRACE`` leases that came back): its manifest objects, none of whose
+        lines count, and their tars, which no line that counts names."""
+        stale: list[tuple[str, set[str]]] = []
+        named: set[str] = set()
+        for name, _, lines, verdicts in self._manifest_objects():
+            if lines and all(counts is False for counts in verdicts):
+                stale.append((name, {str(line["file"]) for line in lines}))
+            else:
+                named.update(str(line["file"]) for line, counts in zip(lines, verdicts) if counts)
+        fs, root = self.fs
+        for name, tars in stale:
+            for tar in sorted(tars - named):
+                fs.rm(f"{root}/{tar}")
+            fs.rm(name)
+            log.info(f"{self.url}: removed {name.rsplit('/', 1)[-1]}, uploaded under a claim another worker took "
+                     "over: its images are that worker's.")
 
     def failed_now(self) -> list[dict[str, Any]]:
         """This run's failed lines (its ranks' ``failed/RUN.rank-R.jsonl`` objects)."""

@@ -33,18 +33,22 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 
 from lightning_diffusion.console import counted, log
 from lightning_diffusion.input.settings import LEASE_S
+from lightning_diffusion.output.fence import pause, slot_name
 
 if TYPE_CHECKING:
     from lightning_diffusion.input.batching import BatchPlan
 
 POOL = "pool"
 WORKERS = f"{POOL}/workers"
+SEALED = "sealed "  # a bucket's seal of a batch (``fence.BucketFence``): ``sealed WORKER``
+# Leases of silence after which a bucket's batch sealed by a worker is taken over (``Pool.seal_lapsed``).
+SEAL_GRACE = 20
 
 
 
@@ -104,13 +108,20 @@ class PoolFiles(Protocol):
         """Every image recorded in the location now (its manifest and the parts being appended)."""
         ...
 
+    def take_over(self, name: str, data: bytes, images: np.ndarray) -> tuple[bool, np.ndarray]:
+        """Make the claim ``name`` (a takeover) unless every one of ``images`` is recorded: (whether
+        this call made it, the images of ``images`` whose records stay valid after it), at a moment
+        no publication of the batch interleaves with (``fence``)."""
+        ...
+
 
 class FolderPoolFiles:
     """A pool in a folder every worker sees: creates by ``O_EXCL``, renewals by the file's time."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, clock: Callable[[], float] = time.time) -> None:
         self.folder = Path(folder)
         self.where = str(folder)
+        self.clock = clock  # the time renewals are stamped with and ages are read against
 
     def create(self, name: str, data: bytes) -> bool:
         path = self.folder / name
@@ -146,14 +157,16 @@ class FolderPoolFiles:
             return []
 
     def renew(self, name: str, data: bytes) -> None:
+        now = self.clock()
         try:
-            os.utime(self.folder / name)
+            os.utime(self.folder / name, (now, now))
         except FileNotFoundError:  # removed by hand: made again
             self.put(name, data)
+            os.utime(self.folder / name, (now, now))
 
     def age(self, name: str, content: dict[str, Any]) -> float:
         try:
-            return max(0.0, time.time() - (self.folder / name).stat().st_mtime)
+            return max(0.0, self.clock() - (self.folder / name).stat().st_mtime)
         except OSError:
             return float("inf")
 
@@ -163,6 +176,17 @@ class FolderPoolFiles:
 
         with merge_lock(self.folder):  # a merge moves lines from a part into the manifest: read neither half-way
             return finished(self.folder).indices
+
+    def take_over(self, name: str, data: bytes, images: np.ndarray) -> tuple[bool, np.ndarray]:
+        from lightning_diffusion.output.manifest import merge_lock
+        from lightning_diffusion.output.recorded import finished
+
+        with merge_lock(self.folder):  # what publishes a batch holds it too (``fence.FolderFence``)
+            recorded = images[np.isin(images, finished(self.folder).indices)]
+            if len(images) and len(recorded) == len(images):
+                return False, recorded
+            pause("taking over")
+            return self.create(name, data), recorded
 
 
 def worker_live(files: PoolFiles, name: str, worker: dict[str, Any], lease_s: float) -> bool:
@@ -195,6 +219,20 @@ def live_workers(files: PoolFiles, lease_s: float = LEASE_S) -> dict[str, dict[s
             if worker_live(files, f"{WORKERS}/{name}.json", worker, lease_s)}
 
 
+def gone_workers(files: PoolFiles, lease_s: float = LEASE_S) -> set[str]:
+    """The registered workers proven gone: ended or failed, their process gone from this host, or
+    silent for ``SEAL_GRACE`` leases (what they left half-written is nobody's)."""
+    gone = set()
+    for name, worker in read_workers(files).items():
+        if worker.get("state") not in ("working", "waiting"):
+            gone.add(name)
+        elif worker.get("host") == socket.gethostname() and not pid_alive(int(worker.get("pid") or 0)):
+            gone.add(name)
+        elif files.age(f"{WORKERS}/{name}.json", worker) > SEAL_GRACE * float(worker.get("lease_s") or lease_s):
+            gone.add(name)
+    return gone
+
+
 def live_jobs(files: PoolFiles) -> set[str]:
     """The jobs of the location's live workers (their manifest parts are still being appended to)."""
     return {str(worker.get("job")) for worker in live_workers(files).values()}
@@ -217,7 +255,7 @@ def pool_summary(files: PoolFiles) -> dict[str, Any]:
             if batch not in holders or int(generation or 0) > holders[batch][0]:
                 holders[batch] = (int(generation or 0), name)
         for _, name in holders.values():
-            holder = (files.read(f"{POOL}/{folder}/{name}") or b"").decode()
+            holder = (files.read(f"{POOL}/{folder}/{name}") or b"").decode().removeprefix(SEALED)
             claims_by_worker[holder] = claims_by_worker.get(holder, 0) + 1
         plan = json.loads(files.read(f"{POOL}/plan-{digest}.json") or b"{}")
         plans.append({"plan": digest, "batches": plan.get("batches"), "claimed": len(holders)})
@@ -227,7 +265,7 @@ def pool_summary(files: PoolFiles) -> dict[str, Any]:
         state = worker.get("state") if live or worker.get("state") not in ("working", "waiting") else "silent"
         shown.append({"worker": name, "state": state, "live": live, "host": worker.get("host"),
                       "pid": worker.get("pid"), "slurm_job": worker.get("slurm_job"),
-                      "claims": claims_by_worker.get(name, 0)})
+                      "claims": claims_by_worker.get(name, 0), "since": worker.get("since")})
     return {"workers": shown, "plans": plans}
 
 
@@ -235,8 +273,11 @@ class Pool:
     """One worker's view of the pool: its registration and renewals, its claims, and what it reads
     of the others'. ``job``: this job's name (the same on its ranks), ``worker``: ``JOB-R``."""
 
-    def __init__(self, files: PoolFiles, job: str, replica: int, lease_s: float, digest: str = "") -> None:
+    def __init__(self, files: PoolFiles, job: str, replica: int, lease_s: float, digest: str = "",
+                 clock: Callable[[], float] = time.time) -> None:
         self.files = files
+        self.clock = clock  # the time of renewals and of the judgements of others (tests drive it)
+        self.since = round(clock(), 3)  # when this worker joined (``status``'s rate of a pool)
         self.job = job
         self.worker = f"{job}-{replica}"
         self.lease_s = float(lease_s)
@@ -250,35 +291,43 @@ class Pool:
         self.state = "working"  # or "waiting": every batch is claimed, and it waits to take over a dead one's
         self.took_over = 0  # batches this worker took over from another
         self.slow_renewal = False  # warned once: a renewal took longer than half the lease
+        self._left = True  # nothing to record at ``leave``: not started, or its end recorded
 
     # --- this worker -------------------------------------------------------------------------
 
     def _content(self, state: str) -> bytes:
         return json.dumps({"worker": self.worker, "job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
                            "slurm_job": os.environ.get("SLURM_JOB_ID"), "plan": self.digest or None, "state": state,
-                           "lease_s": self.lease_s, "beat": time.time()}).encode()
+                           "lease_s": self.lease_s, "since": self.since, "beat": self.clock()}).encode()
 
-    def start(self) -> None:
+    def start(self, renew: bool = True) -> None:
         """Say this worker works, renewed every lease/4 by a thread until ``leave`` (a job registers
-        its first worker this way when it joins, before its weights load)."""
+        its first worker this way when it joins, before its weights load); ``renew=False``: by
+        ``beat`` calls only (tests that drive the clock)."""
         self.files.put(self._record, self._content(self.state))
-        if self._thread is None:
+        self.files.renew(self._record, self._content(self.state))
+        self._left = False
+        if self._thread is None and renew:
             self._thread = threading.Thread(target=self._renew, name="pool-lease", daemon=True)
             self._thread.start()
 
-    def register(self, digest: str, plan: dict[str, Any]) -> None:
+    def register(self, digest: str, plan: dict[str, Any], renew: bool = True) -> None:
         """Work on the batches of the plan ``digest`` (``plan``: its size, for ``status``), and say so."""
         self.digest = digest
         self.claims = f"{POOL}/claims-{digest}"
         self.files.create(f"{POOL}/plan-{digest}.json", json.dumps(plan).encode())
-        self.start()
+        self.start(renew)
+
+    def beat(self) -> None:
+        """Renew this worker's registration once (what the renewal thread does every lease/4)."""
+        self.files.renew(self._record, self._content(self.state))
 
     def _renew(self) -> None:
         period = self.lease_s / 4
         while not self._stop.wait(period):
             started = time.monotonic()
             try:
-                self.files.renew(self._record, self._content(self.state))
+                self.beat()
             except Exception as err:  # the next renewal tries again; the lease is four of them
                 log.warning(f"{self.files.where}: renewing this worker's claims failed ({type(err).__name__}: {err})")
             took = time.monotonic() - started
@@ -303,6 +352,8 @@ class Pool:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if not self._left:
+            self._left = True
             try:
                 self.files.put(self._record, self._content("ended" if ended else "failed"))
             except Exception as err:
@@ -311,39 +362,55 @@ class Pool:
 
     # --- claims ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _name(batch: int, generation: int) -> str:
-        return str(batch) if generation == 0 else f"{batch}.{generation}"
-
     def claim(self, batch: int) -> bool:
         """Claim a batch nobody claimed yet."""
         return self.files.create(f"{self.claims}/{batch}", self.worker.encode())
 
     def holder(self, batch: int) -> tuple[int, str]:
-        """(the generation of the batch's latest claim, the worker holding it)."""
+        """(the generation of the batch's latest slot, the worker holding it): a claim's content is
+        its worker's name; a bucket's seal (``fence.BucketFence``) reads ``sealed WORKER``."""
         generation = 0
-        while self.files.exists(f"{self.claims}/{self._name(batch, generation + 1)}"):
+        while self.files.exists(f"{self.claims}/{slot_name(batch, generation + 1)}"):
             generation += 1
-        raw = self.files.read(f"{self.claims}/{self._name(batch, generation)}")
+        raw = self.files.read(f"{self.claims}/{slot_name(batch, generation)}")
         return generation, (raw or b"").decode()
 
-    def take_over(self, batch: int, generation: int) -> bool:
-        """Claim the batch after its claim of ``generation``: one worker only succeeds."""
-        taken = self.files.create(f"{self.claims}/{self._name(batch, generation + 1)}", self.worker.encode())
+    def take_over(self, batch: int, generation: int, images: Optional[np.ndarray] = None) -> tuple[bool, np.ndarray]:
+        """Claim the batch after its slot of ``generation`` unless all of ``images`` (the batch's
+        images left to make) are recorded (``PoolFiles.take_over``): one worker only succeeds.
+        Returns (taken, the images whose records stay valid: left out of the batch)."""
+        left = np.zeros(0, dtype=np.int64) if images is None else np.asarray(images, dtype=np.int64)
+        taken, recorded = self.files.take_over(f"{self.claims}/{slot_name(batch, generation + 1)}",
+                                               self.worker.encode(), left)
         self.took_over += taken
-        return taken
+        return taken, recorded
 
     def lost(self, batch: int, generation: int) -> bool:
-        """Whether another worker took the batch over after this worker's claim of ``generation``."""
-        return self.files.exists(f"{self.claims}/{self._name(batch, generation + 1)}")
+        """Whether the batch's slot after this worker's claim of ``generation`` is another worker's
+        (a takeover; this worker's own seal is not)."""
+        raw = self.files.read(f"{self.claims}/{slot_name(batch, generation + 1)}")
+        return raw is not None and raw.decode() != f"{SEALED}{self.worker}"
+
+    def seal_lapsed(self, worker: str) -> bool:
+        """Whether a batch ``worker`` sealed (a bucket's: sealed, then uploaded) may be taken over:
+        its registration says it ended or failed, its process is gone from this host, or it has
+        been silent for ``SEAL_GRACE`` leases (a seal cannot be fenced again: a worker that comes
+        back after that uploads outputs that do not count)."""
+        found = self._workers.get(worker)
+        if found is None or found.get("state") not in ("working", "waiting"):
+            return True
+        if found.get("host") == socket.gethostname() and not pid_alive(int(found.get("pid") or 0)):
+            return True
+        lease = float(found.get("lease_s") or self.lease_s)
+        return self.files.age(f"{WORKERS}/{worker}.json", found) > SEAL_GRACE * lease
 
     # --- the others ----------------------------------------------------------------------------
 
     def refresh(self, every: float = 0.0) -> None:
         """Read the workers' registrations again (at most once in ``every`` seconds)."""
-        if time.monotonic() - self._read_at >= every:
+        if self.clock() - self._read_at >= every:
             self._workers = read_workers(self.files)
-            self._read_at = time.monotonic()
+            self._read_at = self.clock()
 
     def working(self, worker: str) -> bool:
         """Whether ``worker`` still works: as last read, and read again before it is judged stopped
@@ -366,7 +433,7 @@ class Pool:
         found = self._workers.get(worker)
         if found is None:
             return False
-        return time.time() - self.files.age(f"{WORKERS}/{worker}.json", found) < moment - 1.0
+        return self.clock() - self.files.age(f"{WORKERS}/{worker}.json", found) < moment - 1.0
 
     def waiting(self, worker: str) -> bool:
         """Whether ``worker`` (as last read) waits too: the batch it holds is made as soon as its
@@ -390,6 +457,22 @@ def plan_conflict(files: PoolFiles, digest: str, plan: BatchPlan) -> Optional[st
     return (f"{files.where}: the pool's workers pull the batches of another plan ({other.get('batches')} batches of "
             f"{other.get('batch_size')} images) than this job's ({len(plan)} batches of {plan.batch_size}): join with "
             "the same data.batch_size and data.bucket, or wait for the pool to end.")
+
+
+def batching_conflict(files: PoolFiles, batch_size: int, bucket: bool) -> Optional[str]:
+    """Why a job batching with ``batch_size`` and ``bucket`` cannot join the pool in ``files``: its
+    live workers pull batches of another size or bucketing (judged when the job joins, before its
+    weights load; ``plan_conflict`` judges the plans themselves once the batches are planned)."""
+    for worker in live_workers(files).values():
+        if not worker.get("plan"):
+            continue
+        theirs = json.loads(files.read(f"{POOL}/plan-{worker['plan']}.json") or b"{}")
+        if theirs.get("batch_size", batch_size) != batch_size or theirs.get("bucket", bucket) != bucket:
+            return (f"{files.where}: the pool's workers pull batches of {theirs.get('batch_size')} images"
+                    f"{'' if theirs.get('bucket', True) else ' without buckets'}, this job plans batches of "
+                    f"{batch_size}{'' if bucket else ' without buckets'}: join with the same data.batch_size and "
+                    "data.bucket, or wait for the pool to end.")
+    return None
 
 
 def claim_order(costs: np.ndarray) -> np.ndarray:

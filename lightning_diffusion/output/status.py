@@ -80,13 +80,15 @@ def folder_status(folder: Path, now: Optional[float] = None, arrays: Optional[Jo
     rejected = rejected_images(folder)
     rejected = set(np.setdiff1d(np.asarray(sorted(rejected), dtype=np.int64), indices).tolist()) if rejected else set()
     shards = shard_status(folder, indices, expected, shard_count(folder, submitted), rejected, arrays)
-    # While a run goes: since the folder's lock was taken, or the earliest live shard's (a job array)
-    starts = [(lock or {}).get("since") if running else None] + [shard["since"] for shard in shards]
+    pool = pool_summary(FolderPoolFiles(folder)) if (folder / POOL).is_dir() else None
+    # While a run goes: since the folder's lock was taken, the earliest live shard's (a job array), or
+    # the earliest live worker's of a pool (the pool's rate: every job's outputs)
+    starts = ([(lock or {}).get("since") if running else None] + [shard["since"] for shard in shards]
+              + [worker.get("since") for worker in (pool or {}).get("workers", []) if worker["live"]])
     since = min((t for t in starts if t is not None), default=None)
     rate = write_rate(recent_written(folder), now, since, history)
     failed = count_lines(folder / FAILED) + sum(count_lines(p) for p in folder.glob(FAILURES_GLOB))
     complete = expected is not None and done + len(rejected) >= expected
-    pool = pool_summary(FolderPoolFiles(folder)) if (folder / POOL).is_dir() else None
     running = running or bool(pool and any(worker["live"] for worker in pool["workers"]))
     active = arrays.active_states if arrays is not None else ()
     # a task still queued counts: the array is not over
@@ -146,7 +148,9 @@ def bucket_status(store: Any) -> dict[str, Any]:
                        "expected": shard.size(expected or 0) - len(shard.select(sorted(rejected))),
                        "running": bool(shard_lock and shard_lock["live"]), "slurm_job": None,
                        "runs": len(shard_history), "stats": run_stats(shard_history)})
-    running = bool(lock and lock["live"]) or any(shard["running"] for shard in shards)
+    pool = pool_summary(store.pool_files()) if POOL in names else None  # its workers and claims, as a folder's
+    running = (bool(lock and lock["live"]) or any(shard["running"] for shard in shards)
+               or bool(pool and any(worker["live"] for worker in pool["workers"])))
     done = len(indices)
     complete = expected is not None and done + len(rejected) >= expected
     rate = run_stats(history[-1:])["images_per_s"] if history else None
@@ -154,7 +158,7 @@ def bucket_status(store: Any) -> dict[str, Any]:
             "failed": len({line["index"] for line in failed} - set(indices.tolist())), "complete": complete,
             "running": running, "by_rank": {}, "rate_per_s": rate, "rate_live": False, "eta_s": None, "lock": lock,
             "slurm_job": history[-1].get("slurm_job") if history else None, "not_counted": [],
-            "last_run": history[-1] if history else None, "shards": shards}
+            "last_run": history[-1] if history else None, "shards": shards, "pool": pool}
 
 
 def write_rate(written: np.ndarray, now: float, since: Optional[float], history: list[dict[str, Any]]

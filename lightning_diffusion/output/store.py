@@ -20,6 +20,7 @@ from lightning_diffusion.output.status import JobArrays
 
 if TYPE_CHECKING:
     from lightning_diffusion.output.bucket import Uploader
+    from lightning_diffusion.output.fence import Fence
     from lightning_diffusion.output.pool import Pool, PoolFiles
 
 Location = Union[str, "os.PathLike[str]"]
@@ -60,6 +61,11 @@ class OutputStore(Protocol):
 
     def publisher(self, rank: int) -> Optional[Uploader]:
         """What takes ``rank``'s closed tar shards on from ``local_dir`` (``files.OutputFiles.publish``)."""
+        ...
+
+    def fence(self, publisher: Any) -> Fence:
+        """How a pool's batches are published under their claims (``fence``; ``publisher``: the
+        rank's, from ``publisher``)."""
         ...
 
     @property

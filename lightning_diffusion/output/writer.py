@@ -54,6 +54,7 @@ from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, rai
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
 from lightning_diffusion.output.files import OutputFiles, size_text, to_uint8
 from lightning_diffusion.output.manifest import FAILED, REJECTED
+from lightning_diffusion.output.pool import batching_conflict, quit_join
 from lightning_diffusion.output.settings import WriterSettings, resolve_layout, run_settings
 from lightning_diffusion.output.shard import adopt, plan_file
 from lightning_diffusion.output.store import OutputStore, open_store, store_class
@@ -323,6 +324,10 @@ class ImageWriter(BasePredictionWriter):
         result: tuple[Optional[str], Any, bool] = (None, [], False)
         if trainer.is_global_zero:
             result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted)
+            if job is not None and result[0] is None:  # a pool's batches: refused before the weights load
+                conflict = batching_conflict(self.store.pool_files(), self.plan.batch_size, self.plan.bucket)
+                if conflict:
+                    result = (quit_join(self.store, conflict), [], False)
         # Every rank learns rank 0's verdict and raises the same error: nobody waits for a peer.
         error, done, adopted = trainer.strategy.broadcast(result)
         if error:
@@ -366,10 +371,11 @@ class ImageWriter(BasePredictionWriter):
             store, rank = self.store, self._rank
             where = store.local_dir if store is not None else self.output_dir
             # the store's credentials stay in this process: the files need none
+            publisher = store.publisher(rank) if store is not None else None
             self._files = self.files_class(
                 where, replace(self.settings, storage_options=None), self._part,
-                resolve_layout(self.settings.layout, self.total, self.settings.files_per_folder),
-                store.publisher(rank) if store is not None else None)
+                resolve_layout(self.settings.layout, self.total, self.settings.files_per_folder), publisher,
+                store.fence(publisher) if store is not None and self.plan is not None and self.plan.pull else None)
         return self._files
 
     # ----------------------------------------------------------------- writing off the prediction thread
@@ -410,8 +416,12 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         if not self.writes_outputs(trainer):
             return
-        if self._pool is not None and not self._pool.holds(batch_indices):  # taken over by another worker meanwhile
-            return
+        if self._pool is not None:  # a pool's batch: written under its claim (``fence``), if still held
+            claim = self._pool.claim_of(batch_indices)
+            if claim is False:  # taken over by another worker meanwhile
+                return
+            if claim is not None:
+                prediction = [{**item, "claim": claim} for item in prediction]
         if self.settings.format == "webdataset":  # a shard's members in the order of the batches, whatever writes them
             prediction = [{**item, "batch": self._batches} for item in prediction]
             self._batches += 1
