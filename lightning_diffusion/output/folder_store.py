@@ -255,6 +255,9 @@ class FolderStore:
         if any(self.folder.glob(PART_GLOB)):
             merge_manifest(self.folder, self.shard)
         found = finished(self.folder)
+        blocked = found.in_the_way_message(self.folder)
+        if blocked:
+            return self._refuse(blocked)
         self._repair(found)
         done = found.in_shard(self.shard)
         changed = self._inputs_changed(found)

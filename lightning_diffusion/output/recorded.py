@@ -46,6 +46,7 @@ _BLOCK_KEYS = {key: re.compile(pattern) for key, pattern in (
     ("index", rb'\{"index": (\d+), '), ("file", rb'"file": "([^"\\\n]*)"'), ("member", rb'"member": "([^"\\\n]*)"'),
     ("bytes", rb'"bytes": (\d+)'), ("shard_bytes", rb'"shard_bytes": (\d+)'))}
 _BLOCK = 8 << 20  # bytes read at once
+IN_THE_WAY = "is a folder where the output goes"  # a resume cannot write it: refused (``Finished.in_the_way``)
 
 
 def _inside(folder: Path, name: str) -> bool:
@@ -118,6 +119,34 @@ class _Looked:
         self.prefix = os.fspath(folder) + os.sep
         self.sizes: dict[str, Optional[int]] = {}
         self.shards: dict[tuple[str, Optional[int]], bool] = {}
+        self.folders: dict[str, bool] = {}
+
+    def real_folder(self, name: str) -> bool:
+        """The subfolder of ``name`` (the sharded layout's ``00000/``), if any, is a folder of the
+        output, not a link to one elsewhere (looked at once a subfolder)."""
+        folder = name.rpartition("/")[0]
+        if not folder:
+            return True
+        verdict = self.folders.get(folder)
+        if verdict is None:
+            try:
+                verdict = (os.lstat(self.prefix + folder).st_mode & 0o170000) == 0o040000  # a folder, not a link
+            except OSError:
+                verdict = False
+            self.folders[folder] = verdict
+        return verdict
+
+    def loose_ok(self, name: str, size: Optional[int]) -> bool:
+        """A loose file's line counts: its file is in a real subfolder, whole (``_finished``)."""
+        return self.real_folder(name) and _finished(self.prefix + name, size)
+
+    def why_not(self, name: str) -> str:
+        """Why a loose file's line does not count."""
+        if not self.real_folder(name):
+            return f"is in {name.rpartition('/')[0]!r}, which is not a folder of the output (a link?)"
+        if os.path.isdir(self.prefix + name):
+            return IN_THE_WAY
+        return "is missing or not the size recorded"
 
     def shard_ok(self, name: str, size: Optional[int], trusted: bool) -> bool:
         verdict = self.shards.get((name, size))
@@ -147,10 +176,11 @@ def _check_lines(looked: _Looked, where: str, lines: Iterable[tuple[int, bytes]]
             keep(index, (name, member), raw, where, number)
         elif not _inside(looked.folder, name):
             problems.append(f"{where}:{number}: {name!r} is outside the output folder")
-        elif trusted or (member is None and _finished(looked.prefix + name, size)):
+        elif trusted or (member is None and looked.loose_ok(name, size)):
             keep(index, (name, member), raw, where, number)
         else:
-            problems.append(f"{where}:{number}: {name!r} is missing or not the size recorded")
+            problems.append(f"{where}:{number}: {name!r} "
+                            + (looked.why_not(name) if member is None else "is missing or not the size recorded"))
 
 
 def _scan(folder: Path, files: list[Path], trust_manifest: bool, keep: _Keep) -> list[str]:
@@ -222,12 +252,13 @@ def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: 
                 ok[chosen] = looked.shard_ok(value.decode(), recorded, False)
     for row in np.flatnonzero(~members).tolist():  # loose files: one look each
         text = name[row].decode()
-        ok[row] = _inside(looked.folder, text) and _finished(looked.prefix + text, int(size[row]))
+        ok[row] = _inside(looked.folder, text) and looked.loose_ok(text, int(size[row]))
     ok &= named
     for row in np.flatnonzero(~ok).tolist():
         text = name[row].decode() + (f" member {member_names[row].decode()}" if members[row] else "")
         why = ("is outside the output folder" if not _inside(looked.folder, text)
                else f"is not what the writer names output {index[row]}" if not named[row]
+               else looked.why_not(name[row].decode()) if not members[row]
                else "is missing or not the size recorded")
         problems.append(f"{where}:{first + row}: {text!r} {why}")
     indices.extend(index[ok].tolist())
@@ -284,6 +315,19 @@ class Finished:
     with_inputs: dict[int, dict[str, Any]]
     conflicted: frozenset[int] = frozenset()
     untidy: bool = False  # the merged manifest holds lines that do not count (see ``repair_manifest``)
+
+    @property
+    def in_the_way(self) -> list[str]:
+        """The lines whose output's place holds a folder: a resume could not write them."""
+        return [problem for problem in self.problems if problem.endswith(IN_THE_WAY)]
+
+    def in_the_way_message(self, where: object) -> Optional[str]:
+        """The refusal of a resume that would write where a folder stands, or None."""
+        blocked = self.in_the_way
+        if not blocked:
+            return None
+        shown = "; ".join(blocked[:3]) + (f"; {len(blocked) - 3} more" if blocked[3:] else "")
+        return f"{where}: a folder stands where an output goes ({shown}): move it away, then run again."
 
     def __len__(self) -> int:
         return len(self.indices)

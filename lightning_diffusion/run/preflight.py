@@ -25,7 +25,7 @@ from lightning_diffusion.input.records import RecordVerdicts
 from lightning_diffusion.input.settings import MAX_PROMPT_CHARS, DataSettings
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
-from lightning_diffusion.output.manifest import MANIFEST, settings_conflict
+from lightning_diffusion.output.manifest import MANIFEST, RUN_FILE, recorded_conflict, settings_conflict
 from lightning_diffusion.output.recorded import Finished, finished
 from lightning_diffusion.output.settings import WriterSettings, image_settings, recorded_options, run_settings
 from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
@@ -219,15 +219,23 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                    options["attention_backend"], options["quantization"],
                                    tuple(lora.parse(options["lora"])))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
-    if not store_class(writer.output_dir).needs_shared_folder:  # a bucket: its lock, settings and records
-        if here and not problems:                                  # are read when the run starts
-            problems += open_store(writer.output_dir, options=writer.storage_options).write_problems()
-        return Verdict(problems, complete, None)
+    if not store_class(writer.output_dir).needs_shared_folder:  # a bucket: its lock and settings are read
+        nothing_left = None                                          # when the run starts
+        if here and not problems:
+            store = open_store(writer.output_dir, options=writer.storage_options)
+            problems += store.write_problems()
+            if (not problems and info is not None and records is not None and data.num_shards == 1
+                    and not records.summary.with_inputs and not writer.allow_config_change):
+                nothing_left = bucket_nothing_left(store, _run_settings(model, data, writer, records, call_args),
+                                                   len(records) * data.num_images_per_prompt)
+        return Verdict(problems, complete, nothing_left)
     if not problems and is_int(data.num_shards, 1) and is_int(data.shard_index, 0):
         problems += busy_folder_problems(writer.output_dir, data.num_shards, data.shard_index, data.schedule == "pull")
     if info is not None and records is not None and not problems:
         folder = Path(writer.output_dir).expanduser()
         found = finished(folder) if folder.is_dir() else None
+        blocked = found.in_the_way_message(folder) if found is not None else None
+        problems += [blocked] if blocked else []
         shard = None
         if data.num_shards > 1:  # as the run deals it (``data.shard_owners``, or the folder's plan)
             count = data.num_shards
@@ -243,13 +251,8 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                         shard, found)
         if not writer.allow_config_change:
             # The writer checks again when the run starts; here it costs no process start.
-            plan = run_plan(data, records)
-            settings = run_settings(
-                image_settings(model.pretrained_model_name_or_path, dtype_name(model.torch_dtype), call_args,
-                               dict(model.from_pretrained_kwargs or {}), model.cache,
-                               recorded_options(model.options())),
-                plan, writer)
-            conflict = settings_conflict(Path(writer.output_dir).expanduser(), settings)
+            conflict = settings_conflict(Path(writer.output_dir).expanduser(),
+                                         _run_settings(model, data, writer, records, call_args))
             if conflict:
                 problems.append(conflict)
         if here and not problems and found is not None and num_images is not None:
@@ -265,6 +268,32 @@ class Verdict:
     problems: list
     complete: bool
     nothing_left: Optional[str] = None
+
+
+def _run_settings(model: ModelSettings, data: DataSettings, writer: WriterSettings, records: Any,
+                  call_args: dict[str, Any]) -> dict[str, Any]:
+    """The settings run.json records for this run (what a resume compares)."""
+    return run_settings(image_settings(model.pretrained_model_name_or_path, dtype_name(model.torch_dtype), call_args,
+                                       dict(model.from_pretrained_kwargs or {}), model.cache,
+                                       recorded_options(model.options())),
+                        run_plan(data, records), writer)
+
+
+def bucket_nothing_left(store: Any, settings: dict[str, Any], num_images: int) -> Optional[str]:
+    """``nothing_to_make`` for a bucket prefix: its run.json records these ``settings``, every image
+    of the set is recorded there (the lines that count, ``ObjectStore.recorded``), and no run holds
+    it. A prefix made with other settings is left to the run, which refuses it naming the key."""
+    try:
+        recorded = store.read_json(RUN_FILE)
+        if recorded is None or recorded_conflict(recorded, settings, store.where) or store.live_locks():
+            return None
+        done, _ = store.made()
+    except Exception:  # unreadable now: the run says why when it starts
+        return None
+    if np.count_nonzero(np.asarray(done) < num_images) < num_images:
+        return None
+    return (f"nothing to make: the {num_images:,} images of this prompt set are all recorded in {store.where} "
+            "(a new prompt set, other settings or another prefix makes more).")
 
 
 def nothing_to_make(folder: Path, found: Finished, records: Any, num_images: int,

@@ -119,10 +119,23 @@ def test_one_process_writes_each_image_once_as_the_folder_does_and_reruns_make_n
     text = json.dumps(record) + proc.stdout + proc.stderr
     assert SECRET not in text and s3.endpoint not in json.dumps(record)
 
-    again = run_here(*_args("s3://runs/one"))
-    assert "resumed: 6 already in the manifest of s3://runs/one" in again.stderr
-    assert json.loads(fs.cat_file("runs/one/run.json"))["history"][-1]["made"] == 0
+    again = run_here(*_args("s3://runs/one"))  # a complete prefix: said before any weight loads, as a folder's
+    assert "nothing to make: the 6 images of this prompt set are all recorded in s3://runs/one" in again.stderr
+    assert "batch plan" not in again.stderr
+    assert json.loads(fs.cat_file("runs/one/run.json"))["history"][-1]["made"] == 6
     assert sorted(line["index"] for line in _bucket_lines(fs, "runs/one")) == list(range(6))
+
+    # A manifest object replaced by one whose line names a tar the prefix lacks: it does not count,
+    # and the rerun makes what it named (and the object's other image), each counted once.
+    name = next(n for n in fs.find("runs/one/manifest") if any(line["index"] == 3 for line in
+                                                                 map(json.loads, fs.cat_file(n).splitlines())))
+    fs.pipe_file(name, b'{"index":3,"file":"shard-999999999.tar","member":"000000003.png","bytes":10}\n')
+    assert ObjectStore.open("s3://runs/one", None).status()["done"] == 4
+    rerun = run_here(*_args("s3://runs/one"))
+    assert "resumed: 4 already in the manifest of s3://runs/one" in rerun.stderr
+    store = ObjectStore.open("s3://runs/one", None)
+    assert sorted(line["index"] for _, line in store._recorded_lines()) == list(range(6))
+    assert store.status()["complete"]
 
 
 @pytest.mark.slow

@@ -200,3 +200,62 @@ def test_a_complete_folder_says_so_before_anything_loads(tmp_path, cli_here):
     (tmp_path / line["file"]).unlink()
     assert "nothing to make" not in run_here(*args).stderr
     assert sorted(line["index"] for line in read_manifest_lines(tmp_path)) == [0, 1]
+
+
+def _written_folder(out, layout: str = "sharded"):
+    """Six synthetic images written as a run writes them (``OutputFiles``, then the merge)."""
+    import numpy as np
+
+    from lightning_diffusion.output.files import OutputFiles
+    from lightning_diffusion.output.recorded import merge_manifest
+    from lightning_diffusion.output.settings import WriterSettings
+
+    out.mkdir()
+    settings = WriterSettings(layout=layout, files_per_folder=2, fsync="off", write_workers=0)
+    files = OutputFiles(out, settings, out / "manifest.part-0.jsonl", layout)
+    files.write_batch([{"index": i, "prompt": f"p {i}", "seed": i, "params": {},
+                        "image": np.full((8, 8, 3), i / 6, dtype=np.float32)} for i in range(6)])
+    merge_manifest(out)
+    return out
+
+
+def test_a_linked_subfolder_of_the_sharded_layout_counts_for_nothing(tmp_path):
+    """A numbered subfolder replaced by a link to a copy elsewhere: its images are made again."""
+    import shutil
+
+    from lightning_diffusion.output.folder_store import FolderStore
+    from lightning_diffusion.output.recorded import finished
+
+    out = _written_folder(tmp_path / "out")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(out / "00001", elsewhere)
+    (out / "00001").symlink_to(elsewhere, target_is_directory=True)
+    found = finished(out)
+    assert found.indices.tolist() == [0, 1, 4, 5]
+    assert any("'00001', which is not a folder of the output" in p
+               for p in found.problems), found.problems
+    store = FolderStore(out, None)
+    refusal, done = store.prepare({"data.seed": 0}, 6, 6)
+    store.release()
+    assert refusal is None and done.tolist() == [0, 1, 4, 5]  # 2 and 3 are made again
+
+
+def test_a_folder_where_an_image_goes_is_refused_before_anything_loads(tmp_path, cli_here):
+    from lightning_diffusion.output.folder_store import FolderStore
+
+    out = _written_folder(tmp_path / "out", layout="flat")
+    line = read_manifest_lines(out)[2]
+    (out / line["file"]).unlink()
+    (out / line["file"]).mkdir()  # a folder where image 2 goes
+    store = FolderStore(out, None)
+    refusal, _ = store.prepare({"data.seed": 0}, 6, 6)
+    assert refusal is not None and "a folder stands where an output goes" in refusal and line["file"] in refusal
+    args = tiny_args(tmp_path / "run", "--data.prompts", "[a red circle, a blue star]", "--model.num_inference_steps",
+                     "2")
+    run_here(*args)
+    first = read_manifest_lines(tmp_path / "run")[0]["file"]
+    (tmp_path / "run" / first).unlink()
+    (tmp_path / "run" / first).mkdir()
+    again = cli_here(*args)
+    assert again.returncode == 2 and "a folder stands where an output goes" in again.stderr, again.stderr[-2000:]
+    assert "Loading" not in again.stderr and "Traceback" not in again.stderr
