@@ -95,15 +95,37 @@ class Fence(Protocol):
         ...
 
 
-class FolderFence:
-    """Publication in a folder every worker sees: under its merge lock (``manifest.merge_lock``)."""
+class LockLost(RuntimeError):
+    """A run that deals its work found its folder's lock taken over: it publishes nothing more."""
 
-    def __init__(self, folder: Path) -> None:
+
+class FolderFence:
+    """Publication in a folder every worker sees: under its merge lock (``manifest.merge_lock``).
+    ``lock``: a run that deals its work (not a pool's), its lock file and the token it wrote there
+    (``lock.OutputLock``): a run whose lock another run took over (it was frozen past the lock's
+    staleness) publishes nothing, and stops."""
+
+    def __init__(self, folder: Path, lock: Optional[tuple[str, str]] = None) -> None:
         self.folder = Path(folder)
+        self.lock = lock
+
+    def _lock_lost(self) -> bool:
+        if self.lock is None:
+            return False
+        import json
+
+        try:
+            return json.loads((self.folder / self.lock[0]).read_text()).get("token") != self.lock[1]
+        except (OSError, ValueError):
+            return True
 
     def publish(self, claims: Collection[Claim], publish: Callable[[set[Claim]], None]) -> set[Claim]:
         with merge_lock(self.folder):
             pause("locked")
+            if self._lock_lost():
+                raise LockLost(f"{self.folder}: another run took this run's lock over (its heartbeat stopped for "
+                               "longer than the lock's 2 minutes: a frozen node?); this run writes nothing more, "
+                               "and the images it had not published are that run's.")
             lost = {claim for claim in claims if (self.folder / claim.slot(claim.generation + 1)).exists()}
             publish(set(claims) - lost)
         return lost

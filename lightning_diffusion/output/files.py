@@ -203,9 +203,9 @@ class OutputFiles:
             self._shards.add([item for item in prediction if "error" not in item],
                              prediction[0].get("batch") if prediction else None)
             return
-        claim = prediction[0].get("claim") if prediction else None
-        if claim is not None and self.fence is not None:
-            self._write_fenced([item for item in prediction if "error" not in item], claim)
+        if self.fence is not None:
+            self._write_fenced([item for item in prediction if "error" not in item],
+                               prediction[0].get("claim") if prediction else None)
             return
         lines: list[dict[str, Any]] = []
         try:
@@ -220,16 +220,19 @@ class OutputFiles:
             if lines:
                 self._append(lines)
 
-    def _write_fenced(self, items: list[dict[str, Any]], claim: Claim) -> None:
-        """A pool's batch: every file under its temporary name, then, inside the fence, renamed into
-        place and its lines appended, or, where the batch was taken over meanwhile, removed."""
+    def _write_fenced(self, items: list[dict[str, Any]], claim: Optional[Claim]) -> None:
+        """A batch written through the fence: every file under its temporary name, then, inside the
+        fence, renamed into place and its lines appended, or, where a pool's batch was taken over
+        meanwhile (or, raising ``fence.LockLost``, the run's lock), removed."""
+        if not items:
+            return
         renames: list[tuple[Path, Path]] = []
         try:
             lines = [self.write_output(item, renames) for item in items]
             pause("written")
 
             def publish(held: set[Claim]) -> None:
-                if not held:
+                if claim is not None and claim not in held:
                     return
                 while renames:
                     tmp, path = renames.pop(0)
@@ -237,7 +240,7 @@ class OutputFiles:
                 pause("published")
                 self._append(lines)
 
-            self.fence_publish([claim], publish)
+            self.fence_publish([claim] if claim is not None else [], publish)
         finally:
             for tmp, _ in renames:
                 tmp.unlink(missing_ok=True)
@@ -447,7 +450,7 @@ class TarShards:
         pause("written")
         pool = {claim for claim in claims if claim is not None}
         try:
-            if pool and self.files.fence is not None:
+            if self.files.fence is not None:
                 self.files.fence_publish(sorted(pool, key=lambda c: c.batch),
                                          lambda held: self._publish(tmp, size, lines, claims, held))
             else:

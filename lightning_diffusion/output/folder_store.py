@@ -138,6 +138,9 @@ class FolderStore:
         self._history: list = []
         self._lock: Optional[OutputLock] = None
         self.adopted = False  # the shard deals as the folder's recorded plan, not as this run computed
+        # (the lock file's name, the token this run wrote there): set where the lock was taken (global
+        # rank 0), and handed to the other ranks by the writer, whose publications check it (``fence``)
+        self.lock_token: Optional[tuple[str, str]] = None
 
     @classmethod
     def open(cls, location: Union[str, os.PathLike[str]], shard: Optional[Shard], *, allow_config_change: bool = False,
@@ -197,9 +200,14 @@ class FolderStore:
     def publisher(self, rank: int) -> None:
         return None  # files are written in place
 
-    def fence(self, publisher: None) -> FolderFence:
-        """A pool's publication: under the folder's merge lock (``fence``)."""
-        return FolderFence(self.folder)
+    def fence(self, publisher: None) -> Optional[FolderFence]:
+        """Publication under the folder's merge lock (``fence``): a pool's, checking its claims; a
+        run's that deals, checking that its lock (``lock_token``) is still its own."""
+        if self.pool is not None:
+            return FolderFence(self.folder)
+        if self.lock_token is not None:
+            return FolderFence(self.folder, (self.lock_token[0], self.lock_token[1]))
+        return None
 
     @property
     def record_file(self) -> Path:
@@ -227,6 +235,7 @@ class FolderStore:
         busy = busy_message(self.folder, self.shard, holder)
         if holder is not None:
             return busy, nothing  # the lock is the other run's
+        self.lock_token = (self._lock.path.name, self._lock.token)
         if busy is not None:
             return self._refuse(busy)
         self._sweep()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_diffusion.console import counted
+from lightning_diffusion.output.manifest import merge_lock
 from lightning_diffusion.output.pool import FolderPoolFiles, live_workers, pid_alive
 from lightning_diffusion.output.shard import Shard, shard_name
 
@@ -107,10 +108,15 @@ def busy_message(folder: Path, shard: Optional[tuple[int, int]], holder: Optiona
 
 
 class OutputLock:
+    """The lock of a folder (or of a shard of it). Taken, and taken over, under the folder's merge
+    lock, as a run's publications check it (``fence.FolderFence``): a run whose lock was taken over
+    (frozen past ``STALE_S``) publishes nothing more. ``token`` names this holder in the lock file."""
+
     def __init__(self, folder: Path, shard: Optional[tuple[int, int]] = None) -> None:
         self.path = Path(folder) / lock_name(shard)
         self._stop = threading.Event()
         self._held = False
+        self.token = os.urandom(8).hex()
 
     def holder(self) -> Optional[str]:
         """A description of the live run holding the lock, or None if it is free or stale."""
@@ -141,6 +147,10 @@ class OutputLock:
 
     def acquire(self) -> Optional[str]:
         """Take the lock; return None, or a description of the run that holds it."""
+        with merge_lock(self.path.parent):  # a takeover and a publication of the run it replaces are ordered
+            return self._acquire()
+
+    def _acquire(self) -> Optional[str]:
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -151,7 +161,7 @@ class OutputLock:
                 self.path.unlink(missing_ok=True)  # stale: its run is gone
                 continue
             with os.fdopen(fd, "w") as f:
-                owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+                owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": self.token}
                 if "SLURM_JOB_ID" in os.environ:
                     owner["slurm_job"] = os.environ["SLURM_JOB_ID"]
                 json.dump(owner, f)

@@ -113,6 +113,7 @@ class ObjectStore:
         self._beat: Optional[threading.Event] = None
         self._beating: Optional[threading.Thread] = None
         self.adopted = False  # the shard deals as the prefix's recorded plan, not as this run computed
+        self.lock_token: Optional[tuple[str, str]] = None  # not checked at a bucket's publication
         self.pool: Optional[str] = None  # this job's name in a pool of workers (``data.schedule: pull``)
         self.lease_s = LEASE_S
         self.worker: Optional[Pool] = None  # the job's first worker, registered by ``prepare`` (a pool's)
@@ -206,9 +207,10 @@ class ObjectStore:
     def publisher(self, rank: int) -> Uploader:
         return Uploader(self.url, self.options, rank, self.run, "" if self.pool is None else f".pool-{self.pool}")
 
-    def fence(self, publisher: Uploader) -> BucketFence:
-        """A pool's publication: each batch sealed by a conditional PUT before its upload (``fence``)."""
-        return BucketFence(publisher)
+    def fence(self, publisher: Uploader) -> Optional[BucketFence]:
+        """A pool's publication: each batch sealed by a conditional PUT before its upload (``fence``);
+        a run that deals its work publishes as it writes (its lock is renewed by a heartbeat)."""
+        return BucketFence(publisher) if self.pool is not None else None
 
     @property
     def lock_name(self) -> str:

@@ -34,6 +34,9 @@ class OutputStore(Protocol):
     # A folder every node must see (the writer checks that before the run); False for a storage
     # the nodes reach on their own.
     needs_shared_folder: bool
+    # (lock file, token) of the run's lock where its publications check it (a folder's); the writer
+    # hands global rank 0's to the other ranks
+    lock_token: Optional[tuple[str, str]]
     # The shard of a job array this run makes (None: the whole set); after ``prepare``, dealt by the
     # plan the store holds (``adopted``: that plan, not the one this run computed).
     shard: Optional[Shard]
@@ -63,7 +66,7 @@ class OutputStore(Protocol):
         """What takes ``rank``'s closed tar shards on from ``local_dir`` (``files.OutputFiles.publish``)."""
         ...
 
-    def fence(self, publisher: Any) -> Fence:
+    def fence(self, publisher: Any) -> Optional[Fence]:
         """How a pool's batches are published under their claims (``fence``; ``publisher``: the
         rank's, from ``publisher``)."""
         ...

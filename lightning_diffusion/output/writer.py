@@ -321,15 +321,16 @@ class ImageWriter(BasePredictionWriter):
         self.store = open_store(given.output_dir, self.plan.shard, allow_config_change=given.allow_config_change,
                                 options=given.storage_options, staging_dir=given.staging_dir, pool=job,
                                 lease_s=self.plan.lease_s)
-        result: tuple[Optional[str], Any, bool] = (None, [], False)
+        result: tuple[Optional[str], Any, bool, Optional[tuple[str, str]]] = (None, [], False, None)
         if trainer.is_global_zero:
-            result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted)
+            result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted,
+                      self.store.lock_token)
             if job is not None and result[0] is None:  # a pool's batches: refused before the weights load
                 conflict = batching_conflict(self.store.pool_files(), self.plan.batch_size, self.plan.bucket)
                 if conflict:
-                    result = (quit_join(self.store, conflict), [], False)
+                    result = (quit_join(self.store, conflict), [], False, None)
         # Every rank learns rank 0's verdict and raises the same error: nobody waits for a peer.
-        error, done, adopted = trainer.strategy.broadcast(result)
+        error, done, adopted, self.store.lock_token = trainer.strategy.broadcast(result)
         if error:
             raise ConfigError(error)
         if adopted:  # rank 0 took the folder's recorded shard plan: so does every rank, and its data module
@@ -375,7 +376,7 @@ class ImageWriter(BasePredictionWriter):
             self._files = self.files_class(
                 where, replace(self.settings, storage_options=None), self._part,
                 resolve_layout(self.settings.layout, self.total, self.settings.files_per_folder), publisher,
-                store.fence(publisher) if store is not None and self.plan is not None and self.plan.pull else None)
+                store.fence(publisher) if store is not None else None)
         return self._files
 
     # ----------------------------------------------------------------- writing off the prediction thread

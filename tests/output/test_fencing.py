@@ -5,6 +5,7 @@ freeze is placed at a named step of the publication (``fence.PAUSE``), and the o
 real files, tar shards, manifest and claims in a folder and in a bucket (the local S3 server)."""
 
 import json
+import os
 import tarfile
 import threading
 import time
@@ -316,3 +317,69 @@ def test_a_publication_waits_for_a_takeover_in_progress_and_then_finds_its_batch
         worker.store.merge(np.zeros(0, dtype=np.int64))
     assert b.pool.took_over == 1
     _check_folder(out, _reference(tmp_path, "files"))
+
+
+# ----------------------------------------------------------------------------- a run that deals, and a resume
+
+
+def _dealt(out: Path, settings: WriterSettings) -> tuple[FolderStore, OutputFiles, np.ndarray]:
+    """A run that deals its work into ``out``: its lock taken (a resume's takeover of a stale one),
+    its writer publishing through its fence."""
+    store = FolderStore(out, None)
+    refusal, done = store.prepare({"data.seed": 0}, IMAGES, IMAGES)
+    assert refusal is None, refusal
+    files = OutputFiles(out, settings, store.part(0), settings.layout, None, store.fence(None))
+    return store, files, done
+
+
+def _stale(out: Path) -> None:
+    """The folder's lock as a run frozen past the lock's staleness leaves it (its heartbeat stopped)."""
+    old = time.time() - 10 * 60
+    os.utime(out / ".lock", (old, old))
+
+
+@pytest.mark.parametrize("kind", ["files", "webdataset"])
+def test_a_run_frozen_past_its_lock_publishes_nothing_once_a_resume_took_the_lock_over(tmp_path, kind):
+    out = tmp_path / "out"
+    out.mkdir()
+    zombie, zombie_files, _ = _dealt(out, _settings(kind))
+    zombie_files.write_batch(_items(range(0, 2)))  # published (a tar shard closes at 3 samples)
+    zombie_files.write_batch(_items(range(2, 4)))
+    _stale(out)
+    resume, files, done = _dealt(out, _settings(kind))
+    made_before = set(done.tolist())
+    with pytest.raises(fence.LockLost, match="took this run's lock over"):
+        zombie_files.write_batch(_items(range(4, 6)))
+        zombie_files.finish()
+    for start in range(0, IMAGES, BATCH):
+        files.write_batch(_items([i for i in range(start, start + BATCH) if i not in made_before]))
+    files.finish()
+    resume.merge(done)
+    resume.release()
+    _check_folder(out, _reference(tmp_path, kind))
+
+
+def test_a_lock_takeover_waits_for_a_publication_in_progress_and_counts_it(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    zombie, zombie_files, _ = _dealt(out, _settings("files"))
+    pause, reached, release = _freeze_at("published", "zombie")
+    fence.PAUSE = pause
+    resumed: dict = {}
+    try:
+        writing = threading.Thread(target=lambda: zombie_files.write_batch(_items(range(0, 2))), name="zombie")
+        writing.start()
+        assert reached.wait(30)
+        _stale(out)
+        taking = threading.Thread(target=lambda: resumed.update(zip(("store", "files", "done"),
+                                                                     _dealt(out, _settings("files")))))
+        taking.start()
+        taking.join(0.5)
+        assert taking.is_alive(), "the lock was taken over while a publication held the merge lock"
+        release.set()
+        writing.join(60)
+        taking.join(60)
+    finally:
+        fence.PAUSE = None
+        release.set()
+    assert resumed["done"].tolist() == [0, 1]  # the publication it waited for is counted: not made again
