@@ -32,6 +32,7 @@ import os
 import socket
 import threading
 import time
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
@@ -46,6 +47,17 @@ if TYPE_CHECKING:
 
 POOL = "pool"
 WORKERS = f"{POOL}/workers"
+class WorkerState(str, Enum):
+    """A worker's state as its registration records it (the value is the JSON text)."""
+
+    WORKING = "working"
+    WAITING = "waiting"  # every batch is claimed; it holds at most the one its loader fetched ahead
+    ENDED = "ended"  # its batches are recorded (or, after a stop, left for others)
+    FAILED = "failed"  # taken over at once
+    SILENT = "silent"  # shown by ``status``: recorded as working, its lease lapsed
+
+
+ACTIVE = (WorkerState.WORKING.value, WorkerState.WAITING.value)  # the states of a worker that may hold batches
 SEALED = "sealed "  # a bucket's seal of a batch (``fence.BucketFence``): ``sealed WORKER``
 # Leases of silence after which a bucket's batch sealed by a worker is taken over (``Pool.seal_lapsed``).
 SEAL_GRACE = 20
@@ -192,7 +204,7 @@ class FolderPoolFiles:
 def worker_live(files: PoolFiles, name: str, worker: dict[str, Any], lease_s: float) -> bool:
     """Whether ``worker`` (its registration, read from ``name``) still works: its state says so, its
     lease has not lapsed, and, on this host, its process is there."""
-    if worker.get("state") not in ("working", "waiting"):
+    if worker.get("state") not in ACTIVE:
         return False
     if worker.get("host") == socket.gethostname() and not pid_alive(int(worker.get("pid") or 0)):
         return False
@@ -224,7 +236,7 @@ def gone_workers(files: PoolFiles, lease_s: float = LEASE_S) -> set[str]:
     silent for ``SEAL_GRACE`` leases (what they left half-written is nobody's)."""
     gone = set()
     for name, worker in read_workers(files).items():
-        if worker.get("state") not in ("working", "waiting"):
+        if worker.get("state") not in ACTIVE:
             gone.add(name)
         elif worker.get("host") == socket.gethostname() and not pid_alive(int(worker.get("pid") or 0)):
             gone.add(name)
@@ -262,7 +274,7 @@ def pool_summary(files: PoolFiles) -> dict[str, Any]:
     shown = []
     for name, worker in sorted(workers.items()):
         live = worker_live(files, f"{WORKERS}/{name}.json", worker, LEASE_S)
-        state = worker.get("state") if live or worker.get("state") not in ("working", "waiting") else "silent"
+        state = worker.get("state") if live or worker.get("state") not in ACTIVE else WorkerState.SILENT.value
         shown.append({"worker": name, "state": state, "live": live, "host": worker.get("host"),
                       "pid": worker.get("pid"), "slurm_job": worker.get("slurm_job"),
                       "claims": claims_by_worker.get(name, 0), "since": worker.get("since")})
@@ -288,16 +300,17 @@ class Pool:
         self._thread: Optional[threading.Thread] = None
         self._workers: dict[str, dict[str, Any]] = {}
         self._read_at = -float("inf")
-        self.state = "working"  # or "waiting": every batch is claimed, and it waits to take over a dead one's
+        self.state = WorkerState.WORKING
         self.took_over = 0  # batches this worker took over from another
         self.slow_renewal = False  # warned once: a renewal took longer than half the lease
         self._left = True  # nothing to record at ``leave``: not started, or its end recorded
 
     # --- this worker -------------------------------------------------------------------------
 
-    def _content(self, state: str) -> bytes:
+    def _content(self, state: WorkerState) -> bytes:
         return json.dumps({"worker": self.worker, "job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
-                           "slurm_job": os.environ.get("SLURM_JOB_ID"), "plan": self.digest or None, "state": state,
+                           "slurm_job": os.environ.get("SLURM_JOB_ID"), "plan": self.digest or None,
+                           "state": WorkerState(state).value,
                            "lease_s": self.lease_s, "since": self.since, "beat": self.clock()}).encode()
 
     def start(self, renew: bool = True) -> None:
@@ -340,7 +353,7 @@ class Pool:
     def wait(self, waiting: bool) -> None:
         """Say whether this worker waits (has claimed every batch it could, and holds at most the one
         its loader fetched ahead), or works again (it took a batch over)."""
-        state = "waiting" if waiting else "working"
+        state = WorkerState.WAITING if waiting else WorkerState.WORKING
         if state != self.state:
             self.state = state
             self.files.put(self._record, self._content(state))
@@ -355,7 +368,7 @@ class Pool:
         if not self._left:
             self._left = True
             try:
-                self.files.put(self._record, self._content("ended" if ended else "failed"))
+                self.files.put(self._record, self._content(WorkerState.ENDED if ended else WorkerState.FAILED))
             except Exception as err:
                 log.warning(f"{self.files.where}: this worker's end could not be recorded ({type(err).__name__}: "
                             f"{err}); its batches are taken over once its lease lapses.")
@@ -397,7 +410,7 @@ class Pool:
         been silent for ``SEAL_GRACE`` leases (a seal cannot be fenced again: a worker that comes
         back after that uploads outputs that do not count)."""
         found = self._workers.get(worker)
-        if found is None or found.get("state") not in ("working", "waiting"):
+        if found is None or found.get("state") not in ACTIVE:
             return True
         if found.get("host") == socket.gethostname() and not pid_alive(int(found.get("pid") or 0)):
             return True
@@ -438,7 +451,7 @@ class Pool:
     def waiting(self, worker: str) -> bool:
         """Whether ``worker`` (as last read) waits too: the batch it holds is made as soon as its
         wait ends."""
-        return (self._workers.get(worker) or {}).get("state") == "waiting"
+        return (self._workers.get(worker) or {}).get("state") == WorkerState.WAITING.value
 
     def others_live(self) -> dict[str, dict[str, Any]]:
         """The other workers that work now, read afresh."""
