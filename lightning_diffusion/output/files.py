@@ -6,6 +6,7 @@ fraction of a second: it imports this module, numpy and Pillow only (PyAV for MP
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -23,7 +24,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.fence import Claim, Fence, pause
-from lightning_diffusion.output.manifest import atomic_write, failures_part, temporary_name, temporary_write
+from lightning_diffusion.output.manifest import failures_part, temporary_name, temporary_write
 from lightning_diffusion.output.settings import FILES_PER_FOLDER, IMAGE_FORMATS, WriterSettings
 from lightning_diffusion.output.shard import in_shard
 
@@ -270,11 +271,22 @@ class OutputFiles:
         pixels = item["image"] if item["image"].dtype == np.uint8 else to_uint8(item["image"])
         sync = self.settings.fsync != "off"
 
+        digest = hashlib.sha256()
+
         def put(path: Path, write) -> int:
-            if renames is None:
-                return atomic_write(path, write, sync)
+            """The file written whole under its temporary name (its bytes hashed back from the page
+            cache: what a resume verifies, ``recorded``), then renamed, or left for the caller."""
             tmp, size = temporary_write(path, write, sync, item["claim"].worker if item.get("claim") else "")
-            renames.append((tmp, path))
+            try:
+                if path.suffix != ".npy":
+                    digest.update(tmp.read_bytes())
+                if renames is None:
+                    os.replace(tmp, path)
+                else:
+                    renames.append((tmp, path))
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             return size
 
         if pixels.ndim == 4:  # a video: frames x height x width x 3
@@ -293,7 +305,8 @@ class OutputFiles:
             size = put(self.output_dir / name, lambda f: self.encode(picture, metadata, f))
         if self.settings.save_arrays:
             put(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]))
-        return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size, **{
+        return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size,
+                "sha256": digest.hexdigest(), **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
         }, **claim_key(item), "written": round(time.time(), 3)}
 
@@ -407,7 +420,8 @@ class TarShards:
             self._member(f"{key}{suffix}", data)
             self._member(f"{key}.json", json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
             self.lines.append({"index": item["index"], "prompt": item["prompt"], "seed": item["seed"],
-                               "file": "", "member": f"{key}{suffix}", "bytes": len(data), **{
+                               "file": "", "member": f"{key}{suffix}", "bytes": len(data),
+                               "sha256": hashlib.sha256(data).hexdigest(), **{
                                    k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")},
                                **claim_key(item)})
             self.claims.append(item.get("claim"))

@@ -323,8 +323,9 @@ class FolderStore:
         dropped = repair_manifest(self.folder, found)
         if dropped:
             shown = "; ".join(found.problems[:3]) + (f"; {len(found.problems) - 3} more" if found.problems[3:] else "")
-            log.info("%s: %d line%s that did not count left the manifest (%s); their images are made again.",
-                     self.folder / MANIFEST, dropped, "" if dropped == 1 else "s", shown)
+            log.info("%s: %d line%s that did not count left the manifest%s; their images are made again.",
+                     self.folder / MANIFEST, dropped, "" if dropped == 1 else "s",
+                     f" ({shown})" if shown else " (lines repeated or cut)")
 
     def _inputs_changed(self, found: Finished) -> Optional[str]:
         """Why the folder's pictures no longer match their input files (their records' images

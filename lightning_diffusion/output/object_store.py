@@ -153,6 +153,13 @@ class ObjectStore:
         if settings.save_arrays:
             problems.append(f"writer.save_arrays writes .npy files beside the images, which an object store "
                             f"({url}) does not take; leave it off.")
+        if settings.layout == "sharded":
+            problems.append(f"writer.layout sharded puts loose files in numbered subfolders; an object store ({url}) "
+                            "holds tar shards, which have no layout: leave writer.layout at auto.")
+        path = str(url).split("://", 1)[-1]
+        if any(part in (".", "..") for part in path.split("/")[1:]):
+            problems.append(f"writer.output_dir {url} has '.' or '..' in its path, which an object store takes as "
+                            "part of its keys, not as a folder above: name the prefix as it is.")
         options = settings.storage_options
         if options is not None and not (isinstance(options, Mapping) and all(isinstance(k, str) for k in options)):
             problems.append("writer.storage_options must be a mapping of fsspec options, got "

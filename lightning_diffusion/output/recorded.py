@@ -44,8 +44,16 @@ _SHARD_BYTES = re.compile(rb'"shard_bytes": (\d+)')
 # line (input files, adapters, a line of another shape) is read line by line.
 _BLOCK_KEYS = {key: re.compile(pattern) for key, pattern in (
     ("index", rb'\{"index": (\d+), '), ("file", rb'"file": "([^"\\\n]*)"'), ("member", rb'"member": "([^"\\\n]*)"'),
-    ("bytes", rb'"bytes": (\d+)'), ("shard_bytes", rb'"shard_bytes": (\d+)'))}
+    ("bytes", rb'"bytes": (\d+)'), ("shard_bytes", rb'"shard_bytes": (\d+)'),
+    ("sha256", rb'"sha256": "([0-9a-f]{64})"'), ("written", rb'"written": ([0-9.]+)'))}
+_SHA = _BLOCK_KEYS["sha256"]
+_AT = _BLOCK_KEYS["written"]
+# An output whose file changed after its line was written (its modification time later than the
+# line's ``written``, by more than this many seconds of clock difference between nodes) is read and
+# its SHA-256 compared with the line's: a same-size foreign or corrupt file does not count.
+CHANGED_AFTER_S = 2.0
 _BLOCK = 8 << 20  # bytes read at once
+NOT_THE_BYTES = "changed after it was recorded (not the bytes recorded)"
 IN_THE_WAY = "is a folder where the output goes"  # a resume cannot write it: refused (``Finished.in_the_way``)
 
 
@@ -120,6 +128,57 @@ class _Looked:
         self.sizes: dict[str, Optional[int]] = {}
         self.shards: dict[tuple[str, Optional[int]], bool] = {}
         self.folders: dict[str, bool] = {}
+        self.members: dict[str, dict[str, str]] = {}  # a tar read to verify its members: member -> SHA-256
+        self.mtimes: dict[str, float] = {}  # tar shards' modification times (one look for all members)
+        self.changed: set[str] = set()  # outputs whose bytes changed after their lines
+        self.hashed = 0  # outputs read to verify them (changed after their lines)
+
+    def changed_after(self, name: str, written: Optional[float], mtime: Optional[float] = None) -> bool:
+        """``name``'s file was modified after ``written`` (its line's time): it must be verified."""
+        if written is None or written != written:  # none recorded (NaN in a block)
+            return False
+        if mtime is None:
+            mtime = self.mtimes.get(name)
+        if mtime is None:
+            try:
+                mtime = self.mtimes[name] = os.stat(self.prefix + name).st_mtime
+            except OSError:
+                return False
+        return mtime > written + CHANGED_AFTER_S
+
+    def same_bytes(self, name: str, member: Optional[str], sha: str) -> bool:
+        """The output's bytes (a file, or a tar member) have the SHA-256 its line records."""
+        import hashlib
+        import tarfile
+
+        self.hashed += 1
+        try:
+            if member is None:
+                digest = hashlib.sha256()
+                with open(self.prefix + name, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(block)
+                return digest.hexdigest() == sha
+            if name not in self.members:
+                found: dict[str, str] = {}
+                with tarfile.open(self.prefix + name) as tar:
+                    for info in tar:
+                        data = tar.extractfile(info) if info.isfile() else None
+                        if data is not None:
+                            found[info.name] = hashlib.sha256(data.read()).hexdigest()
+                self.members[name] = found
+            return self.members[name].get(member) == sha
+        except (OSError, tarfile.TarError):
+            return False
+
+    def verified(self, name: str, member: Optional[str], sha: Optional[str], written: Optional[float],
+                 mtime: Optional[float] = None) -> bool:
+        """An output whose size matched: the same bytes as recorded, where its file changed since
+        (a tar shard's time is looked at once for all its members)."""
+        if sha is None or not self.changed_after(name, written, mtime) or self.same_bytes(name, member, sha):
+            return True
+        self.changed.add(name if member is None else f"{name} member {member}")
+        return False
 
     def real_folder(self, name: str) -> bool:
         """The subfolder of ``name`` (the sharded layout's ``00000/``), if any, is a folder of the
@@ -136,12 +195,24 @@ class _Looked:
             self.folders[folder] = verdict
         return verdict
 
-    def loose_ok(self, name: str, size: Optional[int]) -> bool:
-        """A loose file's line counts: its file is in a real subfolder, whole (``_finished``)."""
-        return self.real_folder(name) and _finished(self.prefix + name, size)
+    def loose_ok(self, name: str, size: Optional[int], sha: Optional[str] = None,
+                 written: Optional[float] = None) -> bool:
+        """A loose file's line counts: its file is a regular file (not a link) in a real subfolder,
+        of the recorded size, and, where it changed after the line, of the recorded bytes."""
+        if not self.real_folder(name):
+            return False
+        try:
+            stat = os.lstat(self.prefix + name)
+        except OSError:
+            return False
+        if (stat.st_mode & 0o170000) != 0o100000 or (size is not None and stat.st_size != size):
+            return False
+        return self.verified(name, None, sha, written, stat.st_mtime)
 
     def why_not(self, name: str) -> str:
         """Why a loose file's line does not count."""
+        if name in self.changed:
+            return NOT_THE_BYTES
         if not self.real_folder(name):
             return f"is in {name.rpartition('/')[0]!r}, which is not a folder of the output (a link?)"
         if os.path.isdir(self.prefix + name):
@@ -172,11 +243,16 @@ def _check_lines(looked: _Looked, where: str, lines: Iterable[tuple[int, bytes]]
             shown = name + (f" member {member}" if member is not None else "")
             problems.append(f"{where}:{number}: {shown!r} is not what the writer names output {index}")
             continue
+        sha, at = _SHA.search(raw), _AT.search(raw)
+        check = (sha.group(1).decode() if sha else None, float(at.group(1)) if at else None)
         if member is not None and looked.shard_ok(name, size, trusted):
-            keep(index, (name, member), raw, where, number)
+            if trusted or looked.verified(name, member, *check):
+                keep(index, (name, member), raw, where, number)
+            else:
+                problems.append(f"{where}:{number}: {name!r} member {member} {NOT_THE_BYTES}")
         elif not _inside(looked.folder, name):
             problems.append(f"{where}:{number}: {name!r} is outside the output folder")
-        elif trusted or (member is None and looked.loose_ok(name, size)):
+        elif trusted or (member is None and looked.loose_ok(name, size, *check)):
             keep(index, (name, member), raw, where, number)
         else:
             problems.append(f"{where}:{number}: {name!r} "
@@ -225,24 +301,28 @@ def _read_blocks(looked: _Looked, file: Path, indices: array, keep: _Keep, probl
 
 def _block_columns(block: bytes, count: int) -> Optional[tuple]:
     """The columns of a block whose ``count`` lines all have the writer's shape, else None."""
-    columns = {key: _BLOCK_KEYS[key].findall(block) for key in ("index", "file", "bytes", "member", "shard_bytes")}
+    columns = {key: _BLOCK_KEYS[key].findall(block) for key in _BLOCK_KEYS}
     if not (len(columns["index"]) == len(columns["file"]) == len(columns["bytes"]) == count
             and len(columns["member"]) == len(columns["shard_bytes"]) in (0, count)
+            and len(columns["sha256"]) in (0, count) and len(columns["written"]) in (0, count)
             and block.count(b"}\n") == count):  # every line whole: a line cut short is read line by line
         return None
     members = np.full(count, bool(columns["member"]))
     tar_bytes = np.asarray(columns["shard_bytes"]).astype(np.int64) if columns["member"] else np.zeros(count, np.int64)
     member_names = np.asarray(columns["member"]) if columns["member"] else np.full(count, b"")
+    shas = [sha.decode() for sha in columns["sha256"]] if columns["sha256"] else [None] * count
+    written = np.asarray(columns["written"]).astype(np.float64) if columns["written"] else np.full(count, np.nan)
     return (np.asarray(columns["index"]).astype(np.int64), np.asarray(columns["file"]), members,
-            np.asarray(columns["bytes"]).astype(np.int64), tar_bytes, member_names)
+            np.asarray(columns["bytes"]).astype(np.int64), tar_bytes, member_names, shas, written)
 
 
 def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: array, problems: list[str]) -> None:
-    index, name, members, size, tar_bytes, member_names = found
+    index, name, members, size, tar_bytes, member_names, shas, written = found
     ok = np.zeros(len(index), dtype=bool)
     named = np.array([writer_name(i, n.decode(), m.decode() if is_member else None)
                       for i, n, m, is_member in zip(index.tolist(), name.tolist(), member_names.tolist(),
                                                     members.tolist())], dtype=bool)
+    changed = np.zeros(len(index), dtype=bool)  # a tar member of the recorded tar size, changed since
     if members.any():  # one verdict per shard (and recorded size)
         names, inverse = np.unique(name[members], return_inverse=True)
         for n, value in enumerate(names.tolist()):
@@ -250,14 +330,21 @@ def _keep_block(looked: _Looked, where: str, first: int, found: tuple, indices: 
             for recorded in np.unique(tar_bytes[rows]).tolist():
                 chosen = rows[tar_bytes[rows] == recorded]
                 ok[chosen] = looked.shard_ok(value.decode(), recorded, False)
+            kept = rows[ok[rows]]
+            if len(kept) and shas[0] is not None and looked.changed_after(value.decode(), float(written[kept].min())):
+                for row in kept.tolist():  # the tar changed after its lines: each member verified
+                    changed[row] = not looked.verified(value.decode(), member_names[row].decode(), shas[row],
+                                                       float(written[row]))
+    ok &= ~changed
     for row in np.flatnonzero(~members).tolist():  # loose files: one look each
         text = name[row].decode()
-        ok[row] = _inside(looked.folder, text) and looked.loose_ok(text, int(size[row]))
+        ok[row] = _inside(looked.folder, text) and looked.loose_ok(text, int(size[row]), shas[row], float(written[row]))
     ok &= named
     for row in np.flatnonzero(~ok).tolist():
         text = name[row].decode() + (f" member {member_names[row].decode()}" if members[row] else "")
         why = ("is outside the output folder" if not _inside(looked.folder, text)
                else f"is not what the writer names output {index[row]}" if not named[row]
+               else NOT_THE_BYTES if changed[row]
                else looked.why_not(name[row].decode()) if not members[row]
                else "is missing or not the size recorded")
         problems.append(f"{where}:{first + row}: {text!r} {why}")

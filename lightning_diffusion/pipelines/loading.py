@@ -127,9 +127,20 @@ class PipelineLoader:
             options["quantization_config"] = quantization.pipeline_config(quantized)
         compat.apply_pipeline_patches()
         # model.pipeline_class, else the folder's
-        pipeline: DiffusionPipeline = self.info.pipeline_class.from_pretrained(
-            self.info.path, dtype=self.dtype, **options, **plan.pipeline_kwargs, **components
-        )
+        try:
+            pipeline: DiffusionPipeline = self.info.pipeline_class.from_pretrained(
+                self.info.path, dtype=self.dtype, **options, **plan.pipeline_kwargs, **components
+            )
+        except OSError as err:  # a file the Hub was asked for (remote code, a custom pipeline) and could not give
+            from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+            if not isinstance(err, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+                raise
+            custom = options.get("custom_pipeline")
+            what = f"model.from_pretrained_kwargs.custom_pipeline {custom!r}" if custom else str(self.info.path)
+            raise ConfigError(f"{what} could not be fetched from the Hugging Face Hub (no network here, or not in "
+                              "the cache): fetch it where there is network (lightning-diffusion download), or give a "
+                              "local folder.") from None
         if not self.show_inner_progress:
             pipeline.set_progress_bar_config(disable=True)
         if self.quantization is not None and global_rank == 0:

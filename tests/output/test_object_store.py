@@ -438,3 +438,16 @@ def test_two_jobs_pull_from_one_pool_in_a_bucket_each_image_once_as_one_job(s3, 
     assert one.communicate(timeout=300)[0] and one.returncode == 0
     folder = {path.name: path.read_bytes() for path in (tmp_path / "folder").glob("shard-*.tar")}
     assert _members(_bucket_tars(fs, "runs/pool")) == _members(folder)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"layout": "sharded"}, "writer.layout sharded puts loose files in numbered subfolders"),
+    ({"output_dir": "s3://runs/../../x"}, "has '.' or '..' in its path"),
+])
+def test_bucket_settings_that_would_be_ignored_or_misread_are_refused(given, message):
+    from lightning_diffusion.output.settings import WriterSettings
+
+    settings = WriterSettings(**{"output_dir": "s3://runs/ok", "format": "webdataset", **given})
+    problems = ObjectStore.settings_problems(settings)
+    assert any(message in problem for problem in problems), problems
+    assert ObjectStore.settings_problems(WriterSettings(output_dir="s3://runs/ok", format="webdataset")) == []

@@ -259,3 +259,67 @@ def test_a_folder_where_an_image_goes_is_refused_before_anything_loads(tmp_path,
     again = cli_here(*args)
     assert again.returncode == 2 and "a folder stands where an output goes" in again.stderr, again.stderr[-2000:]
     assert "Loading" not in again.stderr and "Traceback" not in again.stderr
+
+
+def _later(path, line) -> None:
+    """``path`` modified after its line was written (as an edit or a bad disk leaves it)."""
+    moment = float(line["written"]) + 60
+    os.utime(path, (moment, moment))
+
+
+def test_a_same_size_file_that_changed_after_its_line_is_made_again(tmp_path):
+    """Only sizes are compared for a file untouched since its line; one modified after it is read and
+    its SHA-256 compared with the line's: same-size garbage and a same-size foreign image don't count."""
+    from lightning_diffusion.output.folder_store import FolderStore
+    from lightning_diffusion.output.recorded import NOT_THE_BYTES, finished
+
+    out = _written_folder(tmp_path / "out", layout="flat")
+    lines = read_manifest_lines(out)
+    corrupt, foreign = out / lines[2]["file"], out / lines[4]["file"]
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the same size
+    corrupt.write_bytes(bytes(data))
+    _later(corrupt, lines[2])
+    other = (out / lines[5]["file"]).read_bytes()
+    if len(other) == lines[4]["bytes"]:  # a foreign image of the same size (same-size synthetic images)
+        foreign.write_bytes(other)
+        _later(foreign, lines[4])
+    touched = out / lines[1]["file"]
+    _later(touched, lines[1])  # modified time only: the bytes are the recorded ones, it counts
+    found = finished(out)
+    gone = [2] + ([4] if len(other) == lines[4]["bytes"] else [])
+    assert found.indices.tolist() == [i for i in range(6) if i not in gone]
+    assert sum(NOT_THE_BYTES in problem for problem in found.problems) == len(gone), found.problems
+    store = FolderStore(out, None)
+    refusal, done = store.prepare({"data.seed": 0}, 6, 6)
+    store.release()
+    assert refusal is None and sorted(set(range(6)) - set(done.tolist())) == gone  # made again
+
+
+def test_a_tar_shard_whose_bytes_changed_loses_only_the_changed_members(tmp_path):
+    import tarfile
+
+    import numpy as np
+
+    from lightning_diffusion.output.files import OutputFiles
+    from lightning_diffusion.output.recorded import NOT_THE_BYTES, finished, merge_manifest
+    from lightning_diffusion.output.settings import WriterSettings
+
+    out = tmp_path / "out"
+    out.mkdir()
+    settings = WriterSettings(format="webdataset", samples_per_shard=6, fsync="off", write_workers=0)
+    files = OutputFiles(out, settings, out / "manifest.part-0.jsonl", "flat")
+    files.write_batch([{"index": i, "prompt": f"p {i}", "seed": i, "params": {},
+                        "image": np.full((8, 8, 3), i / 6, dtype=np.float32)} for i in range(6)])
+    files.finish()
+    merge_manifest(out)
+    tar = out / "shard-000000000.tar"
+    with tarfile.open(tar) as shard:
+        member = shard.getmember("000000003.png")
+    data = bytearray(tar.read_bytes())
+    data[member.offset_data + member.size // 2] ^= 0xFF  # a flipped byte inside member 3
+    tar.write_bytes(bytes(data))
+    _later(tar, read_manifest_lines(out)[0])
+    found = finished(out)
+    assert found.indices.tolist() == [0, 1, 2, 4, 5]
+    assert any("member 000000003.png" in p and NOT_THE_BYTES in p for p in found.problems), found.problems
