@@ -2,6 +2,7 @@
 what it is asked (read by ``eval``), ``eval``'s reports and refusals, and parity of the strategies
 on it against one process (the same tolerances as on tiny:flux)."""
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -84,11 +85,42 @@ def test_the_model_folder_recommends_its_settings():
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
-    """configs/tiny.yaml exactly as the README runs it (10 captions, its steps), into a temporary folder."""
+    """configs/tiny.yaml exactly as the README runs it (10 captions, its steps, batches of 5), into a
+    temporary folder, its float arrays saved beside the PNGs."""
     out = tmp_path_factory.mktemp("quickstart")
     run_here("predict", "--config", "configs/tiny.yaml", "--writer.output_dir", str(out),
-             "--trainer.enable_progress_bar", "false")
+             "--trainer.enable_progress_bar", "false", "--writer.save_arrays", "true")
     return out
+
+
+def test_the_quickstart_records_the_arguments_its_calls_received(quickstart):
+    """No pipeline default the call was not given: FluxPipeline's guidance_scale (3.5) reaches no
+    transformer of tiny:shapes and the config does not set it."""
+    from PIL import Image
+
+    lines = read_manifest_lines(quickstart)
+    assert len(lines) == 10
+    received = {"model": "tiny:shapes", "num_inference_steps": 12, "max_sequence_length": 32, "true_cfg_scale": 3.0,
+                "height": 64, "width": 64, "negative_prompt": ""}
+    for line in lines:
+        assert "guidance_scale" not in line
+        assert {key: line[key] for key in received} == received
+        text = Image.open(quickstart / line["file"]).text
+        assert "guidance_scale" not in text and text["true_cfg_scale"] == "3.0"
+
+
+# Measured at most 2.6e-6 over the 10 quickstart captions (docs/config.md, Seeds and determinism).
+ALONE_VS_BATCH = 1e-5
+
+
+def test_one_prompt_computes_one_image_and_draws_its_full_batch_picture(quickstart, tmp_path):
+    """The quickstart's first caption alone (seed 0, as image 0 of the quickstart): one image computed
+    and none padded, where a batch of 5 would pad 4; its picture is the full batch's to ALONE_VS_BATCH."""
+    run_here(*tiny_args(tmp_path, "--data.prompts", json.dumps([QUICKSTART_PROMPTS[0]]), config="configs/tiny.yaml"))
+    (summary,) = json.loads((tmp_path / "run.json").read_text())["history"]
+    assert (summary["made"], summary["computed"], summary["padded"]) == (1, 1, 0)
+    ours, batched = load_arrays(tmp_path)[0], load_arrays(quickstart)[0]
+    np.testing.assert_allclose(ours, batched, rtol=0, atol=ALONE_VS_BATCH)
 
 
 def eval_json(cli_here, *args):
@@ -185,7 +217,8 @@ def test_eval_refuses_bad_input_in_one_line(quickstart, cli_here, tmp_path):
     name = read_manifest_lines(resized)[2]["file"]
     Image.open(resized / name).resize((32, 32)).save(resized / name)
     lines = read_manifest_lines(resized)
-    lines[2]["bytes"] = (resized / name).stat().st_size
+    lines[2]["bytes"] = (resized / name).stat().st_size  # the manifest describes the file as it is now
+    lines[2]["sha256"] = hashlib.sha256((resized / name).read_bytes()).hexdigest()
     (resized / "manifest.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert "image 2 is 64x64 in the output and 32x32 in the reference" in refused(str(quickstart), "--reference",
                                                                                      str(resized))

@@ -79,6 +79,8 @@ def test_eval_names_a_recorded_file_that_is_not_an_image(tmp_path):
     made(tmp_path)
     first = read_manifest_lines(tmp_path)[0]
     (tmp_path / first["file"]).write_bytes(b"n" * first["bytes"])  # the size recorded, not a PNG
+    os.utime(tmp_path / first["file"], (first["written"], first["written"]))  # and its time kept (a bad disk):
+    # what a resume's size and time cannot tell, eval reads
     evaluated = run_here("eval", str(tmp_path), check=False)
     assert evaluated.returncode == 2, evaluated.stderr[-2000:]
     assert f"{first['file']} (image 0) is not a readable image" in evaluated.stderr
