@@ -161,7 +161,8 @@ class Uploader:
     def pool_name(self, name: str) -> str:
         """A pool's tar shard in the bucket: named by its first image and its worker (``JOB-R``), so
         that no two workers' shards can have one name."""
-        return name.removesuffix(".tar") + f".{self.tag.removeprefix('.pool-')}-{self.rank}.tar"
+        stem, _, suffix = name.rpartition(".")
+        return f"{stem}.{self.tag.removeprefix('.pool-')}-{self.rank}.{suffix}"
 
     def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:
         fs, root = self.fs

@@ -51,10 +51,10 @@ def output_name(index: int, prompt: str, suffix: str, layout: str = "flat",
     return name if layout == "flat" else f"{index // files_per_folder:05d}/{name}"
 
 
-def shard_name(first_index: int) -> str:
-    """A tar shard, named by the first image it holds: unique (an image is in one finished shard,
-    and a resume never makes it again) and the same whatever the layout of the run."""
-    return f"shard-{first_index:09d}.tar"
+def shard_name(first_index: int, suffix: str = ".tar") -> str:
+    """A tar (or Parquet) shard, named by the first image it holds: unique (an image is in one
+    finished shard, and a resume never makes it again) and the same whatever the layout of the run."""
+    return f"shard-{first_index:09d}{suffix}"
 
 
 # The temporary names ``atomic_write`` and the tar writer give a file while it is written:
@@ -174,7 +174,8 @@ class OutputFiles:
 
     def __post_init__(self) -> None:
         self._part_lock = threading.Lock()
-        self._shards = TarShards(self) if self.settings.format == "webdataset" else None
+        shards = {"webdataset": TarShards, "parquet": ParquetShards}.get(self.settings.format)
+        self._shards = shards(self) if shards is not None else None
         self._folders: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -414,11 +415,10 @@ class TarShards:
 
     def _append_samples(self, encoded: list) -> None:
         for item, suffix, data, metadata in encoded:
-            if self.tar is None:
+            if self.tmp is None:
                 self._open(item["index"], item["claim"].worker if item.get("claim") else "")
             key = f"{item['index']:09d}"
-            self._member(f"{key}{suffix}", data)
-            self._member(f"{key}.json", json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
+            self._add(item, key, suffix, data, metadata)
             self.lines.append({"index": item["index"], "prompt": item["prompt"], "seed": item["seed"],
                                "file": "", "member": f"{key}{suffix}", "bytes": len(data),
                                "sha256": hashlib.sha256(data).hexdigest(), **{
@@ -432,10 +432,33 @@ class TarShards:
         with self.lock:
             self._close()
 
+    suffix = ".tar"
+
     def _open(self, first_index: int, owner: str = "") -> None:
-        self.tmp = temporary_name(self.files.output_dir / shard_name(first_index), owner)
+        self.tmp = temporary_name(self.files.output_dir / shard_name(first_index, self.suffix), owner)
         self.handle = open(self.tmp, "wb")
         self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.USTAR_FORMAT)  # no per-member PAX header
+
+    def _add(self, item: dict[str, Any], key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
+        """A sample: ``{key}{suffix}`` (its bytes) and ``{key}.json`` (its metadata)."""
+        self._member(f"{key}{suffix}", data)
+        self._member(f"{key}.json", json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
+
+    def _finish(self, tmp: Path) -> int:
+        """The open shard complete on disk under its temporary name ``tmp``; returns its size."""
+        assert self.tar is not None and self.handle is not None
+        try:
+            self.tar.close()
+            self.handle.flush()
+            if self.files.settings.fsync != "off":
+                os.fsync(self.handle.fileno())
+            return os.fstat(self.handle.fileno()).st_size
+        finally:
+            self.handle.close()
+            self.tar = None
+
+    def _keep_only(self, path: Path, keys: set[str]) -> int:
+        return _without_members(path, keys, self.files.settings)
 
     def _member(self, name: str, data: bytes) -> None:
         assert self.tar is not None
@@ -444,23 +467,15 @@ class TarShards:
         self.tar.addfile(info, io.BytesIO(data))
 
     def _close(self) -> None:
-        if self.tar is None:
+        if self.tmp is None:
             return
-        assert self.handle is not None and self.tmp is not None
-        try:
-            self.tar.close()
-            self.handle.flush()
-            if self.files.settings.fsync != "off":
-                os.fsync(self.handle.fileno())
-            size = os.fstat(self.handle.fileno()).st_size
-            self.handle.close()
-        except BaseException:
-            self.handle.close()
-            self.tmp.unlink(missing_ok=True)
-            self.tar, self.lines, self.claims = None, [], []
-            raise
         tmp, lines, claims = self.tmp, self.lines, self.claims
-        self.tar, self.lines, self.claims = None, [], []
+        self.tmp, self.lines, self.claims = None, [], []
+        try:
+            size = self._finish(tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         pause("written")
         pool = {claim for claim in claims if claim is not None}
         try:
@@ -481,8 +496,8 @@ class TarShards:
             return
         if len(keep) < len(lines):
             lines = [lines[n] for n in keep]
-            size = _without_members(tmp, {line["member"].partition(".")[0] for line in lines}, self.files.settings)
-        name = shard_name(lines[0]["index"])
+            size = self._keep_only(tmp, {line["member"].partition(".")[0] for line in lines})
+        name = shard_name(lines[0]["index"], self.suffix)
         if self.files.publish is not None and claims[keep[0]] is not None:
             name = self.files.publish.pool_name(name)  # a pool's shards in a bucket: one name a worker
         os.replace(tmp, self.files.output_dir / name)
@@ -511,6 +526,86 @@ def _without_members(path: Path, keys: set[str], settings: WriterSettings) -> in
     tmp, size = temporary_write(path, copy, settings.fsync != "off")
     os.replace(tmp, path)
     return size
+
+
+class ParquetShards(TarShards):
+    """``writer.format: parquet``: the samples of a shard as the rows of a Parquet file
+    (``shard-{first index}.parquet``) that Hugging Face ``datasets`` reads with its ``Image``
+    feature: an ``image`` column of ``{bytes, path}`` and typed columns beside it (``PARQUET_COLUMNS``),
+    the features named in the schema's ``huggingface`` metadata. Written whole under a temporary
+    name when the shard closes, then published as a tar shard is (renamed, fenced, its lines after)."""
+
+    suffix = ".parquet"
+
+    def _open(self, first_index: int, owner: str = "") -> None:
+        self.tmp = temporary_name(self.files.output_dir / shard_name(first_index, self.suffix), owner)
+        self.rows: list[dict[str, Any]] = []
+
+    def _add(self, item: dict[str, Any], key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
+        if suffix not in IMAGE_FORMATS.values():
+            raise ConfigError(f"writer.format: parquet holds images; {item['index']} is a video ({suffix}): write "
+                              "videos with writer.format: files or webdataset.")
+        self.rows.append(parquet_row(key, suffix, data, metadata))
+
+    def _finish(self, tmp: Path) -> int:
+        rows, self.rows = self.rows, []
+        fsync = self.files.settings.fsync != "off"
+        with open(tmp, "wb") as f:
+            write_parquet(f, rows)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+            return os.fstat(f.fileno()).st_size
+
+    def _keep_only(self, path: Path, keys: set[str]) -> int:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        keep = [n for n, member in enumerate(table.column("image").combine_chunks().field("path").to_pylist())
+                if member.partition(".")[0] in keys]
+        rows = table.take(keep).to_pylist()
+        tmp, size = temporary_write(path, lambda f: write_parquet(f, rows), self.files.settings.fsync != "off")
+        os.replace(tmp, path)
+        return size
+
+
+# A Parquet shard's columns beside ``image``: the core of a manifest line, typed, and ``parameters``
+# (every parameter of the call, as the PNG's ``parameters`` text); datasets' feature for each.
+PARQUET_COLUMNS = {"index": "int64", "prompt": "string", "seed": "int64", "negative_prompt": "string",
+                   "width": "int64", "height": "int64", "num_inference_steps": "int64", "guidance_scale": "float64",
+                   "parameters": "string"}
+PARQUET_ROW_GROUP = 100  # rows a row group: a reader streams a shard a hundred images at a time
+
+
+def parquet_row(key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> dict[str, Any]:
+    """A sample as a row of a Parquet shard (``image`` is ``{bytes, path}``: datasets' Image)."""
+    with Image.open(io.BytesIO(data)) as picture:
+        width, height = picture.size
+    steps, guidance = metadata.get("num_inference_steps"), metadata.get("guidance_scale")
+    return {"image": {"bytes": data, "path": f"{key}{suffix}"}, "index": int(metadata["index"]),
+            "prompt": str(metadata["prompt"]), "seed": int(metadata["seed"]),
+            "negative_prompt": metadata.get("negative_prompt"), "width": width, "height": height,
+            "num_inference_steps": int(steps) if isinstance(steps, (int, float)) else None,
+            "guidance_scale": float(guidance) if isinstance(guidance, (int, float)) else None,
+            "parameters": json.dumps(metadata, ensure_ascii=False)}
+
+
+def write_parquet(file: IO[bytes], rows: list[dict[str, Any]]) -> None:
+    """``rows`` as one Parquet file with pyarrow, its schema fixed (every shard the same) and the
+    features ``datasets`` restores in its metadata."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("writer.format: parquet needs pyarrow: pip install pyarrow") from None
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    fields = [pa.field("image", image)] + [pa.field(name, getattr(pa, kind)())
+                                           for name, kind in PARQUET_COLUMNS.items()]
+    features = {"image": {"_type": "Image"},
+                **{name: {"dtype": kind, "_type": "Value"} for name, kind in PARQUET_COLUMNS.items()}}
+    schema = pa.schema(fields, metadata={b"huggingface": json.dumps({"info": {"features": features}}).encode()})
+    table = pa.Table.from_pylist(rows, schema=schema)
+    pq.write_table(table, file, row_group_size=PARQUET_ROW_GROUP, compression="none")  # images are compressed
 
 
 def size_text(count: float) -> str:

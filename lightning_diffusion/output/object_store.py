@@ -147,9 +147,9 @@ class ObjectStore:
     def settings_problems(settings: WriterSettings) -> list[str]:
         """A ``writer.output_dir`` URL's settings (reaching the store is ``write_problems``)."""
         url, problems = settings.output_dir, []
-        if settings.format != "webdataset":
-            problems.append(f"writer.output_dir {url} is an object store, which takes tar shards uploaded whole: set "
-                            "writer.format: webdataset.")
+        if settings.format not in ("webdataset", "parquet"):
+            problems.append(f"writer.output_dir {url} is an object store, which takes shards uploaded whole: set "
+                            "writer.format: webdataset (or parquet).")
         if settings.save_arrays:
             problems.append(f"writer.save_arrays writes .npy files beside the images, which an object store "
                             f"({url}) does not take; leave it off.")

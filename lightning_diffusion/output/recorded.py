@@ -8,6 +8,7 @@ that count (8 bytes each), reading each line once with a pattern and stating eac
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 # own index first (``files_class`` subclasses may change the rest). A manifest line naming anything
 # else (``run.json``, ``../x``, another output's file) is not this output.
 _OUTPUT_FILE = re.compile(r"(?:\d{5,}/)?(\d{6,})-[^/]*")
-_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?\.tar")  # a pool's in a bucket: its worker too
+_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?\.(?:tar|parquet)")  # a pool's in a bucket: its worker
 _SHARD_MEMBER = re.compile(r"(\d{9,})\.[^/]+")
 
 # A manifest line as the writer writes it (keys in this order); other lines are read as JSON.
@@ -92,6 +93,8 @@ def _finished(file: Path | str, size: Optional[int], sizes: Optional[dict[str, O
 def read_output(folder: str | os.PathLike, entry: dict[str, Any]) -> bytes:
     """An output's bytes, from its file or its tar shard's member (``writer.format: webdataset``)."""
     path = Path(folder) / str(entry["file"])
+    if entry.get("member") and path.suffix == ".parquet":
+        return parquet_members(path)[str(entry["member"])]
     if entry.get("member"):
         import tarfile
 
@@ -100,6 +103,21 @@ def read_output(folder: str | os.PathLike, entry: dict[str, Any]) -> bytes:
             assert member is not None
             return member.read()
     return path.read_bytes()
+
+
+def parquet_members(path: Path) -> dict[str, bytes]:
+    """A Parquet shard's images by member name (``writer.format: parquet``); the last few shards
+    read are kept while they do not change (``eval`` reads a shard's images one after another)."""
+    stat = os.stat(path)
+    return _parquet_members(os.fspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parquet_members(path: str, mtime_ns: int, size: int) -> dict[str, bytes]:
+    import pyarrow.parquet as pq
+
+    column = pq.read_table(path, columns=["image"]).column("image").combine_chunks()
+    return dict(zip(column.field("path").to_pylist(), column.field("bytes").to_pylist()))
 
 
 def _parse(raw: bytes) -> Optional[tuple[int, str, Optional[str], Optional[int]]]:
@@ -159,6 +177,9 @@ class _Looked:
                     for block in iter(lambda: f.read(1 << 20), b""):
                         digest.update(block)
                 return digest.hexdigest() == sha
+            if name not in self.members and name.endswith(".parquet"):
+                self.members[name] = {member: hashlib.sha256(data).hexdigest()
+                                      for member, data in parquet_members(Path(self.prefix + name)).items()}
             if name not in self.members:
                 found: dict[str, str] = {}
                 with tarfile.open(self.prefix + name) as tar:
@@ -168,7 +189,7 @@ class _Looked:
                             found[info.name] = hashlib.sha256(data.read()).hexdigest()
                 self.members[name] = found
             return self.members[name].get(member) == sha
-        except (OSError, tarfile.TarError):
+        except (OSError, tarfile.TarError, ValueError):  # pyarrow's errors are ValueErrors or OSErrors
             return False
 
     def verified(self, name: str, member: Optional[str], sha: Optional[str], written: Optional[float],

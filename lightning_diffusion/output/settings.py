@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # The choices of the writer's options.
 LAYOUTS = ("auto", "flat", "sharded")
-FORMATS = ("files", "webdataset")
+FORMATS = ("files", "webdataset", "parquet")
 FILES_PER_FOLDER = 10_000  # img2dataset's shard size; listing and backing up folders stays fast
 SAMPLES_PER_SHARD = 1_000  # a tar shard: about 1 GB of 1024x1024 PNGs; a kill loses at most the open one
 VIDEO_FORMATS = ("mp4", "webp", "gif")

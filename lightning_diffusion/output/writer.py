@@ -423,7 +423,7 @@ class ImageWriter(BasePredictionWriter):
                 return
             if claim is not None:
                 prediction = [{**item, "claim": claim} for item in prediction]
-        if self.settings.format == "webdataset":  # a shard's members in the order of the batches, whatever writes them
+        if self.settings.format in ("webdataset", "parquet"):  # a shard keeps the batches' order, whoever writes
             prediction = [{**item, "batch": self._batches} for item in prediction]
             self._batches += 1
         if self._writers is None:

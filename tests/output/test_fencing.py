@@ -33,7 +33,8 @@ RECORDS = [{"prompt": f"fenced prompt {i}"} for i in range(IMAGES)]
 # step of the publication (files under temporary names or the tar closed; inside the fence;
 # renamed into place or uploaded, before the lines), and after its lines.
 STEPS = ["claimed", "made", "written", "locked", "published", "recorded"]
-LAYOUTS = {"files": ("files", "flat"), "sharded": ("files", "sharded"), "webdataset": ("webdataset", "flat")}
+LAYOUTS = {"files": ("files", "flat"), "sharded": ("files", "sharded"), "webdataset": ("webdataset", "flat"),
+           "parquet": ("parquet", "flat")}
 
 
 class Clock:
@@ -131,6 +132,16 @@ def _outputs(named: dict[str, bytes]) -> dict[str, bytes]:
     """Loose files as they are; a tar shard's members, each once (a member twice fails here)."""
     found: dict[str, bytes] = {}
     for name, blob in named.items():
+        if name.endswith(".parquet"):
+            import io
+
+            import pyarrow.parquet as pq
+
+            column = pq.read_table(io.BytesIO(blob), columns=["image"]).column("image").combine_chunks()
+            for member, data in zip(column.field("path").to_pylist(), column.field("bytes").to_pylist()):
+                assert member not in found, f"{member} is in two shards"
+                found[member] = data
+            continue
         if not name.endswith(".tar"):
             found[name] = blob
             continue
@@ -226,18 +237,19 @@ def _check_bucket(fs, prefix: str, reference: dict[str, bytes]) -> None:
     assert indices.tolist() == list(range(IMAGES))
     counted = [line["index"] for _, line in store._recorded_lines()]
     assert sorted(counted) == list(range(IMAGES))  # one line that counts an index
-    tars = {Path(name).name: fs.cat_file(name) for name in fs.glob(f"{prefix}/shard-*.tar")}
+    tars = {Path(name).name: fs.cat_file(name) for name in fs.glob(f"{prefix}/shard-*")}
     ours = _outputs(tars)
     assert ours == reference  # every member once in the bucket's objects, the bytes of one process
     status = store.status()
     assert status["complete"] and status["done"] == IMAGES
 
 
-@pytest.mark.parametrize("step", STEPS)
-def test_a_worker_frozen_at_any_step_of_a_bucket_pool_adds_nothing_twice(s3, tmp_path, step):  # noqa: F811
-    prefix = f"runs/fenced-{step}"
-    _interleave(f"s3://{prefix}", "webdataset", step, tmp_path)
-    _check_bucket(s3.fs(), prefix, _reference(tmp_path, "webdataset"))
+@pytest.mark.parametrize("kind, step", [("webdataset", step) for step in STEPS]
+                         + [("parquet", "written"), ("parquet", "published")])
+def test_a_worker_frozen_at_any_step_of_a_bucket_pool_adds_nothing_twice(s3, tmp_path, kind, step):  # noqa: F811
+    prefix = f"runs/fenced-{kind}-{step}"
+    _interleave(f"s3://{prefix}", kind, step, tmp_path)
+    _check_bucket(s3.fs(), prefix, _reference(tmp_path, kind))
 
 
 def test_a_bucket_worker_silent_past_the_seal_grace_uploads_nothing_that_counts(s3, tmp_path):  # noqa: F811

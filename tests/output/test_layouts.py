@@ -77,6 +77,39 @@ def test_tar_shards_hold_the_same_bytes_and_a_webdataset_reader_reads_them(flat,
     assert "10 of 10 (100%) outputs, complete" in status.stdout
 
 
+def test_parquet_shards_hold_the_same_bytes_and_datasets_reads_them_as_images(flat, tmp_path):
+    """``writer.format: parquet``: the images a Hugging Face ``datasets`` reader gets as PIL images
+    with typed columns, no conversion; the bytes are the loose files'."""
+    datasets = pytest.importorskip("datasets")
+
+    run_here(*tiny_args(tmp_path, *ARGS, "--writer.format", "parquet", "--writer.samples_per_shard", "4"))
+    shards = sorted(tmp_path.glob("shard-*.parquet"))
+    assert [p.name for p in shards] == ["shard-000000000.parquet", "shard-000000004.parquet",
+                                        "shard-000000008.parquet"]
+    assert outputs(tmp_path) == flat
+    # docs/writing.md's reading example, as printed there, on these shards
+    page = (REPO / "docs" / "writing.md").read_text()
+    snippet = next(block for block in page.split("```python\n")[1:] if "load_dataset" in block).split("```")[0]
+    scope: dict = {}
+    snippet = snippet.replace('"outputs/run1/', f'"{tmp_path}/').replace(
+        'split="train")', f'split="train", cache_dir={str(tmp_path / "hf")!r})')
+    exec(snippet + "\nread = (image.size, row['prompt'], row['index'])\n", scope)
+    assert scope["read"] == ((32, 32), "prompt 0", 0)
+    rows = datasets.load_dataset("parquet", data_files=[str(p) for p in shards], split="train",
+                                 cache_dir=str(tmp_path / "hf"))
+    assert rows.features["image"] == datasets.Image() and rows.features["seed"].dtype == "int64"
+    raw = rows.cast_column("image", datasets.Image(decode=False))
+    assert [row["index"] for row in raw] == list(range(10))
+    assert all(row["image"]["bytes"] == flat[row["index"]] for row in raw)
+    assert [row["prompt"] for row in raw] == [f"prompt {n}" for n in range(10)]
+    assert {(row["width"], row["height"]) for row in raw} == {(32, 32)}
+    first = read_manifest_lines(tmp_path)[0]
+    assert first["file"] == "shard-000000000.parquet" and first["member"] == "000000000.png"
+    assert "10 of 10 (100%) outputs, complete" in run_here("status", str(tmp_path)).stdout
+    proc = run_here(*tiny_args(tmp_path, *ARGS, "--writer.format", "webdataset"), check=False)
+    assert proc.returncode == 2 and "writer.format: 'parquet' then, 'webdataset' now" in proc.stderr
+
+
 def test_a_merge_only_appends_the_new_lines(tmp_path):
     """The 16 shards of an array merge into one manifest: each merge must cost its own lines, not
     the manifest's. Every file a merge opens is watched (a Python audit hook: nothing replaced)."""
@@ -149,10 +182,11 @@ def test_two_replicas_and_a_job_array_write_every_image_once(flat, storage, tmp_
 
 
 @pytest.mark.slow
-def test_a_kill_in_the_middle_of_a_tar_shard_loses_only_that_shard(tmp_path):
+@pytest.mark.parametrize("fmt, suffix", [("webdataset", "tar"), ("parquet", "parquet")])
+def test_a_kill_in_the_middle_of_a_shard_loses_only_that_shard(tmp_path, fmt, suffix):
     slow = ["--data.prompts", "[" + ", ".join(f"prompt {n}" for n in range(24)) + "]", "--data.batch_size", "2",
             "--model.height", "64", "--model.width", "64", "--model.num_inference_steps", "8",
-            "--writer.format", "webdataset", "--writer.samples_per_shard", "4"]
+            "--writer.format", fmt, "--writer.samples_per_shard", "4"]
     out = tmp_path / "out"
     args = tiny_args(out, *slow)
     proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", *args], cwd=REPO,
@@ -160,7 +194,9 @@ def test_a_kill_in_the_middle_of_a_tar_shard_loses_only_that_shard(tmp_path):
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
-        if list(out.glob("shard-*.tar")) and list(out.glob(".shard-*.tmp-*")):
+        if list(out.glob(f"shard-*.{suffix}")) and (fmt == "parquet" or list(out.glob(".shard-*.tmp-*"))):
+            if fmt == "parquet":  # its next shard's rows are in memory (it has no file until it closes):
+                time.sleep(0.3)   # past the first shard's lines, before the second shard closes
             break
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
