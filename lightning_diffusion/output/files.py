@@ -225,27 +225,41 @@ class OutputFiles:
     def _write_fenced(self, items: list[dict[str, Any]], claim: Optional[Claim]) -> None:
         """A batch written through the fence: every file under its temporary name, then, inside the
         fence, renamed into place and its lines appended, or, where a pool's batch was taken over
-        meanwhile (or, raising ``fence.LockLost``, the run's lock), removed."""
-        if not items:
-            return
+        meanwhile (or, raising ``fence.LockLost``, the run's lock), removed. A file that fails to
+        write ends the batch there: the files before it are still published, then the error raised."""
         renames: list[tuple[Path, Path]] = []
+        lines: list[dict[str, Any]] = []
+        failed: Optional[BaseException] = None
         try:
-            lines = [self.write_output(item, renames) for item in items]
-            pause("written")
+            for item in items:
+                made: list[tuple[Path, Path]] = []
+                try:
+                    line = self.write_output(item, made)
+                except BaseException as err:  # noqa: BLE001 (raised below, after what was written before it)
+                    for tmp, _ in made:
+                        tmp.unlink(missing_ok=True)
+                    failed = err
+                    break
+                renames += made
+                lines.append(line)
+            if lines:
+                pause("written")
 
-            def publish(held: set[Claim]) -> None:
-                if claim is not None and claim not in held:
-                    return
-                while renames:
-                    tmp, path = renames.pop(0)
-                    os.replace(tmp, path)
-                pause("published")
-                self._append(lines)
+                def publish(held: set[Claim]) -> None:
+                    if claim is not None and claim not in held:
+                        return
+                    while renames:
+                        tmp, path = renames.pop(0)
+                        os.replace(tmp, path)
+                    pause("published")
+                    self._append(lines)
 
-            self.fence_publish([claim] if claim is not None else [], publish)
+                self.fence_publish([claim] if claim is not None else [], publish)
         finally:
             for tmp, _ in renames:
                 tmp.unlink(missing_ok=True)
+        if failed is not None:
+            raise failed
 
     def fence_publish(self, claims: list[Claim], publish) -> None:
         """``publish`` through the fence; the batches lost are said once each."""

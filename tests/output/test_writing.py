@@ -314,14 +314,18 @@ def test_a_writer_that_fails_at_its_drain_on_rank_1_fails_rank_0_too(tmp_path):
     assert sorted(line["index"] for line in finished_lines(out)) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("fenced", [False, True], ids=["plain", "fenced"])
 @pytest.mark.parametrize("fsync", ["batch", "file", "off"])
-def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_temporary(tmp_path, fsync):
+def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_temporary(tmp_path, fsync, fenced):
     """The batch's lines are appended together (one open and one sync a batch), but a failure on its
-    third file still records the two written before it, each with its size, and nothing else."""
+    third file still records the two written before it, each with its size, and nothing else; the
+    same through a fence (a run's publication under its folder's lock, ``output.fence``)."""
+    from lightning_diffusion.output.fence import FolderFence
     from lightning_diffusion.output.settings import WriterSettings
     from tests.slow_writer import FailingFiles
 
-    files = FailingFiles(tmp_path, WriterSettings(fsync=fsync), part=tmp_path / "part.jsonl")
+    files = FailingFiles(tmp_path, WriterSettings(fsync=fsync), part=tmp_path / "part.jsonl",
+                         fence=FolderFence(tmp_path) if fenced else None)
     batch = [{"index": i, "prompt": f"prompt {i}", "seed": i, "params": {"height": 8},
               "image": np.full((8, 8, 3), i / 4, np.float32)} for i in range(4)]
     with pytest.raises(OSError, match="disk full"):
@@ -329,7 +333,8 @@ def test_a_file_that_fails_mid_batch_leaves_the_files_before_it_recorded_and_no_
     lines = [json.loads(line) for line in (tmp_path / "part.jsonl").read_text().splitlines()]
     assert [line["index"] for line in lines] == [0, 1]
     assert [(tmp_path / line["file"]).stat().st_size for line in lines] == [line["bytes"] for line in lines]
-    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([line["file"] for line in lines] + ["part.jsonl"])
+    assert (sorted(path.name for path in tmp_path.iterdir() if path.name != ".manifest.merge-lock")
+            == sorted([line["file"] for line in lines] + ["part.jsonl"]))
 
 
 @pytest.mark.slow
