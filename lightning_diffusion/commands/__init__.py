@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -28,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("lightning_diffusion.commands.status", "how far the run writing an output folder is (read-only)"),
     "eval": ("lightning_diffusion.commands.eval",
              "metrics of an output folder: against a reference, prompt adherence, FID/KID"),
+    "report": ("lightning_diffusion.commands.report_page", "one HTML page of a run: its pictures, pace and cost"),
     "make-tiny": ("lightning_diffusion.commands.make_tiny", "write a tiny random pipeline (no download)"),
 }
 
@@ -69,3 +73,40 @@ def report(json_to: Optional[str], result: object, human: Callable[[], None],
     human()
     if json_to:
         Path(json_to).write_text(json.dumps(result, indent=2, default=default) + "\n")
+
+
+def terminal_width() -> int:
+    """The columns help text is wrapped to: the terminal's (``COLUMNS`` where set), at least 40."""
+    return max(40, shutil.get_terminal_size((100, 24)).columns)
+
+
+def plain_text(text: str) -> str:
+    """A docstring's reStructuredText as terminal text: ````literal```` as literal, ``:role:`x``` as
+    x, ``::`` as ``:``."""
+    text = re.sub(r"``(.+?)``", r"\1", text, flags=re.S)
+    text = re.sub(r":\w+:`([^`]+)`", r"\1", text)
+    return re.sub(r"(\S)::$", r"\1:", text, flags=re.M)
+
+
+def help_text(doc: Optional[str], width: Optional[int] = None) -> str:
+    """A command's docstring as its ``--help`` description (``RawDescriptionHelpFormatter``): plain
+    text (``plain_text``), each paragraph and bullet wrapped to the terminal (``terminal_width``);
+    indented lines (a command shown as an example) are kept as they are."""
+    width = (width or terminal_width()) - 2
+    blocks: list[str] = []
+    for paragraph in textwrap.dedent(plain_text(doc or "")).strip().split("\n\n"):
+        lines = paragraph.splitlines()
+        if all(line.startswith("    ") for line in lines):  # an example, as written
+            blocks.append(paragraph)
+            continue
+        items: list[str] = []
+        for line in lines:  # bullets ("* ", "- ") start items; other lines continue the last one
+            if line.lstrip().startswith(("* ", "- ")) or not items:
+                items.append(line.strip())
+            else:
+                items[-1] += " " + line.strip()
+        blocks.append("\n".join(
+            textwrap.fill(item, width, subsequent_indent="  " if item.startswith(("* ", "- ")) else "",
+                          break_on_hyphens=False, break_long_words=False)
+            for item in items))
+    return "\n\n".join(blocks)

@@ -20,7 +20,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_diffusion.commands import add_json_option, json_argv, report
+from lightning_diffusion.commands import add_json_option, help_text, json_argv, report
 from lightning_diffusion.console import counted
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.manifest import FAILED, REJECTED
@@ -123,6 +123,19 @@ def exit_code(status: dict[str, Any]) -> int:
     return RUNNING if status["running"] else STOPPED
 
 
+def device_hour_rate(status: dict[str, Any]) -> Optional[float]:
+    """Images per device-hour beside the rate: a live run's rate over its writing ranks (a device
+    each), else the last run's outputs over its wall time (loading included) times its devices
+    (``report.collect.devices_of``); None where neither is known."""
+    from lightning_diffusion.report.collect import devices_of
+    from lightning_diffusion.report.pace import per_device_hour
+
+    if status.get("rate_per_s") and status.get("rate_live"):
+        return status["rate_per_s"] * 3600.0 / max(1, len(status.get("by_rank") or {}))
+    last = status.get("last_run") or {}
+    return per_device_hour(int(last.get("made") or 0), float(last.get("wall_s") or 0.0), devices_of(last))
+
+
 def text(status: dict[str, Any]) -> str:
     expected = status["expected"]
     of = f" of {expected:,} ({100 * status['done'] / expected:.0f}%)" if expected else " (expected count unknown)"
@@ -138,12 +151,15 @@ def text(status: dict[str, Any]) -> str:
     if status["by_rank"]:
         lines.append("  this run, by writing rank: "
                      + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))
+    per_hour = device_hour_rate(status)
+    hourly = f", {per_hour:,.0f} images per device-hour" if per_hour else ""
     if status["rate_per_s"] and status["rate_live"]:
         eta = f"; ETA {datetime.timedelta(seconds=int(status['eta_s']))}" if status["eta_s"] is not None else ""
         lines.append(f"  rate: {status['rate_per_s']:.2f} outputs/s over the last {RATE_WINDOW_S / 60:.0f} "
-                     f"minutes{eta}")
+                     f"minutes{hourly}{eta}")
     elif status["rate_per_s"]:
-        lines.append(f"  rate of the last run: {status['rate_per_s']:.2f} outputs/s of prediction")
+        lines.append(f"  rate of the last run: {status['rate_per_s']:.2f} outputs/s of prediction{hourly} (its wall "
+                     "time, loading included)")
     lock = status["lock"]
     if lock:
         live = "live" if lock["live"] else "stale: its run is gone"
@@ -182,7 +198,7 @@ def text(status: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-diffusion status", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lightning-diffusion status", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output_dir")
     add_json_option(parser, "the status")
@@ -192,5 +208,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"lightning-diffusion status: error: {err}", file=sys.stderr)
         return 2
+    status["images_per_device_h"] = device_hour_rate(status)
     report(args.json, status, lambda: print(text(status)), repeats_json=True)
     return exit_code(status)
