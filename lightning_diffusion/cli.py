@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 from typing import NoReturn, Optional
 
 from lightning_diffusion import console
@@ -19,6 +20,24 @@ CONFIG_COMMANDS = ("predict", "verify", "benchmark", "slurm", "k8s", "download")
 # Of those, the ones whose prompt set is read on this machine (k8s's is the pods').
 LOCAL_DATA_COMMANDS = ("predict", "verify", "benchmark", "slurm")
 from lightning_diffusion.run import interrupt
+
+# When the command began (``main``'s call; the process's own start where the console script runs
+# it): a run's summary says its start-up beside its wall time (``commands.predict``).
+started_at = time.time()
+_process_start: Optional[float] = None  # set by ``run`` for the ``main`` it calls
+
+
+def process_started_at() -> Optional[float]:
+    """When this process started (Linux: ``/proc``), its interpreter's start-up and first imports
+    included; None where the system does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def usage() -> str:
@@ -31,8 +50,38 @@ def usage() -> str:
     )
 
 
+def expand_prompts(words: list[str]) -> list[str]:
+    """A config command's ``--prompt TEXT`` (``--prompt=TEXT``, repeatable) as the one flag it
+    stands for, ``--data.prompts '[{"prompt": "TEXT"}, ...]'`` (JSON, which the parser reads as
+    YAML; records, not strings, which the parser would read again: ``a dog: brown`` as a mapping),
+    last, so that it wins over a config's prompts; other words as they are."""
+    import json
+
+    command = next((w for w in words if w != "--verbose"), None)
+    if command not in CONFIG_COMMANDS or not any(w == "--prompt" or w.startswith("--prompt=") for w in words):
+        return words
+    kept, prompts = [], []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--prompt" and i + 1 < len(words):
+            prompts.append(words[i + 1])
+            i += 2
+            continue
+        if word.startswith("--prompt="):
+            prompts.append(word.split("=", 1)[1])
+        else:
+            kept.append(word)
+        i += 1
+    return [*kept, "--data.prompts", json.dumps([{"prompt": p} for p in prompts])] if prompts else words
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    words = list(sys.argv[1:] if argv is None else argv)
+    global started_at, _process_start
+    started_at, _process_start = _process_start or time.time(), None
+    words = expand_prompts(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:  # the ranks Lightning starts re-run sys.argv: the expanded words, as checked here
+        sys.argv[1:] = words
     # Before anything heavy is imported: the environment it sets is read at import time.
     verbose = "--verbose" in words
     words = [word for word in words if word != "--verbose"]
@@ -47,13 +96,21 @@ def main(argv: Optional[list[str]] = None) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         print(f"lightning-diffusion: error: unknown command {words[0]!r}.{hint}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    from lightning_diffusion.run.config_guard import key_problems, prompt_problems, words_problems
+    from lightning_diffusion.run.config_guard import (
+        config_file_missing,
+        key_problems,
+        prompt_problems,
+        value_problems,
+        words_problems,
+    )
 
     problems = words_problems(words[1:])  # before any parser quotes a file or imports a class_path
     # Help and --print_config ask for no run: the parser answers them as it always did.
     asks = any(word in ("-h", "--help") or word.startswith("--print_config") for word in words[1:])
     if not problems and words[0] in CONFIG_COMMANDS and not asks:
-        problems = key_problems(words[1:])  # before the imports that the parser needs
+        # Before the imports that the parser needs: a missing config file, unknown keys, then values
+        # of the wrong type, each as the parser would say it.
+        problems = config_file_missing(words[1:]) or key_problems(words[1:]) or value_problems(words[1:])
     if not problems and words[0] in LOCAL_DATA_COMMANDS and not asks:
         found = prompt_problems(words[1:])  # said as the command says it after its parse
         if found:
@@ -77,6 +134,8 @@ def run() -> None:
     job; a failed run ends the same way, with its traceback and exit code 1. In-process callers
     use ``main``."""
     interrupt.take_start_up(sys.argv[1:])  # done already where the package was imported as the command line
+    global _process_start
+    _process_start = process_started_at()
     try:
         main()
         code = 0

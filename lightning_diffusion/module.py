@@ -59,11 +59,12 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             ``magcache``, ``pyramid_attention_broadcast``, ``faster_cache``; other keys go to the
             diffusers config). A first-block cache decides per image, agreed over the ranks that
             share the transformer call (``cache``; docs/caching.md).
-        pad_batches: run every pipeline call with the configured ``data.batch_size``: a short
-            batch (a replica's last, or a group of records with their own overrides) is padded
-            with copies of its last sample, whose outputs are dropped. Batched kernels round
-            differently for different batch sizes, so this is what makes image i bit-identical
-            for any number of replicas and nodes, and across resumes (docs/config.md).
+        pad_batches: run every pipeline call with the configured ``data.batch_size`` (a prompt
+            set of fewer images: its own size): a short batch (a replica's last, or a group of
+            records with their own overrides) is padded with copies of its last sample, whose
+            outputs are dropped. Batched kernels round differently for different batch sizes, so
+            this is what makes image i bit-identical for any number of replicas and nodes, and
+            across resumes (docs/config.md).
         vae_tiling: decode by overlapping tiles (diffusers' ``enable_tiling``; ``true`` or its
             settings, such as ``tile_sample_min_height``): less memory for large images and videos,
             and under model parallelism the tiles are dealt over the group's ranks. Tiled decoding
@@ -87,8 +88,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             carry ``image`` and ``mask_image`` paths).
 
     ``predict_step`` returns one dict per image: ``index``, ``prompt``, ``seed``, ``image`` (float32
-    array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the pipeline arguments
-    that made it).
+    array H x W x 3 in [0, 1], or F x H x W x 3 for a video) and ``params`` (the model, the
+    arguments the pipeline's call received, no default it did not, and the output's size).
     Nothing here depends on the strategy: a strategy reads ``request()``, hands a ``LoadPlan`` to
     ``use_load_plan`` and its parallelised pipeline to ``use_pipeline`` (see ``contract``).
 
@@ -230,7 +231,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if isinstance(datamodule, PromptDataModule):
-            self.batch_size = datamodule.batch_size
+            self.batch_size = datamodule.call_size  # data.batch_size, or a smaller set's size
             self.runner.on_error = datamodule.on_error
             self.failures, self.stats = 0, {"computed": 0, "kept": 0, "busy_s": 0.0}
             # cast: Lightning's Strategy does not declare the ranks every strategy has once started
@@ -357,9 +358,12 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             **kwargs,
         ))
         images = np.asarray(getattr(output, self.info.spec.output or "images"), dtype=np.float32)
+        # What the call received, and nothing it did not (the pipeline's own defaults are not the
+        # run's arguments: FluxPipeline's guidance_scale=3.5 reaches no transformer without guidance
+        # embeddings); the size is the output's, the negative prompt and inputs are said beside.
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt", *INPUT_FIELDS)}
         options = {k: v for k, v in self.options.items() if v not in (None, False)}
-        params = {"model": self.model_path, **self.info.call_defaults, **recorded, **options}
+        params = {"model": self.model_path, **recorded, **options}
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
         if images.ndim == 5:  # videos: (batch, frames, height, width, 3)
             sizes = [{**size, "num_frames": int(video.shape[0])} for size, video in zip(sizes, images)]

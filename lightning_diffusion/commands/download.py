@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_diffusion.commands import help_text
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines import hub
 from lightning_diffusion.run.config import read_config, report_config_error
@@ -116,7 +117,7 @@ def fetch_prompts(config: Namespace, config_path: Optional[str], dry_run: bool =
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-diffusion download", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lightning-diffusion download", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--dry-run", action="store_true", help="list the files and their sizes; fetch nothing")

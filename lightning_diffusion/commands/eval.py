@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_diffusion.commands import add_json_option, json_argv
+from lightning_diffusion.commands import add_json_option, help_text, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB
@@ -403,7 +403,7 @@ def local_copies(args):
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-diffusion eval", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lightning-diffusion eval", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output_dir")
     parser.add_argument("--reference", help="an output folder made with the same prompts and seeds")

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_diffusion.commands import help_text
 from lightning_diffusion.output.store import store_class
 from lightning_diffusion.run.config import read_config, report_config_error
 
@@ -58,7 +59,8 @@ MEMORY_QUANTITY = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[KMGTPE]i|[kMGTPE]|m|[e
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="lightning-diffusion k8s", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="lightning-diffusion k8s", description=help_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Arguments after the known ones (e.g. --data.prompts /data/p.jsonl) are passed on to `predict`.")
     parser.add_argument("--config", required=True, help="the predict config (YAML), read here")
     parser.add_argument("--pod-config", help="where the pods find it (default: MOUNT/<its file name>; copy it there)")

@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import yaml
 
+from lightning_diffusion.commands import help_text
 from lightning_diffusion.errors import ConfigError
 from lightning_diffusion.pipelines.specs import PipelineSpec, all_published, cfg_supported, published
 
@@ -310,7 +311,7 @@ ASSUMED_PROMPTS = 1000  # the prompt count a plan assumes when none is given
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-diffusion plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lightning-diffusion plan", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--gpus", type=int, required=True)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional, cast
 import numpy as np
 import torch
 
-from lightning_diffusion.commands import add_json_option, json_argv, report
+from lightning_diffusion.commands import add_json_option, help_text, json_argv, report
 from lightning_diffusion.input.formats import read_data
 from lightning_diffusion.pipelines.model_folder import dtype_name
 from lightning_diffusion.run.config import read_config, report_config_error
@@ -88,7 +88,7 @@ def _predict(config: str, extra: list[str], out: Path) -> subprocess.CompletedPr
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-diffusion verify", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lightning-diffusion verify", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--num-prompts", type=int, default=4)

@@ -181,7 +181,8 @@ class PromptDataModule(pl.LightningDataModule):
         keep_columns: columns carried into each image's metadata (not read as record fields).
         split: the split of a dataset (``hf://datasets/NAME``: default ``train``; a ``save_to_disk``
             folder of several splits).
-        batch_size: images per pipeline call on each data-parallel replica.
+        batch_size: images per pipeline call on each data-parallel replica (a set of fewer images
+            is computed at its own size: ``call_size``).
         seed: global seed; image ``i`` of a record without a seed uses ``seed + i``.
         num_images_per_prompt: images made from each record.
         num_workers: DataLoader workers (prompts are tiny; 0 is usually right).
@@ -286,6 +287,13 @@ class PromptDataModule(pl.LightningDataModule):
         return len(self.records) * self.num_images_per_prompt
 
     @property
+    def call_size(self) -> int:
+        """The images of one padded pipeline call: ``batch_size``, or the whole set's images where
+        it has fewer (one prompt computes one image, not a batch of padding). A function of the set
+        alone, never of the replicas, the shards or a pool, so an image is the same under any layout."""
+        return max(1, min(self.batch_size, self.num_images))
+
+    @property
     def shard(self) -> Optional[Shard]:
         """The shard of the prompt set this run makes (``data.num_shards`` > 1), else None."""
         if self.num_shards <= 1:
@@ -357,7 +365,7 @@ class PromptDataModule(pl.LightningDataModule):
         facts = self.facts or SetFacts.from_summary(self.records.summary)
         buckets, costs = image_facts(facts, self.records.summary.set_array(), pending, self.num_images_per_prompt,
                                      self.bucket_of_position)
-        return plan_batches(pending, buckets, costs, self.batch_size, self.bucket, self.pad)
+        return plan_batches(pending, buckets, costs, self.call_size, self.bucket, self.pad)
 
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
         """A batch is prompts, seeds and paths, no tensor: nothing to move (Lightning would walk

@@ -123,16 +123,6 @@ class PipelineInfo:
         return set(inspect.signature(self.pipeline_class.__call__).parameters) - {"self", "kwargs"}
 
     @property
-    def call_defaults(self) -> dict[str, Any]:
-        """The pipeline's own defaults for the arguments written into every image's metadata."""
-        parameters = inspect.signature(self.pipeline_class.__call__).parameters
-        return {
-            name: parameters[name].default
-            for name in ("num_inference_steps", "guidance_scale")
-            if name in parameters and parameters[name].default is not inspect.Parameter.empty
-        }
-
-    @property
     def size_multiple(self) -> int:
         """Height and width must be multiples of this (VAE downsampling times token packing)."""
         return self.spec.pixels_per_token

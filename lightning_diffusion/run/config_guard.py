@@ -16,6 +16,7 @@ imported, and nothing a config names.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import stat
@@ -352,13 +353,15 @@ GROUP_CLASSES = {"model": ("lightning_diffusion", "module.py", "DiffusionModule"
                  "trainer": ("lightning", "pytorch/trainer/trainer.py", "Trainer")}
 
 
-def declared_keys() -> dict[str, list[str]]:
-    """Each config group's keys (``model.height``...), from the sources of ``GROUP_CLASSES``; a
-    group whose class takes ``**kwargs`` or whose source cannot be read is left out."""
+@functools.lru_cache(maxsize=1)
+def declared_annotations() -> dict[str, dict[str, str]]:
+    """Each config group's keys (``model.height``...) with the text of their annotations
+    (``Optional[int]``), from the sources of ``GROUP_CLASSES``; a group whose class takes
+    ``**kwargs`` or whose source cannot be read is left out."""
     import ast
     import importlib.util
 
-    found: dict[str, list[str]] = {}
+    found: dict[str, dict[str, str]] = {}
     for group, (package, file, class_name) in GROUP_CLASSES.items():
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
@@ -371,8 +374,15 @@ def declared_keys() -> dict[str, list[str]]:
                      for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "__init__"), None)
         if init is None or init.args.kwarg is not None:
             continue
-        found[group] = [f"{group}.{arg.arg}" for arg in [*init.args.args, *init.args.kwonlyargs] if arg.arg != "self"]
+        found[group] = {f"{group}.{arg.arg}": ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                        for arg in [*init.args.args, *init.args.kwonlyargs] if arg.arg != "self"}
     return found
+
+
+def declared_keys() -> dict[str, list[str]]:
+    """Each config group's keys (``model.height``...), from the sources of ``GROUP_CLASSES``
+    (``declared_annotations``)."""
+    return {group: list(keys) for group, keys in declared_annotations().items()}
 
 
 def key_problems(words: list[str]) -> list[str]:
@@ -419,3 +429,136 @@ def prompt_problems(words: list[str]) -> list[str]:
     except PromptFileError as err:
         return [str(err)]
     return []
+
+
+# Scalar annotations whose values are judged from the text (``value_problems``): the type's name as
+# the parser's message says it, and whether null is allowed. Any other annotation is the parser's.
+SCALAR_ANNOTATIONS = {
+    "int": ("int", False), "Optional[int]": ("int", True),
+    "float": ("float", False), "Optional[float]": ("float", True),
+    "bool": ("bool", False), "Optional[bool]": ("bool", True),
+}
+# The words the parser reads as a boolean (YAML 1.1's), lower case.
+BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off")
+_DECIMAL = re.compile(r"[+-]?(\d+\.\d*|\.\d+)([eE][+-]?\d+)?|[+-]?\d+[eE][+-]?\d+")
+
+
+def _refused(value: object, kind: str, nullable: bool, from_text: bool) -> bool:
+    """Whether the parser surely refuses ``value`` for a key of type ``kind`` (``int``, ``float``,
+    ``bool``; ``nullable``: Optional). ``from_text``: a command-line word, else a config file's YAML
+    value. Only what it certainly refuses: a word for a number (``abc``, ``nan``), a decimal for an
+    integer, a number or any word but a boolean one for a boolean, a list or a mapping for any;
+    anything else (``0x10``, ``1_000``) is left to the parser."""
+    if from_text:
+        text = str(value).strip()
+        if nullable and text in ("null", "~"):
+            return False
+        if kind == "bool":
+            return bool(text) and text.lower() not in BOOLEAN_WORDS
+        if text[:1].isascii() and text[:1].isalpha() or text.startswith(("[", "{")):
+            return True
+        return kind == "int" and bool(_DECIMAL.fullmatch(text))
+    if value is None:
+        return False  # a config's null leaves the default, even for a key that is not Optional
+    if isinstance(value, (list, dict)):
+        return True
+    if kind == "bool":
+        return not isinstance(value, bool) and not (isinstance(value, str) and value.strip().lower() in BOOLEAN_WORDS)
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, str):
+        return _refused(value, kind, nullable, True)
+    return kind == "int" and isinstance(value, float)
+
+
+def value_problems(words: list[str]) -> list[str]:
+    """Values of the config groups' int, float and bool keys (``--model.height abc``, ``height: abc``
+    in a config file) that the parser would refuse, said in its words (``model.height: expected int
+    or null, got 'abc'``), before the imports it needs. The value judged is the one the parser would
+    end with: the config files and the flags in the order given, the last one winning."""
+    problems = []
+    for group, declared in declared_annotations().items():
+        scalars = {key.split(".", 1)[1]: SCALAR_ANNOTATIONS[text] for key, text in declared.items()
+                   if text in SCALAR_ANNOTATIONS}
+        for name, (value, from_text) in _given_as(words, group, tuple(scalars)).items():
+            kind, nullable = scalars[name]
+            if _refused(value, kind, nullable, from_text):
+                names = f"{kind} or null" if nullable else kind
+                problems.append(f"{group}.{name}: expected {names}, got {_as_parsed(value)!r}")
+    return problems
+
+
+def _as_parsed(value: object) -> str:
+    """A refused value as the parser's message shows it: ``null`` as None, a decimal as a float."""
+    text = str(value) if not isinstance(value, str) else value.strip()
+    if text in ("null", "~"):
+        return "None"
+    return str(float(text)) if _DECIMAL.fullmatch(text) else text
+
+
+def _given_as(words: list[str], group: str, names: tuple[str, ...]) -> dict[str, tuple[Any, bool]]:
+    """``_given``, each value with whether it came from the command line's text (else a config
+    file's YAML)."""
+    found: dict[str, tuple[Any, bool]] = {}
+    for i, word in enumerate(words):
+        flag, equals, value = word.partition("=")
+        if not equals and i + 1 < len(words):
+            value = words[i + 1]
+        if flag == f"--{group}":  # the whole group given at once: the parser reads it
+            return {}
+        if flag in ("--config", "-c"):
+            data = _config_data(value)
+            section = data.get(group) if isinstance(data, dict) else None
+            if isinstance(section, dict):
+                found.update({name: (section[name], False) for name in names if name in section})
+        elif flag.startswith(f"--{group}.") and flag[len(group) + 3:] in names:
+            found[flag[len(group) + 3:]] = (value, True)
+    return found
+
+
+def missing_config_problem(value: str, flag: str = "--config") -> Optional[str]:
+    """A ``--config`` (or ``--model``...) value that names no file and is not a config given in
+    place (a YAML mapping): the file is missing, or a folder. One line naming it, with the closest
+    config file of its folder."""
+    if names_file(value):
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load(value)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        data = value
+    if isinstance(data, dict):
+        return None  # a config given in place
+    path = Path(value).expanduser()
+    try:
+        if path.is_dir():
+            return f"{flag} {value} is a folder, not a config file (configs/tiny.yaml is one)."
+        siblings = [p.name for p in (path.parent if str(path.parent) else Path(".")).iterdir()
+                    if p.suffix in (".yaml", ".yml", ".json")] if path.parent.is_dir() else []
+    except (OSError, ValueError):
+        siblings = []
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.8)
+    hint = f"; did you mean {path.parent / close[0] if str(path.parent) != '.' else close[0]}?" if close else ""
+    return f"{flag} {value}: no such config file{hint}"
+
+
+def config_file_missing(words: list[str]) -> list[str]:
+    """The ``--config`` (``-c``) values, and the group files (``--trainer FILE.yaml``), that name
+    no file (``missing_config_problem``)."""
+    problems = []
+    for i, word in enumerate(words):
+        name, equals, value = word.partition("=")
+        if not equals:
+            if i + 1 >= len(words):
+                continue
+            value = words[i + 1]
+        if name in ("--config", "-c"):
+            problem = missing_config_problem(value, name)
+        elif name[2:] in GROUPS and value.lower().endswith((".yaml", ".yml", ".json")):
+            problem = missing_config_problem(value, name)
+        else:
+            continue
+        if problem:
+            problems.append(problem)
+    return problems

@@ -43,8 +43,8 @@ MAX_STEPS = 1000  # schedulers are trained on 1000 timesteps
 # torch.Generator.manual_seed takes 0 .. 2**64 - 1 (a larger seed raises "Overflow when unpacking long long").
 SEED_MAX = 2 ** 64 - 1
 MAX_GUIDANCE = 100.0
-# Images in one pipeline call: every call is padded to data.batch_size (model.pad_batches), so a
-# batch size far past the prompt set would compute padding only (4 prompts, batch size 10**8).
+# Images in one pipeline call: every call is padded to data.batch_size (model.pad_batches; a set
+# of fewer images to its own size), so a batch size past the device's is refused from the text.
 MAX_BATCH_SIZE = 4096
 # Processes a CPU run may start for each CPU core of this machine (trainer.devices on accelerator cpu).
 MAX_PROCESSES_PER_CORE = 4

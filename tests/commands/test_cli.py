@@ -3,6 +3,7 @@
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,10 @@ from tests.conftest import REPO, load_arrays, read_manifest_lines, run_cli, run_
 
 def test_tiny_config_writes_images_manifest_and_png_metadata(tmp_path):
     out = tmp_path / "out"
-    run_here(*tiny_args(out))
+    proc = run_here(*tiny_args(out))
+    # the summary's wall time counts from the writer's setup; the start-up before it is said beside it
+    assert re.search(r"^start-up \d+\.\d s \(Python, imports, the config and its checks\), wall \d+\.\d s "
+                     r"\(loading and the run\): \d+\.\d s from the command to its end$", proc.stderr, re.M), proc.stderr
     prompts = [line.strip() for line in (REPO / "configs/prompts/example.txt").read_text().splitlines() if line.strip()]
     lines = read_manifest_lines(out)
     assert [line["index"] for line in lines] == list(range(len(prompts))) and len(prompts) >= 8
@@ -50,6 +54,23 @@ def test_record_seed_and_overrides_reach_the_pipeline(tmp_path):
     assert (second["seed"], second["guidance_scale"]) == (42, 3.5)
     arrays = load_arrays(out)
     assert np.abs(arrays[0] - arrays[1]).max() > 1e-3  # guidance changed the picture
+
+
+def test_prompt_flags_stand_for_an_inline_prompt_list():
+    from lightning_diffusion.cli import expand_prompts, process_started_at
+    from lightning_diffusion.run.config import read_config
+
+    words = expand_prompts(["predict", "--config", "configs/tiny.yaml", "--prompt", 'a "quoted" cat, on a mat',
+                            "--prompt=a dog: brown"])
+    assert words[:3] == ["predict", "--config", "configs/tiny.yaml"] and words[3] == "--data.prompts"
+    assert read_config("configs/tiny.yaml", words[3:], check=False).data.prompts == [
+        {"prompt": 'a "quoted" cat, on a mat'}, {"prompt": "a dog: brown"}]
+    assert expand_prompts(["status", "--prompt", "x"]) == ["status", "--prompt", "x"]  # not a config command
+    assert expand_prompts(["predict", "--config", "c.yaml"]) == ["predict", "--config", "c.yaml"]
+    import time
+
+    started = process_started_at()
+    assert started is None or time.time() - 86400 * 7 < started <= time.time()
 
 
 def test_make_tiny_writes_a_loadable_safetensors_pipeline(tmp_path):
@@ -213,16 +234,44 @@ def test_predict_help_shows_this_projects_keys_first_and_help_all_everything(cap
     for hidden in ("--trainer.max_epochs", "--optimizer", "--lr_scheduler", "--trainer.gradient_clip_val",
                    "--ckpt_path"):
         assert hidden not in short
-    for shown in ("--trainer.strategy ", "--trainer.devices ", "--data.prompts ", "--writer.output_dir ",
+    for shown in ("--trainer.strategy ", "--trainer.devices, ", "--data.prompts, ", "--writer.output_dir ",
                   "default: tiny:shapes"):
         assert shown in short
     assert short.rstrip().endswith("--help-all shows every option, Lightning's training options included.")
-    strategy = short.split("--trainer.strategy STRATEGY", 1)[1].split("\n  -", 1)[0]
+    strategy = " ".join(short.split("--trainer.strategy ", 1)[1].split("\n  -", 1)[0].split())
     assert "ulysses" in strategy and "(default: data_parallel)" in strategy  # the project's names, not Lightning's
     assert "DeepSpeed" not in strategy and '"auto"' not in strategy
     assert predict(["--help-all"]) == 0
     every = capsys.readouterr().out
     assert "--trainer.max_epochs" in every and "--optimizer" in every and len(every) > 2 * len(short)
+
+
+def test_predict_help_fits_a_screen_and_the_terminals_width(capsys, monkeypatch):
+    """What a prediction run can use, wrapped to COLUMNS: no training callbacks, no Lightning seed
+    beside data.seed, no reStructuredText."""
+    from lightning_diffusion.commands.predict import main as predict
+
+    monkeypatch.setenv("COLUMNS", "100")
+    assert predict(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) < 260 and max(map(len, lines)) <= 100, (len(lines), max(map(len, lines)))
+    text = "\n".join(lines)
+    for hidden in ("EarlyStopping", "LearningRateFinder", "ModelCheckpoint", "--seed_everything", "``"):
+        assert hidden not in text, hidden
+    assert "--data.seed " in text and "--trainer.callbacks" in text
+    monkeypatch.setenv("COLUMNS", "60")
+    assert predict(["--help"]) == 0
+    assert max(map(len, capsys.readouterr().out.splitlines())) <= 60
+
+
+def test_eval_help_is_plain_text_wrapped_to_the_terminal(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "* --fid: FID and KID" in out
+    assert max(map(len, out.splitlines())) <= 100
 
 
 def test_every_subcommand_takes_json_alone_for_stdout_and_json_file_for_a_file(tmp_path, cli_here):

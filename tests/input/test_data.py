@@ -105,6 +105,20 @@ def test_replicas_get_every_batch_once(total, replicas):
     assert [len(PlanSampler(dataset, replicas, rank)) for rank in range(replicas)] == [len(s) for s in shards]
 
 
+def test_a_set_smaller_than_a_batch_is_computed_at_its_own_size():
+    """Padding goes to the set's image count, whatever the layout: no batch of padding for one prompt."""
+    one = PromptDataModule(["a cat"], batch_size=5)
+    assert one.call_size == 1
+    plan = one.batch_plan(np.arange(1))
+    assert (plan.batch_size, plan.padded) == (1, 0) and "1 batch of 1" in plan.describe(2)
+    assert PromptDataModule(["a", "b"], batch_size=5, num_images_per_prompt=2).call_size == 4
+    assert PromptDataModule(["a", "b", "c"], batch_size=2).call_size == 2
+    # A resume's leftovers and a replica's short batch still pad to the set's size, not to their own.
+    three = PromptDataModule(["a", "b", "c"], batch_size=8)
+    three.skip_indices({0, 1})
+    assert three.batch_plan(three.pending_images()).batch_size == 3
+
+
 def test_skipped_indices_are_removed_before_the_split():
     module = PromptDataModule([f"p{i}" for i in range(6)], batch_size=2)
     module.skip_indices({0, 1, 2})

@@ -122,7 +122,8 @@ CASES = [
     ("files_per_folder 0", ["--writer.files_per_folder", "0"],
      "writer.files_per_folder must be an integer >= 1, got 0"),
     ("unknown layout", ["--writer.layout", "nested"], "writer.layout must be one of auto, flat, sharded, got 'nested'"),
-    ("unknown format", ["--writer.format", "parquet"], "writer.format must be one of files, webdataset, got 'parquet'"),
+    ("unknown format", ["--writer.format", "tiff"],
+     "writer.format must be one of files, webdataset, parquet, got 'tiff'"),
     ("override of the wrong type", ["--data.prompts", "{d}/typed.jsonl"],
      "typed.jsonl:2: guidance_scale must be a number, got 'high'"),
     ("call_kwargs of the wrong type", ["--model.call_kwargs", '{"max_sequence_length": "long"}'],
@@ -395,8 +396,8 @@ def test_predict_without_a_config_says_so(cli_here):
     proc = cli_here("predict")
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("lightning-diffusion: error: predict needs a config: lightning-diffusion predict "
-                                   "--config configs/tiny.yaml (or --data.prompts and --model.* flags); predict "
-                                   "--help lists the keys.")
+                                   "--config configs/tiny.yaml (or --data.prompts or --prompt, and --model.* flags); "
+                                   "predict --help lists the keys.")
 
 
 @pytest.mark.parametrize("command", ["predict", "verify", "slurm"])
@@ -428,3 +429,53 @@ def test_a_missing_prompt_file_is_refused_before_torch_is_imported(command, prog
                            str(tmp_path / "extra.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "exit 2 False" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stderr.strip() == f"{prog}: error: Prompt file '{tmp_path / 'nope.jsonl'}' does not exist."
+
+
+LIGHT = ("import sys\nfrom lightning_diffusion import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+         "except SystemExit as e:\n"
+         "    heavy = sorted(m for m in ('torch', 'lightning', 'diffusers') if m in sys.modules)\n"
+         "    print('exit', e.code, 'imported', heavy)\n")
+
+
+@pytest.mark.parametrize("words, line", [
+    (["--model.height", "abc"], "model.height: expected int or null, got 'abc'"),
+    (["--model.height=64.5"], "model.height: expected int or null, got '64.5'"),
+    (["--writer.save_arrays", "maybe"], "writer.save_arrays: expected bool, got 'maybe'"),
+    (["--trainer.num_nodes", "two"], "trainer.num_nodes: expected int, got 'two'"),
+    (["--config", "{tmp}/typed.yaml"], "data.batch_size: expected int, got 'four'"),
+    (["--config", "configs/tiny.yml"],
+     "--config configs/tiny.yml: no such config file; did you mean configs/tiny.yaml?"),
+    (["--config", "{tmp}/nope.yaml"], "--config {tmp}/nope.yaml: no such config file"),
+])
+def test_a_wrong_value_type_and_a_missing_config_are_refused_before_torch(words, line, tmp_path):
+    """Judged from the text, in the parser's words, before torch, Lightning or diffusers is imported
+    (the parser says the same: test_the_parser_says_what_the_check_before_it_says)."""
+    (tmp_path / "typed.yaml").write_text("data:\n  batch_size: four\n")
+    words = [w.replace("{tmp}", str(tmp_path)) for w in words]
+    proc = subprocess.run([sys.executable, "-c", LIGHT, "predict", "--config", "configs/tiny.yaml", *words],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "exit 2 imported []" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "lightning-diffusion: error: " + line.replace("{tmp}", str(tmp_path))
+
+
+def test_values_the_parser_takes_are_left_to_it():
+    from lightning_diffusion.run.config_guard import value_problems
+
+    taken = ["--model.height", "0x40", "--model.width", " 64", "--model.guidance_scale", ".inf", "--model.num_frames",
+             "null", "--writer.save_arrays", "yes", "--data.batch_size", "1_000", "--trainer.enable_progress_bar", "~"]
+    assert value_problems(["--config", "configs/tiny.yaml", *taken]) == []
+    # the last value wins, as in the parser: a later flag mends an earlier one
+    assert value_problems(["--model.height", "abc", "--model.height", "64"]) == []
+
+
+@pytest.mark.parametrize("words", [["--model.height", "abc"], ["--data.batch_size", "1e3"],
+                                   ["--trainer.num_nodes", "null"], ["--model.pad_batches", "1"],
+                                   ["--model.num_inference_steps", "[4]"]])
+def test_the_parser_says_what_the_check_before_it_says(words, capsys):
+    from lightning_diffusion.run.config import read_config
+    from lightning_diffusion.run.config_guard import value_problems
+
+    (said,) = value_problems(["--config", "configs/tiny.yaml", *words])
+    with pytest.raises(SystemExit):
+        read_config("configs/tiny.yaml", words, check=False)
+    assert capsys.readouterr().err.strip() == f"lightning-diffusion: error: {said}"

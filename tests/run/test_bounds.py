@@ -94,16 +94,15 @@ def test_lightnings_own_refusal_of_devices_is_one_line_where_the_checks_were_tru
 
 
 def test_a_batch_size_past_any_pipeline_call_is_refused(cli_here, tmp_path):
-    """Refused rather than cut to the prompt set's size: every call is padded to data.batch_size,
-    and a batch size that is allowed plans exactly as before, so the pictures of every run that
-    starts are the ones it made before (cutting would change the padding, and the calls, of runs
-    whose batch size is above their image count)."""
+    """Refused from the text, before anything is read: a batch size past any device's. One that is
+    allowed stands, whatever the set's size (a set of fewer images is computed at its own size:
+    test_data.py's test_a_set_smaller_than_a_batch_is_computed_at_its_own_size)."""
     refused(predict(cli_here, tmp_path / "out", "--data.batch_size", "100000000", "--data.prompts",
                     '["a", "b", "c", "d"]'),
             f"data.batch_size 100,000,000 is over {MAX_BATCH_SIZE:,}, the most images one pipeline call is padded to")
     assert not (tmp_path / "out").exists()
     assert data_problems(DataSettings.of({"prompts": ["a"], "batch_size": MAX_BATCH_SIZE}), 4) == []
-    assert data_problems(DataSettings.of({"prompts": ["a"], "batch_size": 8}), 4) == []  # padded, as always
+    assert data_problems(DataSettings.of({"prompts": ["a"], "batch_size": 8}), 4) == []
 
 
 @pytest.mark.parametrize("folder, message", [
