@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import tarfile
 import tempfile
 import threading
 import time
@@ -87,6 +88,18 @@ if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
 HEARTBEAT_S = 30.0
+# A manifest object written this many seconds after its lines (their ``written``) was edited, not
+# uploaded with its shard (an upload of a large shard takes a while): each member it names is
+# looked for in its shard, and a line naming one that is not there (or other bytes) does not count.
+EDITED_AFTER_S = 600.0
+
+
+def _modified(info: dict[str, Any]) -> Optional[float]:
+    """An object's modification time from its listing (``LastModified`` on S3, ``mtime`` elsewhere)."""
+    value = info.get("LastModified", info.get("mtime", info.get("last_modified")))
+    if value is None:
+        return None
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
 STALE_S = 120.0
 
 
@@ -438,15 +451,49 @@ class ObjectStore:
         fs.invalidate_cache()  # listings are read afresh: other ranks and tasks add to them
         listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)
                    if entry.get("type") != "directory"}
-        names = fs.find(f"{root}/{MANIFESTS}")
+        found = fs.find(f"{root}/{MANIFESTS}", detail=True)
+        names = list(found)
         blobs = fs.cat(names, on_error="return") if names else {}  # one gone since the listing: skipped
         counted: dict[str, dict[int, int]] = {}  # a pool's claims: digest -> batch -> the generation that counts
+        members: dict[str, dict[str, str]] = {}  # shards read to verify a manifest object edited after its lines
         for name, blob in sorted(blobs.items()):
             if isinstance(blob, Exception):
                 continue
             rank = int(name.rsplit(".rank-", 1)[-1].split(".")[0]) if ".rank-" in name else 0
             lines = _lines(blob)
-            yield name, rank, lines, [self._counts(line, listing, counted) for line in lines]
+            verdicts = [self._counts(line, listing, counted) for line in lines]
+            changed = _modified(found.get(name, {}))
+            if changed is not None and lines:  # written again long after its lines: each member looked for
+                for n, line in enumerate(lines):
+                    late = changed > float(line.get("written") or 0) + EDITED_AFTER_S
+                    if verdicts[n] and late and not self._member_there(line, members):
+                        verdicts[n] = None
+            yield name, rank, lines, verdicts
+
+    def _member_there(self, line: dict[str, Any], members: dict[str, dict[str, str]]) -> bool:
+        """The line's member is in its shard, with the SHA-256 the line records (where it records one)."""
+        import hashlib
+        import io
+
+        fs, root = self.fs
+        shard = str(line["file"])
+        if shard not in members:
+            try:
+                blob = fs.cat_file(f"{root}/{shard}")
+                if shard.endswith(".parquet"):
+                    import pyarrow.parquet as pq
+
+                    column = pq.read_table(io.BytesIO(blob), columns=["image"]).column("image").combine_chunks()
+                    found = dict(zip(column.field("path").to_pylist(), column.field("bytes").to_pylist()))
+                else:
+                    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+                        found = {info.name: data.read() for info in tar
+                                 if (data := tar.extractfile(info)) is not None}
+                members[shard] = {member: hashlib.sha256(data).hexdigest() for member, data in found.items()}
+            except (OSError, ValueError, tarfile.TarError):
+                members[shard] = {}
+        digest = members[shard].get(str(line["member"]))
+        return digest is not None and line.get("sha256") in (None, digest)
 
     def _counts(self, line: dict[str, Any], listing: dict[str, int],
                 counted: dict[str, dict[int, int]]) -> Optional[bool]:

@@ -451,3 +451,30 @@ def test_bucket_settings_that_would_be_ignored_or_misread_are_refused(given, mes
     problems = ObjectStore.settings_problems(settings)
     assert any(message in problem for problem in problems), problems
     assert ObjectStore.settings_problems(WriterSettings(output_dir="s3://runs/ok", format="webdataset")) == []
+
+
+def test_a_manifest_object_edited_long_after_its_lines_counts_only_members_its_shards_hold(s3, tmp_path):  # noqa: F811
+    """A line naming a member its tar lacks (the tar's name and size right) counts for nothing once
+    its manifest object was written long after its lines: each member it names is looked for."""
+    import numpy as np
+
+    from lightning_diffusion.output.bucket import Uploader
+    from lightning_diffusion.output.files import OutputFiles
+    from lightning_diffusion.output.settings import WriterSettings
+
+    url, fs = "s3://runs/edited", s3.fs()
+    settings = WriterSettings(format="webdataset", samples_per_shard=2, fsync="off", write_workers=0)
+    files = OutputFiles(tmp_path, settings, tmp_path / "part.jsonl", "flat", Uploader(url, None, 0, "run"))
+    files.write_batch([{"index": i, "prompt": f"p {i}", "seed": i, "params": {},
+                        "image": np.full((8, 8, 3), i / 4, dtype=np.float32)} for i in range(4)])
+    files.finish()
+    assert ObjectStore.open(url, None).recorded()[0].tolist() == [0, 1, 2, 3]
+    name = next(n for n in fs.find("runs/edited/manifest") if "shard-000000002" in n)
+    lines = [json.loads(raw) for raw in fs.cat_file(name).splitlines()]
+    first = next(json.loads(raw) for n in fs.find("runs/edited/manifest") if "shard-000000000" in n
+                 for raw in fs.cat_file(n).splitlines())
+    # image 3's line moved to the first shard, whose name and size it copies; the edit is an hour late
+    forged = {**lines[1], "file": first["file"], "shard_bytes": first["shard_bytes"],
+              "written": first["written"] - 3600}
+    fs.pipe_file(name, (json.dumps(lines[0]) + "\n" + json.dumps(forged) + "\n").encode())
+    assert ObjectStore.open(url, None).recorded()[0].tolist() == [0, 1, 2]
