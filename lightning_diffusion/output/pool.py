@@ -231,18 +231,20 @@ def live_workers(files: PoolFiles, lease_s: float = LEASE_S) -> dict[str, dict[s
             if worker_live(files, f"{WORKERS}/{name}.json", worker, lease_s)}
 
 
+def proven_gone(files: PoolFiles, name: str, worker: Optional[dict[str, Any]], lease_s: float) -> bool:
+    """Whether worker ``name`` (its registration ``worker``) will write nothing more: it ended or
+    failed, its process is gone from this host, or it has been silent for ``SEAL_GRACE`` leases
+    (a worker that comes back after that finds its claims taken and what it uploads not counted)."""
+    if worker is None or worker.get("state") not in ACTIVE:
+        return True
+    if worker.get("host") == socket.gethostname() and not pid_alive(int(worker.get("pid") or 0)):
+        return True
+    return files.age(f"{WORKERS}/{name}.json", worker) > SEAL_GRACE * float(worker.get("lease_s") or lease_s)
+
+
 def gone_workers(files: PoolFiles, lease_s: float = LEASE_S) -> set[str]:
-    """The registered workers proven gone: ended or failed, their process gone from this host, or
-    silent for ``SEAL_GRACE`` leases (what they left half-written is nobody's)."""
-    gone = set()
-    for name, worker in read_workers(files).items():
-        if worker.get("state") not in ACTIVE:
-            gone.add(name)
-        elif worker.get("host") == socket.gethostname() and not pid_alive(int(worker.get("pid") or 0)):
-            gone.add(name)
-        elif files.age(f"{WORKERS}/{name}.json", worker) > SEAL_GRACE * float(worker.get("lease_s") or lease_s):
-            gone.add(name)
-    return gone
+    """The registered workers proven gone (``proven_gone``): what they left half-written is nobody's."""
+    return {name for name, worker in read_workers(files).items() if proven_gone(files, name, worker, lease_s)}
 
 
 def live_jobs(files: PoolFiles) -> set[str]:
@@ -406,16 +408,8 @@ class Pool:
 
     def seal_lapsed(self, worker: str) -> bool:
         """Whether a batch ``worker`` sealed (a bucket's: sealed, then uploaded) may be taken over:
-        its registration says it ended or failed, its process is gone from this host, or it has
-        been silent for ``SEAL_GRACE`` leases (a seal cannot be fenced again: a worker that comes
-        back after that uploads outputs that do not count)."""
-        found = self._workers.get(worker)
-        if found is None or found.get("state") not in ACTIVE:
-            return True
-        if found.get("host") == socket.gethostname() and not pid_alive(int(found.get("pid") or 0)):
-            return True
-        lease = float(found.get("lease_s") or self.lease_s)
-        return self.files.age(f"{WORKERS}/{worker}.json", found) > SEAL_GRACE * lease
+        the worker is proven gone (``proven_gone``; a seal cannot be fenced again)."""
+        return proven_gone(self.files, worker, self._workers.get(worker), self.lease_s)
 
     # --- the others ----------------------------------------------------------------------------
 
