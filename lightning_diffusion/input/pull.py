@@ -157,14 +157,14 @@ class PullSampler(DistributedSampler):
             return False  # this worker's own (a takeover it already made)
         if pool.working(holder):
             return None
+        if sealed and not pool.seal_lapsed(holder):
+            return None  # its upload may still come: nothing to read until its worker is proven gone
         if sealed or (holder not in self._read_after and not pool.stopped_before(holder, self._started)):
             self._recorded = pool.files.recorded()  # what it recorded since this job started (a seal: its upload)
             self._read_after.add(holder)
         left = self._left(batch)
         if np.isin(left, self._recorded).all():
             return False
-        if sealed and not pool.seal_lapsed(holder):
-            return None
         taken, recorded = pool.take_over(batch, generation, left)
         if not taken:
             # recorded meanwhile (nothing to do), or another worker took it at the same moment (settled next round)

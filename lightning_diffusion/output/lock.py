@@ -170,15 +170,28 @@ class OutputLock:
             return None
         return self.holder() or "another run"
 
+    def ours(self) -> bool:
+        """Whether the lock file is still this holder's (another run takes over a stale lock)."""
+        try:
+            return json.loads(self.path.read_text()).get("token") == self.token
+        except (OSError, ValueError):
+            return False
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
+                if not self.ours():  # taken over while this run was frozen: another run's to renew
+                    return
                 os.utime(self.path)
             except OSError:
                 return
 
     def release(self) -> None:
+        """Give the lock back: removed only while it is still this holder's (a run frozen past the
+        lock's staleness, then stopped, must not remove the lock of the run that took it over)."""
         self._stop.set()
         if self._held:
-            self.path.unlink(missing_ok=True)
             self._held = False
+            with merge_lock(self.path.parent):
+                if self.ours():
+                    self.path.unlink(missing_ok=True)

@@ -179,13 +179,17 @@ def merge_lock(folder: Path):
     serves too, held by one thread of a process at a time; nested holds by one thread are allowed."""
     import fcntl
 
-    key = os.path.abspath(folder)
+    key = os.path.realpath(folder)  # one entry however the folder is spelt (a link to it included)
     with _HELD_GUARD:
         held = _HELD.setdefault(key, [threading.RLock(), 0, None])
     with held[0]:
         if held[1] == 0:
             handle = open(Path(folder) / MERGE_LOCK, "a")
-            fcntl.lockf(handle, fcntl.LOCK_EX)
+            try:
+                fcntl.lockf(handle, fcntl.LOCK_EX)
+            except BaseException:
+                handle.close()
+                raise
             held[2] = handle
         held[1] += 1
         try:

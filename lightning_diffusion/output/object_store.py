@@ -514,7 +514,10 @@ class ObjectStore:
                 counted[digest] = counted_generations(fs.ls(f"{root}/{POOL}/claims-{digest}", detail=False))
             except FileNotFoundError:
                 counted[digest] = {}
-        return counted[digest].get(batch) == generation
+        sealed = counted[digest].get(batch)
+        if sealed is None or sealed < generation:  # no evidence either way (claims removed): not counted, kept
+            return None
+        return sealed == generation  # False: a later slot exists, positive evidence it was taken over
 
     def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
         fs, root = self.fs

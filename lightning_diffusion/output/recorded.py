@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 # own index first (``files_class`` subclasses may change the rest). A manifest line naming anything
 # else (``run.json``, ``../x``, another output's file) is not this output.
 _OUTPUT_FILE = re.compile(r"(?:\d{5,}/)?(\d{6,})-[^/]*")
-_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?\.(?:tar|parquet)")  # a pool's in a bucket: its worker
+# a pool's in a bucket: its worker too; ``.N``: a resume's shard whose first image's name was taken
+_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?(?:\.\d+)?\.(?:tar|parquet)")
 _SHARD_MEMBER = re.compile(r"(\d{9,})\.[^/]+")
 
 # A manifest line as the writer writes it (keys in this order); other lines are read as JSON.
@@ -46,13 +47,14 @@ _SHARD_BYTES = re.compile(rb'"shard_bytes": (\d+)')
 _BLOCK_KEYS = {key: re.compile(pattern) for key, pattern in (
     ("index", rb'\{"index": (\d+), '), ("file", rb'"file": "([^"\\\n]*)"'), ("member", rb'"member": "([^"\\\n]*)"'),
     ("bytes", rb'"bytes": (\d+)'), ("shard_bytes", rb'"shard_bytes": (\d+)'),
-    ("sha256", rb'"sha256": "([0-9a-f]{64})"'), ("written", rb'"written": ([0-9.]+)'))}
+    ("sha256", rb'"bytes": \d+, "sha256": "([0-9a-f]{64})"'), ("written", rb'"written": ([0-9.]+)'))}
 _SHA = _BLOCK_KEYS["sha256"]
 _AT = _BLOCK_KEYS["written"]
 # An output whose file changed after its line was written (its modification time later than the
-# line's ``written``, by more than this many seconds of clock difference between nodes) is read and
+# line's ``written``, by more than this many seconds of clock difference between nodes and a file
+# server) is read and
 # its SHA-256 compared with the line's: a same-size foreign or corrupt file does not count.
-CHANGED_AFTER_S = 2.0
+CHANGED_AFTER_S = 30.0
 _BLOCK = 8 << 20  # bytes read at once
 NOT_THE_BYTES = "changed after it was recorded (not the bytes recorded)"
 IN_THE_WAY = "is a folder where the output goes"  # a resume cannot write it: refused (``Finished.in_the_way``)

@@ -200,12 +200,12 @@ def _interleave(where: str, kind: str, step: str, tmp_path: Path, lapse: float =
             finish_a()
         elif a_thread.is_alive() or step != "recorded":
             a_thread.join(60)
+        a.pool.leave(ended=True)  # its job ends once its writing has (a bucket's B waits for that on a seal)
         b_thread.join(60)
         assert not b_thread.is_alive() and not a_thread.is_alive()
     finally:
         fence.PAUSE = None
         release.set()
-    a.pool.leave(ended=True)
     for worker in (a, b):
         worker.store.merge(np.zeros(0, dtype=np.int64))
     return a, b
@@ -363,6 +363,8 @@ def test_a_run_frozen_past_its_lock_publishes_nothing_once_a_resume_took_the_loc
     with pytest.raises(fence.LockLost, match="took this run's lock over"):
         zombie_files.write_batch(_items(range(4, 6)))
         zombie_files.finish()
+    zombie.release()  # as its run ends on the error: the lock it gives back is no longer its own
+    assert resume._lock is not None and resume._lock.ours(), "the frozen run removed the resume's lock"
     for start in range(0, IMAGES, BATCH):
         files.write_batch(_items([i for i in range(start, start + BATCH) if i not in made_before]))
     files.finish()
@@ -395,3 +397,19 @@ def test_a_lock_takeover_waits_for_a_publication_in_progress_and_counts_it(tmp_p
         fence.PAUSE = None
         release.set()
     assert resumed["done"].tolist() == [0, 1]  # the publication it waited for is counted: not made again
+
+
+@pytest.mark.parametrize("kind", ["webdataset", "parquet"])
+def test_a_pools_batch_is_never_split_over_two_shards(tmp_path, kind):
+    """Shards of 3 samples, batches of 2: a pool's shard closes after a whole batch (4 samples), so a
+    batch is sealed and published whole or not at all (a takeover of it then makes all of it)."""
+    out = tmp_path / "out"
+    clock = Clock()
+    _prepare(str(out), tmp_path)
+    worker = Worker(str(out), "aaaa0000", kind, clock, tmp_path)
+    for batch in (0, 1):
+        assert worker.pool.claim(batch)
+        worker.write((batch, 0, ()))
+    worker.files.finish()
+    lines = [json.loads(line) for line in next(out.glob("manifest.pool-*.part-0.jsonl")).read_text().splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2, 3] and len({line["file"] for line in lines}) == 1
