@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_diffusion.output.manifest import MANIFEST
+from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, count_lines
 from lightning_diffusion.output.recorded import finished, merge_manifest, read_output, repair_manifest
 from tests.conftest import REPO, read_manifest_lines, run_cli, run_here, tiny_args
 
@@ -91,7 +91,7 @@ def test_parquet_shards_hold_the_same_bytes_and_datasets_reads_them_as_images(fl
     page = (REPO / "docs" / "writing.md").read_text()
     snippet = next(block for block in page.split("```python\n")[1:] if "load_dataset" in block).split("```")[0]
     scope: dict = {}
-    snippet = snippet.replace('"outputs/run1/', f'"{tmp_path}/').replace(
+    snippet = snippet.replace('"outputs/run2/', f'"{tmp_path}/').replace(
         'split="train")', f'split="train", cache_dir={str(tmp_path / "hf")!r})')
     exec(snippet + "\nread = (image.size, row['prompt'], row['index'])\n", scope)
     assert scope["read"] == ((32, 32), "prompt 0", 0)
@@ -185,7 +185,7 @@ def test_two_replicas_and_a_job_array_write_every_image_once(flat, storage, tmp_
 @pytest.mark.parametrize("fmt, suffix", [("webdataset", "tar"), ("parquet", "parquet")])
 def test_a_kill_in_the_middle_of_a_shard_loses_only_that_shard(tmp_path, fmt, suffix):
     slow = ["--data.prompts", "[" + ", ".join(f"prompt {n}" for n in range(24)) + "]", "--data.batch_size", "2",
-            "--model.height", "64", "--model.width", "64", "--model.num_inference_steps", "8",
+            "--model.height", "64", "--model.width", "64", "--model.num_inference_steps", "16",
             "--writer.format", fmt, "--writer.samples_per_shard", "4"]
     out = tmp_path / "out"
     args = tiny_args(out, *slow)
@@ -194,14 +194,16 @@ def test_a_kill_in_the_middle_of_a_shard_loses_only_that_shard(tmp_path, fmt, su
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
-        if list(out.glob(f"shard-*.{suffix}")) and (fmt == "parquet" or list(out.glob(".shard-*.tmp-*"))):
-            if fmt == "parquet":  # its next shard's rows are in memory (it has no file until it closes):
-                time.sleep(0.3)   # past the first shard's lines, before the second shard closes
+        # a tar shard is open under its temporary name; a Parquet shard's rows are in memory (it has
+        # no file until it closes): killed once the first shard's lines are in, mid the second shard
+        if list(out.glob(f"shard-*.{suffix}")) and (list(out.glob(".shard-*.tmp-*")) if fmt == "webdataset"
+                                                    else sum(count_lines(p) for p in out.glob(PART_GLOB)) >= 4):
             break
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     killed = finished(out)
+    assert proc.returncode == -signal.SIGKILL  # killed mid-run, not ended before the kill
     assert 0 < len(killed) < 24 and len(killed) % 4 == 0, killed.indices  # whole shards only
     assert not killed.problems  # the open shard was never renamed: nothing half-read
     run_here(*args)
