@@ -35,13 +35,12 @@ def build(output: str, html: Optional[str] = None, price: Optional[float] = None
           options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Write the report of ``output``; returns what was done (pages, thumbnails, counts, cost).
     Raises ``ConfigError`` for an output that is not one of lightning-diffusion."""
-    from lightning_diffusion.output.bucket import is_url
     from lightning_diffusion.report import collect, pace, page, plots
     from lightning_diffusion.report.thumbs import FOLDER, make_thumbs
 
     started = time.perf_counter()
     with collect.opened(output, options) as found:
-        first = Path(html) if html else (Path("report.html") if is_url(output) else Path(output) / "report.html")
+        first = Path(html) if html else (Path("report.html") if found.is_bucket else Path(output) / "report.html")
         first = first.resolve()
         if thumbs:
             root = Path(thumbs)

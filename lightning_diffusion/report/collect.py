@@ -20,7 +20,6 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.output.bucket import is_url
 from lightning_diffusion.output.manifest import FAILED, FAILURES_GLOB, MANIFEST, PART_GLOB, REJECTED, RUN_FILE
 from lightning_diffusion.output.recorded import finished
 from lightning_diffusion.output.store import open_store
@@ -197,7 +196,7 @@ def opened(where: str, options: Optional[dict[str, Any]] = None) -> Iterator[Col
     """The records of output ``where`` (a folder or a bucket URL) for the ``with`` block. Raises
     ``ConfigError`` (one line) where it is not an output of lightning-diffusion."""
     store = open_store(where, options=options)
-    if is_url(str(where)):
+    if not store.needs_shared_folder:  # a bucket: its records through the store
         with _bucket(store, where) as collected:
             yield collected
         return
