@@ -164,12 +164,6 @@ class Uploader:
         stem, _, suffix = name.rpartition(".")
         return f"{stem}.{self.tag.removeprefix('.pool-')}-{self.rank}.{suffix}"
 
-    def exists(self, name: str) -> bool:
-        """Whether the bucket holds an object ``name`` beside the manifest (a shard's name taken)."""
-        fs, root = self.fs
-        fs.invalidate_cache(f"{root}/{name}")
-        return bool(fs.exists(f"{root}/{name}"))
-
     def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:
         fs, root = self.fs
         self._put(local.name, lambda: fs.put_file(str(local), f"{root}/{local.name}"))

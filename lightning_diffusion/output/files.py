@@ -504,16 +504,6 @@ class TarShards:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _free(self, name: str, first: int) -> str:
-        """``name``, or, where a shard of that name is there already (published under the fence, in a
-        folder), ``shard-{first}.N.tar``: a shard is never replaced by another."""
-        found, again = name, 0
-        while _taken(self.files, found):
-            again += 1
-            stem, _, suffix = name.rpartition(".")
-            found = f"{stem}.{again}.{suffix}"
-        return found
-
     def _publish(self, tmp: Path, size: int, lines: list[dict[str, Any]], claims: list[Optional[Claim]],
                  held: set[Claim]) -> None:
         """The closed shard renamed (uploaded, for a bucket) and then its lines appended: only the
@@ -527,7 +517,6 @@ class TarShards:
         name = shard_name(lines[0]["index"], self.suffix)
         if self.files.publish is not None and claims[keep[0]] is not None:
             name = self.files.publish.pool_name(name)  # a pool's shards in a bucket: one name a worker
-        name = self._free(name, lines[0]["index"])
         os.replace(tmp, self.files.output_dir / name)
         pause("published")
         stamp = round(time.time(), 3)
@@ -539,14 +528,6 @@ class TarShards:
             finally:
                 local.unlink(missing_ok=True)
         self.files._append(lines)
-
-
-def _taken(files: OutputFiles, name: str) -> bool:
-    """Whether a shard of that name is there already (a resume remaking one member of it, whose
-    others still count): the folder's, or the bucket's."""
-    if (files.output_dir / name).exists():
-        return True
-    return files.publish is not None and files.publish.exists(name)
 
 
 def _without_members(path: Path, keys: set[str], settings: WriterSettings) -> int:

@@ -31,8 +31,7 @@ if TYPE_CHECKING:
 # own index first (``files_class`` subclasses may change the rest). A manifest line naming anything
 # else (``run.json``, ``../x``, another output's file) is not this output.
 _OUTPUT_FILE = re.compile(r"(?:\d{5,}/)?(\d{6,})-[^/]*")
-# a pool's in a bucket: its worker too; ``.N``: a resume's shard whose first image's name was taken
-_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?(?:\.\d+)?\.(?:tar|parquet)")
+_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?\.(?:tar|parquet)")  # a pool's in a bucket: its worker too
 _SHARD_MEMBER = re.compile(r"(\d{9,})\.[^/]+")
 
 # A manifest line as the writer writes it (keys in this order); other lines are read as JSON.

@@ -183,7 +183,7 @@ def test_inputs_that_leave_data_inputs_root_are_refused(tmp_path, cli_here):
 def test_records_whose_images_differ_in_size_are_not_resized_to_a_batch_neighbours(tmp_path):
     """A pipeline outside the registry (SDXL image-to-image, whose output takes its input's size)
     with a 64x64 and a 96x64 input in one batch: each picture is the one its record makes alone
-    (same seed, same batch size), at its own input's size, not resized to its neighbour's."""
+    (same seed), at its own input's size, not resized to its neighbour's."""
     rng = np.random.default_rng(0)
     (tmp_path / "in").mkdir()
     records = []
@@ -204,7 +204,8 @@ def test_records_whose_images_differ_in_size_are_not_resized_to_a_batch_neighbou
                  str(tmp_path / f"alone{i}"))
         alone = load_arrays(tmp_path / f"alone{i}")[0]
         assert together[i].shape == alone.shape == (64, 64 + 32 * i, 3)
-        assert np.array_equal(together[i], alone), f"record {i} depends on its batch neighbour"
+        # a set of one record is computed at its own size (batch 1): docs/config.md's 1e-5 between sizes
+        assert np.abs(together[i] - alone).max() <= 1e-5, f"record {i} depends on its batch neighbour"
 
 
 def test_strength_is_set_per_record_for_a_pipeline_outside_the_registry(tmp_path):

@@ -282,7 +282,20 @@ def test_a_million_rows_cost_a_few_bytes_each(tmp_path):
     once (``RecordSummary.set_of``: 4 bytes a record once two differ); the index is a few numbers a
     row group and a file; the rows stay in the file. (A ``.jsonl`` costs 4 bytes a record: its byte
     offset; holding the rows as dicts would cost a few hundred.) Arrow's memory after the checking
-    pass is what the decoded row groups kept for reading hold: at most ``TableRecords.KEEP`` of them."""
+    pass is what the decoded row groups kept for reading hold: at most ``TableRecords.KEEP`` of them.
+    Measured in a process of its own: Arrow's allocation count is the process's, which other test
+    files of the same worker share."""
+    import subprocess
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                           "from tests.input.test_parquet import _million_rows; _million_rows(Path(sys.argv[1]))",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _million_rows(tmp_path: Path) -> None:
     rows, group = 10 ** 6, 2 ** 16
     numbers = pa.array(np.arange(rows, dtype=np.int64))
     captions = pc.binary_join_element_wise("a photo of thing number ", pc.cast(numbers, pa.string()), "")

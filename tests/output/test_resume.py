@@ -324,39 +324,3 @@ def test_a_tar_shard_whose_bytes_changed_loses_only_the_changed_members(tmp_path
     assert found.indices.tolist() == [0, 1, 2, 4, 5]
     assert any("member 000000003.png" in p and NOT_THE_BYTES in p for p in found.problems), found.problems
 
-
-def test_a_remade_member_never_replaces_the_shard_whose_other_members_count(tmp_path):
-    """Member 0 of a shard changed after it was recorded: made again, its new shard would have the
-    old one's name (both start at image 0): it is published beside it, and the others still count."""
-    import tarfile
-
-    import numpy as np
-
-    from lightning_diffusion.output.files import OutputFiles
-    from lightning_diffusion.output.recorded import finished, merge_manifest
-    from lightning_diffusion.output.settings import WriterSettings
-
-    out = tmp_path / "out"
-    out.mkdir()
-    settings = WriterSettings(format="webdataset", samples_per_shard=6, fsync="off", write_workers=0)
-    items = [{"index": i, "prompt": f"p {i}", "seed": i, "params": {},
-              "image": np.full((8, 8, 3), i / 6, dtype=np.float32)} for i in range(6)]
-    files = OutputFiles(out, settings, out / "manifest.part-0.jsonl", "flat")
-    files.write_batch(items)
-    files.finish()
-    merge_manifest(out)
-    tar = out / "shard-000000000.tar"
-    with tarfile.open(tar) as shard:
-        member = shard.getmember("000000000.png")
-    data = bytearray(tar.read_bytes())
-    data[member.offset_data + member.size // 2] ^= 0xFF
-    tar.write_bytes(bytes(data))
-    _later(tar, read_manifest_lines(out)[0])
-    assert finished(out).indices.tolist() == [1, 2, 3, 4, 5]
-    again = OutputFiles(out, settings, out / "manifest.part-0.jsonl", "flat")
-    again.write_batch(items[:1])  # the resume makes image 0 again
-    again.finish()
-    merge_manifest(out)
-    assert tar.read_bytes() == bytes(data)  # not replaced
-    assert (out / "shard-000000000.1.tar").is_file()
-    assert finished(out).indices.tolist() == list(range(6))
