@@ -12,32 +12,17 @@ import sys
 import time
 from typing import NoReturn, Optional
 
-from lightning_diffusion import console
 from lightning_diffusion.commands import COMMANDS
+from lightning_diffusion.core import console
 
 # The commands that read a predict config (their words carry its keys and --config files).
 CONFIG_COMMANDS = ("predict", "verify", "benchmark", "slurm", "k8s", "download")
 # Of those, the ones whose prompt set is read on this machine (k8s's is the pods').
 LOCAL_DATA_COMMANDS = ("predict", "verify", "benchmark", "slurm")
-from lightning_diffusion.run import interrupt
+from lightning_diffusion.core import interrupt, system
+from lightning_diffusion.core.system import process_started_at
 
-# When the command began (``main``'s call; the process's own start where the console script runs
-# it): a run's summary says its start-up beside its wall time (``commands.predict``).
-started_at = time.time()
 _process_start: Optional[float] = None  # set by ``run`` for the ``main`` it calls
-
-
-def process_started_at() -> Optional[float]:
-    """When this process started (Linux: ``/proc``), its interpreter's start-up and first imports
-    included; None where the system does not say."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
 
 
 def usage() -> str:
@@ -77,8 +62,9 @@ def expand_prompts(words: list[str]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    global started_at, _process_start
-    started_at, _process_start = _process_start or time.time(), None
+    global _process_start
+    system.set_command_start(_process_start or time.time())
+    _process_start = None
     words = expand_prompts(list(sys.argv[1:] if argv is None else argv))
     if argv is None:  # the ranks Lightning starts re-run sys.argv: the expanded words, as checked here
         sys.argv[1:] = words
@@ -147,7 +133,7 @@ def run() -> None:
         sys.stdout = open(os.devnull, "w")  # nothing more to flush into the closed pipe
         code = 128 + 13  # as a process killed by SIGPIPE (what git and coreutils exit with)
     except BaseException as err:  # a failure ends the same way: its traceback, then exit 1 (130: Ctrl-C)
-        from lightning_diffusion.errors import PeerLost, RecordFailure, WritingFailed
+        from lightning_diffusion.core.errors import PeerLost, RecordFailure, WritingFailed
 
         if isinstance(err, (RecordFailure, WritingFailed, PeerLost)):  # the message says it all, no traceback
             details = getattr(err, "details", "")

@@ -34,7 +34,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+
+from lightning_diffusion.pipelines.settings import ComponentLoader as ComponentLoader
+from lightning_diffusion.pipelines.settings import LoadPlan as LoadPlan
 
 if TYPE_CHECKING:
     import torch
@@ -77,25 +80,6 @@ class ModelRequest:
         from lightning_diffusion.input.records import summarize_records
 
         return [{**self.call_args, **overrides} for _, overrides in summarize_records(self.records).override_sets()]
-
-
-# Called as ``load(info, dtype)``, plus ``quantization_config=`` (the backend config for the
-# component's ``from_pretrained``) for a component ``model.quantization`` names; a strategy whose
-# loader cannot quantize refuses that in ``check_request``.
-ComponentLoader = Callable[..., "nn.Module"]
-
-
-@dataclass
-class LoadPlan:
-    """How the module loads its pipeline: ``components`` are built by the strategy (called with the
-    pipeline info and dtype) and passed to ``from_pretrained`` by name; ``pipeline_kwargs`` are
-    extra ``from_pretrained`` arguments (a pipeline-level ``device_map``). ``fuse_adapters``: how to
-    fuse the LoRA adapters into the loaded pipeline, ``(pipeline, adapters)``, where diffusers' own
-    fuse cannot (tensor-parallel shards); ``None``: ``lora.fuse``."""
-
-    components: dict[str, ComponentLoader] = field(default_factory=dict)
-    pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
-    fuse_adapters: Optional[Callable[[DiffusionPipeline, Sequence[Adapter]], None]] = None
 
 
 @runtime_checkable

@@ -11,22 +11,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import raise_problems
+from lightning_diffusion.core.records import INPUT_FIELDS, CallArgs, ImageResult, Record, Sample
 from lightning_diffusion.input.batching import call_key
 from lightning_diffusion.input.costs import set_facts
 from lightning_diffusion.input.data import PromptDataModule
-from lightning_diffusion.input.images import INPUT_FIELDS
 from lightning_diffusion.input.records import Records
 from lightning_diffusion.input.verdicts import JobRanks, RecordChecks
 from lightning_diffusion.output.settings import image_settings, recorded_options
 from lightning_diffusion.pipelines.cache import CacheStats, StepCache
+from lightning_diffusion.pipelines.checks import model_problems
+from lightning_diffusion.pipelines.failures import CallRunner
 from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.pipelines.settings import ModelSettings
-from lightning_diffusion.run.failures import CallRunner
-from lightning_diffusion.run.model_checks import model_problems
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -183,7 +183,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
 
     # ----------------------------------------------------------------- the contract with strategies
 
-    def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
+    def request(self, records: Optional[Sequence[Record]] = None) -> ModelRequest:
         """What a strategy may know before the weights load (see ``contract``): the records that
         ``data.on_bad_record: skip`` leaves out are not in their summary."""
         data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -297,18 +297,18 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             if self.group_work is not None and self.global_rank == 0:
                 log.info(self.group_work.summary())
 
-    def negative_prompt(self, sample: dict[str, Any]) -> Optional[str]:
+    def negative_prompt(self, sample: Sample) -> Optional[str]:
         """The record's own negative prompt, else ``call_kwargs.negative_prompt`` (the default)."""
         own = sample.get("negative_prompt")
         return own if own is not None else self.call_args.get("negative_prompt")
 
-    def call_arguments(self, sample: dict[str, Any]) -> dict[str, Any]:
+    def call_arguments(self, sample: Sample) -> CallArgs:
         return {**self.call_args, **sample["overrides"]}
 
-    def predict_step(self, batch: list[dict[str, Any]], batch_idx: int = 0, dataloader_idx: int = 0) -> list[dict]:
+    def predict_step(self, batch: list[Sample], batch_idx: int = 0, dataloader_idx: int = 0) -> list[ImageResult]:
         # Samples with different per-record overrides cannot share one pipeline call (with buckets,
         # the data module's batches hold one kind each: see ``batching``).
-        groups: dict[str, list[dict[str, Any]]] = {}
+        groups: dict[str, list[Sample]] = {}
         spec = self.info.spec
         for sample in batch:
             sizes = None
@@ -326,24 +326,26 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         for samples in calls:
             outcomes = self.runner.run_call(samples, self.generate, self.batch_size, self.global_rank)
             for sample, (image, params, error) in zip(samples, outcomes):
-                result = {
+                result: ImageResult = {
                     "index": sample["index"],
                     "prompt": sample["prompt"],
                     "seed": sample["seed"],
                     "negative_prompt": self.negative_prompt(sample),
-                    **({"columns": sample["columns"]} if "columns" in sample else {}),  # data.keep_columns
                 }
+                if "columns" in sample:  # data.keep_columns
+                    result["columns"] = sample["columns"]
                 if error is None:
-                    result.update(image=image, params=params)
+                    assert image is not None and params is not None  # a call that did not fail made both
+                    result["image"], result["params"] = image, params
                 else:  # on_error: skip; the writer lists it in failed.jsonl
-                    result.update(error=error, record=sample.get("source"))
+                    result["error"], result["record"] = error, sample.get("source")
                     self.failures += 1
                 results[sample["index"]] = result
         self.stats["busy_s"] += time.perf_counter() - start
         return [results[sample["index"]] for sample in batch]
 
-    def generate(self, samples: list[dict[str, Any]], agree: bool = False
-                 ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+    def generate(self, samples: list[Sample], agree: bool = False
+                 ) -> tuple[list[np.ndarray], list[CallArgs]]:
         """One pipeline call for samples that share their arguments; noise from one CPU generator each.
         With ``pad_batches`` the call is padded to the batch size and the padding's outputs dropped.
         ``agree``: the replica's ranks agree on its preparation and on the call (``CallRunner.step``)."""
@@ -370,7 +372,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         return list(images)[:real], [{**params, **size, **({"inputs": files} if files else {})}
                                      for size, files in zip(sizes, given)][:real]
 
-    def prepare_call(self, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict]]:
+    def prepare_call(self, samples: list[Sample]) -> tuple[list[Sample], CallArgs, list[dict]]:
         """The samples of one call (padded to the batch size with copies of the last, marked
         ``padding``), its keyword arguments (input images read) and what each sample's metadata
         records of its inputs."""

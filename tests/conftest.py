@@ -110,7 +110,7 @@ def run_here(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
     import yaml
 
-    from lightning_diffusion.console import log
+    from lightning_diffusion.core.console import log
 
     words = list(args)
     config = yaml.safe_load((REPO / words[words.index("--config") + 1]).read_text()) if "--config" in words else {}
@@ -170,7 +170,7 @@ def tiny_args(output_dir: Path, *extra: str, config: str = "configs/tiny-flux.ya
 
 def check_model(strategy, module, records=None) -> None:
     """Run a strategy's weight-free rules on a module's request, raising as every rank would."""
-    from lightning_diffusion.errors import raise_problems
+    from lightning_diffusion.core.errors import raise_problems
 
     raise_problems(strategy.check_devices() + strategy.check_request(module.request(records)))
 

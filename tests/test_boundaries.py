@@ -10,9 +10,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
-from lightning_diffusion.boundaries import ImageSource, PromptSource, RecordSource, RunPlan, run_strategy
 from lightning_diffusion.contract import DiffusionModel, DiffusionStrategy
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.output.boundaries import ImageSource, PromptSource, RecordSource, RunPlan, run_strategy
 from lightning_diffusion.output.shard import Shard
 from lightning_diffusion.strategies import ContextParallelStrategy, DataParallelStrategy, DeviceMapStrategy
 
@@ -68,8 +68,8 @@ def test_a_data_module_without_a_run_plan_is_refused_at_the_start_naming_what_it
 
     with pytest.raises(ConfigError, match=r"the writer needs a data module \(datamodule=\) that provides plan, "
                                           r"run_plan, skip_indices, rejected_images, rejected_lines \(PromptSource in "
-                                          r"lightning_diffusion.boundaries\); got CaptionsOnly, which lacks plan, "
-                                          r"run_plan, skip_indices, rejected_images, rejected_lines\."):
+                                          r"lightning_diffusion.output.boundaries\); got CaptionsOnly, which lacks "
+                                          r"plan, run_plan, skip_indices, rejected_images, rejected_lines\."):
         trainer().predict(DiffusionModule("tiny:flux", height=32, width=32, num_inference_steps=1),
                         datamodule=CaptionsOnly(), return_predictions=False)
     assert not (tmp_path / "out").exists(), "nothing may be written before the parts are checked"

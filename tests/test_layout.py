@@ -22,11 +22,80 @@ def test_the_top_of_the_package_holds_at_most_ten_modules():
     assert len(top) <= 10, top
 
 
+# The layers, from the ground up: a package imports its own layer's modules and those below, never
+# one above (docs/internals.md draws them). ``core`` imports no other part of the package.
+LAYERS = ["core", "pipelines", "output", "input", "contract", "report", "strategies", "module", "run", "commands",
+          "cli", "__init__", "__main__"]
+
+
+def _part(module: str) -> str:
+    """The layer a module of the package belongs to: its sub-package, or its own name at the top."""
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module of the package that ``path`` imports, wherever the import stands (at the top,
+    in a function, under ``TYPE_CHECKING``): a type named in an annotation ties the layers too."""
+    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = package.removesuffix(".__init__")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            # ``from lightning_diffusion import console`` imports the module ``lightning_diffusion.console``
+            found += [(node.lineno, f"{base}.{alias.name}" if base == PACKAGE.name else base) for alias in node.names]
+    return [(line, module) for line, module in found if module.split(".")[0] == PACKAGE.name]
+
+
+def test_packages_import_only_their_own_layer_and_those_below():
+    back_up, unknown = [], set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _part(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        for line, module in _imports(path):
+            target = _part(module)
+            unknown |= {part for part in (source, target) if part not in LAYERS}
+            if source in LAYERS and target in LAYERS and LAYERS.index(target) > LAYERS.index(source):
+                back_up.append(f"{path.relative_to(PACKAGE)}:{line} ({source}) imports {module} ({target})")
+    assert not unknown, f"parts in no layer: {sorted(unknown)} (add them to LAYERS and docs/internals.md)"
+    assert not back_up, back_up
+
+
+def test_the_layering_check_sees_an_import_that_runs_back_up(tmp_path, monkeypatch):
+    """The check above reads lazy and type-only imports: a file of ``core`` that imports the writer
+    inside a function is caught."""
+    bad = tmp_path / PACKAGE.name / "core" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..output import writer\n"
+                   "def f():\n    from lightning_diffusion import module\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / PACKAGE.name)
+    assert [(line, module) for line, module in _imports(bad)] == [
+        (3, "lightning_diffusion.output"), (5, "lightning_diffusion.module")]
+    assert [_part(m) for _, m in _imports(bad)] == ["output", "module"]
+
+
 @pytest.mark.parametrize("old", sorted(lightning_diffusion.MOVED))
-def test_a_modules_old_flat_name_imports_the_module_it_moved_to(old):
-    moved = importlib.import_module(f"lightning_diffusion.{lightning_diffusion.MOVED[old]}")
-    assert importlib.import_module(f"lightning_diffusion.{old}") is moved
-    assert moved.__spec__.name == moved.__name__  # the alias did not take the module's own spec
+def test_a_modules_old_name_imports_where_it_moved_with_a_deprecation_warning(old):
+    homes = [importlib.import_module(f"lightning_diffusion.{home}") for home in lightning_diffusion.MOVED[old]]
+    sys.modules.pop(f"lightning_diffusion.{old}", None)  # imported afresh: the warning comes once an import
+    with pytest.warns(DeprecationWarning, match=f"lightning_diffusion.{old} is now {homes[0].__name__}"):
+        alias = importlib.import_module(f"lightning_diffusion.{old}")
+    if len(homes) == 1:
+        assert alias is homes[0]
+        assert homes[0].__spec__.name == homes[0].__name__  # the alias did not take the module's own spec
+        return
+    for home in reversed(homes):  # a split module: each name from the first home that has it
+        for name in [n for n in vars(home) if not n.startswith("_")]:
+            first = next(h for h in homes if hasattr(h, name))
+            assert getattr(alias, name) is getattr(first, name), name
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        alias.no_such_name
 
 
 @pytest.mark.slow

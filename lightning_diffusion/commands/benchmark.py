@@ -33,13 +33,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_diffusion.boundaries import ImageSource, PromptSource
 from lightning_diffusion.commands import add_json_option, help_text, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.input.data import PromptDataset
 from lightning_diffusion.input.formats import read_data
 from lightning_diffusion.input.images import record_inputs
 from lightning_diffusion.module import DiffusionModule
+from lightning_diffusion.output.boundaries import ImageSource, PromptSource
 from lightning_diffusion.output.writer import ImageWriter, gather_idle
 from lightning_diffusion.pipelines import bare
 from lightning_diffusion.pipelines.model_folder import inspect_pipeline

@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.commands import help_text
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.pipelines import hub
 from lightning_diffusion.run.config import read_config, report_config_error
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_diffusion.commands import add_json_option, help_text, json_argv
 from lightning_diffusion.commands import report as emit
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB
 from lightning_diffusion.output.recorded import read_output, scan_manifest
 

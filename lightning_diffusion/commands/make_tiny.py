@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("kind", choices=sorted(specs.tiny_names()))
     parser.add_argument("directory")
     args = parser.parse_args(argv)
-    from lightning_diffusion.console import no_progress_bars
+    from lightning_diffusion.core.console import no_progress_bars
 
     with no_progress_bars():
         path = specs.tiny_builders()[args.kind](args.directory)

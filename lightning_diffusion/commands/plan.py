@@ -30,7 +30,7 @@ from typing import Any, Optional
 import yaml
 
 from lightning_diffusion.commands import help_text
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.pipelines.specs import PipelineSpec, all_published, cfg_supported, published
 
 # Beyond this many tokens per image one GPU spends most of its time in attention and its

@@ -11,10 +11,10 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
-from lightning_diffusion.errors import ConfigError, NodeConfigError
-from lightning_diffusion.run import preemption
+from lightning_diffusion.core import preemption
+from lightning_diffusion.core.context import RunContext, first_process, first_process_of_node
+from lightning_diffusion.core.errors import ConfigError, NodeConfigError
 from lightning_diffusion.run.config import DiffusionCLI, config_error
-from lightning_diffusion.run.context import RunContext, first_process, first_process_of_node
 
 SILENT_EXIT_DELAY = 2.0  # seconds a process that does not print a refusal waits before it exits
 
@@ -189,8 +189,8 @@ def print_help(argv: list[str]) -> int:
 def say_start_up(cli: DiffusionCLI) -> None:
     """After the run's summary (``made ...; wall W s``, which counts from the writer's setup), the
     time before it: Python, the imports, the config and its checks, from the command's start."""
-    from lightning_diffusion import cli as command
-    from lightning_diffusion.console import log
+    from lightning_diffusion.core.console import log
+    from lightning_diffusion.core.system import command_start
     from lightning_diffusion.output.writer import ImageWriter
 
     trainer = getattr(cli, "trainer", None)
@@ -198,7 +198,7 @@ def say_start_up(cli: DiffusionCLI) -> None:
     summary = getattr(writer, "summary", None)
     if trainer is None or writer is None or not summary or not trainer.is_global_zero:
         return
-    start_up = max(0.0, writer.started_at - command.started_at)
+    start_up = max(0.0, writer.started_at - command_start())
     log.info(f"start-up {start_up:.1f} s (Python, imports, the config and its checks), wall {summary['wall_s']:.1f} s "
              f"(loading and the run): {start_up + summary['wall_s']:.1f} s from the command to its end")
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from lightning_diffusion.commands import add_json_option, help_text, json_argv
 from lightning_diffusion.commands import report as emit
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 
 PAGE_SIZE = 300
 

@@ -37,7 +37,7 @@ from lightning_diffusion.commands.slurm_jobs import (
     wait_for_array,
     wait_for_pool,
 )
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.core.errors import ConfigError, raise_problems
 from lightning_diffusion.run.config import check_config, read_config, report_config_error
 from lightning_diffusion.run.preflight import build_strategy
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 
 # Job states after which a job runs no more (scontrol's names).
 FINAL_STATES = {

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_diffusion.commands import add_json_option, help_text, json_argv, report
-from lightning_diffusion.console import counted
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.console import counted
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.output.manifest import FAILED, REJECTED
 from lightning_diffusion.output.status import RATE_WINDOW_S
 from lightning_diffusion.output.status import shard_count as recorded_shard_count

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
-from lightning_diffusion.console import counted
+from lightning_diffusion.core.console import counted
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike

@@ -24,22 +24,22 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_diffusion.boundaries import RunPlan, run_strategy
-from lightning_diffusion.console import log
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import ConfigError, raise_problems
+from lightning_diffusion.core.records import Record, Sample
 from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.images import record_inputs
 from lightning_diffusion.input.pull import PullSampler, claim_of
 from lightning_diffusion.input.records import Records, RecordVerdicts, call_overrides, summarize_records  # noqa: F401
-from lightning_diffusion.input.settings import DataSettings
+from lightning_diffusion.input.settings import DataSettings, data_problems
+from lightning_diffusion.output.boundaries import RunPlan, run_strategy
 from lightning_diffusion.output.fence import Claim
 from lightning_diffusion.output.pool import Pool, PoolFiles, plan_conflict, plan_digest
 from lightning_diffusion.output.shard import Shard, deal_shards, select, shard_members
-from lightning_diffusion.run.validation import data_problems
 
 
-def image_seed(record: dict[str, Any], index: int, copy: int, global_seed: int) -> int:
+def image_seed(record: Record, index: int, copy: int, global_seed: int) -> int:
     """The documented seed of image ``index`` (copy ``copy`` of ``record``)."""
     if record.get("seed") is not None:
         return int(record["seed"]) + copy
@@ -56,7 +56,7 @@ class PromptDataset(Dataset):
 
     def __init__(
         self,
-        records: Sequence[dict[str, Any]],
+        records: Sequence[Record],
         seed: int = 0,
         num_images_per_prompt: int = 1,
         indices: Optional[Union[Sequence[int], np.ndarray]] = None,
@@ -70,14 +70,14 @@ class PromptDataset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, position: int) -> dict[str, Any]:
+    def __getitem__(self, position: int) -> Sample:
         index = int(self.indices[position])
         if isinstance(self.records, Records):
             record, kept = self.records.read(index // self.num_images_per_prompt)
         else:
             record, kept = self.records[index // self.num_images_per_prompt], None
         copy = index % self.num_images_per_prompt
-        return {
+        sample: Sample = {
             "index": index,
             "prompt": record["prompt"],
             "seed": image_seed(record, index, copy, self.seed),
@@ -85,9 +85,12 @@ class PromptDataset(Dataset):
             "overrides": call_overrides(record),
             "source": self.records.source(index // self.num_images_per_prompt)
             if isinstance(self.records, Records) else f"prompt record {index // self.num_images_per_prompt + 1}",
-            **({"inputs": inputs} if (inputs := record_inputs(record)) else {}),
-            **({"columns": kept} if kept is not None else {}),
         }
+        if inputs := record_inputs(record):
+            sample["inputs"] = inputs
+        if kept is not None:
+            sample["columns"] = kept
+        return sample
 
 
 class BatchDataset(Dataset):
@@ -100,7 +103,7 @@ class BatchDataset(Dataset):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, batch: Any) -> list[dict[str, Any]]:
+    def __getitem__(self, batch: Any) -> list[Sample]:
         if isinstance(batch, tuple):  # a pool's claim (``pull.PullSampler``): the batch's images left to make
             batch, _, recorded = batch
             images = self.plan.batch(batch)
@@ -135,7 +138,7 @@ class PlanSampler(DistributedSampler):
         return self.num_samples
 
 
-def collate_batch(items: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def collate_batch(items: list[list[Sample]]) -> list[Sample]:
     """The loader's batches of one item: the plan's batch itself."""
     return items[0]
 

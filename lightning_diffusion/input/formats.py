@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional, Union
 
+from lightning_diffusion.core.records import KeptColumns, Record
 from lightning_diffusion.input.records import (
     _CONSTANTS,
     _DECODER,
@@ -32,9 +33,8 @@ from lightning_diffusion.input.records import (
     _shown,
     check_record,
 )
-from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
+from lightning_diffusion.input.settings import MAX_PROMPT_CHARS, column_problems
 from lightning_diffusion.input.tables import TableRecords
-from lightning_diffusion.run.validation import column_problems
 
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors put first in a file
 
@@ -151,7 +151,7 @@ class LineRecords(Records):
             return [self[i] for i in range(*position.indices(len(self)))]
         return self.read(position)[0]
 
-    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    def read(self, position: int) -> tuple[Record, Optional[KeptColumns]]:
         if self._file is None or self._pid != os.getpid():  # one handle per process (DataLoader workers)
             self._file, self._pid = self.path.open("rb"), os.getpid()
         self._file.seek(self.offsets[position])

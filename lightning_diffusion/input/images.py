@@ -3,15 +3,13 @@ that needs them, and named with their SHA-256 in each output's metadata."""
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-# Input files a record may carry (a path, or a list of paths for pipelines that take several);
-# relative paths resolve against the prompt file's folder.
-INPUT_FIELDS = ("image", "mask_image", "last_image", "control_image")
+from lightning_diffusion.core.records import INPUT_FIELDS, Record, Sample
+from lightning_diffusion.core.system import file_stat, sha256
 
 
 def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -47,7 +45,7 @@ def _image_size(path: str, max_pixels: Optional[int] = None) -> tuple[int, int]:
     return size
 
 
-def file_problems(records: Sequence[dict[str, Any]], positions: Iterable[int], root: Optional[str] = None,
+def file_problems(records: Sequence[Record], positions: Iterable[int], root: Optional[str] = None,
                   max_pixels: Optional[int] = None) -> dict[int, list[str]]:
     """The records at ``positions`` whose input files are missing, unreadable, not images, over
     ``max_pixels``, or masks of another size than their image, and (with ``root``,
@@ -102,43 +100,7 @@ def input_sizes(inputs: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
     return {name: [upright_size(path) for path in _paths(value)] for name, value in sorted(inputs.items())}
 
 
-def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _stat(path: str) -> dict[str, int]:
-    stat = Path(path).stat()
-    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def changed_since(lines: dict[int, dict[str, Any]], most: int = 5) -> list[str]:
-    """Finished outputs (manifest lines by index) whose input files are gone or no longer have the
-    SHA-256 they were made from: resuming would keep pictures of other inputs. A file whose size
-    and modification time are those recorded is not read again (a resume of a large data set
-    stays a stat a file)."""
-    digests: dict[str, Optional[str]] = {}
-    changed = []
-    for index, line in sorted(lines.items()):
-        for name, files in (line.get("inputs") or {}).items():
-            for entry in files if isinstance(files, list) else [files]:
-                path = entry.get("file")
-                if path not in digests:
-                    exists = bool(path) and Path(path).is_file()
-                    same = exists and {k: entry.get(k) for k in ("bytes", "mtime_ns")} == _stat(path)
-                    digests[path] = entry.get("sha256") if same else sha256(path) if exists else None
-                if digests[path] != entry.get("sha256"):
-                    what = "is gone" if digests[path] is None else "changed"
-                    changed.append(f"output {index} ({line.get('file')}): its {name} {path} {what} since it was made")
-        if len(changed) >= most:
-            break
-    return changed[:most]
-
-
-def load(samples: Sequence[dict[str, Any]]) -> tuple[dict[str, list], list[dict[str, Any]]]:
+def load(samples: Sequence[Sample]) -> tuple[dict[str, list], list[dict[str, Any]]]:
     """The call arguments of a batch's input files (``image=[...]``, one entry a sample) and, per
     sample, what its metadata records of them (file name and SHA-256)."""
     from PIL import Image, ImageOps
@@ -161,7 +123,7 @@ def load(samples: Sequence[dict[str, Any]]) -> tuple[dict[str, list], list[dict[
             for p in _paths(value):
                 if p not in digests:
                     digests[p] = sha256(p)
-            files = [{"file": p, "sha256": digests[p], **_stat(p)} for p in _paths(value)]
+            files = [{"file": p, "sha256": digests[p], **file_stat(p)} for p in _paths(value)]
             record[name] = files if isinstance(value, list) else files[0]
         recorded.append(record)
     return kwargs, recorded

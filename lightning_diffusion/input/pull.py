@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 import numpy as np
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_diffusion.console import log
+from lightning_diffusion.core.console import log
 from lightning_diffusion.output.fence import Claim
 from lightning_diffusion.output.pool import SEALED, Pool, claim_order
 

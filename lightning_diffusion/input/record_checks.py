@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from lightning_diffusion.core.checks import MAX_PIXELS, SEED_MAX
 from lightning_diffusion.input.images import file_problems
 from lightning_diffusion.input.records import CallArgSet, RecordVerdicts, as_records
-from lightning_diffusion.run import validation
-from lightning_diffusion.run.validation import SEED_MAX
+from lightning_diffusion.pipelines.checks import call_arg_problems
 
 if TYPE_CHECKING:
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
@@ -21,13 +21,13 @@ def check_records(info: PipelineInfo, records: Sequence[object], call_args: Opti
                   inputs_root: Optional[str] = None, max_pixels: Optional[int] = None,
                   num_images_per_prompt: int = 1) -> RecordVerdicts:
     """Every record against the pipeline ``info`` describes: the lines rejected while reading, each
-    distinct set of call arguments (``validation.call_arg_problems``, with the config's
+    distinct set of call arguments (``pipelines.checks.call_arg_problems``, with the config's
     ``call_args`` under it), input fields the pipeline needs or cannot take, a negative prompt it
     cannot take, seeds that leave the generator's range, and input files (``inputs.file_problems``).
     Rejected sets leave the summary the strategies read. The outcome is kept on ``records`` (the
     launching process checks, then runs as rank 0 with the same records)."""
     records = as_records(records)
-    max_pixels = max_pixels or validation.MAX_PIXELS
+    max_pixels = max_pixels or MAX_PIXELS
     key = json.dumps([info.path, info.class_name, call_args, inputs_root, max_pixels, num_images_per_prompt],
                      sort_keys=True, default=repr)
     if records.verdicts is not None and records._verdicts_key == key:
@@ -35,7 +35,7 @@ def check_records(info: PipelineInfo, records: Sequence[object], call_args: Opti
     summary = records.summary
     reasons: dict[int, str] = {}
     for set_id, entry in enumerate(summary.sets):
-        found = validation.call_arg_problems(info, entry.overrides, base=call_args, max_pixels=max_pixels, record=True)
+        found = call_arg_problems(info, entry.overrides, base=call_args, max_pixels=max_pixels, record=True)
         found += _field_problems(info, entry)
         if found:
             reasons[set_id] = " ".join(found)

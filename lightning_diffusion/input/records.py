@@ -3,7 +3,7 @@
 A record is a prompt and, optionally, its own ``seed``, ``negative_prompt``, input files
 (``image``, ``mask_image``, ``last_image``) and the call arguments its pipeline lets a record set
 (``PipelineSpec.record_args``: sizes, steps, guidance...), each typed and bounded by
-``validation.CALL_ARGS``. Anything else is refused, naming the keys a record may set.
+``pipelines.checks.CALL_ARGS``. Anything else is refused, naming the keys a record may set.
 
 Records are checked in two passes, both before any weight loads:
 
@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from lightning_diffusion.errors import ConfigError, is_int
-from lightning_diffusion.input.images import INPUT_FIELDS
+from lightning_diffusion.core.checks import SEED_MAX, non_finite
+from lightning_diffusion.core.errors import ConfigError, is_int
+from lightning_diffusion.core.records import INPUT_FIELDS, CallArgs, KeptColumns, Record
 from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
-from lightning_diffusion.run.validation import CALL_ARGS, SEED_MAX, non_finite
+from lightning_diffusion.pipelines.checks import CALL_ARGS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -109,7 +110,7 @@ class Columns:
         names = [self.column(name) for name in COLUMN_FIELDS]
         return list(dict.fromkeys(c for c in [*names, *self.keep] if c is not None and c in available))
 
-    def shape(self, item: object) -> tuple[object, Optional[dict[str, Any]]]:
+    def shape(self, item: object) -> tuple[object, Optional[KeptColumns]]:
         """A source's item as a record's fields, and its kept columns (None when none is asked)."""
         if not self or not isinstance(item, dict):
             return item, None
@@ -132,7 +133,7 @@ class CallArgSet:
 
     KEEP = 5  # record numbers kept for messages
 
-    def __init__(self, first: int, overrides: dict[str, Any], record: Mapping[str, Any]) -> None:
+    def __init__(self, first: int, overrides: CallArgs, record: Mapping[str, Any]) -> None:
         self.first = first          # the first record (from 1) that has it
         self.overrides = overrides
         self.count = 0
@@ -213,12 +214,12 @@ class RecordSummary:
             self._set_of.append(set_id)
         self._count += 1
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: Record) -> None:
         # Records share a set when they set the same arguments and have the same fields, so that a
         # check of the set (an input the pipeline needs, a negative prompt it cannot take) is
         # every one of its records' verdict. (Set operations on the keys first: most records of a
         # large set have only a prompt and a seed.)
-        overrides: dict[str, Any] = {}
+        overrides: CallArgs = {}
         if record.keys() <= _PLAIN_FIELDS:
             key: tuple[object, tuple[bool, ...]] = _PLAIN_KEY
         else:
@@ -237,7 +238,7 @@ class RecordSummary:
         """``add`` for a record of a prompt and perhaps a seed, nothing else (checked)."""
         self._add(_PLAIN_KEY, {}, _NO_FIELDS, seed)
 
-    def _add(self, key: tuple[object, tuple[bool, ...]], overrides: dict[str, Any], record: Mapping[str, Any],
+    def _add(self, key: tuple[object, tuple[bool, ...]], overrides: CallArgs, record: Mapping[str, Any],
              seed: Optional[int]) -> None:
         number = self._count + 1
         set_id = self._ids.get(key)
@@ -264,10 +265,10 @@ class RecordSummary:
     def count(self) -> int:
         return sum(s.count for s in self._live())
 
-    def override_sets(self) -> list[tuple[int, dict[str, Any]]]:
+    def override_sets(self) -> list[tuple[int, CallArgs]]:
         """Each distinct set of call-argument overrides (``{}`` included) of the records that run,
         with the number of the first record (from 1) that has it."""
-        first: dict[str, tuple[int, dict[str, Any]]] = {}
+        first: dict[str, tuple[int, CallArgs]] = {}
         for s in self._live():
             key = json.dumps(s.overrides, sort_keys=True, default=repr)
             if key not in first or s.first < first[key][0]:
@@ -320,7 +321,7 @@ class Records(Sequence):
         """``file:line`` of the record at ``position``."""
         return f"{self.where}:{position + 1}"
 
-    def _accept(self, position: int, item: object, constants: bool = True) -> Optional[dict[str, Any]]:
+    def _accept(self, position: int, item: object, constants: bool = True) -> Optional[Record]:
         """Check one parsed item; a bad one is kept as a rejected position (``constants``: it may
         hold a NaN or Infinity)."""
         try:
@@ -351,12 +352,12 @@ class Records(Sequence):
     def base(self) -> Path:
         return Path.cwd()
 
-    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    def read(self, position: int) -> tuple[Record, Optional[KeptColumns]]:
         """The record at ``position`` and the columns its images' metadata carries
         (``data.keep_columns``; None when none is asked)."""
         return self[position], None
 
-    def accepted(self) -> Iterator[tuple[int, dict[str, Any]]]:
+    def accepted(self) -> Iterator[tuple[int, Record]]:
         """(position, record) of every record not rejected while reading."""
         for position in range(len(self)):
             if position not in self.bad:
@@ -372,8 +373,8 @@ class ListRecords(Records):
         self.where = where
         self.lines = list(lines) if lines is not None else None
         self._base = base or Path.cwd()
-        self.items: list[Optional[dict[str, Any]]] = []
-        self.kept: Optional[list[Optional[dict[str, Any]]]] = [] if columns.keep else None
+        self.items: list[Optional[Record]] = []
+        self.kept: Optional[list[Optional[KeptColumns]]] = [] if columns.keep else None
         for position, item in enumerate(items):
             item, kept = columns.shape(item)
             self.items.append(self._accept(position, item))
@@ -398,7 +399,7 @@ class ListRecords(Records):
             raise PromptFileError(": ".join(self.bad[position]))
         return record
 
-    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    def read(self, position: int) -> tuple[Record, Optional[KeptColumns]]:
         return self[position], self.kept[position] if self.kept is not None else None
 
     def __eq__(self, other: object) -> bool:
@@ -424,7 +425,7 @@ class _Problem(Exception):
 
 
 def check_record(item: object, where: str, base: Optional[Path] = None, constants: bool = True,
-                 max_chars: int = MAX_PROMPT_CHARS) -> dict[str, Any]:
+                 max_chars: int = MAX_PROMPT_CHARS) -> Record:
     """One record's fields, checked without the pipeline; returns it with its input paths resolved
     against ``base`` (the prompt file's folder). Raises ``PromptFileError`` naming ``where``.
     ``constants``: it may hold a NaN or Infinity (a JSON line that had none is not searched)."""
@@ -434,7 +435,7 @@ def check_record(item: object, where: str, base: Optional[Path] = None, constant
         raise PromptFileError(f"{where}: {problem}") from None
 
 
-def _checked(item: object, base: Optional[Path], constants: bool, max_chars: int) -> dict[str, Any]:
+def _checked(item: object, base: Optional[Path], constants: bool, max_chars: int) -> Record:
     """``check_record``'s checks, once a record of the reading pass (kept lean: it runs for each of
     millions of records); raises ``_Problem``."""
     if isinstance(item, str):
@@ -473,7 +474,7 @@ def _checked(item: object, base: Optional[Path], constants: bool, max_chars: int
     return item
 
 
-def _unknown_fields(item: dict[str, Any]) -> str:
+def _unknown_fields(item: Record) -> str:
     """`` It has 'promt' (did you mean 'prompt'?).``: the fields no record may hold, each with the
     closest one it may (for a refusal's message; the allow-list itself is ``check_records``')."""
     import difflib
@@ -484,7 +485,7 @@ def _unknown_fields(item: dict[str, Any]) -> str:
     return f" It has {', '.join(named)}, which no record may hold." if named else ""
 
 
-def call_overrides(record: dict[str, Any]) -> dict[str, Any]:
+def call_overrides(record: Record) -> CallArgs:
     """The call arguments a record sets (everything but its own fields)."""
     return {k: v for k, v in record.items() if k not in RECORD_FIELDS}
 

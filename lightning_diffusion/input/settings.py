@@ -1,38 +1,37 @@
 """The data group's options (``PromptDataModule``'s arguments), each declared once: the defaults
-here are the ones ``PromptDataModule``'s signature, ``validation.data_problems``, ``preflight`` and
-SLURM's rendering use.
+here are the ones ``PromptDataModule``'s signature, ``data_problems`` (the rules below), ``preflight``
+and SLURM's rendering use.
 
 Kept free of torch and Lightning: the CLI's checks import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.groups import group_options
+from lightning_diffusion.core.checks import LEASE_S, MAX_BATCH_SIZE, MAX_PIXELS, MIN_LEASE_S, SEED_MAX, integer, one_of
+from lightning_diffusion.core.errors import ConfigError, is_int
+from lightning_diffusion.core.groups import group_options
+from lightning_diffusion.core.records import INPUT_FIELDS
+from lightning_diffusion.output.shard import MAX_SHARDS
+from lightning_diffusion.pipelines.checks import CALL_ARGS
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
 # tokenizing: far past what any text encoder reads (CLIP 77 tokens, T5 512, Qwen-Image 1,024), and
 # small enough that a runaway line (megabytes) costs one record, not the tokenizer's memory.
 MAX_PROMPT_CHARS = 20_000
-# The pixels of one image (or video frame) a config or record may ask for unless ``data.max_pixels``
-# says more: 4096 x 4096, four times FLUX.1's largest published size. A typo of 10000 x 10000 would
-# otherwise be found by the device's memory, after the weights loaded.
-MAX_PIXELS = 4096 * 4096
 ON_BAD_RECORD = ("fail", "skip")
 ON_ERROR = ("fail", "skip")
-LEASE_S = 180.0  # data.lease_s's default: how long a silent worker's claims wait before a takeover
-MIN_LEASE_S = 2.0  # a renewal every lease/4: below this, renewals would cost more than they protect
 SCHEDULES = ("deal", "pull")
 
 
 @dataclass(frozen=True)
 class DataSettings:
     """``PromptDataModule``'s options (the ``data`` group). Values are as given:
-    ``validation.data_problems`` says what is wrong with them."""
+    ``data_problems`` says what is wrong with them."""
 
     prompts: Union[str, list[Any]]
     batch_size: int = 1
@@ -61,3 +60,86 @@ class DataSettings:
         if "prompts" not in given:
             raise ConfigError("data.prompts is required: a prompt file, a dataset, or a list of records.")
         return cls(**given)
+
+
+# ----------------------------------------------------------------------------- the data section's rules
+
+
+def column_problems(columns: Optional[Mapping[str, Optional[str]]], keep: Optional[Sequence[str]],
+                    split: Optional[str]) -> list[str]:
+    """``data.columns`` (record field -> a source's column, or null: not read), ``data.keep_columns``
+    (column names) and ``data.split`` (a dataset's split), by themselves; against a file:
+    ``tables.TableRecords``."""
+    fields = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS, *CALL_ARGS)
+    problems: list[str] = []
+    if columns is not None and not (isinstance(columns, Mapping) and all(isinstance(k, str) for k in columns)):
+        problems.append(f"data.columns must map record fields to columns ({{prompt: caption, seed: id}}), "
+                        f"got {columns!r}.")
+    elif columns is not None:
+        unknown = [k for k in columns if k not in fields]
+        if unknown:
+            problems.append(f"data.columns maps record fields to a source's columns ({{prompt: caption}}); "
+                            f"{unknown[0]!r} is not a record field ({', '.join(fields)}).")
+        named = [k for k, v in columns.items() if v is not None and not (isinstance(v, str) and v.strip())]
+        if named:
+            problems.append(f"data.columns.{named[0]} must name a column (or be null: not read), "
+                            f"got {columns[named[0]]!r}.")
+        if "prompt" in columns and columns["prompt"] is None:
+            problems.append("data.columns.prompt cannot be null: every record has a prompt.")
+    if keep is not None and (isinstance(keep, str) or not isinstance(keep, Sequence)
+                             or not all(isinstance(c, str) and c.strip() for c in keep)):
+        problems.append(f"data.keep_columns must be a list of column names, got {keep!r}.")
+    if split is not None and not (isinstance(split, str) and split.strip()):
+        problems.append(f"data.split must name a split of the dataset (train, test, ...), got {split!r}.")
+    return problems
+
+
+def data_problems(settings: DataSettings, num_images: Optional[int] = None) -> list[str]:
+    """The data group's values (``PromptDataModule``'s arguments); ``num_images``: the prompt
+    set's, when known."""
+    problems = column_problems(settings.columns, settings.keep_columns, settings.split)
+    for name in ("batch_size", "num_images_per_prompt", "num_shards"):
+        problems += integer(getattr(settings, name), f"data.{name}")
+    if is_int(settings.batch_size, MAX_BATCH_SIZE + 1):
+        problems.append(f"data.batch_size {settings.batch_size:,} is over {MAX_BATCH_SIZE:,}, the most images one "
+                        "pipeline call is padded to; use a batch size the device holds.")
+    seed = settings.seed
+    if not (is_int(seed, 0) and seed <= SEED_MAX):
+        problems.append(f"data.seed must be an integer from 0 to 2**64 - 1, got {seed!r}.")
+    if num_images is not None and is_int(seed, 0) and seed + num_images - 1 > SEED_MAX:
+        problems.append(f"data.seed {seed} + the {num_images:,} images of the prompt set passes the generator's "
+                        "largest seed, 2**64 - 1; use a smaller data.seed.")
+    problems += integer(settings.max_pixels, "data.max_pixels", 1)
+    problems += integer(settings.max_prompt_chars, "data.max_prompt_chars", 1)
+    problems += one_of(settings.on_bad_record, "data.on_bad_record", ON_BAD_RECORD)
+    problems += one_of(settings.on_error, "data.on_error", ON_ERROR)
+    root = settings.inputs_root
+    if root is not None and not Path(str(root)).expanduser().is_dir():
+        problems.append(f"data.inputs_root {root} is not a folder.")
+    shards, index = settings.num_shards, settings.shard_index
+    if is_int(shards, 1) and not (is_int(index, 0) and index < shards):
+        problems.append(f"data.shard_index must be an integer from 0 to data.num_shards - 1 = {shards - 1}, "
+                        f"got {index!r}.")
+    if is_int(shards, 1) and shards > MAX_SHARDS:
+        problems.append(f"data.num_shards must be at most {MAX_SHARDS:,} (the shard plan keeps 2 bytes an image), "
+                        f"got {shards:,}.")
+    if is_int(shards, 1) and num_images is not None and shards > num_images:
+        problems.append(f"data.num_shards {shards} exceeds the {num_images} images of the prompt set: shards "
+                        f"{num_images} to {shards - 1} would have nothing to make. Use at most {num_images} shards.")
+    problems += pool_problems(settings)
+    return problems
+
+
+def pool_problems(settings: DataSettings) -> list[str]:
+    """``data.schedule`` and ``data.lease_s``: a pool has no shards (its jobs are workers of the
+    whole set), and a lease of a few seconds at least."""
+    schedule, lease = settings.schedule, settings.lease_s
+    problems = one_of(schedule, "data.schedule", SCHEDULES)
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease >= MIN_LEASE_S:
+        problems.append(f"data.lease_s must be a number of seconds, at least {MIN_LEASE_S:g} (a worker renews its "
+                        f"claims every lease/4), got {lease!r}.")
+    if schedule == "pull" and is_int(settings.num_shards, 2):
+        problems.append("data.schedule: pull makes the whole prompt set with every job that joins the pool: set "
+                        "data.num_shards to 1 (the tasks of a job array join as workers, without shards).")
+    return problems
+

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from lightning_diffusion.core.records import KeptColumns, Record
 from lightning_diffusion.input.records import (
     COLUMN_FIELDS,
     Columns,
@@ -246,7 +247,7 @@ class TableRecords(Records):
             return [self[i] for i in range(*position.indices(len(self)))]
         return self.read(position)[0]
 
-    def read(self, position: int) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    def read(self, position: int) -> tuple[Record, Optional[KeptColumns]]:
         if position < 0:
             position += self._total
         if not 0 <= position < self._total:

@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar
 
-from lightning_diffusion.boundaries import run_strategy
-from lightning_diffusion.console import log
-from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import raise_problems
 from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.input.record_checks import check_records
 from lightning_diffusion.input.records import RecordVerdicts
-from lightning_diffusion.run.model_checks import model_cache_problems
-from lightning_diffusion.run.validation import pixel_problems
+from lightning_diffusion.output.boundaries import run_strategy
+from lightning_diffusion.pipelines.checks import model_cache_problems, pixel_problems
 
 if TYPE_CHECKING:
     from lightning_diffusion.pipelines.model_folder import PipelineInfo

@@ -37,7 +37,8 @@ import time
 import traceback
 from typing import IO, Any, Optional, cast
 
-from lightning_diffusion.console import log
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.records import ImageResult
 from lightning_diffusion.output.files import OutputFiles
 
 STALL_WARNING = 300.0  # seconds a put or a close waits for the writers before it says so
@@ -72,7 +73,7 @@ class _Writers:
             error, self._error = self._error, None
         return error
 
-    def put(self, prediction: Optional[list[dict[str, Any]]], waiting: str = "prediction waits") -> None:
+    def put(self, prediction: Optional[list[ImageResult]], waiting: str = "prediction waits") -> None:
         """Queue a batch (None: a writer's end); blocks while the queue is full: memory stays bounded."""
         waited = 0.0
         while True:

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.fence import already_there as _already_there  # noqa: F401  (its users import it here)
-from lightning_diffusion.output.pool import pid_alive
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem

@@ -22,7 +22,8 @@ import numpy as np
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.records import ImageResult
 from lightning_diffusion.output.fence import Claim, Fence, pause
 from lightning_diffusion.output.manifest import failures_part, temporary_name, temporary_write
 from lightning_diffusion.output.settings import FILES_PER_FOLDER, IMAGE_FORMATS, WriterSettings
@@ -128,21 +129,21 @@ def write_animation(file, frames: np.ndarray, fps: int, fmt: str, comment: str) 
     )
 
 
-def failure_line(item: dict[str, Any]) -> dict[str, Any]:
+def failure_line(item: ImageResult) -> dict[str, Any]:
     """``failed.jsonl``'s line for an image whose pipeline call failed: its index, record (file:line),
     prompt, seed and the error's last line."""
     return {"index": item["index"], "record": item.get("record"), "prompt": item["prompt"], "seed": item["seed"],
             "error": item["error"], "failed": round(time.time(), 3)}
 
 
-def claim_key(item: dict[str, Any]) -> dict[str, str]:
+def claim_key(item: ImageResult) -> dict[str, str]:
     """A pool's manifest line records the claim its output was made under (``fence.Claim.token``)."""
     claim = item.get("claim")
     return {"claim": claim.token} if claim is not None else {}
 
 
 def _log_lost(claim: Claim) -> None:
-    from lightning_diffusion.console import log
+    from lightning_diffusion.core.console import log
 
     log.warning(f"pool: batch {claim.batch} was taken over by another worker while this one made it (its "
                 "renewals stopped for longer than data.lease_s); its images are left to that worker.")
@@ -193,7 +194,7 @@ class OutputFiles:
         if self.publish is not None and self.part is not None and failures_part(self.part).exists():
             self.publish.failures(failures_part(self.part))
 
-    def write_batch(self, prediction: list[dict[str, Any]]) -> None:
+    def write_batch(self, prediction: list[ImageResult]) -> None:
         """Each file atomically, then the manifest lines of the files written: each line after its
         file (``fsync: file``) or the batch's in one append (also when a file fails: the ones
         before it are recorded), synced unless ``fsync`` is off."""
@@ -222,7 +223,7 @@ class OutputFiles:
             if lines:
                 self._append(lines)
 
-    def _write_fenced(self, items: list[dict[str, Any]], claim: Optional[Claim]) -> None:
+    def _write_fenced(self, items: list[ImageResult], claim: Optional[Claim]) -> None:
         """A batch written through the fence: every file under its temporary name, then, inside the
         fence, renamed into place and its lines appended, or, where a pool's batch was taken over
         meanwhile (or, raising ``fence.LockLost``, the run's lock), removed. A file that fails to
@@ -277,7 +278,7 @@ class OutputFiles:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def write_output(self, item: dict[str, Any], renames: Optional[list[tuple[Path, Path]]] = None) -> dict[str, Any]:
+    def write_output(self, item: ImageResult, renames: Optional[list[tuple[Path, Path]]] = None) -> dict[str, Any]:
         """Write one image or video (and its array) atomically; return its manifest line. With
         ``renames``, each file is left under its temporary name and (temporary, path) is added
         there: the caller renames it into place (``_write_fenced``)."""
@@ -334,7 +335,7 @@ class OutputFiles:
             self._folders.add(folder)
         return name
 
-    def encoded(self, item: dict[str, Any]) -> tuple[str, bytes, dict[str, Any]]:
+    def encoded(self, item: ImageResult) -> tuple[str, bytes, dict[str, Any]]:
         """One output encoded in memory: its file suffix, its bytes and its metadata (for a tar
         shard's members)."""
         metadata = self.metadata(item)
@@ -352,7 +353,7 @@ class OutputFiles:
         return IMAGE_FORMATS[self.settings.image_format], buffer.getvalue(), metadata
 
     @staticmethod
-    def metadata(item: dict[str, Any]) -> dict[str, Any]:
+    def metadata(item: ImageResult) -> dict[str, Any]:
         """The parameters a file carries: index, prompt, seed, the call's parameters (and the negative prompt)."""
         metadata = {"index": item["index"], "prompt": item["prompt"], "seed": item["seed"], **item["params"]}
         if item.get("negative_prompt") is not None:
@@ -399,7 +400,7 @@ class TarShards:
         self.lines: list[dict[str, Any]] = []
         self.claims: list[Optional[Claim]] = []  # each line's (a pool's batches), else None
 
-    def add(self, prediction: list[dict[str, Any]], batch: Optional[int] = None) -> None:
+    def add(self, prediction: list[ImageResult], batch: Optional[int] = None) -> None:
         """Encode a batch (in parallel with other threads), then append it after the batches the
         rank handed over before it (``batch``: its number), so that a shard holds the same samples
         in the same order however many threads write."""
@@ -456,7 +457,7 @@ class TarShards:
         self.handle = open(self.tmp, "wb")
         self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.USTAR_FORMAT)  # no per-member PAX header
 
-    def _add(self, item: dict[str, Any], key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
+    def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
         """A sample: ``{key}{suffix}`` (its bytes) and ``{key}.json`` (its metadata)."""
         self._member(f"{key}{suffix}", data)
         self._member(f"{key}.json", json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
@@ -558,7 +559,7 @@ class ParquetShards(TarShards):
         self.tmp = temporary_name(self.files.output_dir / shard_name(first_index, self.suffix), owner)
         self.rows: list[dict[str, Any]] = []
 
-    def _add(self, item: dict[str, Any], key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
+    def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
         if suffix not in IMAGE_FORMATS.values():
             raise ConfigError(f"writer.format: parquet holds images; {item['index']} is a video ({suffix}): write "
                               "videos with writer.format: files or webdataset.")

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 import numpy as np
 
-from lightning_diffusion.console import log
-from lightning_diffusion.input.settings import LEASE_S
+from lightning_diffusion.core.checks import LEASE_S
+from lightning_diffusion.core.console import log
 from lightning_diffusion.output.fence import FolderFence
 from lightning_diffusion.output.files import stale_temporaries, worker_temporaries
 from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
@@ -333,7 +333,7 @@ class FolderStore:
         with_inputs = {i: line for i, line in found.with_inputs.items() if in_shard(i, self.shard)}
         if self.allow_config_change or not with_inputs:
             return None
-        from lightning_diffusion.input.images import changed_since
+        from lightning_diffusion.output.recorded import changed_since
 
         changed = changed_since(with_inputs)
         if not changed:

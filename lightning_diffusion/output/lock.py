@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lightning_diffusion.console import counted
+from lightning_diffusion.core.console import counted
+from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.manifest import merge_lock
-from lightning_diffusion.output.pool import FolderPoolFiles, live_workers, pid_alive
+from lightning_diffusion.output.pool import FolderPoolFiles, live_workers
 from lightning_diffusion.output.shard import Shard, shard_name
 
 HEARTBEAT_S = 30.0

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
-from lightning_diffusion.console import log
-from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.input.settings import LEASE_S
+from lightning_diffusion.core.checks import LEASE_S
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.bucket import (
     FAILURES,
     MANIFESTS,
@@ -67,7 +68,7 @@ from lightning_diffusion.output.bucket import (
 from lightning_diffusion.output.bucket_pool import BucketPoolFiles, join_pool
 from lightning_diffusion.output.fence import BucketFence, counted_generations, parse_token
 from lightning_diffusion.output.folder_store import output_dir_problems
-from lightning_diffusion.output.lock import pid_alive, pool_beside_deal_message
+from lightning_diffusion.output.lock import pool_beside_deal_message
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
 from lightning_diffusion.output.pool import POOL, Pool, live_workers
 from lightning_diffusion.output.recorded import writer_name

@@ -38,12 +38,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 
-from lightning_diffusion.console import counted, log
-from lightning_diffusion.input.settings import LEASE_S
+from lightning_diffusion.core.checks import LEASE_S
+from lightning_diffusion.core.console import counted, log
+from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.fence import pause, slot_name
 
 if TYPE_CHECKING:
-    from lightning_diffusion.input.batching import BatchPlan
+    from lightning_diffusion.output.shard import Batches
 
 POOL = "pool"
 WORKERS = f"{POOL}/workers"
@@ -71,18 +72,6 @@ def plan_digest(order: np.ndarray, starts: np.ndarray, batch_size: int) -> str:
     digest.update(np.ascontiguousarray(order, dtype=np.int64).tobytes())
     digest.update(np.ascontiguousarray(starts, dtype=np.int64).tobytes())
     return digest.hexdigest()[:16]
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host lives (a pid no process can have, from a corrupt record,
-    is taken as alive: only a proven death frees a lock or a pool's batch)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 class PoolFiles(Protocol):
@@ -454,7 +443,7 @@ class Pool:
                 if name != self.worker and worker_live(self.files, f"{WORKERS}/{name}.json", worker, self.lease_s)}
 
 
-def plan_conflict(files: PoolFiles, digest: str, plan: BatchPlan) -> Optional[str]:
+def plan_conflict(files: PoolFiles, digest: str, plan: Batches) -> Optional[str]:
     """Why a job whose batch plan has ``digest`` cannot join the pool in ``files``: its live workers
     pull the batches of another plan (another batch size or bucketing, another pipeline's buckets)."""
     theirs = sorted({str(worker["plan"]) for worker in live_workers(files).values() if worker.get("plan")} - {digest})

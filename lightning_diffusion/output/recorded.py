@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from lightning_diffusion.core.system import file_stat, sha256
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, _parts_to_merge, atomic_write, merge_lock
 from lightning_diffusion.output.shard import select
 
@@ -584,3 +585,26 @@ def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
         for part in parts:
             part.unlink(missing_ok=True)
     return np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
+
+
+def changed_since(lines: dict[int, dict[str, Any]], most: int = 5) -> list[str]:
+    """Finished outputs (manifest lines by index) whose input files are gone or no longer have the
+    SHA-256 they were made from: resuming would keep pictures of other inputs. A file whose size
+    and modification time are those recorded is not read again (a resume of a large data set
+    stays a stat a file)."""
+    digests: dict[str, Optional[str]] = {}
+    changed = []
+    for index, line in sorted(lines.items()):
+        for name, files in (line.get("inputs") or {}).items():
+            for entry in files if isinstance(files, list) else [files]:
+                path = entry.get("file")
+                if path not in digests:
+                    exists = bool(path) and Path(path).is_file()
+                    same = exists and {k: entry.get(k) for k in ("bytes", "mtime_ns")} == file_stat(path)
+                    digests[path] = entry.get("sha256") if same else sha256(path) if exists else None
+                if digests[path] != entry.get("sha256"):
+                    what = "is gone" if digests[path] is None else "changed"
+                    changed.append(f"output {index} ({line.get('file')}): its {name} {path} {what} since it was made")
+        if len(changed) >= most:
+            break
+    return changed[:most]

@@ -1,5 +1,5 @@
 """The settings of a run, each declared once: the writer group's options (``WriterSettings``:
-default, choices, bounds), which ``ImageWriter``'s signature, ``validation.writer_problems``,
+default, choices, bounds), which ``ImageWriter``'s signature, ``store.writer_problems``,
 ``preflight`` and run.json all read; and what run.json records of the model, the prompt set and the storage, which
 the writer and ``preflight`` both compute (so that a folder made with other settings is refused
 before anything starts, and again by the writer when the run starts).
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.groups import group_options
+from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.groups import group_options
 from lightning_diffusion.output.manifest import PROMPTS_HASH, prompts_hash
 
 if TYPE_CHECKING:
-    from lightning_diffusion.boundaries import RunPlan
+    from lightning_diffusion.output.boundaries import RunPlan
 
 # The choices of the writer's options.
 LAYOUTS = ("auto", "flat", "sharded")
@@ -67,8 +67,8 @@ def ruled(default: Any, **rule: Any) -> Any:
 @dataclass(frozen=True)
 class WriterSettings:
     """``ImageWriter``'s options (the ``writer`` group), each declared once: its default here is the
-    one ``ImageWriter``'s signature, ``validation.writer_problems``, ``preflight`` and run.json use.
-    Values are as given: ``validation.writer_problems`` says what is wrong with them."""
+    one ``ImageWriter``'s signature, ``store.writer_problems``, ``preflight`` and run.json use.
+    Values are as given: ``store.writer_problems`` says what is wrong with them."""
 
     output_dir: str = "outputs"  # checked as a folder, or a bucket's URL, by its store
     save_arrays: bool = False
@@ -117,7 +117,7 @@ def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
 
     try:
         return {**options, "lora": lora.record(lora.parse(options["lora"]))}
-    except ConfigError:  # reported by model_checks.model_problems
+    except ConfigError:  # reported by pipelines.checks.model_problems
         return options
 
 

@@ -20,16 +20,39 @@ image. ``None`` stands for a run of the whole prompt set wherever a shard is opt
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
-    from lightning_diffusion.input.batching import BatchPlan
-
 MAX_SHARDS = 2**16 - 1  # a shard number is kept in 2 bytes an image
+
+
+class Batches(Protocol):
+    """What the output reads of a run's plan of batches (``input.batching.BatchPlan``, which the
+    data module makes): how many batches and of what size, the image indices batch after batch, how
+    they deal to replicas or shards, how many size buckets they group and how many images padding adds."""
+
+    order: np.ndarray
+    batch_size: int
+
+    def __len__(self) -> int: ...
+
+    @property
+    def sizes(self) -> np.ndarray: ...
+
+    @property
+    def num_buckets(self) -> int: ...
+
+    @property
+    def images(self) -> int: ...
+
+    @property
+    def padded(self) -> int: ...
+
+    def deal(self, replicas: int) -> list[np.ndarray]: ...
 
 
 class _Pair(NamedTuple):
@@ -120,7 +143,7 @@ def shard_members(total: int, shard: Optional[tuple[int, int]]) -> np.ndarray:
 # ----------------------------------------------------------------------------- the deal and its record
 
 
-def deal_shards(plan: BatchPlan, total: int, num_shards: int) -> np.ndarray:
+def deal_shards(plan: Batches, total: int, num_shards: int) -> np.ndarray:
     """The shard of each of ``total`` images: ``plan``'s batches (a ``batching.BatchPlan`` of the
     whole set) dealt to ``num_shards`` by cost, the costliest first, each to the least loaded."""
     batch_owner = np.zeros(len(plan), dtype=np.uint16)

@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.output.lock import OutputLock, live_locks
 from lightning_diffusion.output.manifest import (
     FAILED,

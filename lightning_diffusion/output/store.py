@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Option
 
 import numpy as np
 
+from lightning_diffusion.core.checks import integer, one_of, system_folder_problems
 from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import Shard
 from lightning_diffusion.output.status import JobArrays
@@ -177,3 +178,24 @@ def open_store(location: Location, shard: Optional[Shard] = None, *, allow_confi
     cls: Any = store_class(location)
     return cls.open(location, shard, allow_config_change=allow_config_change, options=options,
                     staging_dir=staging_dir, pool=pool, lease_s=lease_s)
+
+
+def writer_problems(settings: WriterSettings) -> list[str]:
+    """The writer group's values (``ImageWriter``'s arguments) against their rules
+    (``settings.WriterSettings``), and the output location's own (``OutputStore.settings_problems``
+    of the store its ``output_dir`` opens)."""
+    output_dir = settings.output_dir
+    named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
+    local = named and store_class(output_dir).needs_shared_folder  # a folder, not a bucket
+    problems: list[str] = (system_folder_problems(str(output_dir)) if local else []) or (
+        store_class(output_dir).settings_problems(settings) if named else [
+            f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
+            "folder)."])
+    for name, rule in WriterSettings.rules():
+        value, key = getattr(settings, name), f"writer.{name}"
+        if rule.choices:
+            problems += one_of(value, key, rule.choices)
+        elif rule.integer:
+            problems += [p.replace(key, rule.label or key) + rule.hint
+                         for p in integer(value, key, rule.minimum, rule.maximum)]
+    return problems

@@ -40,7 +40,11 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_diffusion.boundaries import (
+from lightning_diffusion.core.console import counted, log
+from lightning_diffusion.core.errors import ConfigError, PeerLost, WritingFailed, raise_problems
+from lightning_diffusion.core.records import ImageResult
+from lightning_diffusion.output.background import WriterProcess, WriterThreads
+from lightning_diffusion.output.boundaries import (
     ImageSource,
     PoolSource,
     PromptSource,
@@ -49,16 +53,12 @@ from lightning_diffusion.boundaries import (
     require,
     run_strategy,
 )
-from lightning_diffusion.console import counted, log
-from lightning_diffusion.errors import ConfigError, PeerLost, WritingFailed, raise_problems
-from lightning_diffusion.output.background import WriterProcess, WriterThreads
 from lightning_diffusion.output.files import OutputFiles, size_text, to_uint8
 from lightning_diffusion.output.manifest import FAILED, REJECTED
 from lightning_diffusion.output.pool import batching_conflict, quit_join
 from lightning_diffusion.output.settings import WriterSettings, resolve_layout, run_settings
 from lightning_diffusion.output.shard import adopt, plan_file
-from lightning_diffusion.output.store import OutputStore, open_store, store_class
-from lightning_diffusion.run.validation import writer_problems
+from lightning_diffusion.output.store import OutputStore, open_store, store_class, writer_problems
 
 
 def summary_text(summary: dict[str, Any], manifest: str) -> str:
@@ -409,7 +409,7 @@ class ImageWriter(BasePredictionWriter):
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        prediction: list[dict[str, Any]],
+        prediction: list[ImageResult],
         batch_indices: Optional[Sequence[int]],
         batch: Any,
         batch_idx: int,

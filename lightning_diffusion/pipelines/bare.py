@@ -17,7 +17,7 @@ def load(model: str, dtype: str = "float32", device: Optional[torch.device] = No
          pipeline_class: Optional[str] = None) -> Any:
     """The pipeline of ``model`` (a path, hub id or ``tiny:NAME``) in ``dtype``, on ``device`` when
     given, with its progress bar off."""
-    from lightning_diffusion.console import no_progress_bars
+    from lightning_diffusion.core.console import no_progress_bars
 
     info = inspect_pipeline(model, pipeline_class)
     with no_progress_bars():  # predict shows none either

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NoReturn, Optional
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from huggingface_hub import DryRunFileInfo

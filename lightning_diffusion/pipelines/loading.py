@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol, Union
 import torch
 from torch import nn
 
-from lightning_diffusion.console import log
-from lightning_diffusion.contract import LoadPlan
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.pipelines import compat, quantization
 from lightning_diffusion.pipelines.cache import StepCache, install
+from lightning_diffusion.pipelines.settings import LoadPlan
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline

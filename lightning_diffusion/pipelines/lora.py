@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from lightning_diffusion.errors import ConfigError, is_int
+from lightning_diffusion.core.errors import ConfigError, is_int
 from lightning_diffusion.pipelines.facts import PipelineFacts, derive, no_pictures
 from lightning_diffusion.pipelines.specs import PipelineSpec, spec_for
 
@@ -283,7 +283,7 @@ class PipelineInfo:
         if reserved:
             problems.append(f"{where} sets {', '.join(sorted(reserved))}, which lightning-diffusion sets per image "
                             "itself; put prompts and seeds in the prompt file instead.")
-        from lightning_diffusion.input.images import INPUT_FIELDS
+        from lightning_diffusion.core.records import INPUT_FIELDS
 
         inputs = names & set(INPUT_FIELDS)
         if inputs:

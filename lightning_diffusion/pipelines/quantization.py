@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import torch
 
-from lightning_diffusion.errors import ConfigError, NodeConfigError, run_check
+from lightning_diffusion.core.errors import ConfigError, NodeConfigError, run_check
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline

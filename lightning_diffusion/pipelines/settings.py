@@ -1,5 +1,5 @@
 """The model group's options (``DiffusionModule``'s arguments), each declared once: the defaults
-here are the ones ``DiffusionModule``'s signature, ``model_checks.model_problems``, ``preflight``
+here are the ones ``DiffusionModule``'s signature, ``checks.model_problems``, ``preflight``
 and run.json use.
 
 Kept free of torch and Lightning: the CLI's checks import it.
@@ -7,11 +7,17 @@ Kept free of torch and Lightning: the CLI's checks import it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from lightning_diffusion.groups import group_options
+from lightning_diffusion.core.groups import group_options
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+    from torch import nn
+
+    from lightning_diffusion.pipelines.lora import Adapter
 
 # The call arguments the model group names (the rest go in ``call_kwargs``); records may set them.
 MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
@@ -23,7 +29,7 @@ OPTIONS = ("pipeline_class", "lora", "vae_tiling", "compile", "vae_slicing", "at
 @dataclass(frozen=True)
 class ModelSettings:
     """``DiffusionModule``'s options (the ``model`` group). Values are as given:
-    ``model_checks.model_problems`` says what is wrong with them."""
+    ``checks.model_problems`` says what is wrong with them."""
 
     pretrained_model_name_or_path: str = "tiny:shapes"
     torch_dtype: str = "float32"
@@ -65,3 +71,22 @@ class ModelSettings:
     def options(self) -> dict[str, Any]:
         """The options that change pictures (``OPTIONS``), as given."""
         return {key: getattr(self, key) for key in OPTIONS}
+
+
+# Called as ``load(info, dtype)``, plus ``quantization_config=`` (the backend config for the
+# component's ``from_pretrained``) for a component ``model.quantization`` names; a strategy whose
+# loader cannot quantize refuses that in ``check_request``.
+ComponentLoader = Callable[..., "nn.Module"]
+
+
+@dataclass
+class LoadPlan:
+    """How the module loads its pipeline: ``components`` are built by the strategy (called with the
+    pipeline info and dtype) and passed to ``from_pretrained`` by name; ``pipeline_kwargs`` are
+    extra ``from_pretrained`` arguments (a pipeline-level ``device_map``). ``fuse_adapters``: how to
+    fuse the LoRA adapters into the loaded pipeline, ``(pipeline, adapters)``, where diffusers' own
+    fuse cannot (tensor-parallel shards); ``None``: ``lora.fuse``."""
+
+    components: dict[str, ComponentLoader] = field(default_factory=dict)
+    pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
+    fuse_adapters: Optional[Callable[[DiffusionPipeline, Sequence[Adapter]], None]] = None

@@ -64,7 +64,7 @@ class PublishedModel:
 
 
 # What a record may set on any pipeline that takes it: its size, steps, guidance and text length.
-# (``validation.record_args`` keeps those a pipeline's ``__call__`` takes: ``strength`` for image-to-image.)
+# (``checks.record_args`` keeps those a pipeline's ``__call__`` takes: ``strength`` for image-to-image.)
 RECORD_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length",
                "strength")
 
@@ -97,7 +97,7 @@ class PipelineSpec:
     config sets ``key`` (Wan 2.1's first-last-frame weights and ``last_image``).
     ``text_length_max``: the most text tokens its ``text_length_arg`` may ask for (the pipeline's own
     limit, which it checks only after loading). ``record_args``: the call arguments a prompt record
-    may set (typed and bounded by ``validation.CALL_ARGS``; those its ``__call__`` lacks are dropped).
+    may set (typed and bounded by ``checks.CALL_ARGS``; those its ``__call__`` lacks are dropped).
     ``tasks``: (input field, hint) for records that carry an input this pipeline does not take but
     a task pipeline on the same weights does (FLUX.1's image-to-image and inpainting).
     ``cp_mask_modes``: the context-parallel modes verified equal to one process when the

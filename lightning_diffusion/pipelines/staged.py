@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_diffusion.console import no_progress_bars
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.console import no_progress_bars
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.pipelines import compat
 
 TINY_PREFIX = "tiny:"

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.output.manifest import FAILED, FAILURES_GLOB, MANIFEST, PART_GLOB, REJECTED, RUN_FILE
 from lightning_diffusion.output.recorded import finished
 from lightning_diffusion.output.store import open_store

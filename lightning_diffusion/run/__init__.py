@@ -1,11 +1,12 @@
-"""One run from its config to its end: reading and checking the config, then stopping it well.
+"""The run's top: reading the config and checking all of it before anything loads.
 
-Entry point: ``RunContext`` (``context``), the state one run shares between its parts. Beside it:
-``config`` (the one config reader), ``config_guard`` and ``preflight`` with ``validation`` (every
-check before weights load), ``failures`` (a pipeline call's failures), ``progress`` (the job's bar),
-``interrupt`` (Ctrl-C while the command starts) and ``preemption`` (stopping at a batch boundary).
+Entry point: ``config.read_config`` (the one config reader). Beside it: ``config_guard`` (a config
+file's class paths, keys and value types before any parser reads or imports them), ``preflight``
+(every weight-free rule, one message for all) and ``progress`` (the job's bar). The run's shared
+state (``RunContext``, the stop controller, Ctrl-C at start-up) lives in ``core``, which every layer
+below this one reads; ``RunContext`` is still importable from here.
 
-Nothing is imported here: ``interrupt`` is the package's first import.
+Nothing is imported here.
 """
 
 from typing import Any
@@ -15,6 +16,6 @@ __all__ = ["RunContext"]
 
 def __getattr__(name: str) -> Any:
     if name == "RunContext":
-        from lightning_diffusion.run.context import RunContext
+        from lightning_diffusion.core.context import RunContext
         return RunContext
     raise AttributeError(f"module 'lightning_diffusion.run' has no attribute {name!r}")

@@ -22,11 +22,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_diffusion.strategies  # noqa: F401  (registers the strategy names)
-from lightning_diffusion import console
-from lightning_diffusion.boundaries import run_strategy
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.core import console
+from lightning_diffusion.core.context import RunContext, checked_by_launcher, first_process
+from lightning_diffusion.core.errors import ConfigError, raise_problems
 from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.module import DiffusionModule
+from lightning_diffusion.output.boundaries import run_strategy
 from lightning_diffusion.output.writer import ImageWriter
 from lightning_diffusion.run.config_guard import (
     allowed_modules,
@@ -34,7 +35,6 @@ from lightning_diffusion.run.config_guard import (
     unknown_keys,
     unknown_keys_message,
 )
-from lightning_diffusion.run.context import RunContext, checked_by_launcher, first_process
 from lightning_diffusion.run.preflight import Verdict, preflight
 from lightning_diffusion.run.progress import ImageProgressBar
 from lightning_diffusion.strategies.accelerators import accelerator_for_job

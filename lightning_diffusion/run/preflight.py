@@ -17,30 +17,29 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.errors import ConfigError, is_int, run_check
+from lightning_diffusion.core.checks import cpu_devices_problems, devices_problems
+from lightning_diffusion.core.errors import ConfigError, is_int, run_check
 from lightning_diffusion.input.data import run_plan, shard_owners
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.record_checks import check_records
 from lightning_diffusion.input.records import RecordVerdicts
-from lightning_diffusion.input.settings import MAX_PROMPT_CHARS, DataSettings
+from lightning_diffusion.input.settings import MAX_PROMPT_CHARS, DataSettings, column_problems, data_problems
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
 from lightning_diffusion.output.manifest import MANIFEST, RUN_FILE, recorded_conflict, settings_conflict
 from lightning_diffusion.output.recorded import Finished, finished
-from lightning_diffusion.output.settings import WriterSettings, image_settings, recorded_options, run_settings
+from lightning_diffusion.output.settings import (
+    WriterSettings,
+    image_settings,
+    recorded_options,
+    run_settings,
+)
 from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
-from lightning_diffusion.output.store import open_store, store_class
+from lightning_diffusion.output.store import open_store, store_class, writer_problems
 from lightning_diffusion.pipelines import lora
+from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.pipelines.settings import ModelSettings
-from lightning_diffusion.run.model_checks import model_problems
-from lightning_diffusion.run.validation import (
-    column_problems,
-    cpu_devices_problems,
-    data_problems,
-    devices_problems,
-    writer_problems,
-)
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5
@@ -135,7 +134,7 @@ def accelerator_problems(accelerator: Any) -> list[str]:
 
 def cpu_problems(trainer: Any) -> list[str]:
     """A run on this machine's CPU: ``trainer.devices`` as processes its cores can run
-    (``validation.cpu_devices_problems``); a GPU run's devices are Lightning's to check."""
+    (``core.checks.cpu_devices_problems``); a GPU run's devices are Lightning's to check."""
     import os
 
     if device_type(trainer.get("accelerator")) != "cpu":

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
 
-from lightning_diffusion.console import log
+from lightning_diffusion.core.console import log
 from lightning_diffusion.output.manifest import part_counts
 from lightning_diffusion.output.writer import ImageWriter
 

@@ -36,15 +36,14 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_diffusion import console
-from lightning_diffusion.boundaries import RecordSource
-from lightning_diffusion.console import counted, log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, raise_problems
+from lightning_diffusion.core import console, interrupt
+from lightning_diffusion.core.console import counted, log
+from lightning_diffusion.core.context import RunContext
+from lightning_diffusion.core.errors import ConfigError, raise_problems
 from lightning_diffusion.input.records import Records
+from lightning_diffusion.output.boundaries import RecordSource
 from lightning_diffusion.pipelines import compat, quantization
-from lightning_diffusion.run import interrupt
-from lightning_diffusion.run.context import RunContext
 from lightning_diffusion.strategies.parallel_dims import ParallelDims, mesh_coordinate
 from lightning_diffusion.strategies.watchdog import Launcher, StallWatch, Watchdog
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 
-from lightning_diffusion.console import log
+from lightning_diffusion.core.console import log
 from lightning_diffusion.pipelines.specs import CFGBranches
 
 if TYPE_CHECKING:

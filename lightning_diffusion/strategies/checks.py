@@ -1,6 +1,6 @@
 """The weight-free rules of the parallel strategies, each written once.
 
-They follow the project's one convention (``validation``): a rule, named ``*_problems``, returns the
+They follow the project's one convention (``core.checks``): a rule, named ``*_problems``, returns the
 problems it finds (messages, or the ``ConfigError`` of a reader it ran; empty when all is well) and
 never raises for bad input. Each reports the first problem of its kind, with what to change.
 ``MeshStrategy.check_request`` runs the ones its degrees need and collects their problems; only the
@@ -10,7 +10,7 @@ entry points raise them, through ``errors.raise_problems``: the CLI's ``check_co
 A reader computes a value and raises a ``ConfigError`` when there is none (``planned_models``,
 ``resolved_attention_backend``); a rule runs it through ``errors.run_check``, which turns the refusal
 into a problem. The attention backend's name has one rule for the model's and the strategy's:
-``model_checks.attention_backend_problems``.
+``pipelines.checks.attention_backend_problems``.
 
 The rules read only a ``ModelRequest`` (configs, spec, call arguments, records) and the
 ``ParallelDims``: no weight is read and no collective runs, so the CLI's preflight and every rank run
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from lightning_diffusion.contract import ModelRequest
-from lightning_diffusion.errors import ConfigError, run_check
+from lightning_diffusion.core.errors import ConfigError, run_check
 from lightning_diffusion.pipelines import quantization
 from lightning_diffusion.pipelines.specs import cfg_supported, spec_for
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
@@ -427,7 +427,7 @@ def resolved_attention_backend(backend: Optional[str], device: torch.device, dim
     if backend == "native":
         raise ConfigError("Ring attention on CUDA needs an attention backend that returns the log-sum-exp, and "
                           "native does not: use _native_cudnn (bfloat16 or float16), flash or sage, or leave it unset.")
-    if backend is not None:  # a half-precision backend in float32: model_checks.backend_dtype_problems
+    if backend is not None:  # a half-precision backend in float32: pipelines.checks.backend_dtype_problems
         return backend
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(

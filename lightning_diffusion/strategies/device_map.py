@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from lightning_diffusion.console import log
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems, run_check
+from lightning_diffusion.core.checks import integer
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import ConfigError, NodeConfigError, raise_problems, run_check
 from lightning_diffusion.pipelines import quantization
 from lightning_diffusion.pipelines.model_folder import component_bytes
 from lightning_diffusion.pipelines.staged import StagedPipeline, stages_for
-from lightning_diffusion.run.validation import integer
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 

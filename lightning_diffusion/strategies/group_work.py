@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 
-from lightning_diffusion.console import log
+from lightning_diffusion.core.console import log
 from lightning_diffusion.pipelines.specs import TILE_PARALLEL
 
 if TYPE_CHECKING:

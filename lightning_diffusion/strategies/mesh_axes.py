@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
-from lightning_diffusion.console import log
 from lightning_diffusion.contract import LoadPlan, ModelRequest
-from lightning_diffusion.errors import run_check
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import run_check
 from lightning_diffusion.pipelines import compat
+from lightning_diffusion.pipelines.checks import attention_backend_problems
 from lightning_diffusion.pipelines.specs import spec_for
-from lightning_diffusion.run.model_checks import attention_backend_problems
 from lightning_diffusion.strategies.cfg_parallel_hooks import CFGSplit
 from lightning_diffusion.strategies.checks import (
     cfg_problems,
@@ -72,7 +72,7 @@ class AxisHost(Protocol):
 
 def context_backend_problems(name: str) -> list[str]:
     """A strategy's attention backend under context parallelism: a diffusers backend that supports it
-    (``model_checks.attention_backend_problems``; whether its package is installed is checked for the
+    (``pipelines.checks.attention_backend_problems``; whether its package is installed is checked for the
     model's backend only)."""
     return attention_backend_problems(name, "attention_backend", installed=False, context_parallel=True)
 

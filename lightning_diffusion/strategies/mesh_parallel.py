@@ -22,8 +22,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
-from lightning_diffusion.errors import ConfigError, raise_problems, run_check
-from lightning_diffusion.run.model_checks import backend_dtype_problems
+from lightning_diffusion.core.errors import ConfigError, raise_problems, run_check
+from lightning_diffusion.pipelines.checks import backend_dtype_problems
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S, DiffusionParallelStrategy
 from lightning_diffusion.strategies.checks import backend_device_problems
 from lightning_diffusion.strategies.context_parallel_hooks import mode_name

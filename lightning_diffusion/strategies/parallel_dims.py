@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_diffusion.console import counted
-from lightning_diffusion.errors import ConfigError, is_int, raise_problems
+from lightning_diffusion.core.console import counted
+from lightning_diffusion.core.errors import ConfigError, is_int, raise_problems
 from lightning_diffusion.pipelines import compat
 
 if TYPE_CHECKING:

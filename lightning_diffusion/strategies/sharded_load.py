@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from lightning_diffusion.console import log
+from lightning_diffusion.core.console import log
 from lightning_diffusion.pipelines import compat
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional, Union
 
-from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.core.errors import raise_problems
 from lightning_diffusion.strategies.base import DEFAULT_TIMEOUT_S
 from lightning_diffusion.strategies.mesh_parallel import MeshStrategy
 from lightning_diffusion.strategies.parallel_dims import ParallelDims

@@ -38,8 +38,8 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_diffusion.console import INTERRUPTED_LINE, log
-from lightning_diffusion.run import interrupt
+from lightning_diffusion.core import interrupt
+from lightning_diffusion.core.console import INTERRUPTED_LINE, log
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

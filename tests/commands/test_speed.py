@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args, tiny_flux_with
 
 COMPILED_ATOL = 1e-4
@@ -128,7 +128,7 @@ def test_half_precision_backends_in_float32_are_refused_before_loading(backend):
     and for a strategy's, on the planned device type."""
     import torch
 
-    from lightning_diffusion.run.model_checks import backend_dtype_problems
+    from lightning_diffusion.pipelines.checks import backend_dtype_problems
     from lightning_diffusion.strategies import ContextParallelStrategy
 
     assert "needs bfloat16 or float16" in " ".join(backend_dtype_problems(backend, torch.float32))

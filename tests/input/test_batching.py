@@ -169,7 +169,7 @@ def test_counts_of_one_read_in_the_singular():
     process, 1 output; the plural from 2 on."""
     import numpy as np
 
-    from lightning_diffusion.console import counted
+    from lightning_diffusion.core.console import counted
     from lightning_diffusion.input.batching import BatchPlan
     from lightning_diffusion.strategies.parallel_dims import ParallelDims
 

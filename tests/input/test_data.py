@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.input.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.records import PromptFileError

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 from tests.pipelines.test_any_pipeline import record as record_outcome
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
-from lightning_diffusion.errors import ConfigError, RecordFailure
+from lightning_diffusion.core.errors import ConfigError, RecordFailure
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.record_checks import check_records
 from lightning_diffusion.output.recorded import finished, scan_manifest
+from lightning_diffusion.pipelines.checks import CALL_ARGS, call_arg_problems, record_args, record_keys
 from lightning_diffusion.pipelines.model_folder import PipelineInfo
 from lightning_diffusion.pipelines.specs import SPECS
-from lightning_diffusion.run.validation import CALL_ARGS, call_arg_problems, record_args, record_keys
 from tests.conftest import REPO, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 NAN_RECORD = '{"prompt": "x", "guidance_scale": NaN}'

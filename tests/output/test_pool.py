@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.output.files import to_uint8
 from lightning_diffusion.output.folder_store import FolderStore
 from lightning_diffusion.output.lock import busy_message

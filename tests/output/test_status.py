@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.output.store import open_store
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.output.files import image_filename
 

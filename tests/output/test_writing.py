@@ -176,7 +176,7 @@ def test_a_writer_process_that_dies_fails_the_run_and_a_killed_rank_leaves_no_wr
 
 def test_a_files_class_the_writer_process_cannot_import_is_refused(tmp_path):
     from lightning_diffusion import ImageWriter
-    from lightning_diffusion.errors import ConfigError
+    from lightning_diffusion.core.errors import ConfigError
     from lightning_diffusion.output.files import OutputFiles
 
     local = type("LocalFiles", (OutputFiles,), {"__module__": "__main__"})
@@ -426,7 +426,7 @@ def test_ctrl_c_while_starting_up_is_one_line(tmp_path):
 def test_ctrl_c_while_two_ranks_start_is_one_line(tmp_path):
     """The terminal's Ctrl-C reaches every process of the job: a rank still starting ends quietly,
     and the launching process alone says the line."""
-    from lightning_diffusion.run.interrupt import INTERRUPTED_LINE
+    from lightning_diffusion.core.interrupt import INTERRUPTED_LINE
 
     proc = subprocess.Popen([sys.executable, "-m", "lightning_diffusion", "predict", "--config", "configs/tiny.yaml",
                              "--trainer.devices", "2", "--trainer.strategy", "data_parallel",

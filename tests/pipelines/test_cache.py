@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import raise_problems
+from lightning_diffusion.core.errors import raise_problems
 from lightning_diffusion.input.records import summarize_records
 from lightning_diffusion.pipelines.cache import check_cache
+from lightning_diffusion.pipelines.checks import model_cache_problems
 from lightning_diffusion.pipelines.shapes import caption, held_out_scenes
-from lightning_diffusion.run.model_checks import model_cache_problems
 from tests.conftest import SHAPES_ARGS, load_arrays, run_cli, run_here, tiny_args
 
 ATOL = 1e-5

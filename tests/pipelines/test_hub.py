@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.pipelines import tiny
 from tests.commands.test_slurm import cluster, job_log, submitted_job  # noqa: F401  (the cluster fixture)
 from tests.conftest import FIVE_PROMPTS, REPO, load_arrays, tiny_args

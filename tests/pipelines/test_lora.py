@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 pytest.importorskip("peft")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from tests.conftest import SHAPES_ARGS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 from tests.pipelines.test_cache import FBC, stats
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from lightning_diffusion import DiffusionModule, ImageWriter
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 ATOL = 1e-5

@@ -293,7 +293,7 @@ def test_a_problem_of_one_node_is_said_by_that_nodes_first_process_naming_its_ho
     import socket
 
     from lightning_diffusion.commands.predict import error_line
-    from lightning_diffusion.errors import ConfigError, NodeConfigError
+    from lightning_diffusion.core.errors import ConfigError, NodeConfigError
 
     assert error_line(ConfigError("data.batch_size must be ..."), environ) == (
         "lightning-diffusion: error: data.batch_size must be ..." if config_says else None)
@@ -302,7 +302,7 @@ def test_a_problem_of_one_node_is_said_by_that_nodes_first_process_naming_its_ho
 
 
 def test_problems_found_together_are_one_nodes_own_where_one_of_them_is():
-    from lightning_diffusion.errors import ConfigError, NodeConfigError, raise_problems
+    from lightning_diffusion.core.errors import ConfigError, NodeConfigError, raise_problems
 
     with pytest.raises(NodeConfigError, match="2 problems:\n  - too few GPUs\n  - bad size"):
         raise_problems([NodeConfigError("too few GPUs"), "bad size"])

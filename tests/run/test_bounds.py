@@ -6,13 +6,8 @@ import stat
 
 import pytest
 
-from lightning_diffusion.input.settings import DataSettings
-from lightning_diffusion.run.validation import (
-    MAX_BATCH_SIZE,
-    cpu_devices_problems,
-    data_problems,
-    system_folder_problems,
-)
+from lightning_diffusion.core.checks import MAX_BATCH_SIZE, cpu_devices_problems, system_folder_problems
+from lightning_diffusion.input.settings import DataSettings, data_problems
 
 
 def refused(proc, message):
@@ -84,9 +79,9 @@ def test_devices_lightning_refuses_on_the_cpu_are_one_line(devices, message, cli
 def test_lightnings_own_refusal_of_devices_is_one_line_where_the_checks_were_trusted(tmp_path):
     """A rank trusts its launcher's checks: what Lightning's Trainer refuses then (devices this
     machine does not have) is a ConfigError, said in one line, not a traceback."""
-    from lightning_diffusion.errors import ConfigError
+    from lightning_diffusion.core.context import RunContext
+    from lightning_diffusion.core.errors import ConfigError
     from lightning_diffusion.run.config import DiffusionCLI
-    from lightning_diffusion.run.context import RunContext
 
     with pytest.raises(ConfigError, match=r"^trainer: `Trainer\(devices='0'\)` value is not a valid input"):
         DiffusionCLI(args=["--config", "configs/tiny.yaml", "--trainer.devices", "0", "--writer.output_dir",

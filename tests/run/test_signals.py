@@ -64,9 +64,9 @@ def test_each_run_has_its_own_context_handed_from_the_cli_to_the_strategy_and_th
 
     import numpy as np
 
+    from lightning_diffusion.core.context import RunContext
     from lightning_diffusion.input.data import BatchDataset, PlanSampler, PromptDataModule, PromptDataset
     from lightning_diffusion.run.config import DiffusionCLI
-    from lightning_diffusion.run.context import RunContext
     from lightning_diffusion.strategies import DataParallelStrategy
 
     first, second = DataParallelStrategy(), DataParallelStrategy()
@@ -143,7 +143,7 @@ def test_a_ctrl_c_during_the_launch_reaches_the_ranks_started_after_it(tmp_path)
     (["my_script.py", "predict"], ["python", "my_script.py", "predict"], False),
 ], ids=["python -m", "python -u -m cli", "console script", "another -m", "spawned worker", "a script"])
 def test_only_the_command_line_itself_takes_ctrl_c_as_it_starts(argv, orig_argv, taken):
-    from lightning_diffusion.run import interrupt
+    from lightning_diffusion.core import interrupt
 
     assert interrupt.command_line(argv, orig_argv) is taken
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lightning_diffusion import DiffusionModule, ImageWriter
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.record_checks import check_records
 from lightning_diffusion.strategies import MeshError, ParallelDims

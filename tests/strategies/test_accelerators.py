@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_diffusion.errors import NodeConfigError
+from lightning_diffusion.core.errors import NodeConfigError
 from lightning_diffusion.strategies import DeviceMapStrategy
 from lightning_diffusion.strategies.accelerators import (
     TaskBoundCUDAAccelerator,

@@ -9,7 +9,7 @@ same branch on both ranks, or swapped the branches, changes the pictures by far 
 import numpy as np
 import pytest
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.strategies import CFGParallelStrategy, MeshStrategy
 from lightning_diffusion.strategies.checks import cfg_problems
 from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args

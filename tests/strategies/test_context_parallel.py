@@ -13,7 +13,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.strategies import ContextParallelStrategy, MeshError
 from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, tiny_args
 
@@ -169,7 +169,7 @@ def test_model_without_context_parallel_plan(tmp_path):
 def test_ring_in_float32_on_cuda_is_refused_before_loading():
     """Ring attention on CUDA needs a backend that returns the log-sum-exp (half precision only):
     refused by the weight-free checks, on the planned device type, not after the weights load."""
-    from lightning_diffusion.errors import raise_problems
+    from lightning_diffusion.core.errors import raise_problems
     from lightning_diffusion.strategies import MeshStrategy
 
     request = DiffusionModule("tiny:flux", height=64, width=64).request()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lightning_diffusion import DiffusionModule
 from lightning_diffusion.cli import end_process
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.strategies import group_work
 from lightning_diffusion.strategies.group_work import GroupWork, _one_hidden_state, exchange
 from tests.conftest import FIVE_PROMPTS, load_arrays, read_manifest_lines, run_cli, run_here, tiny_args, tiny_flux_with

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.strategies import MeshError, MeshStrategy
 from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, tiny_args
 

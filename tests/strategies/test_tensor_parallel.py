@@ -16,7 +16,7 @@ from lightning.pytorch import Trainer
 from safetensors.torch import load_file
 
 from lightning_diffusion import DiffusionModule
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.pipelines import tiny
 from lightning_diffusion.strategies import TensorParallelStrategy
 from tests.conftest import FIVE_PROMPTS, check_model, load_arrays, read_manifest_lines, run_cli, tiny_args

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_diffusion.console import log
+from lightning_diffusion.core.console import log
 
 if TYPE_CHECKING:
     from types import FrameType

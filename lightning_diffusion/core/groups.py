@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from lightning_diffusion.errors import ConfigError
+from lightning_diffusion.core.errors import ConfigError
 
 
 def group_options(cls: type, given: Mapping[str, Any], owner: str) -> dict[str, Any]:

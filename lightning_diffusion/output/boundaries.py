@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol, TypeVar, Union, cast, runtime_checkable
 
-from lightning_diffusion.errors import ConfigError
-from lightning_diffusion.input.settings import LEASE_S
-from lightning_diffusion.output.shard import Shard, shard_size
+from lightning_diffusion.core.checks import LEASE_S
+from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.output.shard import Batches, Shard, shard_size
 
 if TYPE_CHECKING:
     import os
@@ -33,10 +33,9 @@ if TYPE_CHECKING:
     import numpy as np
     from torch.distributed import ProcessGroup
 
-    from lightning_diffusion.input.batching import BatchPlan
+    from lightning_diffusion.core.context import RunContext
     from lightning_diffusion.output.fence import Claim
     from lightning_diffusion.output.pool import Pool, PoolFiles
-    from lightning_diffusion.run.context import RunContext
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ class PromptSource(Protocol):
 
     # The batch plan of this rank's last ``predict_dataloader`` (None before it): its buckets go into
     # the run's summary.
-    plan: Optional["BatchPlan"]
+    plan: Optional[Batches]
 
     def run_plan(self) -> RunPlan:
         ...
@@ -185,7 +184,7 @@ def require(part: object, protocol: Callable[..., _P], role: str) -> _P:
     missing = [name for name in members if not hasattr(part, name)]
     what = "nothing" if part is None else type(part).__name__
     raise ConfigError(f"the writer needs {role} that provides {', '.join(members)} ({protocol.__name__} in "
-                      f"lightning_diffusion.boundaries); got {what}"
+                      f"lightning_diffusion.output.boundaries); got {what}"
                       + (f", which lacks {', '.join(missing)}" if part is not None and missing else "") + ".")
 
 

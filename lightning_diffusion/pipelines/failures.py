@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 import numpy as np
 import torch
 
-from lightning_diffusion.console import log
-from lightning_diffusion.errors import RecordFailure
+from lightning_diffusion.core.console import log
+from lightning_diffusion.core.errors import RecordFailure
+from lightning_diffusion.core.records import CallArgs, Sample
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -27,8 +28,8 @@ class Generate(Protocol):
     """One pipeline call for ``samples`` (``DiffusionModule.generate``): their images and the
     parameters that made each; ``agree``: the replica's ranks agree on each step (``CallRunner.step``)."""
 
-    def __call__(self, samples: list[dict[str, Any]], agree: bool = False
-                 ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+    def __call__(self, samples: list[Sample], agree: bool = False
+                 ) -> tuple[list[np.ndarray], list[CallArgs]]:
         ...
 
 
@@ -50,7 +51,7 @@ class CallRunner:
         self.on_error = on_error
         self.group = group
 
-    def run_call(self, samples: list[dict[str, Any]], generate: Generate, batch_size: Optional[int],
+    def run_call(self, samples: list[Sample], generate: Generate, batch_size: Optional[int],
                  rank: int) -> list[Outcome]:
         """(image, params, None) for each sample of one pipeline call (``generate``), or (None, None,
         reason) for a sample whose call failed or whose image is not finite. With ``on_error: fail``
@@ -89,7 +90,7 @@ class CallRunner:
                 raise RecordFailure(f"{which([sample])} failed: {NOT_FINITE}")
         return outcomes
 
-    def _run_alone(self, sample: dict[str, Any], generate: Generate, batch_size: Optional[int],
+    def _run_alone(self, sample: Sample, generate: Generate, batch_size: Optional[int],
                    rank: int) -> list[Outcome]:
         """One sample in a call of its own, unpadded (after out of memory at the batch size)."""
         saved, self.pad_batches = self.pad_batches, False
@@ -155,17 +156,17 @@ def last_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {line}" if line else type(err).__name__
 
 
-def log_traceback(samples: Optional[list[dict[str, Any]]], err: BaseException) -> None:
+def log_traceback(samples: Optional[list[Sample]], err: BaseException) -> None:
     """With ``--verbose``, a failed call's full traceback on the rank where it failed (the record
     and the run go on as ``on_error`` says; without it, one line names the exception)."""
-    from lightning_diffusion import console
+    from lightning_diffusion.core import console
 
     if console.verbose():
         where = which(samples) if samples else "a pipeline call"
         log.warning(f"{where} failed:", exc_info=err, extra={"all_ranks": True})
 
 
-def which(samples: list[dict[str, Any]]) -> str:
+def which(samples: list[Sample]) -> str:
     """``image 4 (prompts.jsonl:5)``, or the images of a call."""
     real = [s for s in samples if not s.get("padding")]
     named = [f"{s['index']} ({s['source']})" if s.get("source") else str(s["index"]) for s in real[:4]]

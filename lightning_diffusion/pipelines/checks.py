@@ -1,37 +1,167 @@
 """The model group checked before any weight loads (``pipelines.settings.ModelSettings``):
 the pipeline's folder and class, the call arguments, and each option against the pipeline
 (attention backend, compile, VAE tiling and slicing, step cache, LoRA adapters, quantization).
-Rules follow ``validation``'s convention: each returns its problems.
+Rules follow ``core.checks``' convention: each returns its problems.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_diffusion.errors import ConfigError, run_check
-from lightning_diffusion.run.validation import (
-    MAX_PIXELS,
-    MAX_STEPS,
-    call_arg_problems,
-    integer,
-    pixel_problems,
-    record_keys,
-)
+from lightning_diffusion.core.checks import MAX_GUIDANCE, MAX_PIXELS, MAX_STEPS, finite, integer, number
+from lightning_diffusion.core.errors import ConfigError, is_int, run_check
+from lightning_diffusion.core.records import INPUT_FIELDS, RecordSet
 
 if TYPE_CHECKING:
     import torch
 
-    from lightning_diffusion.input.records import RecordSummary
     from lightning_diffusion.pipelines.lora import Adapter
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
     from lightning_diffusion.pipelines.settings import ModelSettings
 
+# ----------------------------------------------------------------------------- call arguments
+
+
+@dataclass(frozen=True)
+class ArgRule:
+    """The type and bound of one call argument (``integer`` or ``number``); ``high`` may be given
+    by the pipeline or the run (``text``: its text encoder's limit, ``pixels``: ``data.max_pixels``)."""
+
+    kind: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_from: Optional[str] = None
+
+    def problems(self, name: str, value: object, limits: Mapping[str, Optional[int]]) -> list[str]:
+        if self.kind in ("size", "frames"):
+            return []  # the pipeline's own rules: ``PipelineInfo.size_problems`` and ``frames_problems``
+        high = limits.get(self.high_from) if self.high_from else self.high
+        if self.kind == "integer":
+            return integer(value, name, int(self.low) if self.low is not None else None,
+                           int(high) if high is not None else None)
+        return number(value, name, self.low, high, self.low_open)
+
+
+# The call arguments a prompt record may set (``PipelineSpec.record_args`` picks among them), with
+# their types and bounds; the config's values are held to the same rules.
+CALL_ARGS: dict[str, ArgRule] = {
+    "height": ArgRule("size"),
+    "width": ArgRule("size"),
+    "num_inference_steps": ArgRule("integer", 1, MAX_STEPS),
+    "guidance_scale": ArgRule("number", 0, MAX_GUIDANCE),
+    "guidance_scale_2": ArgRule("number", 0, MAX_GUIDANCE),
+    "true_cfg_scale": ArgRule("number", 0, MAX_GUIDANCE),
+    "max_sequence_length": ArgRule("integer", 1, high_from="text"),
+    "num_frames": ArgRule("frames"),
+    "strength": ArgRule("number", 0, 1, low_open=True),
+    "max_area": ArgRule("integer", 256, high_from="pixels"),
+}
+
+
+def record_args(info: PipelineInfo) -> list[str]:
+    """The call arguments a record may set for this pipeline: its spec's, that its call takes."""
+    return [name for name in info.spec.record_args if name in info.call_parameters and name in CALL_ARGS]
+
+
+def record_keys(info: PipelineInfo) -> list[str]:
+    """Every key a record of this pipeline may have."""
+    inputs = [name for name in INPUT_FIELDS if name in info.call_parameters]
+    negative = ["negative_prompt"] if "negative_prompt" in info.call_parameters else []
+    return ["prompt", "seed", *negative, *inputs, *record_args(info)]
+
+
+def call_arg_problems(info: PipelineInfo, values: Mapping[str, Any], base: Optional[Mapping[str, Any]] = None,
+                      max_pixels: Optional[int] = MAX_PIXELS, record: bool = False, where: str = "") -> list[str]:
+    """Problems of call arguments ``values``. ``base``: the call arguments ``values`` override (a
+    record's over the config's); ``record``: ``values`` come from a prompt record, which may set
+    only ``record_args`` (the config may set any argument the pipeline's ``__call__`` takes, except
+    those the project sets itself). ``where``: the config key holding them (``model``,
+    ``model.call_kwargs``); a record's problems are bare, the caller names its line."""
+    problems: list[str] = []
+    names = set(values)
+    prefix = f"{where}." if where else ""
+    if record:
+        allowed = record_args(info)
+        unknown = sorted(names - set(allowed))
+        if unknown:
+            problems.append(f"{', '.join(unknown)}: not something a record may set; a {info.class_name} record may "
+                            f"have {', '.join(record_keys(info))}.")
+        names -= set(unknown)
+    else:
+        problems += info.call_argument_problems(names, where or "model")
+        names &= info.call_parameters
+    limits = {"text": info.spec.text_length_max, "pixels": max_pixels}
+    typed = {}
+    for name in sorted(names):
+        value = values[name]
+        rule = CALL_ARGS.get(name)
+        if value is None and (rule is None or name in info.optional_parameters):
+            found: list[str] = []  # the pipeline's own default
+        elif rule is not None:
+            found = rule.problems(prefix + name, value, limits)
+        else:
+            found = finite(value, prefix + name) or [f"{where}: {p}" for p in info.call_value_problems({name: value})]
+        problems += found
+        if not found:
+            typed[name] = value
+    merged = {**(base or {}), **typed}
+    if "height" in typed or "width" in typed:
+        sizes = info.size_problems(typed.get("height"), typed.get("width"))
+        problems += sizes or pixel_problems(info, merged, max_pixels)
+    if "num_frames" in typed:
+        problems += info.frames_problems(typed["num_frames"])
+    if "strength" in typed or "num_inference_steps" in typed:
+        problems += [f"{where}: {p}" if where else p for p in strength_problems(info, merged)]
+    return problems
+
+
+def pixel_problems(info: PipelineInfo, call_args: Mapping[str, Any], max_pixels: Optional[int]) -> list[str]:
+    """An image (or frame) of more than ``max_pixels`` pixels: refused before it is found by the
+    device's memory (``None``: no budget)."""
+    default = info.spec.default_size or (None, None)
+    height, width = call_args.get("height") or default[0], call_args.get("width") or default[1]
+    longest = max((v for v in (height, width) if is_int(v, 1)), default=0)
+    if info.facts.max_side and longest > info.facts.max_side:
+        return [f"{height}x{width}: {info.class_name}'s transformer places at most {info.facts.max_side:,} pixels per "
+                "side (its pos_embed_max_size); choose a smaller size."]
+    if max_pixels is None:
+        return []
+    side = 4 * math.isqrt(max_pixels)
+    if longest > side:
+        return [f"{height}x{width}: a side of {longest:,} pixels is over {side:,}, four times the side of "
+                f"data.max_pixels' square ({max_pixels:,} pixels); raise data.max_pixels if you mean it."]
+    if is_int(height, 1) and is_int(width, 1) and height * width > max_pixels:
+        return [f"{height}x{width} is {height * width:,} pixels, over data.max_pixels {max_pixels:,} (raise it if "
+                "you mean it)."]
+    return []
+
+
+def strength_problems(info: PipelineInfo, args: Mapping[str, Any]) -> list[str]:
+    """An image-to-image ``strength`` that runs no denoising step (diffusers raises only after loading)."""
+    if "strength" not in info.call_parameters:
+        return []
+    strength, steps = args.get("strength", info.call_default("strength")), args.get("num_inference_steps")
+    steps = steps if steps is not None else info.call_default("num_inference_steps")
+    if (isinstance(strength, (int, float)) and isinstance(steps, int) and 0 < strength <= 1
+            and int(steps * strength) < 1):
+        return [f"strength {strength} of num_inference_steps {steps} runs no step (the pipeline runs "
+                f"int(steps x strength) = 0 of them): raise one of the two."]
+    return []
+
+
+
+# ----------------------------------------------------------------------------- the model section
+
+
 COMPILE_MODES = ("regional", "full")
 
 
-def model_problems(settings: ModelSettings, records: Optional[RecordSummary] = None,
+def model_problems(settings: ModelSettings, records: Optional[RecordSet] = None,
                    max_pixels: Optional[int] = MAX_PIXELS) -> tuple[Optional[PipelineInfo], list]:
     """Every weight-free check of the model group's values (``DiffusionModule``'s arguments);
     returns the pipeline's info (None when the path itself is wrong) and the problems.
@@ -293,7 +423,7 @@ def model_cache_problems(info: PipelineInfo, cache: object, call_args: Mapping[s
     return problems
 
 
-def negative_branch(info: PipelineInfo, call_args: Mapping[str, Any], summary: Optional[RecordSummary] = None) -> bool:
+def negative_branch(info: PipelineInfo, call_args: Mapping[str, Any], summary: Optional[RecordSet] = None) -> bool:
     """Whether some image runs a guidance pass on a negative prompt (true CFG): the scale above 1
     and, where the pipeline needs one, a negative prompt in the config or a record (``summary``:
     the records' ``RecordSummary``)."""

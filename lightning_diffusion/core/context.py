@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from lightning_diffusion.run.preemption import StopController
+from lightning_diffusion.core.preemption import StopController
 
 # Set by a launching process whose command line passed preflight, for the ranks it starts.
 _CHECKED_ENV = "LIGHTNING_DIFFUSION_PREFLIGHT_PASSED"

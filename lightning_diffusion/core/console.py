@@ -21,7 +21,7 @@ import os
 import sys
 import warnings
 
-from lightning_diffusion.run.interrupt import INTERRUPTED_LINE as INTERRUPTED_LINE  # the last line of a Ctrl-C
+from lightning_diffusion.core.interrupt import INTERRUPTED_LINE as INTERRUPTED_LINE  # the last line of a Ctrl-C
 
 LOGGER = "lightning_diffusion"
 
