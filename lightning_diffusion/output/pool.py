@@ -125,14 +125,29 @@ class FolderPoolFiles:
         self.clock = clock  # the time renewals are stamped with and ages are read against
 
     def create(self, name: str, data: bytes) -> bool:
+        """The file appears with its content or not at all: written under a temporary name, then
+        linked to ``name``, which fails where ``name`` exists (a hard link is atomic on local file
+        systems and NFS alike). A file made empty and then written would let a reader between the
+        two see a claim without a holder, which reads as a stopped worker's: a needless takeover."""
         path = self.folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            return False
+        temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.new")
+        temporary.write_bytes(data)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.link(temporary, path)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        except OSError:  # a file system without hard links: made exclusively, then written
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        finally:
+            temporary.unlink(missing_ok=True)
         return True
 
     def read(self, name: str) -> Optional[bytes]:
