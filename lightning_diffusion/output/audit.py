@@ -130,6 +130,8 @@ class PlainRemaker(Protocol):
     """What the audit asks of the module (``DiffusionModule``): what it has on, and a batch's
     samples re-made with it off."""
 
+    batch_size: Optional[int]  # the size of its pipeline calls
+
     def accelerators(self) -> Accelerators: ...
 
     def remake_plain(self, samples: Sequence[dict[str, Any]]) -> list[dict]: ...
@@ -140,8 +142,11 @@ def median_psnr(values: Sequence[float]) -> float:
 
 
 class Auditor:
-    """One rank's audit in a run: picks the batch's sampled images, has them re-made, appends their
-    lines to ``part`` (``writes``: this rank writes its replica's outputs), and judges the drift."""
+    """One rank's audit in a run: collects the sampled images of its batches, has them re-made a
+    full call at a time (``call_size`` of them: the batch size, so that an audit costs about its
+    fraction of the run, not a padded call per sampled image), appends their lines to ``part``
+    (``writes``: this rank writes its replica's outputs), and judges the drift. At most
+    ``call_size - 1`` images wait; ``flush`` audits them at the run's end (a killed run does not)."""
 
     def __init__(self, settings: AuditSettings, part: Path, writes: bool) -> None:
         self.settings = settings
@@ -150,20 +155,31 @@ class Auditor:
         self.psnrs: list[float] = []
         self.seconds = 0.0
         self.drifting = False  # the median is under the bound now (said once each time it falls)
+        self.waiting: list[tuple[dict[str, Any], np.ndarray]] = []  # (sample, the run's image)
 
     def after_batch(self, module: PlainRemaker, batch: Sequence[dict[str, Any]],
-                    prediction: Sequence[dict[str, Any]]) -> Optional[str]:
-        """Audit the batch's sampled images (those made: a failed call has nothing to compare);
-        the drift message when the median falls under the bound with this batch, else ``None``."""
-        made = {item["index"]: item for item in prediction if "image" in item}
-        picked = [s for s in batch if not s.get("padding") and s["index"] in made
-                  and sampled(s["index"], self.settings.fraction)]
-        if not picked:
-            return None
+                    prediction: Sequence[dict[str, Any]], call_size: int) -> Optional[str]:
+        """Take the batch's sampled images (those made: a failed call has nothing to compare) and
+        audit ``call_size`` at a time; the drift message when the median falls under the bound
+        with them, else ``None``."""
+        made = {item["index"]: item["image"] for item in prediction if "image" in item}
+        self.waiting += [(s, made[s["index"]]) for s in batch if not s.get("padding") and s["index"] in made
+                         and sampled(s["index"], self.settings.fraction)]
+        said = None
+        while len(self.waiting) >= max(1, call_size):
+            said = self._audit(module, max(1, call_size)) or said
+        return said
+
+    def flush(self, module: PlainRemaker) -> Optional[str]:
+        """Audit the images still waiting (the run's end)."""
+        return self._audit(module, len(self.waiting)) if self.waiting else None
+
+    def _audit(self, module: PlainRemaker, count: int) -> Optional[str]:
+        taken, self.waiting = self.waiting[:count], self.waiting[count:]
+        made = {sample["index"]: image for sample, image in taken}
         start = time.perf_counter()
-        plain = module.remake_plain(picked)
-        lines = [{"index": int(item["index"]), "seed": item["seed"], **compare(made[item["index"]]["image"],
-                                                                             item["image"])}
+        plain = module.remake_plain([sample for sample, _ in taken])
+        lines = [{"index": int(item["index"]), "seed": item["seed"], **compare(made[item["index"]], item["image"])}
                  for item in plain if "image" in item]
         seconds = time.perf_counter() - start
         self.seconds += seconds

@@ -531,8 +531,16 @@ class ImageWriter(BasePredictionWriter):
                      prediction: list[dict[str, Any]]) -> None:
         auditor = self._auditor
         assert auditor is not None
-        drift = auditor.after_batch(cast(audit_.PlainRemaker, pl_module), batch, prediction)
-        if drift is None:
+        module = cast(audit_.PlainRemaker, pl_module)
+        self._on_drift(trainer, auditor.after_batch(module, batch, prediction, module.batch_size or len(batch)))
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._auditor is not None:  # the sampled images still waiting for a full call
+            self._on_drift(trainer, self._auditor.flush(cast(audit_.PlainRemaker, pl_module)))
+
+    def _on_drift(self, trainer: pl.Trainer, drift: Optional[str]) -> None:
+        auditor = self._auditor
+        if drift is None or auditor is None:
             return
         stop = auditor.settings.on_drift == "stop"
         if auditor.writes:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_diffusion.output.audit import AUDIT_FILE, audit_problems, compare, sample_of, sampled
+from lightning_diffusion.output.audit import AUDIT_FILE, audit_problems, compare, sample_of
 from lightning_diffusion.pipelines.plain import accelerators_off
 from lightning_diffusion.run.preemption import DRIFT_EXIT_CODE
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
