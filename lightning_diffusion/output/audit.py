@@ -96,10 +96,21 @@ def settings_of(given: Optional[Mapping[str, Any]]) -> Optional[AuditSettings]:
     return AuditSettings.of(given)
 
 
-def sampled(index: int, fraction: float) -> bool:
-    """Whether image ``index`` is audited: a hash of the index, uniform in [0, 1), under ``fraction``."""
+def hash_value(index: int) -> float:
+    """Image ``index``'s place in the audit's order: a hash of the index, uniform in [0, 1)."""
     digest = hashlib.blake2b(f"lightning-diffusion audit {int(index)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < fraction * 2.0 ** 64
+    return int.from_bytes(digest, "big") / 2.0 ** 64
+
+
+def sampled(index: int, fraction: float) -> bool:
+    """Whether image ``index`` is audited: its ``hash_value`` under ``fraction``."""
+    return hash_value(index) < fraction
+
+
+def lowest(indices: Sequence[int], count: int) -> list[int]:
+    """The ``count`` of ``indices`` a fraction picks first (the lowest ``hash_value``s), sorted: an
+    in-run audit's images, where it audited at least ``count`` of them."""
+    return sorted(sorted((int(i) for i in indices), key=hash_value)[:count])
 
 
 def sample_of(indices: Sequence[int], fraction: float) -> list[int]:
@@ -111,12 +122,17 @@ def compare(made: np.ndarray, plain: np.ndarray) -> dict[str, Any]:
     """``made`` (the run's image, or video) against ``plain`` (its re-make without accelerators), both
     as written: 8-bit. ``psnr`` and ``ssim`` (torchmetrics, over the frames of a video), ``max_diff``
     in 8-bit levels."""
+    from lightning_diffusion.output.files import to_uint8
+
+    return compare_8bit(to_uint8(np.asarray(made)), to_uint8(np.asarray(plain)))
+
+
+def compare_8bit(made: np.ndarray, plain: np.ndarray) -> dict[str, Any]:
+    """``compare`` of two 8-bit images (or videos) as read from their files."""
     import torch
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-    from lightning_diffusion.output.files import to_uint8
-
-    a, b = (torch.from_numpy(to_uint8(np.asarray(x)).astype(np.float32)) for x in (made, plain))
+    a, b = (torch.from_numpy(np.asarray(x, dtype=np.float32)) for x in (made, plain))
     if a.ndim == 3:  # H x W x C: one image; a video is F x H x W x C
         a, b = a[None], b[None]
     a, b = a.permute(0, 3, 1, 2), b.permute(0, 3, 1, 2)

@@ -558,7 +558,9 @@ class ImageWriter(BasePredictionWriter):
         parts = sorted(folder.glob(self.store.parts_glob.replace("manifest", "audit", 1)))
         lines = audit_.merge(folder, parts)
         busy = sum(w["busy_s"] for w in self._work.values())
-        summary = {**audit_.summary(lines, busy), **asdict(self.audit_settings)}
+        # the batch size: what ``lightning-diffusion audit`` re-makes images at after the fact
+        batch = {"batch_size": self.plan.batch_size} if self.plan is not None else {}
+        summary = {**audit_.summary(lines, busy), **asdict(self.audit_settings), **batch}
         log.info(audit_.summary_text(summary))
         return summary
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_diffusion.output.audit import AUDIT_FILE, audit_problems, compare, sample_of
+from lightning_diffusion.output.audit import AUDIT_FILE, audit_problems, compare, hash_value, sample_of
 from lightning_diffusion.pipelines.plain import accelerators_off
 from lightning_diffusion.run.preemption import DRIFT_EXIT_CODE
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
@@ -175,3 +175,31 @@ def test_the_sample_and_its_numbers_are_the_same_for_one_and_two_replicas(tmp_pa
     assert numbers[0] == numbers[1]
     assert [line["index"] for line in audit_lines(two)] == sample_of(range(4), 0.5)
     assert not list(two.glob("audit.part-*"))
+
+
+# ----------------------------------------------------------------------------- after the fact
+
+
+def test_audit_after_the_fact_reports_the_in_run_numbers(tmp_path):
+    shapes(tmp_path, "--data.batch_size", "2", *AGGRESSIVE, "--writer.audit", "{fraction: 1.0}")
+    in_run = {line["index"]: {k: line[k] for k in ("psnr", "ssim", "max_diff")} for line in audit_lines(tmp_path)}
+    proc = run_here("audit", str(tmp_path), "--sample", "3", "--json", check=False)
+    assert proc.returncode == DRIFT_EXIT_CODE, proc.stderr[-3000:]  # the drift is under 30 dB
+    result = json.loads(proc.stdout)
+    assert result["batch_size"] == 2 and result["batch_size_recorded"] and result["left_out"] == ["model.cache"]
+    after = {line["index"]: {k: line[k] for k in ("psnr", "ssim", "max_diff")} for line in result["images"]}
+    assert list(after) == sorted(sorted(range(4), key=hash_value)[:3])  # the three a fraction picks first
+    assert after == {index: in_run[index] for index in after}
+    assert not (tmp_path / "audit.part-0.jsonl").exists() and len(audit_lines(tmp_path)) == 4  # read only
+
+
+@pytest.mark.parametrize("setup, said", [
+    (lambda folder: None, "has no run.json"),
+    (lambda folder: (folder / "run.json").write_text('{"expected": 3}'), "names no model and dtype"),
+])
+def test_audit_after_the_fact_refuses_a_folder_without_a_run_of_this_version(setup, said, tmp_path, cli_here):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    setup(folder)
+    proc = cli_here("audit", str(folder))
+    assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
