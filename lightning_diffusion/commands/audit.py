@@ -61,7 +61,8 @@ def model_flags(settings: dict[str, Any]) -> list[str]:
     flags = ["--model.pretrained_model_name_or_path", str(settings["model"]), "--model.torch_dtype",
              str(settings["torch_dtype"])]
     call_kwargs: dict[str, Any] = {}
-    from_pretrained = {key.split(".", 1)[1]: value for key, value in settings.items() if key.startswith("from_pretrained.")}
+    from_pretrained = {key.split(".", 1)[1]: value for key, value in settings.items()
+                       if key.startswith("from_pretrained.")}
     for key, value in settings.items():
         if not key.startswith("model."):
             continue
