@@ -268,6 +268,24 @@ def merge(folder: Path, parts: Sequence[Path]) -> list[dict[str, Any]]:
     return new
 
 
+def folder_audit(folder: Path) -> Optional[dict[str, Any]]:
+    """The audit recorded in ``folder`` so far (``audit.jsonl`` and the parts of a run going on), as
+    ``status`` shows it: images audited, worst and median PSNR, largest difference; None without one."""
+    lines = {line["index"]: line for path in [folder / AUDIT_FILE, *sorted(folder.glob("audit.*part-*.jsonl"))]
+             for line in read_lines(path) if _is_number(line.get("psnr"))}
+    if not lines:
+        return None
+    psnrs = [float(line["psnr"]) for line in lines.values()]
+    return {"images": len(psnrs), "worst_psnr": min(psnrs), "median_psnr": median_psnr(psnrs),
+            "max_diff": max(int(line.get("max_diff") or 0) for line in lines.values())}
+
+
+def audit_text(audit: dict[str, Any]) -> str:
+    """``status``'s line of ``folder_audit``."""
+    return (f"audit: {audit['images']:,} images re-made without accelerators, PSNR worst {audit['worst_psnr']:.1f} "
+            f"dB, median {audit['median_psnr']:.1f} dB, largest difference {audit['max_diff']} levels ({AUDIT_FILE})")
+
+
 def summary(lines: Sequence[dict[str, Any]], busy_s: float) -> dict[str, Any]:
     """The run's audit as run.json's summary records it: images audited, worst and median PSNR,
     seconds spent and their share of the time in pipeline calls (``busy_s``, the run's own)."""

@@ -126,6 +126,8 @@ def test_on_drift_stop_stops_with_its_exit_code_and_a_resume_finishes(tmp_path):
     assert "stopped by the audit" in stopped.stderr + stopped.stdout
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1]  # the first batch only
     assert [line["index"] for line in audit_lines(tmp_path)] == [0, 1]
+    status = run_here("status", str(tmp_path), check=False)
+    assert "audit: 2 images re-made without accelerators, PSNR worst" in status.stdout
     resumed = shapes(tmp_path, *settings, "--writer.audit", "{fraction: 1.0, on_drift: warn, window: 1}")
     assert "under writer.audit.min_psnr 30" in resumed.stderr + resumed.stdout
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2, 3]
