@@ -268,16 +268,26 @@ def merge(folder: Path, parts: Sequence[Path]) -> list[dict[str, Any]]:
     return new
 
 
-def folder_audit(folder: Path) -> Optional[dict[str, Any]]:
+def folder_audit(folder: Path, glob: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The audit recorded in ``folder`` so far (``audit.jsonl`` and the parts of a run going on), as
-    ``status`` shows it: images audited, worst and median PSNR, largest difference; None without one."""
-    lines = {line["index"]: line for path in [folder / AUDIT_FILE, *sorted(folder.glob("audit.*part-*.jsonl"))]
-             for line in read_lines(path) if _is_number(line.get("psnr"))}
+    ``status`` shows it: images audited, worst and median PSNR, largest difference; None without one.
+    ``glob``: these parts only (a running run's own, for its progress line)."""
+    paths = sorted(folder.glob(glob)) if glob else [folder / AUDIT_FILE, *sorted(folder.glob("audit.*part-*.jsonl"))]
+    lines = {line["index"]: line for path in paths for line in read_lines(path) if _is_number(line.get("psnr"))}
     if not lines:
         return None
     psnrs = [float(line["psnr"]) for line in lines.values()]
     return {"images": len(psnrs), "worst_psnr": min(psnrs), "median_psnr": median_psnr(psnrs),
             "max_diff": max(int(line.get("max_diff") or 0) for line in lines.values())}
+
+
+def progress_text(folder: Path, glob: str) -> str:
+    """What the progress line adds while a run audits: its drift so far (``glob``: its parts)."""
+    audit = folder_audit(folder, glob)
+    if audit is None:
+        return ""
+    return (f"; audit PSNR worst {audit['worst_psnr']:.1f} dB, median {audit['median_psnr']:.1f} dB "
+            f"({audit['images']:,})")
 
 
 def audit_text(audit: dict[str, Any]) -> str:

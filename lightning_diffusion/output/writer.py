@@ -272,6 +272,13 @@ class ImageWriter(BasePredictionWriter):
         return self.store.parts_glob if self.store is not None else ""
 
     @property
+    def audit_glob(self) -> Optional[str]:
+        """This run's audit parts (``writer.audit``), in ``parts_folder``; None without an audit."""
+        if self.audit_settings is None or self.store is None:
+            return None
+        return self.store.parts_glob.replace("manifest", "audit", 1)
+
+    @property
     def parts_folder(self) -> Path:
         """The folder this process writes its files and manifest part into (the output folder, or
         its staging folder for a bucket; a full disk is said with its free space)."""
@@ -555,7 +562,7 @@ class ImageWriter(BasePredictionWriter):
         and this run's audit summarised (logged, and recorded in run.json)."""
         assert self.store is not None and self.audit_settings is not None
         folder = self.store.local_dir
-        parts = sorted(folder.glob(self.store.parts_glob.replace("manifest", "audit", 1)))
+        parts = sorted(folder.glob(self.audit_glob or ""))
         lines = audit_.merge(folder, parts)
         busy = sum(w["busy_s"] for w in self._work.values())
         # the batch size: what ``lightning-diffusion audit`` re-makes images at after the fact

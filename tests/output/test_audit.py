@@ -205,3 +205,17 @@ def test_audit_after_the_fact_refuses_a_folder_without_a_run_of_this_version(set
     setup(folder)
     proc = cli_here("audit", str(folder))
     assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_progress_bar_shows_the_drift_so_far(tmp_path):
+    from tests.run.test_progress import on_a_terminal
+
+    prompts = "[" + ", ".join(f"a red circle on a blue background {i}" for i in range(12)) + "]"
+    code, output = on_a_terminal(tiny_args(tmp_path, "--data.prompts", prompts, "--data.batch_size", "1",
+                                           "--model.num_inference_steps", "8", *AGGRESSIVE, "--writer.audit",
+                                           "{fraction: 1.0}", "--trainer.enable_progress_bar", "true",
+                                           config="configs/tiny.yaml"))
+    assert code == 0, output[-3000:]
+    frames = [frame for frame in output.replace("\r\n", "\r").split("\r") if frame.startswith("Images:")]
+    assert any("audit PSNR worst" in frame and "median" in frame for frame in frames), frames[-5:]
