@@ -219,3 +219,22 @@ def test_the_progress_bar_shows_the_drift_so_far(tmp_path):
     assert code == 0, output[-3000:]
     frames = [frame for frame in output.replace("\r\n", "\r").split("\r") if frame.startswith("Images:")]
     assert any("audit PSNR worst" in frame and "median" in frame for frame in frames), frames[-5:]
+
+
+ULYSSES = ["--trainer.devices", "2", "--trainer.strategy.class_path",
+           "lightning_diffusion.strategies.ContextParallelStrategy", "--trainer.strategy.init_args.ulysses_degree", "2",
+           "--trainer.strategy.init_args.timeout", "120"]
+
+
+@pytest.mark.slow
+def test_under_ulysses_the_group_audits_together_identical_without_accelerators_and_drifting_with(tmp_path):
+    """The two ranks of a Ulysses group make the plain images together (a first-block cache's
+    agreement is bypassed on both, so neither waits for the other) and one of them records them."""
+    plain, cached = tmp_path / "plain", tmp_path / "cached"
+    audit = ["--writer.audit", "{fraction: 1.0}", "--data.batch_size", "2", *ULYSSES]
+    run_cli(*tiny_args(plain, *PROMPTS, *audit, config="configs/tiny.yaml"), timeout=400)
+    assert [line["index"] for line in audit_lines(plain)] == [0, 1, 2, 3]
+    assert all(line["psnr"] == math.inf and line["max_diff"] == 0 for line in audit_lines(plain))
+    run_cli(*tiny_args(cached, *PROMPTS, *audit, *AGGRESSIVE, config="configs/tiny.yaml"), timeout=400)
+    assert [line["index"] for line in audit_lines(cached)] == [0, 1, 2, 3]
+    assert all(line["psnr"] < 30 for line in audit_lines(cached))
