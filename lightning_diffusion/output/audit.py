@@ -249,22 +249,23 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 def merge(folder: Path, parts: Sequence[Path]) -> list[dict[str, Any]]:
     """Add the ``parts`` (the ranks' lines) to ``folder/audit.jsonl`` (one line an index, the latest
-    kept, sorted), remove them; the lines they held."""
+    kept, sorted), remove them; the lines they held. Under the folder's merge lock: the shards of a
+    job array and the jobs of a pool merge into the one file."""
+    from lightning_diffusion.output.manifest import merge_lock
+
     target = folder / AUDIT_FILE
     new = [line for part in parts for line in read_lines(part)]
-    if not new:
+    with merge_lock(folder):
+        if new:
+            lines = {line["index"]: line for line in [*read_lines(target), *new]}
+            temporary = target.with_name(f".{AUDIT_FILE}.{os.getpid()}.tmp")
+            with open(temporary, "w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(lines[i]) + "\n" for i in sorted(lines)))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, target)
         for part in parts:
             part.unlink(missing_ok=True)
-        return []
-    lines = {line["index"]: line for line in [*read_lines(target), *new]}
-    temporary = target.with_name(f".{AUDIT_FILE}.{os.getpid()}.tmp")
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write("".join(json.dumps(lines[i]) + "\n" for i in sorted(lines)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, target)
-    for part in parts:
-        part.unlink(missing_ok=True)
     return new
 
 

@@ -103,6 +103,12 @@ def test_a_run_without_accelerators_audits_as_identical(tmp_path):
     assert not list(tmp_path.glob("audit.part-*"))
 
 
+def test_a_pool_job_audits_the_same_sample(tmp_path):
+    shapes(tmp_path, "--data.schedule", "pull", "--data.batch_size", "2", "--writer.audit", "{fraction: 0.5}")
+    assert [line["index"] for line in audit_lines(tmp_path)] == sample_of(range(4), 0.5)
+    assert not list(tmp_path.glob("audit.*part-*"))
+
+
 def test_the_audit_compares_with_the_run_made_without_the_cache(tmp_path):
     """The audit's baseline is the plain run's image: its numbers equal a comparison of the cached
     run's images with those of a run that has no cache, image by image."""
