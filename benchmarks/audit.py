@@ -3,6 +3,11 @@
 without an audit and at two fractions, side by side in one run.
 
     python benchmarks/audit.py [--images 400] [--fractions 0.01 0.05] [--repeats 3] [--out /tmp/audit-bench]
+    python benchmarks/audit.py --drift [--images 20]
+
+``--drift``: the drift table instead, what the audit records for each cache setting of
+docs/caching.md's table (every image audited, ``fraction: 1``): PSNR worst and median, SSIM
+median and the largest difference in 8-bit levels, over the first ``--images`` held-out captions.
 
 Every row is ``lightning-diffusion predict --config configs/tiny.yaml`` (64x64, 12 steps, batch 5,
 true CFG 3) on the first ``--images`` held-out captions with ``model.cache: {type: first_block,
@@ -26,6 +31,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = {"type": "first_block", "threshold": 0.1}
+DRIFT = [("first_block 0.1", CACHE), ("first_block 0.2", {"type": "first_block", "threshold": 0.2}),
+         ("taylorseer interval 2", {"type": "taylorseer", "cache_interval": 2}),
+         ("taylorseer interval 4", {"type": "taylorseer", "cache_interval": 4})]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -45,12 +53,15 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.05])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="/tmp/audit-bench")
+    parser.add_argument("--drift", action="store_true", help="the drift table per cache setting instead")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.txt"
     scenes = held_out_scenes()
     prompts.write_text("\n".join(caption(scenes[i % len(scenes)]) for i in range(args.images)) + "\n")
+    if args.drift:
+        return drift(prompts, out, args.images)
     rows: list[tuple[str, list[str]]] = [("no audit", [])]
     rows += [(f"fraction {f:g}", ["--writer.audit", json.dumps({"fraction": f})]) for f in args.fractions]
     per_image: dict[str, list[float]] = {name: [] for name, _ in rows}
@@ -80,6 +91,24 @@ def main() -> None:
         seconds = statistics.median(per_image[name])
         print(f"| {name} | {audited.get(name, 0)} | {seconds:.4f} | {seconds / base:.3f}x | "
               f"{100 * statistics.median(share[name]):.1f}% |")
+
+
+def drift(prompts: Path, out: Path, images: int) -> None:
+    import statistics as stats
+
+    print(f"tiny:shapes, 64x64, 12 steps, batch 5, {images} held-out captions, every image audited\n")
+    print("| cache | PSNR worst (dB) | PSNR median (dB) | SSIM median | largest difference (levels) |")
+    print("|---|---|---|---|---|")
+    for name, cache in DRIFT:
+        folder = out / ("drift-" + name.replace(" ", "-"))
+        shutil.rmtree(folder, ignore_errors=True)
+        cli("predict", "--config", "configs/tiny.yaml", "--data.prompts", str(prompts), "--model.cache",
+            json.dumps(cache), "--writer.output_dir", str(folder), "--trainer.enable_progress_bar", "false",
+            "--writer.audit", json.dumps({"fraction": 1.0}))
+        lines = [json.loads(line) for line in (folder / "audit.jsonl").read_text().splitlines()]
+        psnr = [line["psnr"] for line in lines]
+        print(f"| {name} | {min(psnr):.1f} | {stats.median(psnr):.1f} | "
+              f"{stats.median(line['ssim'] for line in lines):.4f} | {max(line['max_diff'] for line in lines)} |")
 
 
 if __name__ == "__main__":
