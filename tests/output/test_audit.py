@@ -130,6 +130,7 @@ def test_on_drift_stop_stops_with_its_exit_code_and_a_resume_finishes(tmp_path):
                      check=False)
     assert stopped.returncode == DRIFT_EXIT_CODE == 3, stopped.stderr[-3000:]
     assert "stopped by the audit" in stopped.stderr + stopped.stdout
+    assert "stopped by the audit's drift; the remaining images are left" in stopped.stderr + stopped.stdout
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1]  # the first batch only
     assert [line["index"] for line in audit_lines(tmp_path)] == [0, 1]
     status = run_here("status", str(tmp_path), check=False)
