@@ -245,3 +245,17 @@ def test_under_ulysses_the_group_audits_together_identical_without_accelerators_
     run_cli(*tiny_args(cached, *PROMPTS, *audit, *AGGRESSIVE, config="configs/tiny.yaml"), timeout=400)
     assert [line["index"] for line in audit_lines(cached)] == [0, 1, 2, 3]
     assert all(line["psnr"] < 30 for line in audit_lines(cached))
+
+
+@pytest.mark.slow
+def test_a_drift_under_two_replicas_stops_the_run_with_its_exit_code_and_a_resume_finishes(tmp_path):
+    prompts = "[" + ", ".join(f"a red circle on a blue background {i}" for i in range(12)) + "]"
+    args = tiny_args(tmp_path, "--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps",
+                     "4", *AGGRESSIVE, "--trainer.devices", "2", config="configs/tiny.yaml")
+    stopped = run_cli(*args, "--writer.audit", "{fraction: 1.0, on_drift: stop, window: 1}", check=False)
+    assert stopped.returncode == DRIFT_EXIT_CODE, stopped.stderr[-3000:]
+    made = [line["index"] for line in read_manifest_lines(tmp_path)]
+    assert 2 <= len(made) < 12  # each replica's first batch at least; not the whole set
+    run_cli(*args, "--writer.audit", "{fraction: 1.0, on_drift: warn}")
+    assert [line["index"] for line in read_manifest_lines(tmp_path)] == list(range(12))
+    assert [line["index"] for line in audit_lines(tmp_path)] == list(range(12))
