@@ -26,6 +26,7 @@ from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.failures import CallRunner
 from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
+from lightning_diffusion.pipelines.plain import Accelerators
 from lightning_diffusion.pipelines.settings import ModelSettings
 
 if TYPE_CHECKING:
@@ -296,6 +297,23 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             self.cache_summary()
             if self.group_work is not None and self.global_rank == 0:
                 log.info(self.group_work.summary())
+
+    def accelerators(self) -> Accelerators:
+        """The accelerators this run has on, as an audit turns them off or keeps them (``plain``)."""
+        return Accelerators.of(self.cache, self.options, dtype_name(self.hparams["torch_dtype"]))
+
+    def remake_plain(self, samples: Sequence[Sample]) -> list[ImageResult]:
+        """``predict_step`` on ``samples`` with the step cache and compilation off (``plain``): the
+        same seeds, padding and devices, so the images differ from the run's by the accelerators
+        alone. Every rank of the group calls it for the same samples; the run's counts are untouched."""
+        from lightning_diffusion.pipelines.plain import accelerators_off
+
+        saved = dict(self.stats), self.failures
+        try:
+            with accelerators_off(self.pipeline, self.step_cache, self.loader.denoiser_modules(self.pipeline)):
+                return self.predict_step(list(samples))
+        finally:
+            self.stats, self.failures = saved
 
     def negative_prompt(self, sample: Sample) -> Optional[str]:
         """The record's own negative prompt, else ``call_kwargs.negative_prompt`` (the default)."""

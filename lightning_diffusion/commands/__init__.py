@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("lightning_diffusion.commands.status", "how far the run writing an output folder is (read-only)"),
     "eval": ("lightning_diffusion.commands.eval",
              "metrics of an output folder: against a reference, prompt adherence, FID/KID"),
+    "audit": ("lightning_diffusion.commands.audit",
+              "re-make a sample of an output folder's images without accelerators and compare"),
     "report": ("lightning_diffusion.commands.report_page", "one HTML page of a run: its pictures, pace and cost"),
     "make-tiny": ("lightning_diffusion.commands.make_tiny", "write a tiny random pipeline (no download)"),
 }

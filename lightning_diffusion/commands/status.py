@@ -192,6 +192,10 @@ def text(status: dict[str, Any]) -> str:
             lines.append(f"  worker {member['worker']}: {member['state']}, pid {member['pid']} on {member['host']}, "
                          f"{counted(member['claims'], 'claim')}" + (f", SLURM job {member['slurm_job']}"
                                                                      if member["slurm_job"] else ""))
+    if status.get("audit"):
+        from lightning_diffusion.output.audit import audit_text
+
+        lines.append(f"  {audit_text(status['audit'])}")
     for problem in status["not_counted"][:10]:
         lines.append(f"  not counted: {problem}")
     return "\n".join(lines)

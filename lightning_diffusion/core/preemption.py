@@ -59,6 +59,9 @@ _ALL = {"all_ranks": True}
 REQUEUE_EXIT_CODE = 75
 INTERRUPT_EXIT_CODE = 128 + signal.SIGINT
 TERMINATE_EXIT_CODE = 128 + signal.SIGTERM
+# A run stopped by its audit (``writer.audit.on_drift: stop``, ``output.audit``): not 1 (a failure),
+# not 75 (a SLURM job is not requeued into the same drift).
+DRIFT_EXIT_CODE = 3
 # The key a rank that received a stop signal sets in the job's store, so that every rank stops at
 # its next batch, whichever rank the signal reached (``kill PID`` reaches one process).
 _STOP_KEY = "lightning_diffusion/stop"
@@ -77,6 +80,7 @@ class StopController:
         self.requested = threading.Event()   # a signal arrived on this rank
         self.terminated = threading.Event()  # ... and it was SIGTERM
         self.interrupted = threading.Event()  # ... and it was SIGINT (Ctrl-C)
+        self.drifted = threading.Event()     # this rank's audit found drift (``drift``)
         self.slurm = False                   # requeue when stopped early (SLURM jobs only)
         self.totals: Optional[tuple[int, Optional[int]]] = None  # (in the manifest, expected), set by the writer
         self._previous_sigint: _Handler = None
@@ -112,6 +116,13 @@ class StopController:
                     else "stopping so that the job can be requeued")
             _say(f"lightning-diffusion: received {signal.Signals(signum).name}: finishing the images in flight, "
                  f"then {then}.")
+
+    def drift(self) -> None:
+        """Stop as on a signal, because this rank's audit found drift (``writer.audit.on_drift: stop``):
+        every rank stops at its next batch, the manifest is merged, and the run exits with
+        ``DRIFT_EXIT_CODE``."""
+        self.drifted.set()
+        self.requested.set()
 
     def _interrupt(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.interrupted.is_set():  # the second Ctrl-C: stop now
@@ -177,6 +188,9 @@ class StopController:
         self.enabled = True
         self.slurm = slurm
         self.totals = None
+        if self.drifted.is_set():  # so does a drift
+            self.drifted.clear()
+            self.requested.clear()
         if self.interrupted.is_set():  # a Ctrl-C belongs to the run it stopped
             self.interrupted.clear()
             self.requested.clear()
@@ -242,17 +256,18 @@ class StopController:
     def count(self, images: int) -> None:
         self.images_made += images
 
-    def outcome(self) -> tuple[bool, int, bool, bool]:
+    def outcome(self) -> tuple[bool, int, bool, bool, bool]:
         """After ``predict``, on every rank (a collective): whether any replica stopped early, the
         images made by this run over all replicas (counted by their writing ranks), and whether any
-        rank received ``SIGTERM``, and whether any received ``SIGINT``."""
+        rank received ``SIGTERM``, whether any received ``SIGINT``, and whether any rank's audit
+        found drift."""
         mine = [int(self.stopped_early), self.images_made, int(self.terminated.is_set()),
-                int(self.interrupted.is_set())]
+                int(self.interrupted.is_set()), int(self.drifted.is_set())]
         if dist.is_available() and dist.is_initialized():
             counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
             mine = [int(c) for c in counts.tolist()]
-        return bool(mine[0]), mine[1], bool(mine[2]), bool(mine[3])
+        return bool(mine[0]), mine[1], bool(mine[2]), bool(mine[3]), bool(mine[4])
 
     def finish_job(self) -> int:
         """After ``predict`` returned on every rank: requeue the SLURM job if the run stopped early.
@@ -264,8 +279,16 @@ class StopController:
             return 0
         self.release_interrupt()
         self.release_terminate()
-        stopped, made, terminated, interrupted = self.outcome()  # every rank is here after the manifest merge
+        stopped, made, terminated, interrupted, drifted = self.outcome()  # every rank is here after the merge
         self.interrupted.clear()  # this run's; an in-process caller's next run starts afresh
+        if drifted and not (interrupted or terminated):  # also where no batch was left to stop
+            if self._rank == 0:
+                done, expected = self.totals or (made, None)
+                of = f" of {expected:,}" if expected is not None else ""
+                log.info(f"lightning-diffusion: stopped by the audit (writer.audit.on_drift: stop) after {done:,}{of} "
+                         "images; audit.jsonl has the drift. Change the accelerators' settings in a new folder, or "
+                         "run the same command with writer.audit.on_drift: warn to finish this one.", extra=_ALL)
+            return DRIFT_EXIT_CODE
         if stopped and (interrupted or terminated and not self.slurm):
             if self._rank == 0:
                 done, expected = self.totals or (made, None)

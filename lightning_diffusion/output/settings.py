@@ -89,6 +89,7 @@ class WriterSettings:
     # an object store (output_dir s3://...): where tar shards are built, and fsspec's options
     staging_dir: Optional[str] = None
     storage_options: Optional[dict[str, Any]] = field(default=None, repr=False)  # credentials: never shown
+    audit: Optional[dict[str, Any]] = None  # checked by ``audit.audit_problems``
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> WriterSettings:

@@ -19,6 +19,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.output.audit import folder_audit
 from lightning_diffusion.output.lock import OutputLock, live_locks
 from lightning_diffusion.output.manifest import (
     FAILED,
@@ -112,6 +113,7 @@ def folder_status(folder: Path, now: Optional[float] = None, arrays: Optional[Jo
         "last_run": history[-1] if history else None,
         "shards": shards,
         "pool": pool,
+        "audit": folder_audit(folder),
     }
 
 

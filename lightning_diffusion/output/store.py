@@ -191,6 +191,12 @@ def writer_problems(settings: WriterSettings) -> list[str]:
         store_class(output_dir).settings_problems(settings) if named else [
             f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "
             "folder)."])
+    from lightning_diffusion.output.audit import audit_problems
+
+    problems += audit_problems(settings.audit)
+    if settings.audit is not None and named and not local:
+        problems.append("writer.audit writes audit.jsonl beside a folder's manifest; a bucket's output "
+                        f"({output_dir}) is not audited yet: audit into a folder, or leave writer.audit out.")
     for name, rule in WriterSettings.rules():
         value, key = getattr(settings, name), f"writer.{name}"
         if rule.choices:

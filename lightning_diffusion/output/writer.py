@@ -32,7 +32,7 @@ import re
 import shutil
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, cast
 
@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning_diffusion.core.console import counted, log
 from lightning_diffusion.core.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.core.records import ImageResult
+from lightning_diffusion.output import audit as audit_
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
 from lightning_diffusion.output.boundaries import (
     ImageSource,
@@ -189,6 +190,9 @@ class ImageWriter(BasePredictionWriter):
             temporary folder).
         storage_options: the object store's fsspec options (endpoint, credentials...); a value
             ``env:NAME`` is read from the environment variable ``NAME``. Never recorded.
+        audit: re-make a sample of the images with the accelerators off and record the drift in
+            ``audit.jsonl``: ``{fraction: 0.01, min_psnr: 30, on_drift: warn}`` (``on_drift: stop``
+            ends the run with exit code 3; ``audit``, docs/caching.md).
 
     The defaults are the writer group's declaration (``settings.WriterSettings``). Only one run may write
     into a folder at a time (``.lock``, taken over when its run is dead), or one run a shard for the
@@ -217,6 +221,7 @@ class ImageWriter(BasePredictionWriter):
         samples_per_shard: int = WriterSettings.samples_per_shard,
         staging_dir: Optional[str] = WriterSettings.staging_dir,
         storage_options: Optional[dict[str, Any]] = WriterSettings.storage_options,
+        audit: Optional[dict[str, Any]] = WriterSettings.audit,
     ) -> None:
         super().__init__(write_interval="batch")
         self.settings = WriterSettings.of(dict(
@@ -224,7 +229,8 @@ class ImageWriter(BasePredictionWriter):
             allow_config_change=allow_config_change, image_format=image_format, quality=quality,
             png_compress_level=png_compress_level, fsync=fsync, write_workers=write_workers, write_queue=write_queue,
             write_in=write_in, layout=layout, files_per_folder=files_per_folder, format=format,
-            samples_per_shard=samples_per_shard, staging_dir=staging_dir, storage_options=storage_options))
+            samples_per_shard=samples_per_shard, staging_dir=staging_dir, storage_options=storage_options,
+            audit=audit))
         raise_problems(writer_problems(self.settings))
         if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
@@ -250,6 +256,8 @@ class ImageWriter(BasePredictionWriter):
         self._batches = 0  # this rank's batches handed to its writers: the order of tar shard members
         self._pool: Optional[PoolSource] = None  # the data module, where its workers pull from a pool
         self._drains: Optional[list[Callable[[], None]]] = None  # the run context's, while set up
+        self.audit_settings = audit_.settings_of(audit)
+        self._auditor: Optional[audit_.Auditor] = None  # this rank's, while set up (writer.audit)
         # Known at the run's end:
         self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
         self.summary: Optional[dict[str, Any]] = None
@@ -262,6 +270,13 @@ class ImageWriter(BasePredictionWriter):
     def parts_glob(self) -> str:
         """This run's manifest parts (of its shard, if it makes one)."""
         return self.store.parts_glob if self.store is not None else ""
+
+    @property
+    def audit_glob(self) -> Optional[str]:
+        """This run's audit parts (``writer.audit``), in ``parts_folder``; None without an audit."""
+        if self.audit_settings is None or self.store is None:
+            return None
+        return self.store.parts_glob.replace("manifest", "audit", 1)
 
     @property
     def parts_folder(self) -> Path:
@@ -359,6 +374,7 @@ class ImageWriter(BasePredictionWriter):
         data.skip_indices(self.done)
         self._rank = trainer.global_rank
         self._part = self.store.part(trainer.global_rank)
+        self._auditor = self._start_audit(trainer, pl_module) if self.audit_settings is not None else None
         if self.settings.write_workers and self.writes_outputs(trainer):
             kind = WriterProcess if self.settings.write_in == "process" else WriterThreads
             self._writers = kind(self.files, self.settings.write_workers, self.settings.write_queue,
@@ -415,6 +431,8 @@ class ImageWriter(BasePredictionWriter):
         batch_idx: int,
         dataloader_idx: int,
     ) -> None:
+        if self._auditor is not None:  # every rank of a group: they make the sampled images together
+            self._audit_batch(trainer, pl_module, batch, prediction)
         if not self.writes_outputs(trainer):
             return
         if self._pool is not None:  # a pool's batch: written under its claim (``fence``), if still held
@@ -490,6 +508,8 @@ class ImageWriter(BasePredictionWriter):
                 self._release()
                 raise writing_failed(f"{type(err).__name__}: {err}", self.parts_folder, cause=err) from err
             self.summary = self._summary(parts, len(done), failures)
+            if self._auditor is not None:
+                self.summary["audit"] = self._finish_audit()
             self.store.record(self.summary)
             if self.progress_listener is not None:
                 self.progress_listener.finish(self.summary["made"], self.pending)
@@ -498,6 +518,58 @@ class ImageWriter(BasePredictionWriter):
             if strategy is not None:  # for the run's last line ("stopped after 8 of 40 images")
                 strategy.run_context.stop.totals = (len(done), self.expected)
         self._release()
+
+    # ----------------------------------------------------------------- the shadow audit (writer.audit)
+
+    def _start_audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> audit_.Auditor:
+        """This rank's auditor; what the audit compares said once, before the weights load."""
+        if not isinstance(pl_module, audit_.PlainRemaker):
+            raise ConfigError(f"writer.audit needs a module that re-makes images without its accelerators "
+                              f"(accelerators, remake_plain: DiffusionModule); got {type(pl_module).__name__}.")
+        settings = self.audit_settings
+        assert settings is not None and self._part is not None
+        if trainer.is_global_zero:
+            log.info(f"audit: {100 * settings.fraction:g}% of the images ({audit_.AUDIT_FILE}), "
+                     f"{pl_module.accelerators().describe()}; bound {settings.min_psnr:g} dB, on drift: "
+                     f"{settings.on_drift}")
+        return audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer))
+
+    def _audit_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                     prediction: list[ImageResult]) -> None:
+        auditor = self._auditor
+        assert auditor is not None
+        module = cast(audit_.PlainRemaker, pl_module)
+        self._on_drift(trainer, auditor.after_batch(module, batch, prediction, module.batch_size or len(batch)))
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._auditor is not None:  # the sampled images still waiting for a full call
+            self._on_drift(trainer, self._auditor.flush(cast(audit_.PlainRemaker, pl_module)))
+
+    def _on_drift(self, trainer: pl.Trainer, drift: Optional[str]) -> None:
+        auditor = self._auditor
+        if drift is None or auditor is None:
+            return
+        stop = auditor.settings.on_drift == "stop"
+        if auditor.writes:
+            log.warning(f"[rank {trainer.global_rank}] {drift}" + ("; stopping (writer.audit.on_drift: stop)."
+                                                                     if stop else "."), extra={"all_ranks": True})
+        strategy = run_strategy(trainer.strategy)
+        if stop and strategy is not None:
+            strategy.run_context.stop.drift()
+
+    def _finish_audit(self) -> dict[str, Any]:
+        """On global rank 0 after the manifest merge: the ranks' audit parts added to audit.jsonl,
+        and this run's audit summarised (logged, and recorded in run.json)."""
+        assert self.store is not None and self.audit_settings is not None
+        folder = self.store.local_dir
+        parts = sorted(folder.glob(self.audit_glob or ""))
+        lines = audit_.merge(folder, parts)
+        busy = sum(w["busy_s"] for w in self._work.values())
+        # the batch size: what ``lightning-diffusion audit`` re-makes images at after the fact
+        batch = {"batch_size": self.plan.batch_size} if self.plan is not None else {}
+        summary = {**audit_.summary(lines, busy), **asdict(self.audit_settings), **batch}
+        log.info(audit_.summary_text(summary))
+        return summary
 
     def _leave_pool(self, ended: bool) -> None:
         """Stop this worker's renewals in the pool, saying whether its batches are settled."""

@@ -270,6 +270,8 @@ class StepCache:
         self.group: Optional[ProcessGroup] = None
         self.stats = CacheStats()
         self.counting = True
+        # Every block runs and nothing is counted while set (an audit's plain call, ``plain``).
+        self.bypass = False
 
     def set_group(self, group: Optional[ProcessGroup]) -> None:
         import torch.distributed as dist
@@ -279,6 +281,8 @@ class StepCache:
 
     def decide(self, residual: torch.Tensor, reference: torch.Tensor) -> list[bool]:
         """Per image: whether the remaining blocks must run (the residual moved by more than the threshold)."""
+        if self.bypass:  # every rank of the group bypasses the same call: none waits in the reduction
+            return [True] * residual.shape[0]
         sums = torch.stack([
             (residual - reference).abs().flatten(1).sum(1, dtype=torch.float32),
             reference.abs().flatten(1).sum(1, dtype=torch.float32),
@@ -291,7 +295,7 @@ class StepCache:
         return (~(change <= self.threshold)).tolist()  # NaN computes
 
     def count(self, compute: list[bool]) -> None:
-        if self.counting:
+        if self.counting and not self.bypass:
             reused = compute.count(False)
             self.stats.image_steps += len(compute)
             self.stats.reused_image_steps += reused

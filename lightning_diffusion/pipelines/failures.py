@@ -8,7 +8,7 @@ failed record (``on_error: skip``) or a ``RecordFailure`` that names the records
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 import torch

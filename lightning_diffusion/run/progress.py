@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
 
 from lightning_diffusion.core.console import log
+from lightning_diffusion.output.audit import progress_text
 from lightning_diffusion.output.manifest import part_counts
 from lightning_diffusion.output.writer import ImageWriter
 
@@ -51,6 +52,7 @@ class ImageProgressBar(ProgressBar):
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self.total: Optional[int] = None
+        self.audit = ""  # the run's drift so far, where it audits (``audit.progress_text``)
         self.done = 0
 
     # ProgressBar's switches (Lightning calls them around sanity checks and prints).
@@ -88,6 +90,8 @@ class ImageProgressBar(ProgressBar):
         while not self._stop.wait(interval):
             assert self._writer is not None
             counts = part_counts(self._writer.parts_folder, self._writer.parts_glob)
+            glob = self._writer.audit_glob
+            self.audit = progress_text(self._writer.parts_folder, glob) if glob else ""
             self._show(sum(counts.values()), counts, final=False)
 
     def _show(self, done: int, counts: dict[int, int], final: bool) -> None:
@@ -95,6 +99,8 @@ class ImageProgressBar(ProgressBar):
             self.done = done
             if self._bar is not None:
                 self._bar.n = done
+                if self.audit:
+                    self._bar.set_postfix_str(self.audit.lstrip("; "), refresh=False)
                 self._bar.refresh()
                 if final:
                     self._bar.close()
@@ -111,7 +117,7 @@ class ImageProgressBar(ProgressBar):
             if len(counts) > 1:
                 rank = min(counts, key=lambda r: counts[r])
                 slowest = f"; slowest writing rank {rank}: {counts[rank]:,}"
-            log.info(f"progress: {done:,}{of} images, {rate:.2f}/s{eta}{slowest}")
+            log.info(f"progress: {done:,}{of} images, {rate:.2f}/s{eta}{slowest}{self.audit}")
 
     def finish(self, made: int, pending: Optional[int]) -> None:
         """Called by the writer once the manifest is merged: the run's final count."""

@@ -335,7 +335,8 @@ class DiffusionParallelStrategy(ParallelStrategy):
         if self.run_context.stop.should_stop():
             if self.writes_outputs and not self._said_stopped:
                 self._said_stopped = True
-                log.info(f"[rank {self.global_rank}] stopped on the signal; the remaining images are left to the next "
+                why = "by the audit's drift" if self.run_context.stop.drifted.is_set() else "on the signal"
+                log.info(f"[rank {self.global_rank}] stopped {why}; the remaining images are left to the next "
                          "run.", extra={"all_ranks": True})
             return []
         with self._call_context():

@@ -1,0 +1,261 @@
+"""The shadow audit (``writer.audit``): a hashed sample of the images re-made with the accelerators off,
+the drift in ``audit.jsonl``, and ``on_drift: stop`` ending the run with exit code 3, resumably.
+
+Runs are tiny:shapes at 64x64 with 4 prompts; the drifting one uses a first-block cache at its
+largest threshold (1.0), which reuses most steps and changes pictures by far more than 30 dB.
+"""
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_diffusion.core.preemption import DRIFT_EXIT_CODE
+from lightning_diffusion.output.audit import AUDIT_FILE, audit_problems, compare, hash_value, sample_of
+from lightning_diffusion.pipelines.plain import accelerators_off
+from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+
+PROMPTS = ["--data.prompts", "[a red circle on a blue background, a large green square on a white background, "
+           "a purple triangle at the bottom on a yellow background, a white star and a pink circle on a green "
+           "background]", "--model.num_inference_steps", "4"]
+AGGRESSIVE = ["--model.cache", "{type: first_block, threshold: 1.0}"]
+
+
+def audit_lines(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / AUDIT_FILE).read_text().splitlines()]
+
+
+def shapes(folder: Path, *extra: str, check: bool = True):
+    return run_here(*tiny_args(folder, *PROMPTS, *extra, config="configs/tiny.yaml"), check=check)
+
+
+# ----------------------------------------------------------------------------- the sample
+
+
+def test_the_sample_is_a_function_of_the_index_alone_at_about_the_fraction():
+    indices = range(20_000)
+    for fraction in (0.01, 0.05, 0.5):
+        picked = sample_of(indices, fraction)
+        assert abs(len(picked) / len(indices) - fraction) < 4 * math.sqrt(fraction / len(indices)) + 1e-9
+        # any split of the indices (replicas' strides, a resume's remainder) picks the same ones
+        strided = sorted(i for r in range(3) for i in sample_of(indices[r::3], fraction))
+        assert strided == picked
+        assert sample_of(indices[1000:], fraction) == [i for i in picked if i >= 1000]
+    assert sample_of(range(50), 1.0) == list(range(50))
+    assert set(sample_of(indices, 0.01)) <= set(sample_of(indices, 0.05))  # a larger fraction adds images
+
+
+def test_compare_identical_and_different_images():
+    rng = np.random.default_rng(0)
+    image = rng.random((32, 32, 3), dtype=np.float32)
+    same = compare(image, image.copy())
+    assert same == {"psnr": math.inf, "ssim": 1.0, "max_diff": 0}
+    other = image.copy()
+    other[0, 0, 0] = 1.0 - other[0, 0, 0] if other[0, 0, 0] < 0.5 else 0.0
+    changed = compare(image, other)
+    assert changed["max_diff"] >= 127 and 30 < changed["psnr"] < math.inf and changed["ssim"] < 1.0
+    video = np.stack([image, other])  # F x H x W x 3
+    assert compare(video, video)["psnr"] == math.inf
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("audit, said", [
+    ("{fraction: 0}", "writer.audit.fraction must be a number in (0, 1], got 0"),
+    ("{fraction: 1.5}", "writer.audit.fraction must be a number in (0, 1], got 1.5"),
+    ("{fraction: some}", "writer.audit.fraction must be a number in (0, 1], got 'some'"),
+    ("{min_psnr: high}", "writer.audit.min_psnr must be a number of dB, got 'high'"),
+    ("{on_drift: halt}", "writer.audit.on_drift must be one of warn, stop, got 'halt'"),
+    ("{fractoin: 0.1}", "writer.audit has no option fractoin"),
+])
+def test_bad_audit_settings_are_one_line_each_before_weights(audit, said, cli_here, tmp_path):
+    proc = cli_here(*tiny_args(tmp_path / "out", *PROMPTS, "--writer.audit", audit, config="configs/tiny.yaml"))
+    assert proc.returncode == 2, proc.stderr
+    assert said in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "writer.audit" in line] == [proc.stderr.strip()]
+    assert not (tmp_path / "out").exists()
+
+
+def test_audit_problems_take_a_mapping_of_numbers():
+    assert audit_problems(None) == []
+    assert audit_problems({"fraction": 1, "min_psnr": 25, "on_drift": "stop", "window": 3}) == []
+    assert audit_problems("0.1") == ["writer.audit must be a mapping such as {fraction: 0.01, min_psnr: 30, "
+                                     "on_drift: warn}; got '0.1'."]
+    assert audit_problems({"min_psnr": True}) and audit_problems({"window": 0})
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def test_a_run_without_accelerators_audits_as_identical(tmp_path):
+    proc = shapes(tmp_path, "--writer.audit", "{fraction: 0.5}")
+    assert "a determinism check" in proc.stderr + proc.stdout
+    lines = audit_lines(tmp_path)
+    assert [line["index"] for line in lines] == sample_of(range(4), 0.5) != []
+    assert all(line["psnr"] == math.inf and line["ssim"] == 1.0 and line["max_diff"] == 0 for line in lines)
+    summary = json.loads((tmp_path / "run.json").read_text())["history"][-1]["audit"]
+    assert summary["images"] == len(lines) and summary["fraction"] == 0.5
+    assert not list(tmp_path.glob("audit.part-*"))
+
+
+def test_a_pool_job_audits_the_same_sample(tmp_path):
+    shapes(tmp_path, "--data.schedule", "pull", "--data.batch_size", "2", "--writer.audit", "{fraction: 0.5}")
+    assert [line["index"] for line in audit_lines(tmp_path)] == sample_of(range(4), 0.5)
+    assert not list(tmp_path.glob("audit.*part-*"))
+
+
+def test_the_audit_compares_with_the_run_made_without_the_cache(tmp_path):
+    """The audit's baseline is the plain run's image: its numbers equal a comparison of the cached
+    run's images with those of a run that has no cache, image by image."""
+    cached, plain = tmp_path / "cached", tmp_path / "plain"
+    shapes(cached, *AGGRESSIVE, "--writer.audit", "{fraction: 1.0}")
+    shapes(plain)
+    made, reference = load_arrays(cached), load_arrays(plain)
+    lines = audit_lines(cached)
+    assert [line["index"] for line in lines] == [0, 1, 2, 3]
+    for line in lines:
+        assert {k: line[k] for k in ("psnr", "ssim", "max_diff")} == compare(made[line["index"]],
+                                                                              reference[line["index"]])
+        assert line["psnr"] < 30  # the drift is there to see
+
+
+def test_on_drift_stop_stops_with_its_exit_code_and_a_resume_finishes(tmp_path):
+    settings = ["--data.batch_size", "2", *AGGRESSIVE]
+    stopped = shapes(tmp_path, *settings, "--writer.audit", "{fraction: 1.0, on_drift: stop, window: 1}",
+                     check=False)
+    assert stopped.returncode == DRIFT_EXIT_CODE == 3, stopped.stderr[-3000:]
+    assert "stopped by the audit" in stopped.stderr + stopped.stdout
+    assert "stopped by the audit's drift; the remaining images are left" in stopped.stderr + stopped.stdout
+    assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1]  # the first batch only
+    assert [line["index"] for line in audit_lines(tmp_path)] == [0, 1]
+    status = run_here("status", str(tmp_path), check=False)
+    assert "audit: 2 images re-made without accelerators, PSNR worst" in status.stdout
+    resumed = shapes(tmp_path, *settings, "--writer.audit", "{fraction: 1.0, on_drift: warn, window: 1}")
+    assert "under writer.audit.min_psnr 30" in resumed.stderr + resumed.stdout
+    assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2, 3]
+    assert [line["index"] for line in audit_lines(tmp_path)] == [0, 1, 2, 3]  # each audited once
+    assert all(line["psnr"] < 30 for line in audit_lines(tmp_path))
+
+
+class Block(torch.nn.Module):
+    """A block of our own: dynamo skips torch.nn's own modules compiled alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x)) * 2
+
+
+def test_compile_is_off_inside_and_back_after():
+    """A compiled block runs eagerly inside ``accelerators_off`` (dynamo traces nothing) and compiled
+    after it, with the same result."""
+    traced = []
+
+    def backend(graph, inputs):
+        traced.append(graph)
+        return graph.forward
+
+    layer = Block()
+    layer.compile(backend=backend, dynamic=False)
+    x = torch.ones(2, 4)
+    pipeline = SimpleNamespace(components={"transformer": layer})
+    with accelerators_off(pipeline, None, {"transformer": layer}):
+        inside = layer(x)
+    assert traced == []
+    after = layer(x)
+    assert len(traced) == 1 and torch.equal(inside, after)
+
+
+@pytest.mark.slow
+def test_the_sample_and_its_numbers_are_the_same_for_one_and_two_replicas(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    audit = ["--writer.audit", "{fraction: 0.5}", "--data.batch_size", "1", *AGGRESSIVE]
+    shapes(one, *audit)
+    run_cli(*tiny_args(two, *PROMPTS, *audit, "--trainer.devices", "2", config="configs/tiny.yaml"))
+    numbers = [[(line["index"], line["psnr"], line["ssim"], line["max_diff"]) for line in audit_lines(folder)]
+               for folder in (one, two)]
+    assert numbers[0] == numbers[1]
+    assert [line["index"] for line in audit_lines(two)] == sample_of(range(4), 0.5)
+    assert not list(two.glob("audit.part-*"))
+
+
+# ----------------------------------------------------------------------------- after the fact
+
+
+def test_audit_after_the_fact_reports_the_in_run_numbers(tmp_path):
+    shapes(tmp_path, "--data.batch_size", "2", *AGGRESSIVE, "--writer.audit", "{fraction: 1.0}")
+    in_run = {line["index"]: {k: line[k] for k in ("psnr", "ssim", "max_diff")} for line in audit_lines(tmp_path)}
+    proc = run_here("audit", str(tmp_path), "--sample", "3", "--json", check=False)
+    assert proc.returncode == DRIFT_EXIT_CODE, proc.stderr[-3000:]  # the drift is under 30 dB
+    result = json.loads(proc.stdout)
+    assert result["batch_size"] == 2 and result["batch_size_recorded"] and result["left_out"] == ["model.cache"]
+    after = {line["index"]: {k: line[k] for k in ("psnr", "ssim", "max_diff")} for line in result["images"]}
+    assert list(after) == sorted(sorted(range(4), key=hash_value)[:3])  # the three a fraction picks first
+    assert after == {index: in_run[index] for index in after}
+    assert not (tmp_path / "audit.part-0.jsonl").exists() and len(audit_lines(tmp_path)) == 4  # read only
+
+
+@pytest.mark.parametrize("setup, said", [
+    (lambda folder: None, "has no run.json"),
+    (lambda folder: (folder / "run.json").write_text('{"expected": 3}'), "names no model and dtype"),
+])
+def test_audit_after_the_fact_refuses_a_folder_without_a_run_of_this_version(setup, said, tmp_path, cli_here):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    setup(folder)
+    proc = cli_here("audit", str(folder))
+    assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_progress_bar_shows_the_drift_so_far(tmp_path):
+    from tests.run.test_progress import on_a_terminal
+
+    prompts = "[" + ", ".join(f"a red circle on a blue background {i}" for i in range(12)) + "]"
+    code, output = on_a_terminal(tiny_args(tmp_path, "--data.prompts", prompts, "--data.batch_size", "1",
+                                           "--model.num_inference_steps", "8", *AGGRESSIVE, "--writer.audit",
+                                           "{fraction: 1.0}", "--trainer.enable_progress_bar", "true",
+                                           config="configs/tiny.yaml"))
+    assert code == 0, output[-3000:]
+    frames = [frame for frame in output.replace("\r\n", "\r").split("\r") if frame.startswith("Images:")]
+    assert any("audit PSNR worst" in frame and "median" in frame for frame in frames), frames[-5:]
+
+
+ULYSSES = ["--trainer.devices", "2", "--trainer.strategy.class_path",
+           "lightning_diffusion.strategies.ContextParallelStrategy", "--trainer.strategy.init_args.ulysses_degree", "2",
+           "--trainer.strategy.init_args.timeout", "120"]
+
+
+@pytest.mark.slow
+def test_under_ulysses_the_group_audits_together_identical_without_accelerators_and_drifting_with(tmp_path):
+    """The two ranks of a Ulysses group make the plain images together (a first-block cache's
+    agreement is bypassed on both, so neither waits for the other) and one of them records them."""
+    plain, cached = tmp_path / "plain", tmp_path / "cached"
+    audit = ["--writer.audit", "{fraction: 1.0}", "--data.batch_size", "2", *ULYSSES]
+    run_cli(*tiny_args(plain, *PROMPTS, *audit, config="configs/tiny.yaml"), timeout=400)
+    assert [line["index"] for line in audit_lines(plain)] == [0, 1, 2, 3]
+    assert all(line["psnr"] == math.inf and line["max_diff"] == 0 for line in audit_lines(plain))
+    run_cli(*tiny_args(cached, *PROMPTS, *audit, *AGGRESSIVE, config="configs/tiny.yaml"), timeout=400)
+    assert [line["index"] for line in audit_lines(cached)] == [0, 1, 2, 3]
+    assert all(line["psnr"] < 30 for line in audit_lines(cached))
+
+
+@pytest.mark.slow
+def test_a_drift_under_two_replicas_stops_the_run_with_its_exit_code_and_a_resume_finishes(tmp_path):
+    prompts = "[" + ", ".join(f"a red circle on a blue background {i}" for i in range(12)) + "]"
+    args = tiny_args(tmp_path, "--data.prompts", prompts, "--data.batch_size", "1", "--model.num_inference_steps",
+                     "4", *AGGRESSIVE, "--trainer.devices", "2", config="configs/tiny.yaml")
+    stopped = run_cli(*args, "--writer.audit", "{fraction: 1.0, on_drift: stop, window: 1}", check=False)
+    assert stopped.returncode == DRIFT_EXIT_CODE, stopped.stderr[-3000:]
+    made = [line["index"] for line in read_manifest_lines(tmp_path)]
+    assert 2 <= len(made) < 12  # each replica's first batch at least; not the whole set
+    run_cli(*args, "--writer.audit", "{fraction: 1.0, on_drift: warn}")
+    assert [line["index"] for line in read_manifest_lines(tmp_path)] == list(range(12))
+    assert [line["index"] for line in audit_lines(tmp_path)] == list(range(12))
