@@ -1,0 +1,195 @@
+"""Context parallelism follows what this pipeline's own call passes its transformer, not its family.
+
+Task pipelines built in the tests from the components of a tiny copy (``tiny:ltx``, ``tiny:qwenimage``),
+as a user's folder of the real model would hold them: LTX-Video's image-to-video pipeline passes the
+transformer a timestep per latent token (``timestep * (1 - conditioning_mask)``), which LTX's
+``_cp_plan`` does not split; Qwen-Image's image-to-image and inpainting pipelines pad the text to each
+batch's longest prompt, as the registered Qwen-Image does. Each runs under one process byte-identical to
+diffusers called directly, and is refused before weights (exit 2, one line, nothing written) where
+its call cannot be split, or runs where it can (Ulysses-anything of degree 2, tolerance 1e-5 on float
+pixels as the other context-parallel tests).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here
+from tests.pipelines.test_any_pipeline import _model_folder, record
+
+ATOL = 1e-5
+STEPS = ["--model.num_inference_steps", "2", "--data.batch_size", "1", "--writer.save_arrays", "true",
+         "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"]
+
+
+def build(class_name: str, base: str, folder: Path) -> Path:
+    """``class_name`` made of the components of the tiny copy ``base``, saved to ``folder``."""
+    import diffusers
+
+    from lightning_diffusion.pipelines import tiny
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny.resolve(base))
+    cls = getattr(diffusers, class_name)
+    wanted = inspect.signature(cls.__init__).parameters
+    cls(**{k: v for k, v in pipe.components.items() if k in wanted}).save_pretrained(folder)
+    return folder
+
+
+def records(folder: Path, *fields: str) -> Path:
+    """Two records, a 32x32 input image (and a mask) each, of prompts of unequal length."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, prompt in enumerate(["a cat", "a lighthouse in a storm at night"]):
+        Image.fromarray((rng.random((32, 32, 3)) * 255).astype("uint8")).save(folder / f"image{i}.png")
+        Image.fromarray(((rng.random((32, 32)) > 0.5) * 255).astype("uint8")).save(folder / f"mask{i}.png")
+        lines.append({"prompt": prompt, **{f: f"{f.split('_')[0]}{i}.png" for f in fields}})
+    path = folder / "records.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def equals_diffusers(model: Path, out: Path, prompts: Path, call: dict, fields: tuple[str, ...]) -> None:
+    """Each image of ``out`` equals the pipeline called directly on its record's inputs and seed."""
+    from PIL import Image
+
+    from lightning_diffusion.pipelines import bare
+
+    arrays, pipe = load_arrays(out), bare.load(str(model))
+    for line in read_manifest_lines(out):
+        given = {key: Image.open(prompts.parent / Path(line["inputs"][key]["file"]).name).convert(
+            "L" if key == "mask_image" else "RGB") for key in fields}
+        output = bare.call(pipe, [line["prompt"]], [line["seed"]], num_inference_steps=2, output_type="np",
+                           **call, **given)
+        direct = np.asarray(getattr(output, "frames" if "num_frames" in call else "images"), dtype=np.float32)[0]
+        assert np.array_equal(direct, arrays[line["index"]]), f"{model.name} image {line['index']}"
+
+
+def test_a_per_token_timestep_the_plan_does_not_split_is_read_from_the_call():
+    """LTX image-to-video multiplies the timestep by its conditioning mask in the denoising loop: a
+    timestep per token, which LTX's ``_cp_plan`` leaves whole. LTX text-to-video passes one per
+    sample; Wan's plan splits its per-token timestep (Wan 2.2); FLUX inpainting's mask reaches only
+    the latents, which the plan splits."""
+    import diffusers
+
+    from lightning_diffusion.pipelines.facts import derive
+    from lightning_diffusion.pipelines.specs import spec_for
+    from lightning_diffusion.strategies.checks import context_modes
+
+    def facts(pipeline: str, transformer: str):
+        return derive(getattr(diffusers, pipeline), {"transformer": ["diffusers", transformer]}, {})
+
+    i2v = facts("LTXImageToVideoPipeline", "LTXVideoTransformer3DModel")
+    assert i2v.unsplit_per_token == (("transformer", "timestep", "conditioning_mask"),)
+    assert context_modes(spec_for("LTXImageToVideoPipeline"), i2v) == ()
+    assert facts("LTXConditionPipeline", "LTXVideoTransformer3DModel").unsplit_per_token
+    for pipeline, transformer in [("LTXPipeline", "LTXVideoTransformer3DModel"),
+                                  ("WanPipeline", "WanTransformer3DModel"),
+                                  ("FluxInpaintPipeline", "FluxTransformer2DModel")]:
+        found = facts(pipeline, transformer)
+        assert found.unsplit_per_token == () and context_modes(spec_for(pipeline), found), pipeline
+
+
+def test_a_text_padded_to_each_batchs_longest_prompt_is_read_from_the_pipeline():
+    """Qwen-Image's task pipelines tokenize with ``padding=True`` as the registered Qwen-Image does:
+    their context parallelism is the registered one's (Ulysses-anything of degree 2 only), whatever
+    the registry says of them. FLUX.1, Wan and LTX pad to a fixed ``max_sequence_length``."""
+    import diffusers
+
+    from lightning_diffusion.pipelines.facts import derive
+    from lightning_diffusion.pipelines.specs import spec_for
+    from lightning_diffusion.strategies.checks import ULYSSES_ANYTHING_2, context_modes
+
+    qwen = {"transformer": ["diffusers", "QwenImageTransformer2DModel"]}
+    for pipeline in ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"):
+        found = derive(getattr(diffusers, pipeline), qwen, {})
+        assert found.prompt_length_text and context_modes(spec_for(pipeline), found) == (ULYSSES_ANYTHING_2,)
+    for pipeline in ("FluxPipeline", "WanPipeline", "LTXPipeline"):
+        assert not derive(getattr(diffusers, pipeline), {}, {}).prompt_length_text, pipeline
+
+
+@pytest.mark.parametrize("class_name, transformer, mode, reason", [
+    ("LTXImageToVideoPipeline", "LTXVideoTransformer3DModel", "ulysses",
+     "LTXImageToVideoPipeline cannot run under context parallelism: its call passes the transformer a timestep per "
+     "latent token (computed from conditioning_mask), which the transformer's _cp_plan in diffusers"),
+    ("LTXImageToVideoPipeline", "LTXVideoTransformer3DModel", "ring",
+     "LTXImageToVideoPipeline cannot run under context parallelism: its call passes the transformer a timestep"),
+    ("QwenImageImg2ImgPipeline", "QwenImageTransformer2DModel", "ulysses",
+     "QwenImageImg2ImgPipeline's text tokens have each prompt's own length"),
+    ("QwenImageInpaintPipeline", "QwenImageTransformer2DModel", "ulysses",
+     "QwenImageInpaintPipeline's text tokens have each prompt's own length"),
+    ("LTXPipeline", "LTXVideoTransformer3DModel", "ulysses_anything",
+     "LTXPipeline: its transformer's _cp_plan splits the text attention mask (transformer.encoder_attention_mask) "
+     "with the sequence, and in diffusers"),
+])
+def test_context_parallelism_this_call_cannot_follow_is_refused_before_weights(class_name, transformer, mode, reason,
+                                                                               tmp_path, cli_here):
+    """Configs-only folders (no weight: each refusal must come first), a record with an image (and
+    a mask) each, on 2 ranks."""
+    fields = {"LTXPipeline": (), "QwenImageInpaintPipeline": ("image", "mask_image")}.get(class_name, ("image",))
+    scheduler = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+    folder = _model_folder(tmp_path / "model", class_name, {"transformer": ["diffusers", transformer],
+                                                            "scheduler": scheduler})
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 4}))
+    prompts = records(tmp_path / "inputs", *fields)
+    video = ["--model.num_frames", "9"] if "LTX" in class_name else []
+    proc = cli_here("predict", "--model.pretrained_model_name_or_path", str(folder), *video, "--model.height", "64",
+                    "--model.width", "64", "--data.prompts", str(prompts), "--writer.output_dir", str(tmp_path / "out"),
+                    *STEPS, "--trainer.devices", "2", "--trainer.strategy", mode)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and reason in proc.stderr, text[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in text and not (tmp_path / "out").exists(), text[-3000:]
+    if mode == "ulysses_anything":  # degree 2: not verified with LTX's mask (not the 3-or-more-ranks reason)
+        assert "Ulysses-anything is not verified with this transformer's mask" in lines[0], lines[0]
+    record(class_name, f"{mode} 2", "refused", lines[0].split(": ", 2)[-1].strip(), copy="configs only")
+
+
+def test_ltx_image_to_video_equals_diffusers_called_directly(tmp_path):
+    """LTXImageToVideoPipeline on tiny:ltx's components: each record's image conditions its video,
+    byte-identical to diffusers called directly with it."""
+    model = build("LTXImageToVideoPipeline", "tiny:ltx", tmp_path / "ltx-i2v")
+    prompts = records(tmp_path / "inputs", "image")
+    size = ["--model.height", "32", "--model.width", "32", "--model.num_frames", "5"]
+    run_here("predict", "--model.pretrained_model_name_or_path", str(model), *size, "--data.prompts", str(prompts),
+             "--writer.output_dir", str(tmp_path / "out"), *STEPS)
+    equals_diffusers(model, tmp_path / "out", prompts, {"height": 32, "width": 32, "num_frames": 5}, ("image",))
+    record("LTXImageToVideoPipeline", "one process", "equal", "byte-identical to diffusers called directly",
+           copy="built from tiny:ltx")
+
+
+@pytest.mark.parametrize("class_name, fields", [("QwenImageImg2ImgPipeline", ("image",)),
+                                                ("QwenImageInpaintPipeline", ("image", "mask_image"))])
+def test_qwen_image_task_pipelines_equal_diffusers_called_directly(class_name, fields, tmp_path):
+    model = build(class_name, "tiny:qwenimage", tmp_path / "model")
+    prompts = records(tmp_path / "inputs", *fields)
+    run_here("predict", "--model.pretrained_model_name_or_path", str(model), "--data.prompts", str(prompts),
+             "--writer.output_dir", str(tmp_path / "out"), *STEPS)
+    equals_diffusers(model, tmp_path / "out", prompts, {}, fields)
+    record(class_name, "one process", "equal", "byte-identical to diffusers called directly",
+           copy="built from tiny:qwenimage")
+
+
+@pytest.mark.slow
+def test_qwen_image_img2img_under_ulysses_anything_2_equals_one_process(tmp_path):
+    """The prompts' text lengths differ (5 and 32 characters): Ulysses-anything splits each on 2 ranks."""
+    model = build("QwenImageImg2ImgPipeline", "tiny:qwenimage", tmp_path / "model")
+    prompts = records(tmp_path / "inputs", "image")
+    common = ["predict", "--model.pretrained_model_name_or_path", str(model), "--data.prompts", str(prompts), *STEPS]
+    run_here(*common, "--writer.output_dir", str(tmp_path / "one"))
+    run_cli(*common, "--writer.output_dir", str(tmp_path / "two"), "--trainer.devices", "2",
+            "--trainer.strategy", "ulysses_anything")
+    one, two = load_arrays(tmp_path / "one"), load_arrays(tmp_path / "two")
+    assert one.keys() == two.keys() == {0, 1}
+    worst = max(float(np.abs(one[i] - two[i]).max()) for i in one)
+    assert worst <= ATOL, worst
+    record("QwenImageImg2ImgPipeline", "ulysses_anything 2", "equal",
+           f"max difference {worst:.1e} (tolerance {ATOL:.0e})", copy="built from tiny:qwenimage")
