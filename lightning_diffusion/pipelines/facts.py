@@ -52,6 +52,9 @@ class PipelineFacts:
     denoiser's blocks, which context parallelism splits (so it cannot run them).
     ``prompt_length_text``: its text encoding pads each batch to its longest prompt
     (``padding=True``), not to a fixed length. ``denoiser_class``: the class name of its denoiser.
+    ``single_items``: the call arguments that take one item, not a list (``prompt`` where the call
+    refuses a list, as Wan VACE's; ``generator`` where its annotation admits no list, as aMUSEd's,
+    whose scheduler reads ``generator.device``): such a pipeline is called one record at a time.
     ``unsplit_per_token``: (component, argument, mask) for each argument its ``__call__`` passes a
     component with a ``_cp_plan`` that holds a value per latent token (computed from a latent mask,
     as LTX image-to-video's timestep from its conditioning mask) and that the plan does not split:
@@ -88,6 +91,7 @@ class PipelineFacts:
     why_not: Optional[str] = None
     prompt_length_text: bool = False
     denoiser_class: Optional[str] = None
+    single_items: tuple[str, ...] = ()
     unsplit_per_token: tuple[tuple[str, str, str], ...] = ()
 
     @property
@@ -284,6 +288,28 @@ def denoiser_facts(class_name: str, transformer_class: Optional[str]) -> Pipelin
     )
 
 
+def single_items(pipeline_class: type) -> tuple[str, ...]:
+    """``prompt`` and ``generator`` where the call takes one, not a list: a prompt whose annotation
+    admits no list or that ``__call__`` refuses unless it is a string (``if ... not isinstance(prompt,
+    str): raise``), a generator whose annotation admits no list."""
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    try:
+        source = inspect.getsource(pipeline_class.__call__)
+    except (OSError, TypeError):
+        source = ""
+    found = []
+    for name in ("prompt", "generator"):
+        parameter = parameters.get(name)
+        if parameter is None:
+            continue
+        annotation = str(parameter.annotation)
+        listed = parameter.annotation is inspect.Parameter.empty or re.search(r"(?i)list|sequence", annotation)
+        refused = re.search(rf"not isinstance\({name}, str\)\s*:\s*raise", source)
+        if not listed or refused:
+            found.append(name)
+    return tuple(found)
+
+
 def pads_to_prompt_length(pipeline_class: type) -> bool:
     """Whether the pipeline's text encoding pads a batch to its longest prompt: its prompt methods
     (``encode_prompt``, ``_get_*_prompt_embeds``) tokenize with ``padding=True`` and never to a fixed
@@ -432,6 +458,7 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
         unsplit_controls=tuple(controls),
         why_not=why_not,
         prompt_length_text=pads_to_prompt_length(pipeline_class),
+        single_items=single_items(pipeline_class),
         denoiser_class=_class_name(model_index.get(next((n for n in DENOISERS if n in model_index), ""))),
         unsplit_per_token=tuple(per_token),
     )

@@ -89,7 +89,8 @@ class PipelineSpec:
     offline copy, and ``tiny_builder`` the dotted path of the function that writes it. ``inputs``:
     the per-record input files it needs (``image``, ``mask_image``), read from each prompt record.
     ``call_batch``: the most prompts one call may take (Qwen-Image-Edit-Plus refuses two; Wan's
-    image-to-video repeats one image over its batch), so longer batches are called in pieces.
+    image-to-video repeats one image over its batch; read as 1 where the call takes a single prompt or
+    generator, ``PipelineFacts.single_items``), so longer batches are called in pieces.
     ``reference_tokens``: dotted path of a
     function ``(image_size, call_args) -> (output_tokens, reference_tokens)`` for pipelines whose
     transformer sees the input image's tokens beside the output's (context-parallel checks per record).
@@ -148,6 +149,7 @@ class PipelineSpec:
         return replace(
             self,
             prompt_length_text=prompt_length,
+            call_batch=1 if f is not None and f.single_items else self.call_batch,
             cp_mask_modes=tuple(dict.fromkeys((*self.cp_mask_modes, *mask_modes))),
             patch=pick("patch", f and f.patch, 1),
             vae_scale=pick("vae_scale", f and f.spatial, 8),

@@ -193,3 +193,71 @@ def test_qwen_image_img2img_under_ulysses_anything_2_equals_one_process(tmp_path
     assert worst <= ATOL, worst
     record("QwenImageImg2ImgPipeline", "ulysses_anything 2", "equal",
            f"max difference {worst:.1e} (tolerance {ATOL:.0e})", copy="built from tiny:qwenimage")
+
+
+def build_amused(folder: Path) -> Path:
+    """AmusedPipeline (a masked-token pipeline): a one-layer UVit2D over an 8-code VQ-VAE, a CLIP with
+    projection; its scheduler draws from ``generator.device``, so its call takes one generator."""
+    import torch
+    from diffusers import AmusedPipeline, AmusedScheduler, UVit2DModel, VQModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from lightning_diffusion.pipelines.tiny import _char_tokenizer
+
+    torch.manual_seed(0)
+    transformer = UVit2DModel(
+        hidden_size=8, use_bias=False, hidden_dropout=0.0, cond_embed_dim=8, micro_cond_encode_dim=2,
+        micro_cond_embed_dim=10, encoder_hidden_size=8, vocab_size=32, codebook_size=8, in_channels=8,
+        block_out_channels=8, num_res_blocks=1, downsample=True, upsample=True, block_num_heads=1, num_hidden_layers=1,
+        num_attention_heads=1, attention_dropout=0.0, intermediate_size=8, layer_norm_eps=1e-06,
+        ln_elementwise_affine=True)
+    vqvae = VQModel(act_fn="silu", block_out_channels=[8], down_block_types=["DownEncoderBlock2D"], in_channels=3,
+                    latent_channels=8, layers_per_block=1, norm_num_groups=8, num_vq_embeddings=8, out_channels=3,
+                    sample_size=8, up_block_types=["UpDecoderBlock2D"], mid_block_add_attention=False,
+                    lookup_from_codebook=True)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, hidden_size=8, intermediate_size=8, num_attention_heads=1, num_hidden_layers=1,
+        pad_token_id=1, vocab_size=128, projection_dim=8))
+    AmusedPipeline(vqvae=vqvae, tokenizer=_char_tokenizer(77), text_encoder=text_encoder, transformer=transformer,
+                   scheduler=AmusedScheduler(mask_token_id=31)).save_pretrained(folder)
+    return folder
+
+
+def test_a_call_that_takes_one_prompt_or_one_generator_is_read_from_its_signature():
+    """Wan VACE refuses a list of prompts in its ``__call__``; aMUSEd's generator annotation admits no
+    list (its scheduler reads ``generator.device``). Both are called one record a time; FLUX.1 and
+    Qwen-Image take lists."""
+    import diffusers
+
+    from lightning_diffusion.pipelines.facts import derive
+    from lightning_diffusion.pipelines.specs import spec_for
+
+    for pipeline, single in [("WanVACEPipeline", ("prompt",)), ("AmusedPipeline", ("generator",)),
+                             ("FluxPipeline", ()), ("QwenImagePipeline", ())]:
+        facts = derive(getattr(diffusers, pipeline), {}, {})
+        assert facts.single_items == single, pipeline
+        assert spec_for(pipeline).resolved(facts).call_batch == (1 if single else spec_for(pipeline).call_batch)
+
+
+def test_a_pipeline_that_takes_one_generator_is_called_one_record_at_a_time_and_equals_diffusers(tmp_path):
+    """aMUSEd with batch size 2 over 3 prompts: each image byte-identical to the pipeline called
+    directly with its prompt and one generator seeded with its seed (a list of generators fails in
+    its scheduler after the weights load)."""
+    import torch
+    from diffusers import AmusedPipeline
+
+    model = build_amused(tmp_path / "amused")
+    run_here("predict", "--model.pretrained_model_name_or_path", str(model), "--model.height", "32", "--model.width",
+             "32", "--data.prompts", "[a cat, a lighthouse in a storm, a fox]", "--writer.output_dir",
+             str(tmp_path / "out"), *STEPS, "--data.batch_size", "2")
+    arrays, pipe = load_arrays(tmp_path / "out"), AmusedPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    lines = read_manifest_lines(tmp_path / "out")
+    assert len(lines) == 3
+    for line in lines:
+        with torch.inference_mode():
+            direct = pipe(prompt=line["prompt"], generator=torch.Generator("cpu").manual_seed(line["seed"]), height=32,
+                          width=32, num_inference_steps=2, output_type="np").images[0]
+        assert np.array_equal(np.asarray(direct, dtype=np.float32), arrays[line["index"]]), line["index"]
+    record("AmusedPipeline", "one process", "equal", "byte-identical to diffusers called directly (one record a call)",
+           copy="built in the test")
