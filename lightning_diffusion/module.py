@@ -351,8 +351,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         real = len([s for s in samples if not s.get("padding")])
         self.stats["computed"] += len(samples)
         self.stats["kept"] += real
-        items: dict[str, Any] = {"prompt": [sample["prompt"] for sample in samples],
-                                 "generator": [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]}
+        generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
+        items: dict[str, Any] = {"prompt": [sample["prompt"] for sample in samples], "generator": generators}
         # A call that takes one prompt or generator (``facts.single_items``) is made one record at a time.
         single = self.info.facts.single_items
         items = {name: values[0] if name in single else values for name, values in items.items()}
