@@ -29,6 +29,8 @@ TEXT_LENGTH_ARG = "max_sequence_length"
 TEXT_MASK_ARGS = ("encoder_attention_mask", "encoder_hidden_states_mask")
 # The denoiser components a pipeline calls in its loop, in the order they are looked for.
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
+# The components that decode latents to pictures, in the order they are looked for (Kandinsky's ``movq``).
+VAES = ("vae", "movq")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ class PipelineFacts:
     denoiser's blocks, which context parallelism splits (so it cannot run them).
     ``prompt_length_text``: its text encoding pads each batch to its longest prompt
     (``padding=True``), not to a fixed length. ``denoiser_class``: the class name of its denoiser.
-    ``single_items``: the call arguments that take one item, not a list (``prompt`` where the call
+    ``rounds_to``: the multiple the call itself rounds height and width up to, where it calls a size
+    helper that does (Kandinsky's ``downscale_height_and_width(height, width, 8)``: 64, not its
+    VAE's 8). ``single_items``: the call arguments that take one item, not a list (``prompt`` where the call
     refuses a list, as Wan VACE's; ``generator`` where its annotation admits no list, as aMUSEd's,
     whose scheduler reads ``generator.device``): such a pipeline is called one record at a time.
     ``unsplit_per_token``: (component, argument, mask) for each argument its ``__call__`` passes a
@@ -92,6 +96,7 @@ class PipelineFacts:
     prompt_length_text: bool = False
     denoiser_class: Optional[str] = None
     single_items: tuple[str, ...] = ()
+    rounds_to: Optional[int] = None
     unsplit_per_token: tuple[tuple[str, str, str], ...] = ()
 
     @property
@@ -288,6 +293,42 @@ def denoiser_facts(class_name: str, transformer_class: Optional[str]) -> Pipelin
     )
 
 
+def size_rounding(pipeline_class: type) -> Optional[int]:
+    """The multiple a pipeline's ``__call__`` rounds ``height`` and ``width`` up to through a helper
+    of its module (``downscale_height_and_width(height, width, 8)`` divides by ``scale_factor**2``
+    and rounds up: multiples of 64), or None where its call uses no such helper."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(pipeline_class.__call__)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    module = inspect.getmodule(pipeline_class.__call__)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args
+                and isinstance(node.args[0], ast.Name) and node.args[0].id == "height"):
+            continue
+        helper = getattr(module, node.func.id, None)
+        try:
+            source = inspect.getsource(helper) if inspect.isfunction(helper) else ""
+        except (OSError, TypeError):
+            continue
+        squared = re.search(r"//\s*(\w+)\s*\*\*\s*2", source)
+        if not squared:
+            continue
+        parameters = list(inspect.signature(helper).parameters.values())
+        names = [p.name for p in parameters]
+        if squared[1] not in names:
+            continue
+        position = names.index(squared[1])
+        given = node.args[position] if position < len(node.args) else None
+        value = given.value if isinstance(given, ast.Constant) else parameters[position].default
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value * value
+    return None
+
+
 def single_items(pipeline_class: type) -> tuple[str, ...]:
     """``prompt`` and ``generator`` where the call takes one, not a list: a prompt whose annotation
     admits no list or that ``__call__`` refuses unless it is a string (``if ... not isinstance(prompt,
@@ -397,8 +438,9 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
     parameters = inspect.signature(pipeline_class.__call__).parameters
     output, why_not = output_attribute(pipeline_class)
     frames_arg = FRAMES_ARG if FRAMES_ARG in parameters and output == "frames" else None
-    vae_config = configs.get("vae", {})
-    spatial, temporal = vae_compression(_component_class(model_index, "vae"), vae_config) if vae_config else (None, 1)
+    vae = next((name for name in VAES if name in configs), "vae")
+    vae_config = configs.get(vae, {})
+    spatial, temporal = vae_compression(_component_class(model_index, vae), vae_config) if vae_config else (None, 1)
     denoiser = next((name for name in DENOISERS if name in configs), None)
     patch, patch_t = token_patch(configs[denoiser], latent_channels(vae_config)) if denoiser else (None, 1)
     height, width = _call_default(parameters, "height"), _call_default(parameters, "width")
@@ -459,6 +501,7 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
         why_not=why_not,
         prompt_length_text=pads_to_prompt_length(pipeline_class),
         single_items=single_items(pipeline_class),
+        rounds_to=size_rounding(pipeline_class),
         denoiser_class=_class_name(model_index.get(next((n for n in DENOISERS if n in model_index), ""))),
         unsplit_per_token=tuple(per_token),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -192,7 +193,9 @@ class PipelineInfo:
         return {name for name, p in parameters.items() if p.default is None}
 
     def size_problems(self, height: Optional[int], width: Optional[int]) -> list[str]:
-        multiple = self.size_multiple
+        """Sizes the pipeline makes as asked: multiples of its pixels per token, or of the multiple its
+        own call rounds sizes up to (``facts.rounds_to``), whichever is larger."""
+        multiple = math.lcm(self.size_multiple, self.facts.rounds_to or 1)
         problems = []
         for name, value in (("height", height), ("width", width)):
             if value is None:

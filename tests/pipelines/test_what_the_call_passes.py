@@ -262,3 +262,27 @@ def test_a_pipeline_that_takes_one_generator_is_called_one_record_at_a_time_and_
         assert np.array_equal(np.asarray(direct, dtype=np.float32), arrays[line["index"]]), line["index"]
     record("AmusedPipeline", "one process", "equal", "byte-identical to diffusers called directly (one record a call)",
            copy="built in the test")
+
+
+def test_a_size_the_pipeline_would_round_to_its_own_multiple_is_refused_before_weights(tmp_path, cli_here):
+    """Kandinsky 3 rounds height and width up to multiples of 64 (``downscale_height_and_width(height,
+    width, 8)``), though its MoVQ compresses 8x: 72 would make 128; refused before weights naming 64."""
+    import diffusers
+
+    from lightning_diffusion.pipelines.facts import derive
+
+    assert derive(diffusers.Kandinsky3Pipeline, {}, {}).rounds_to == 64
+    assert derive(diffusers.StableDiffusionPipeline, {}, {}).rounds_to is None
+    folder = _model_folder(tmp_path / "model", "Kandinsky3Pipeline", {"unet": ["diffusers", "Kandinsky3UNet"],
+                                                                      "movq": ["diffusers", "VQModel"]})
+    (folder / "movq" / "config.json").write_text(json.dumps({"_class_name": "VQModel",
+                                                             "block_out_channels": [128, 256, 256, 512]}))
+    proc = cli_here("predict", "--model.pretrained_model_name_or_path", str(folder), "--model.height", "72",
+                    "--model.width", "64", "--data.prompts", "[a red circle]", "--writer.output_dir",
+                    str(tmp_path / "out"), *STEPS)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().endswith("height=72 cannot be made by Kandinsky3Pipeline: use a positive multiple of 64 "
+                                        "(for example 64)."), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    record("Kandinsky3Pipeline", "one process", "refused", "a size off the multiple of 64 its call rounds sizes up to",
+           copy="configs only")
