@@ -310,8 +310,10 @@ def size_rounding(pipeline_class: type) -> Optional[int]:
                 and isinstance(node.args[0], ast.Name) and node.args[0].id == "height"):
             continue
         helper = getattr(module, node.func.id, None)
+        if not inspect.isfunction(helper):
+            continue
         try:
-            source = inspect.getsource(helper) if inspect.isfunction(helper) else ""
+            source = inspect.getsource(helper)
         except (OSError, TypeError):
             continue
         squared = re.search(r"//\s*(\w+)\s*\*\*\s*2", source)
