@@ -54,7 +54,9 @@ class PipelineFacts:
     denoiser's blocks, which context parallelism splits (so it cannot run them).
     ``prompt_length_text``: its text encoding pads each batch to its longest prompt
     (``padding=True``), not to a fixed length. ``denoiser_class``: the class name of its denoiser.
-    ``rounds_to``: the multiple the call itself rounds height and width up to, where it calls a size
+    ``needed_inputs``: input pictures (``image``, ``mask_image``, ``control_image``, ``video``) whose
+    argument defaults to None but which its call and ``check_inputs`` use without ever testing for
+    None (LTX image-to-video's ``image``): every record must carry them. ``rounds_to``: the multiple the call itself rounds height and width up to, where it calls a size
     helper that does (Kandinsky's ``downscale_height_and_width(height, width, 8)``: 64, not its
     VAE's 8). ``single_items``: the call arguments that take one item, not a list (``prompt`` where the call
     refuses a list, as Wan VACE's; ``generator`` where its annotation admits no list, as aMUSEd's,
@@ -97,6 +99,7 @@ class PipelineFacts:
     denoiser_class: Optional[str] = None
     single_items: tuple[str, ...] = ()
     rounds_to: Optional[int] = None
+    needed_inputs: tuple[str, ...] = ()
     unsplit_per_token: tuple[tuple[str, str, str], ...] = ()
 
     @property
@@ -291,6 +294,32 @@ def denoiser_facts(class_name: str, transformer_class: Optional[str]) -> Pipelin
         unsplit_per_token=tuple(("transformer", arg, mask) for arg, mask in per_token.items()
                                 if arg not in plan_inputs(cp or {})),
     )
+
+
+# Input pictures a record may carry, whose absence a call may not cope with.
+_INPUT_PICTURES = ("image", "mask_image", "control_image", "video")
+
+
+def untested_inputs(pipeline_class: type) -> tuple[str, ...]:
+    """The input pictures whose ``__call__`` argument defaults to None and that neither ``__call__``
+    nor ``check_inputs`` ever compares with None or tests for truth (``if image is not None``,
+    ``image or ...``): the call would fail on a missing one after the weights load."""
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    try:
+        source = "\n".join(inspect.getsource(method) for method in (pipeline_class.__call__,
+                                                                  getattr(pipeline_class, "check_inputs", None))
+                          if method is not None)
+    except (OSError, TypeError):
+        return ()
+    needed = []
+    for name in _INPUT_PICTURES:
+        parameter = parameters.get(name)
+        if parameter is None or parameter.default is not None:
+            continue
+        tested = rf"\b{name}\s+is\s+(not\s+)?None|\bif\s+(not\s+)?{name}\b|\b{name}\s+or\b|\b{name}\s*[!=]=\s*None"
+        if not re.search(tested, source):
+            needed.append(name)
+    return tuple(needed)
 
 
 def size_rounding(pipeline_class: type) -> Optional[int]:
@@ -504,6 +533,7 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
         prompt_length_text=pads_to_prompt_length(pipeline_class),
         single_items=single_items(pipeline_class),
         rounds_to=size_rounding(pipeline_class),
+        needed_inputs=untested_inputs(pipeline_class),
         denoiser_class=_class_name(model_index.get(next((n for n in DENOISERS if n in model_index), ""))),
         unsplit_per_token=tuple(per_token),
     )

@@ -247,8 +247,9 @@ class PipelineInfo:
     def needed_inputs(self) -> tuple[str, ...]:
         """The input files every record must carry: the registry's (an edit pipeline's image), and a
         ControlNet pipeline's control image (``control_image`` where its call has one, else
-        ``image``), read from its ``controlnet`` component."""
-        needed = list(self.spec.inputs)
+        ``image``), read from its ``controlnet`` component, and the input pictures its call uses
+        without a test for None (``facts.needed_inputs``: LTX image-to-video's ``image``)."""
+        needed = list(dict.fromkeys((*self.spec.inputs, *self.facts.needed_inputs)))
         if "controlnet" in self.model_index:
             control = "control_image" if "control_image" in self.call_parameters else "image"
             needed += [control] if control not in needed else []

@@ -286,3 +286,24 @@ def test_a_size_the_pipeline_would_round_to_its_own_multiple_is_refused_before_w
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
     record("Kandinsky3Pipeline", "one process", "refused", "a size off the multiple of 64 its call rounds sizes up to",
            copy="configs only")
+
+
+def test_a_record_without_the_picture_the_call_uses_unasked_is_refused_before_weights(tmp_path, cli_here):
+    """LTX image-to-video's ``image`` defaults to None, but its call encodes it without a test for
+    None (it would fail after the weights load): a record without one is refused, by its line."""
+    import diffusers
+
+    from lightning_diffusion.pipelines.facts import derive
+
+    assert derive(diffusers.LTXImageToVideoPipeline, {}, {}).needed_inputs == ("image",)
+    assert derive(diffusers.FluxKontextPipeline, {}, {}).needed_inputs == ()  # it tests for None: optional
+    folder = _model_folder(tmp_path / "model", "LTXImageToVideoPipeline",
+                           {"transformer": ["diffusers", "LTXVideoTransformer3DModel"]})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a fox"}) + "\n")
+    proc = cli_here("predict", "--model.pretrained_model_name_or_path", str(folder), "--model.height", "64",
+                    "--model.width", "64", "--model.num_frames", "9", "--data.prompts", str(prompts),
+                    "--writer.output_dir", str(tmp_path / "out"), *STEPS)
+    assert proc.returncode == 2, proc.stderr
+    assert "p.jsonl:1: it has no image, which LTXImageToVideoPipeline needs" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
