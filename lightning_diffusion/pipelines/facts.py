@@ -56,9 +56,10 @@ class PipelineFacts:
     (``padding=True``), not to a fixed length. ``denoiser_class``: the class name of its denoiser.
     ``needed_inputs``: input pictures (``image``, ``mask_image``, ``control_image``, ``video``) whose
     argument defaults to None but which its call and ``check_inputs`` use without ever testing for
-    None (LTX image-to-video's ``image``): every record must carry them. ``rounds_to``: the multiple the call itself rounds height and width up to, where it calls a size
-    helper that does (Kandinsky's ``downscale_height_and_width(height, width, 8)``: 64, not its
-    VAE's 8). ``single_items``: the call arguments that take one item, not a list (``prompt`` where the call
+    None (LTX image-to-video's ``image``): every record must carry them. ``rounds_to``: the multiple
+    the call itself rounds height and width up to, where it calls a size helper that does
+    (Kandinsky's ``downscale_height_and_width(height, width, 8)``: 64, not its VAE's 8).
+    ``single_items``: the call arguments that take one item, not a list (``prompt`` where the call
     refuses a list, as Wan VACE's; ``generator`` where its annotation admits no list, as aMUSEd's,
     whose scheduler reads ``generator.device``): such a pipeline is called one record at a time.
     ``unsplit_per_token``: (component, argument, mask) for each argument its ``__call__`` passes a
