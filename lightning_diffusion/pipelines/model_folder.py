@@ -278,6 +278,39 @@ class PipelineInfo:
                             "record can give.")
         problems += [f"{name} needs the package {package}, which is not installed: pip install {package}."
                      for package in missing_packages(self.pipeline_class)]
+        return problems + self.component_problems()
+
+    def component_problems(self) -> list[str]:
+        """Components of ``model_index.json`` whose class this environment cannot give, as
+        ``from_pretrained`` would resolve them (``diffusers``, ``transformers``, or a module of
+        ``diffusers.pipelines`` such as Kolors' ``kolors``): a class the library lacks (a folder saved
+        by a newer version) or a placeholder for a missing package. Other libraries (a folder's own
+        code) are left to the load."""
+        import importlib
+
+        problems = []
+        for name, entry in self.model_index.items():
+            if name.startswith("_") or not (isinstance(entry, list) and len(entry) == 2):
+                continue
+            library, class_name = entry
+            if not (isinstance(library, str) and isinstance(class_name, str)):
+                continue  # [null, null]: a component the folder leaves out
+            module_name = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+            if not _has_module(module_name):
+                continue  # another library's or the folder's own code: the load resolves it
+            module = importlib.import_module(module_name)
+            found = getattr(module, class_name, None)
+            version = getattr(importlib.import_module(library if module_name == library else "diffusers"),
+                              "__version__", "")
+            if found is None:
+                problems.append(f"{self.class_name}'s {name} is {library}.{class_name}, which {module_name} {version} "
+                                f"does not have (a folder saved by another version?): install the version its "
+                                f"model_index.json names ({self.model_index.get('_diffusers_version', 'unknown')} of "
+                                "diffusers), or re-save the folder with this one.")
+                continue
+            needs = missing_backends(found)
+            if needs:
+                problems.append(f"{self.class_name}'s {name} is {library}.{class_name}, which needs {needs}.")
         return problems
 
     def call_argument_problems(self, names: set[str], where: str) -> list[str]:
@@ -331,16 +364,28 @@ def without_prompt(parameters: Any, needed: list[str]) -> str:
     return "it makes pictures without a prompt (unconditional), and a run makes one picture per prompt"
 
 
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 def missing_backends(cls: object) -> str:
     """What a class diffusers exports only as a placeholder needs (``KolorsPipeline`` without
     sentencepiece, ``ConsisIDPipeline`` without OpenCV): each package that is not installed and the
     install line diffusers' own message gives for it (``pip install opencv-python``), or ""."""
     from diffusers.utils import import_utils
 
+    from transformers.utils import import_utils as transformers_imports
+
     backends = getattr(cls, "_backends", None) if isinstance(cls, type) else None
     missing = []
     for backend in backends or ():
-        available, message = import_utils.BACKENDS_MAPPING.get(backend, (None, ""))
+        available, message = import_utils.BACKENDS_MAPPING.get(
+            backend, transformers_imports.BACKENDS_MAPPING.get(backend, (None, "")))
         if available is None or available():
             continue
         line = re.search(r"`(pip\s+install\s+[^`]+)`", message)  # wrapped over two lines in diffusers' text

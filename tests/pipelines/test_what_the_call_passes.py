@@ -307,3 +307,22 @@ def test_a_record_without_the_picture_the_call_uses_unasked_is_refused_before_we
     assert proc.returncode == 2, proc.stderr
     assert "p.jsonl:1: it has no image, which LTXImageToVideoPipeline needs" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_component_class_this_environment_lacks_is_refused_before_weights(tmp_path, cli_here):
+    """A folder saved by another transformers names a text encoder class this one lacks: refused
+    before any weight in one line naming it (the load would end in a traceback)."""
+    folder = _model_folder(tmp_path / "model", "StableDiffusionPipeline",
+                           {"unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
+                            "text_encoder": ["transformers", "CLIPTextModelFromTheFuture"],
+                            "tokenizer": ["transformers", "CLIPTokenizer"],
+                            "scheduler": ["diffusers", "PNDMScheduler"], "safety_checker": [None, None],
+                            "feature_extractor": [None, None]})
+    proc = cli_here("predict", "--model.pretrained_model_name_or_path", str(folder), "--model.height", "64",
+                    "--model.width", "64", "--data.prompts", "[a red circle]", "--writer.output_dir",
+                    str(tmp_path / "out"), *STEPS)
+    assert proc.returncode == 2, proc.stderr
+    assert ("StableDiffusionPipeline's text_encoder is transformers.CLIPTextModelFromTheFuture, which transformers "
+            in proc.stderr), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
