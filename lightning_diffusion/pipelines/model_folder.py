@@ -378,7 +378,6 @@ def missing_backends(cls: object) -> str:
     sentencepiece, ``ConsisIDPipeline`` without OpenCV): each package that is not installed and the
     install line diffusers' own message gives for it (``pip install opencv-python``), or ""."""
     from diffusers.utils import import_utils
-
     from transformers.utils import import_utils as transformers_imports
 
     backends = getattr(cls, "_backends", None) if isinstance(cls, type) else None
