@@ -7,7 +7,13 @@ transformer a timestep per latent token (``timestep * (1 - conditioning_mask)``)
 batch's longest prompt, as the registered Qwen-Image does. Each runs under one process byte-identical to
 diffusers called directly, and is refused before weights (exit 2, one line, nothing written) where
 its call cannot be split, or runs where it can (Ulysses-anything of degree 2, tolerance 1e-5 on float
-pixels as the other context-parallel tests).
+pixels as the other context-parallel tests). Two replicas give one process's bytes (slow tier).
+
+What else a call says before weights: a single prompt or generator (aMUSEd, built here, is then
+called one record at a time), the multiple it rounds sizes up to (Kandinsky 3), the input picture
+it uses without a test for None (LTX image-to-video), and component classes it names (a class this
+transformers lacks). Outcomes go to ``$LIGHTNING_DIFFUSION_PIPELINE_RESULTS`` as in
+``test_any_pipeline``.
 """
 
 from __future__ import annotations
@@ -326,3 +332,38 @@ def test_a_component_class_this_environment_lacks_is_refused_before_weights(tmp_
             in proc.stderr), proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_pipeline_called_one_record_at_a_time_gives_the_same_bytes_over_two_replicas(tmp_path):
+    """aMUSEd over data_parallel 2 (each replica calls it one record at a time, batch size 2): the
+    bytes of one process."""
+    model = build_amused(tmp_path / "amused")
+    common = ["predict", "--model.pretrained_model_name_or_path", str(model), "--model.height", "32", "--model.width",
+              "32", "--data.prompts", "[a cat, a lighthouse in a storm, a fox]", *STEPS, "--data.batch_size", "2"]
+    run_here(*common, "--writer.output_dir", str(tmp_path / "one"))
+    run_cli(*common, "--writer.output_dir", str(tmp_path / "two"), "--trainer.devices", "2",
+            "--trainer.strategy", "data_parallel")
+    one, two = load_arrays(tmp_path / "one"), load_arrays(tmp_path / "two")
+    assert one.keys() == two.keys() == {0, 1, 2}
+    assert all(np.array_equal(one[i], two[i]) for i in one)
+    record("AmusedPipeline", "data_parallel 2", "equal", "byte-identical to one process", copy="built in the test")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("class_name, base, extra", [
+    ("LTXImageToVideoPipeline", "tiny:ltx", ["--model.height", "32", "--model.width", "32", "--model.num_frames", "5"]),
+    ("QwenImageImg2ImgPipeline", "tiny:qwenimage", []),
+])
+def test_task_pipelines_built_from_tiny_copies_give_the_same_bytes_over_two_replicas(class_name, base, extra, tmp_path):
+    model = build(class_name, base, tmp_path / "model")
+    prompts = records(tmp_path / "inputs", "image")
+    common = ["predict", "--model.pretrained_model_name_or_path", str(model), *extra, "--data.prompts", str(prompts),
+              *STEPS]
+    run_here(*common, "--writer.output_dir", str(tmp_path / "one"))
+    run_cli(*common, "--writer.output_dir", str(tmp_path / "two"), "--trainer.devices", "2",
+            "--trainer.strategy", "data_parallel")
+    one, two = load_arrays(tmp_path / "one"), load_arrays(tmp_path / "two")
+    assert one.keys() == two.keys() == {0, 1}
+    assert all(np.array_equal(one[i], two[i]) for i in one)
+    record(class_name, "data_parallel 2", "equal", "byte-identical to one process", copy=f"built from {base}")
