@@ -29,6 +29,8 @@ from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here
 from tests.pipelines.test_any_pipeline import _model_folder, record
 
 ATOL = 1e-5
+# Qwen-Image's task pipelines make 1024x1024 unless told (the image's size is not theirs).
+SIZE = ["--model.height", "32", "--model.width", "32"]
 STEPS = ["--model.num_inference_steps", "2", "--data.batch_size", "1", "--writer.save_arrays", "true",
          "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"]
 
@@ -178,9 +180,9 @@ def test_ltx_image_to_video_equals_diffusers_called_directly(tmp_path):
 def test_qwen_image_task_pipelines_equal_diffusers_called_directly(class_name, fields, tmp_path):
     model = build(class_name, "tiny:qwenimage", tmp_path / "model")
     prompts = records(tmp_path / "inputs", *fields)
-    run_here("predict", "--model.pretrained_model_name_or_path", str(model), "--data.prompts", str(prompts),
+    run_here("predict", "--model.pretrained_model_name_or_path", str(model), *SIZE, "--data.prompts", str(prompts),
              "--writer.output_dir", str(tmp_path / "out"), *STEPS)
-    equals_diffusers(model, tmp_path / "out", prompts, {}, fields)
+    equals_diffusers(model, tmp_path / "out", prompts, {"height": 32, "width": 32}, fields)
     record(class_name, "one process", "equal", "byte-identical to diffusers called directly",
            copy="built from tiny:qwenimage")
 
@@ -190,7 +192,8 @@ def test_qwen_image_img2img_under_ulysses_anything_2_equals_one_process(tmp_path
     """The prompts' text lengths differ (5 and 32 characters): Ulysses-anything splits each on 2 ranks."""
     model = build("QwenImageImg2ImgPipeline", "tiny:qwenimage", tmp_path / "model")
     prompts = records(tmp_path / "inputs", "image")
-    common = ["predict", "--model.pretrained_model_name_or_path", str(model), "--data.prompts", str(prompts), *STEPS]
+    common = ["predict", "--model.pretrained_model_name_or_path", str(model), *SIZE, "--data.prompts", str(prompts),
+              *STEPS]
     run_here(*common, "--writer.output_dir", str(tmp_path / "one"))
     run_cli(*common, "--writer.output_dir", str(tmp_path / "two"), "--trainer.devices", "2",
             "--trainer.strategy", "ulysses_anything")
@@ -353,7 +356,7 @@ def test_a_pipeline_called_one_record_at_a_time_gives_the_same_bytes_over_two_re
 @pytest.mark.slow
 @pytest.mark.parametrize("class_name, base, extra", [
     ("LTXImageToVideoPipeline", "tiny:ltx", ["--model.height", "32", "--model.width", "32", "--model.num_frames", "5"]),
-    ("QwenImageImg2ImgPipeline", "tiny:qwenimage", []),
+    ("QwenImageImg2ImgPipeline", "tiny:qwenimage", ["--model.height", "32", "--model.width", "32"]),
 ])
 def test_task_pipelines_built_from_tiny_copies_give_the_same_bytes_over_two_replicas(class_name, base, extra, tmp_path):
     model = build(class_name, base, tmp_path / "model")
