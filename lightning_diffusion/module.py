@@ -371,12 +371,14 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         real = len([s for s in samples if not s.get("padding")])
         self.stats["computed"] += len(samples)
         self.stats["kept"] += real
-        output = self.runner.step(agree, self.device, lambda: self.pipeline(
-            prompt=[sample["prompt"] for sample in samples],
-            generator=[torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples],
-            output_type="np",
-            **kwargs,
-        ))
+        generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
+        items: dict[str, Any] = {"prompt": [sample["prompt"] for sample in samples], "generator": generators}
+        # A call that takes one prompt or generator (``facts.single_items``) is made one record at a time.
+        single = self.info.facts.single_items
+        items = {name: values[0] if name in single else values for name, values in items.items()}
+        if "prompt" in single and isinstance(kwargs.get("negative_prompt"), list):
+            kwargs = {**kwargs, "negative_prompt": kwargs["negative_prompt"][0]}
+        output = self.runner.step(agree, self.device, lambda: self.pipeline(**items, output_type="np", **kwargs))
         images = np.asarray(getattr(output, self.info.spec.output or "images"), dtype=np.float32)
         # What the call received, and nothing it did not (the pipeline's own defaults are not the
         # run's arguments: FluxPipeline's guidance_scale=3.5 reaches no transformer without guidance

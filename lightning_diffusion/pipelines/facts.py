@@ -29,6 +29,8 @@ TEXT_LENGTH_ARG = "max_sequence_length"
 TEXT_MASK_ARGS = ("encoder_attention_mask", "encoder_hidden_states_mask")
 # The denoiser components a pipeline calls in its loop, in the order they are looked for.
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
+# The components that decode latents to pictures, in the order they are looked for (Kandinsky's ``movq``).
+VAES = ("vae", "movq")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,21 @@ class PipelineFacts:
     ``max_side``: the most pixels per side its denoiser's position table reaches, where it has one
     (SD3's ``pos_embed_max_size``). ``unsplit_controls``: ControlNet components without a
     ``_cp_plan``: the loop runs them on the whole latent sequence and adds their residuals to the
-    denoiser's blocks, which context parallelism splits (so it cannot run them)."""
+    denoiser's blocks, which context parallelism splits (so it cannot run them).
+    ``prompt_length_text``: its text encoding pads each batch to its longest prompt
+    (``padding=True``), not to a fixed length. ``denoiser_class``: the class name of its denoiser.
+    ``needed_inputs``: input pictures (``image``, ``mask_image``, ``control_image``, ``video``) whose
+    argument defaults to None but which its call and ``check_inputs`` use without ever testing for
+    None (LTX image-to-video's ``image``): every record must carry them. ``rounds_to``: the multiple
+    the call itself rounds height and width up to, where it calls a size helper that does
+    (Kandinsky's ``downscale_height_and_width(height, width, 8)``: 64, not its VAE's 8).
+    ``single_items``: the call arguments that take one item, not a list (``prompt`` where the call
+    refuses a list, as Wan VACE's; ``generator`` where its annotation admits no list, as aMUSEd's,
+    whose scheduler reads ``generator.device``): such a pipeline is called one record at a time.
+    ``unsplit_per_token``: (component, argument, mask) for each argument its ``__call__`` passes a
+    component with a ``_cp_plan`` that holds a value per latent token (computed from a latent mask,
+    as LTX image-to-video's timestep from its conditioning mask) and that the plan does not split:
+    each rank would get the whole sequence's values beside its shard of the tokens."""
 
     @property
     def text_split(self) -> bool:
@@ -80,6 +96,12 @@ class PipelineFacts:
     max_side: Optional[int] = None
     unsplit_controls: tuple[str, ...] = ()
     why_not: Optional[str] = None
+    prompt_length_text: bool = False
+    denoiser_class: Optional[str] = None
+    single_items: tuple[str, ...] = ()
+    rounds_to: Optional[int] = None
+    needed_inputs: tuple[str, ...] = ()
+    unsplit_per_token: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def size_multiple(self) -> Optional[int]:
@@ -260,12 +282,185 @@ def denoiser_facts(class_name: str, transformer_class: Optional[str]) -> Pipelin
         return PipelineFacts(class_name)
     cp = getattr(cls, "_cp_plan", None)
     forward = inspect.signature(cls.forward).parameters
+    pipeline: Any = getattr(diffusers, class_name, None)
+    readable = isinstance(pipeline, type) and hasattr(pipeline, "__call__")
+    per_token = per_token_arguments(pipeline, "transformer") if readable and cp else {}
     return PipelineFacts(
         class_name, cp_plan=("transformer",) if cp else (),
         tp_plan=("transformer",) if getattr(cls, "_tp_plan", None) else (),
         text_masks={"transformer": tuple(a for a in TEXT_MASK_ARGS if a in forward)},
         cp_splits={"transformer": plan_inputs(cp)} if cp else {},
+        prompt_length_text=readable and pads_to_prompt_length(pipeline),
+        denoiser_class=transformer_class,
+        unsplit_per_token=tuple(("transformer", arg, mask) for arg, mask in per_token.items()
+                                if arg not in plan_inputs(cp or {})),
     )
+
+
+# Input pictures a record may carry, whose absence a call may not cope with.
+_INPUT_PICTURES = ("image", "mask_image", "control_image", "video")
+
+
+def untested_inputs(pipeline_class: type) -> tuple[str, ...]:
+    """The input pictures whose ``__call__`` argument defaults to None and that neither ``__call__``
+    nor ``check_inputs`` ever compares with None or tests for truth (``if image is not None``,
+    ``image or ...``): the call would fail on a missing one after the weights load."""
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    try:
+        source = "\n".join(inspect.getsource(method) for method in (pipeline_class.__call__,
+                                                                  getattr(pipeline_class, "check_inputs", None))
+                          if method is not None)
+    except (OSError, TypeError):
+        return ()
+    needed = []
+    for name in _INPUT_PICTURES:
+        parameter = parameters.get(name)
+        if parameter is None or parameter.default is not None:
+            continue
+        tested = rf"\b{name}\s+is\s+(not\s+)?None|\bif\s+(not\s+)?{name}\b|\b{name}\s+or\b|\b{name}\s*[!=]=\s*None"
+        if not re.search(tested, source):
+            needed.append(name)
+    return tuple(needed)
+
+
+def size_rounding(pipeline_class: type) -> Optional[int]:
+    """The multiple a pipeline's ``__call__`` rounds ``height`` and ``width`` up to through a helper
+    of its module (``downscale_height_and_width(height, width, 8)`` divides by ``scale_factor**2``
+    and rounds up: multiples of 64), or None where its call uses no such helper."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(pipeline_class.__call__)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    module = inspect.getmodule(pipeline_class.__call__)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args
+                and isinstance(node.args[0], ast.Name) and node.args[0].id == "height"):
+            continue
+        helper = getattr(module, node.func.id, None)
+        if not inspect.isfunction(helper):
+            continue
+        try:
+            source = inspect.getsource(helper)
+        except (OSError, TypeError):
+            continue
+        squared = re.search(r"//\s*(\w+)\s*\*\*\s*2", source)
+        if not squared:
+            continue
+        parameters = list(inspect.signature(helper).parameters.values())
+        names = [p.name for p in parameters]
+        if squared[1] not in names:
+            continue
+        position = names.index(squared[1])
+        given = node.args[position] if position < len(node.args) else None
+        value = given.value if isinstance(given, ast.Constant) else parameters[position].default
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value * value
+    return None
+
+
+def single_items(pipeline_class: type) -> tuple[str, ...]:
+    """``prompt`` and ``generator`` where the call takes one, not a list: a prompt whose annotation
+    admits no list or that ``__call__`` refuses unless it is a string (``if ... not isinstance(prompt,
+    str): raise``), a generator whose annotation admits no list."""
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    try:
+        source = inspect.getsource(pipeline_class.__call__)
+    except (OSError, TypeError):
+        source = ""
+    found = []
+    for name in ("prompt", "generator"):
+        parameter = parameters.get(name)
+        if parameter is None:
+            continue
+        annotation = str(parameter.annotation)
+        listed = parameter.annotation is inspect.Parameter.empty or re.search(r"(?i)list|sequence", annotation)
+        refused = re.search(rf"not isinstance\({name}, str\)\s*:\s*raise", source)
+        if not listed or refused:
+            found.append(name)
+    return tuple(found)
+
+
+def pads_to_prompt_length(pipeline_class: type) -> bool:
+    """Whether the pipeline's text encoding pads a batch to its longest prompt: its prompt methods
+    (``encode_prompt``, ``_get_*_prompt_embeds``) tokenize with ``padding=True`` and never to a fixed
+    ``max_length`` (Qwen-Image's family), so the text token count is each batch's own."""
+    sources = []
+    for name in dir(pipeline_class):
+        method = getattr(pipeline_class, name, None)
+        if "prompt" in name and callable(method):
+            try:
+                sources.append(inspect.getsource(method))
+            except (OSError, TypeError):
+                continue
+    text = "\n".join(sources)
+    return bool(re.search(r"padding\s*=\s*True", text)) and not re.search(r"padding\s*=\s*[\"']max_length", text)
+
+
+# Attributes read for a tensor's layout, not its values (a batch size taken from the latents).
+_LAYOUT = ("shape", "dtype", "device", "ndim")
+# Masks over the text, not over the latent tokens.
+_TEXT_MASK_WORDS = ("attention", "attn", "prompt", "text", "txt", "padding")
+
+
+def _names(node: Any) -> set[str]:
+    """The variable names an expression reads, leaving out ``self`` and those read only for their
+    layout (``latents.shape[0]``, ``latents.dtype``)."""
+    import ast
+
+    if isinstance(node, ast.Attribute) and node.attr in _LAYOUT:
+        return set()
+    if isinstance(node, ast.Name):
+        return {node.id} - {"self"}
+    return set().union(*(_names(child) for child in ast.iter_child_nodes(node))) if node is not None else set()
+
+
+def per_token_arguments(pipeline_class: type, component: str) -> dict[str, str]:
+    """The keyword arguments that ``__call__``'s denoising loop passes ``self.<component>(...)`` and
+    computes in the loop, directly or through other variables of the loop, from a latent mask (a
+    variable named ``*mask*`` that is not a text or padding mask): argument -> that mask. LTX
+    image-to-video's ``timestep * (1 - conditioning_mask)`` is one (a timestep per token); Wan 2.2's
+    ``mask * t`` another. Read from the source; none when unreadable."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(pipeline_class.__call__)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+
+    def calls(node: Any) -> list[Any]:
+        return [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == component and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+
+    found: dict[str, str] = {}
+    for loop in [n for n in ast.walk(tree) if isinstance(n, ast.For) and calls(n)]:
+        reads: dict[str, set[str]] = {}
+        for node in ast.walk(loop):
+            targets: list[Any] = []
+            value: Any = None
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets, value = [node.target], node.value
+            for target in targets:
+                for name in _names(target) if not isinstance(target, ast.Attribute) else ():
+                    reads.setdefault(name, set()).update(_names(value))
+        for call in calls(loop):
+            for keyword in call.keywords:
+                seen: set[str] = set()
+                todo = list(_names(keyword.value))
+                while todo:
+                    name = todo.pop()
+                    if name not in seen:
+                        seen.add(name)
+                        todo += reads.get(name, ())
+                masks = sorted(n for n in seen if "mask" in n and not any(w in n for w in _TEXT_MASK_WORDS))
+                if keyword.arg and masks:
+                    found.setdefault(keyword.arg, masks[0])
+    return found
 
 
 def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str, dict[str, Any]]) -> PipelineFacts:
@@ -275,8 +470,9 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
     parameters = inspect.signature(pipeline_class.__call__).parameters
     output, why_not = output_attribute(pipeline_class)
     frames_arg = FRAMES_ARG if FRAMES_ARG in parameters and output == "frames" else None
-    vae_config = configs.get("vae", {})
-    spatial, temporal = vae_compression(_component_class(model_index, "vae"), vae_config) if vae_config else (None, 1)
+    vae = next((name for name in VAES if name in configs), "vae")
+    vae_config = configs.get(vae, {})
+    spatial, temporal = vae_compression(_component_class(model_index, vae), vae_config) if vae_config else (None, 1)
     denoiser = next((name for name in DENOISERS if name in configs), None)
     patch, patch_t = token_patch(configs[denoiser], latent_channels(vae_config)) if denoiser else (None, 1)
     height, width = _call_default(parameters, "height"), _call_default(parameters, "width")
@@ -294,6 +490,7 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
     masks: dict[str, tuple[str, ...]] = {}
     splits: dict[str, tuple[str, ...]] = {}
     controls: list[str] = []
+    per_token: list[tuple[str, str, str]] = []
     for name in model_index:
         cls = None if name.startswith("_") else _component_class(model_index, name)
         if not (cls is not None and issubclass(cls, ModelMixin)):
@@ -303,6 +500,8 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
                 found.append(name)
         if getattr(cls, "_cp_plan", None):
             splits[name] = plan_inputs(cls._cp_plan)
+            per_token += [(name, arg, mask) for arg, mask in per_token_arguments(pipeline_class, name).items()
+                          if arg not in splits[name]]
         elif "ControlNet" in cls.__name__:
             controls.append(name)
         if name in DENOISERS:
@@ -332,4 +531,14 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
         max_side=max_side,
         unsplit_controls=tuple(controls),
         why_not=why_not,
+        prompt_length_text=pads_to_prompt_length(pipeline_class),
+        single_items=single_items(pipeline_class),
+        rounds_to=size_rounding(pipeline_class),
+        needed_inputs=untested_inputs(pipeline_class),
+        denoiser_class=_class_name(model_index.get(next((n for n in DENOISERS if n in model_index), ""))),
+        unsplit_per_token=tuple(per_token),
     )
+
+
+def _class_name(entry: Any) -> Optional[str]:
+    return entry[1] if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) else None

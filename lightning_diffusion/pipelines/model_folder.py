@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -192,7 +193,9 @@ class PipelineInfo:
         return {name for name, p in parameters.items() if p.default is None}
 
     def size_problems(self, height: Optional[int], width: Optional[int]) -> list[str]:
-        multiple = self.size_multiple
+        """Sizes the pipeline makes as asked: multiples of its pixels per token, or of the multiple its
+        own call rounds sizes up to (``facts.rounds_to``), whichever is larger."""
+        multiple = math.lcm(self.size_multiple, self.facts.rounds_to or 1)
         problems = []
         for name, value in (("height", height), ("width", width)):
             if value is None:
@@ -244,8 +247,9 @@ class PipelineInfo:
     def needed_inputs(self) -> tuple[str, ...]:
         """The input files every record must carry: the registry's (an edit pipeline's image), and a
         ControlNet pipeline's control image (``control_image`` where its call has one, else
-        ``image``), read from its ``controlnet`` component."""
-        needed = list(self.spec.inputs)
+        ``image``), read from its ``controlnet`` component, and the input pictures its call uses
+        without a test for None (``facts.needed_inputs``: LTX image-to-video's ``image``)."""
+        needed = list(dict.fromkeys((*self.spec.inputs, *self.facts.needed_inputs)))
         if "controlnet" in self.model_index:
             control = "control_image" if "control_image" in self.call_parameters else "image"
             needed += [control] if control not in needed else []
@@ -263,9 +267,8 @@ class PipelineInfo:
         needed = [arg for arg, p in parameters.items() if arg not in ("self", "prompt") and p.default is p.empty
                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         if "prompt" not in parameters:
-            what = ("it is a stage of a larger pipeline; run the pipeline that makes pictures from prompts" if needed
-                    else "it makes pictures without a prompt (unconditional), and a run makes one picture per prompt")
-            problems.append(f"{name} takes no prompt (its __call__ has no prompt argument): {what}.")
+            problems.append(f"{name} takes no prompt (its __call__ has no prompt argument): "
+                            f"{without_prompt(parameters, needed)}.")
         why = no_pictures(self.pipeline_class)
         if why is not None:
             problems.append(f"{name} makes no pictures: {why}.")
@@ -275,6 +278,39 @@ class PipelineInfo:
                             "record can give.")
         problems += [f"{name} needs the package {package}, which is not installed: pip install {package}."
                      for package in missing_packages(self.pipeline_class)]
+        return problems + self.component_problems()
+
+    def component_problems(self) -> list[str]:
+        """Components of ``model_index.json`` whose class this environment cannot give, as
+        ``from_pretrained`` would resolve them (``diffusers``, ``transformers``, or a module of
+        ``diffusers.pipelines`` such as Kolors' ``kolors``): a class the library lacks (a folder saved
+        by a newer version) or a placeholder for a missing package. Other libraries (a folder's own
+        code) are left to the load."""
+        import importlib
+
+        problems = []
+        for name, entry in self.model_index.items():
+            if name.startswith("_") or not (isinstance(entry, list) and len(entry) == 2):
+                continue
+            library, class_name = entry
+            if not (isinstance(library, str) and isinstance(class_name, str)):
+                continue  # [null, null]: a component the folder leaves out
+            module_name = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+            if not _has_module(module_name):
+                continue  # another library's or the folder's own code: the load resolves it
+            module = importlib.import_module(module_name)
+            found = getattr(module, class_name, None)
+            version = getattr(importlib.import_module(library if module_name == library else "diffusers"),
+                              "__version__", "")
+            if found is None:
+                problems.append(f"{self.class_name}'s {name} is {library}.{class_name}, which {module_name} {version} "
+                                f"does not have (a folder saved by another version?): install the version its "
+                                f"model_index.json names ({self.model_index.get('_diffusers_version', 'unknown')} of "
+                                "diffusers), or re-save the folder with this one.")
+                continue
+            needs = missing_backends(found)
+            if needs:
+                problems.append(f"{self.class_name}'s {name} is {library}.{class_name}, which needs {needs}.")
         return problems
 
     def call_argument_problems(self, names: set[str], where: str) -> list[str]:
@@ -299,6 +335,62 @@ class PipelineInfo:
                 f"It accepts: {', '.join(sorted(self.call_parameters - set(RESERVED_CALL_ARGS)))}."
             )
         return problems
+
+
+# Call arguments that carry input pictures (``image``, ``mask_image``, ``example_image``, ``video``,
+# Kandinsky's ``hint``), not embeddings of them or adapter images.
+_MEDIA_ARG = re.compile(r"(?!ip_adapter_)(?:\w+_)?(?:image|images|video|hint)")
+
+
+def without_prompt(parameters: Any, needed: list[str]) -> str:
+    """What a pipeline whose call has no ``prompt`` argument is, read from what its call takes: text
+    under other names (VisualCloze's ``task_prompt``), embeddings or latents another pipeline makes
+    (a stage), input pictures (an image-to-depth or image-variation pipeline, an upscaler), another
+    condition (DiT's ``class_labels``), or nothing (unconditional)."""
+    texts = [a for a in parameters if a.endswith("prompt") and not a.startswith(("negative", "num_"))]
+    media = [a for a in parameters if _MEDIA_ARG.fullmatch(a)]
+    made_elsewhere = [a for a in needed if "embed" in a or a.endswith("latents")]
+    pictures = f" and input pictures ({', '.join(media)})" if media else ""
+    if texts:
+        return (f"it takes its text as {', '.join(texts)}{pictures}, which a run of prompt records does not "
+                "fill; call it directly")
+    if made_elsewhere:
+        return "it is a stage of a larger pipeline; run the pipeline that makes pictures from prompts"
+    if media:
+        return (f"it makes its output from input pictures ({', '.join(media)}), not from a prompt, and a run makes "
+                "pictures from prompts; call it directly")
+    if needed:
+        return f"it is conditioned on {', '.join(needed)}, not on a prompt"
+    return "it makes pictures without a prompt (unconditional), and a run makes one picture per prompt"
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+def missing_backends(cls: object) -> str:
+    """What a class diffusers exports only as a placeholder needs (``KolorsPipeline`` without
+    sentencepiece, ``ConsisIDPipeline`` without OpenCV): each package that is not installed and the
+    install line diffusers' own message gives for it (``pip install opencv-python``), or ""."""
+    from diffusers.utils import import_utils
+    from transformers.utils import import_utils as transformers_imports
+
+    backends = getattr(cls, "_backends", None) if isinstance(cls, type) else None
+    missing = []
+    for backend in backends or ():
+        available, message = import_utils.BACKENDS_MAPPING.get(
+            backend, transformers_imports.BACKENDS_MAPPING.get(backend, (None, "")))
+        if available is None or available():
+            continue
+        line = re.search(r"`(pip\s+install\s+[^`]+)`", message)  # wrapped over two lines in diffusers' text
+        install = " ".join(line[1].split()) if line else f"pip install {backend}"
+        missing.append(f"the package {install.split()[-1]}, which is not installed: {install}")
+    return "; ".join(missing)
 
 
 def missing_packages(pipeline_class: type) -> list[str]:
@@ -476,6 +568,10 @@ def inspect_pipeline(pretrained_model_name_or_path: str, pipeline_class: Optiona
         )
     class_name = model_index.get("_class_name")
     diffusers_pipeline = getattr(diffusers, str(class_name), None)
+    needs = missing_backends(diffusers_pipeline)
+    if needs:
+        raise PipelineError(f"{path!r}: {class_name} is a pipeline class of diffusers {diffusers.__version__} that "
+                            f"needs {needs}.")
     if not (isinstance(diffusers_pipeline, type) and issubclass(diffusers_pipeline, diffusers.DiffusionPipeline)):
         raise PipelineError(
             f"{path!r}: model_index.json names {class_name!r}, which is not a pipeline class of "
@@ -509,6 +605,10 @@ def task_pipeline(name: object, weights_class: str, model_index: dict[str, Any])
     import diffusers
 
     cls = getattr(diffusers, str(name), None)
+    needs = missing_backends(cls)
+    if needs:
+        raise PipelineError(f"model.pipeline_class {name} is a pipeline class of diffusers {diffusers.__version__} "
+                            f"that needs {needs}.")
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
         raise PipelineError(f"model.pipeline_class {name!r} is not a pipeline class of diffusers "
                             f"{diffusers.__version__}.")

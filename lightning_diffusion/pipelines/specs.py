@@ -89,7 +89,8 @@ class PipelineSpec:
     offline copy, and ``tiny_builder`` the dotted path of the function that writes it. ``inputs``:
     the per-record input files it needs (``image``, ``mask_image``), read from each prompt record.
     ``call_batch``: the most prompts one call may take (Qwen-Image-Edit-Plus refuses two; Wan's
-    image-to-video repeats one image over its batch), so longer batches are called in pieces.
+    image-to-video repeats one image over its batch; read as 1 where the call takes a single prompt or
+    generator, ``PipelineFacts.single_items``), so longer batches are called in pieces.
     ``reference_tokens``: dotted path of a
     function ``(image_size, call_args) -> (output_tokens, reference_tokens)`` for pipelines whose
     transformer sees the input image's tokens beside the output's (context-parallel checks per record).
@@ -142,9 +143,14 @@ class PipelineSpec:
             return own if own is not None else (derived if derived is not None else neutral)
 
         f = facts
-        text_arg = None if self.prompt_length_text else pick("text_length_arg", f and f.text_length_arg, None)
+        prompt_length = self.prompt_length_text or bool(f and f.prompt_length_text)
+        text_arg = None if prompt_length else pick("text_length_arg", f and f.text_length_arg, None)
+        mask_modes = CP_MASK_MODES.get(f.denoiser_class or "", ()) if f is not None else ()
         return replace(
             self,
+            prompt_length_text=prompt_length,
+            call_batch=1 if f is not None and f.single_items else self.call_batch,
+            cp_mask_modes=tuple(dict.fromkeys((*self.cp_mask_modes, *mask_modes))),
             patch=pick("patch", f and f.patch, 1),
             vae_scale=pick("vae_scale", f and f.spatial, 8),
             output=pick("output", f and f.output, "images"),
@@ -257,6 +263,10 @@ def tiny_builder(name: str) -> Optional[Callable[[str | os.PathLike[str]], Path]
 
 # Transformers the per-image, agreed first-block cache (``first_block_cache``) is verified on.
 FIRST_BLOCK_TRANSFORMERS = ("FluxTransformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel")
+# Context-parallel modes verified equal to one process with the text mask a transformer's ``_cp_plan``
+# splits, beyond plain Ulysses (``PipelineSpec.cp_mask_modes``): the mask is the transformer's input,
+# so every pipeline that passes it gets them (Qwen-Image's image-to-image and inpainting too).
+CP_MASK_MODES = {"QwenImageTransformer2DModel": ("ulysses", "ulysses_anything")}
 # VAEs whose tiled decode ``group_work`` deals over a model-parallel group tile by tile (bit-identical
 # to one device's tiled decode).
 TILE_PARALLEL = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLQwenImage")

@@ -209,7 +209,8 @@ def context_mask_problems(class_name: str, spec: PipelineSpec, facts: PipelineFa
         "unified": "Unified attention neither gathers the mask nor splits it with the heads",
         "ring_anything": "ring_anything refuses an attention mask",
         "unified_anything": "Unified attention neither gathers the mask nor splits it with the heads",
-        "ulysses_anything": "Ulysses-anything trims the gathered mask at the wrong places for 3 or more ranks",
+        "ulysses_anything": ("Ulysses-anything trims the gathered mask at the wrong places for 3 or more ranks"
+                             if dims.ulysses >= 3 else "Ulysses-anything is not verified with this transformer's mask"),
     }.get(mode, "this mode is not verified with a split text mask")
     fix = " or ".join(m.replace("_", "-") + (" of degree 2" if m.endswith("anything") else "") for m in allowed)
     return [f"{class_name}: its transformer's _cp_plan splits the text attention mask ({named}) with the sequence, "
@@ -219,10 +220,15 @@ def context_mask_problems(class_name: str, spec: PipelineSpec, facts: PipelineFa
 def context_refusal(spec: PipelineSpec, facts: PipelineFacts) -> Optional[str]:
     """Why context parallelism cannot run this pipeline although its transformer has a ``_cp_plan``:
     a ControlNet without one (the loop adds its residuals, made over the whole sequence, to the
-    transformer's blocks, which the plan splits), or what the registry says (``cp_refused``)."""
+    transformer's blocks, which the plan splits), a per-token argument of this pipeline's call that the
+    plan leaves whole (LTX image-to-video's timestep), or what the registry says (``cp_refused``)."""
     if facts.unsplit_controls:
         return (f"its {', '.join(facts.unsplit_controls)} has no _cp_plan, and the residuals it makes over the whole "
                 "sequence join the transformer's blocks, which context parallelism splits")
+    if facts.unsplit_per_token:
+        component, argument, mask = facts.unsplit_per_token[0]
+        return (f"its call passes the {component} a {argument} per latent token (computed from {mask}), which the "
+                f"{component}'s _cp_plan in diffusers {_diffusers_version()} does not split with the tokens")
     return spec.cp_refused
 
 
@@ -262,6 +268,7 @@ def context_modes(spec: PipelineSpec, facts: Optional[PipelineFacts]) -> tuple[s
         from lightning_diffusion.pipelines.facts import denoiser_facts
 
         facts = denoiser_facts(spec.class_name, spec.transformer_class)
+    spec = spec.resolved(facts)
     if not facts.cp_plan or context_refusal(spec, facts):
         return ()
     masks = bool(facts.split_masks())

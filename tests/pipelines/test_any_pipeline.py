@@ -358,6 +358,29 @@ def _model_folder(folder: Path, class_name: str, components: dict) -> Path:
      "AudioLDMPipeline makes no pictures: its output (AudioPipelineOutput) holds audios, not images or frames."),
     ("StableCascadePriorPipeline", {"prior": ["diffusers", "StableCascadeUNet"]},
      "StableCascadePriorPipeline makes no pictures"),
+    # A class diffusers exports as a placeholder without its package: the package and its install line.
+    ("KolorsPipeline", {"unet": ["diffusers", "UNet2DConditionModel"]},
+     "KolorsPipeline is a pipeline class of diffusers {version} that needs the package sentencepiece, which is not "
+     "installed: pip install sentencepiece."),
+    ("ConsisIDPipeline", {"transformer": ["diffusers", "ConsisIDTransformer3DModel"]},
+     "ConsisIDPipeline is a pipeline class of diffusers {version} that needs the package opencv-python, which is not "
+     "installed: pip install opencv-python."),
+    # Without a prompt argument: what the call takes instead, not "a stage" or "unconditional".
+    ("PaintByExamplePipeline", {"unet": ["diffusers", "UNet2DConditionModel"]},
+     "PaintByExamplePipeline takes no prompt (its __call__ has no prompt argument): it makes its output from input "
+     "pictures (example_image, image, mask_image), not from a prompt"),
+    ("MarigoldDepthPipeline", {"unet": ["diffusers", "UNet2DConditionModel"]},
+     "MarigoldDepthPipeline takes no prompt (its __call__ has no prompt argument): it makes its output from input "
+     "pictures (image), not from a prompt"),
+    ("LDMSuperResolutionPipeline", {"unet": ["diffusers", "UNet2DModel"]},
+     "LDMSuperResolutionPipeline takes no prompt (its __call__ has no prompt argument): it makes its output from "
+     "input pictures (image), not from a prompt"),
+    ("VisualClozePipeline", {"transformer": ["diffusers", "FluxTransformer2DModel"]},
+     "VisualClozePipeline takes no prompt (its __call__ has no prompt argument): it takes its text as task_prompt, "
+     "content_prompt and input pictures (image)"),
+    ("DiTPipeline", {"transformer": ["diffusers", "DiTTransformer2DModel"]},
+     "DiTPipeline takes no prompt (its __call__ has no prompt argument): it is conditioned on class_labels, not on a "
+     "prompt."),
 ])
 def test_a_pipeline_a_run_cannot_drive_is_refused_before_weights(class_name, components, message, tmp_path,
                                                                  cli_here):
@@ -366,8 +389,12 @@ def test_a_pipeline_a_run_cannot_drive_is_refused_before_weights(class_name, com
     uses but that is missing (the call would end in a NameError after loading)."""
     import importlib.util
 
-    if class_name == "HeliosPipeline" and importlib.util.find_spec("ftfy") is not None:
-        pytest.skip("ftfy is installed here")
+    import diffusers
+
+    package = {"HeliosPipeline": "ftfy", "KolorsPipeline": "sentencepiece", "ConsisIDPipeline": "cv2"}.get(class_name)
+    if package and importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    message = message.format(version=diffusers.__version__)
     folder = _model_folder(tmp_path / "model", class_name, components)
     (tmp_path / "run.yaml").write_text(f"model:\n  pretrained_model_name_or_path: {folder}\n"
                                        "  num_inference_steps: 2\ndata:\n  prompts: '[a red circle]'\n"
@@ -376,6 +403,8 @@ def test_a_pipeline_a_run_cannot_drive_is_refused_before_weights(class_name, com
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
     line = next(line for line in proc.stderr.splitlines() if message in line)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [line] or lines[0].endswith(f"{len(lines) - 1} problems:"), proc.stderr  # one line a problem
     record(class_name, "one process", "refused", line[line.index(message) + len(class_name) + 1:], copy="configs only")
 
 
