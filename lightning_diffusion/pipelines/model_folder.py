@@ -194,7 +194,7 @@ class PipelineInfo:
 
     def size_problems(self, height: Optional[int], width: Optional[int]) -> list[str]:
         """Sizes the pipeline makes as asked: multiples of its pixels per token, or of the multiple its
-        own call rounds sizes up to (``facts.rounds_to``), whichever is larger."""
+        own call rounds sizes up to (``PipelineFacts.rounds_to``), whichever is larger."""
         multiple = math.lcm(self.size_multiple, self.facts.rounds_to or 1)
         problems = []
         for name, value in (("height", height), ("width", width)):
@@ -248,7 +248,7 @@ class PipelineInfo:
         """The input files every record must carry: the registry's (an edit pipeline's image), and a
         ControlNet pipeline's control image (``control_image`` where its call has one, else
         ``image``), read from its ``controlnet`` component, and the input pictures its call uses
-        without a test for None (``facts.needed_inputs``: LTX image-to-video's ``image``)."""
+        without a test for None (``PipelineFacts.needed_inputs``: LTX image-to-video's ``image``)."""
         needed = list(dict.fromkeys((*self.spec.inputs, *self.facts.needed_inputs)))
         if "controlnet" in self.model_index:
             control = "control_image" if "control_image" in self.call_parameters else "image"
