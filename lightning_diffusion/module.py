@@ -233,7 +233,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         datamodule = getattr(self.trainer, "datamodule", None)
         if isinstance(datamodule, PromptDataModule):
             self.batch_size = datamodule.call_size  # data.batch_size, or a smaller set's size
-            self.runner.on_error = datamodule.on_error
+            self.runner.on_error = datamodule.settings.on_error
             self.failures, self.stats = 0, {"computed": 0, "kept": 0, "busy_s": 0.0}
             # cast: Lightning's Strategy does not declare the ranks every strategy has once started
             strategy = cast(JobRanks, self._trainer.strategy) if self._trainer is not None else None

@@ -8,8 +8,8 @@ Each group declares its options once, as a frozen dataclass in its package
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
-from typing import Any
+from dataclasses import fields, replace
+from typing import Any, Optional
 
 from lightning_diffusion.core.errors import ConfigError
 
@@ -25,3 +25,38 @@ def group_options(cls: type, given: Mapping[str, Any], owner: str) -> dict[str, 
     if unknown:
         raise ConfigError(f"{owner} has no option {', '.join(unknown)}; it has: {', '.join(names)}.")
     return options
+
+
+def called_with(cls: type, arguments: Mapping[str, Any]) -> Any:
+    """The settings ``cls`` of a constructor's ``arguments`` (its ``locals()`` on entry, ``self``
+    among them): each option of ``cls`` from the argument of its name."""
+    return cls(**{option.name: arguments[option.name] for option in fields(cls)})
+
+
+class FromSettings:
+    """A class attribute that reads its option from the instance's ``settings`` (a frozen settings
+    dataclass): ``data.batch_size`` is ``data.settings.batch_size``, so an option is held once. Set,
+    it replaces the settings with that option changed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Optional[object], owner: Optional[type] = None) -> Any:
+        if instance is None:
+            return self
+        return getattr(instance.settings, self.name)  # type: ignore[attr-defined]
+
+    def __set__(self, instance: object, value: Any) -> None:
+        instance.settings = replace(instance.settings, **{self.name: value})  # type: ignore[attr-defined]
+
+
+def read_from_settings(settings_cls: type) -> Any:
+    """A class decorator: each option of ``settings_cls`` the class does not define itself becomes a
+    ``FromSettings`` attribute of it."""
+    def decorate(cls: type) -> type:
+        for option in fields(settings_cls):
+            if option.name not in vars(cls):
+                setattr(cls, option.name, FromSettings(option.name))
+        return cls
+
+    return decorate

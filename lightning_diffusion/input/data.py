@@ -26,6 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_diffusion.core.console import log
 from lightning_diffusion.core.errors import ConfigError, raise_problems
+from lightning_diffusion.core.groups import called_with, read_from_settings
 from lightning_diffusion.core.records import Record, Sample
 from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.input.formats import read_records
@@ -168,6 +169,7 @@ def run_plan(settings: DataSettings, records: Records, shard: Optional[Shard] = 
                    settings.schedule == "pull", settings.lease_s, settings.batch_size, settings.bucket)
 
 
+@read_from_settings(DataSettings)
 class PromptDataModule(pl.LightningDataModule):
     """Prompts for ``Trainer.predict``.
 
@@ -241,32 +243,10 @@ class PromptDataModule(pl.LightningDataModule):
         schedule: str = DataSettings.schedule,
         lease_s: float = DataSettings.lease_s,
     ) -> None:
+        settings = called_with(DataSettings, locals())
         super().__init__()
-        settings = DataSettings(
-            prompts=prompts, batch_size=batch_size, seed=seed, num_images_per_prompt=num_images_per_prompt,
-            num_workers=num_workers, inputs_root=inputs_root, num_shards=num_shards, shard_index=shard_index,
-            max_pixels=max_pixels, max_prompt_chars=max_prompt_chars, on_bad_record=on_bad_record, on_error=on_error,
-            bucket=bucket, columns=columns, keep_columns=keep_columns, split=split, schedule=schedule, lease_s=lease_s)
         raise_problems(data_problems(settings))
-        self.settings = settings
-        self.prompts = prompts
-        self.batch_size = batch_size
-        self.seed = seed
-        self.num_images_per_prompt = num_images_per_prompt
-        self.num_workers = num_workers
-        self.inputs_root = inputs_root
-        self.num_shards = num_shards
-        self.shard_index = shard_index
-        self.max_pixels = max_pixels
-        self.max_prompt_chars = max_prompt_chars
-        self.on_bad_record = on_bad_record
-        self.on_error = on_error
-        self.bucket = bucket
-        self.columns = columns
-        self.keep_columns = keep_columns
-        self.split = split
-        self.schedule = schedule
-        self.lease_s = lease_s
+        self.settings = settings  # every option, read as ``self.settings.batch_size``... (``read_from_settings``)
         self.pool: Optional[Pool] = None  # this worker's, with ``pull`` (on a replica's writing rank)
         self._pool_at: Optional[tuple[Any, str]] = None  # (the pool's files, this job's name): ``use_pool``
         self.pad = True  # the module's pad_batches (padded batches count at their padded size)
@@ -287,30 +267,30 @@ class PromptDataModule(pl.LightningDataModule):
 
     @property
     def num_images(self) -> int:
-        return len(self.records) * self.num_images_per_prompt
+        return len(self.records) * self.settings.num_images_per_prompt
 
     @property
     def call_size(self) -> int:
         """The images of one padded pipeline call: ``batch_size``, or the whole set's images where
         it has fewer (one prompt computes one image, not a batch of padding). A function of the set
         alone, never of the replicas, the shards or a pool, so an image is the same under any layout."""
-        return max(1, min(self.batch_size, self.num_images))
+        return max(1, min(self.settings.batch_size, self.num_images))
 
     @property
     def shard(self) -> Optional[Shard]:
         """The shard of the prompt set this run makes (``data.num_shards`` > 1), else None."""
-        if self.num_shards <= 1:
+        if self.settings.num_shards <= 1:
             return None
         if self._shard is None:
-            self._shard = Shard(self.shard_index, self.num_shards).with_owners(
-                shard_owners(self.records, self.num_images_per_prompt, self.batch_size, self.bucket, self.num_shards))
+            self._shard = Shard(self.settings.shard_index, self.settings.num_shards).with_owners(
+                shard_owners(self.records, self.settings.num_images_per_prompt, self.settings.batch_size, self.settings.bucket, self.settings.num_shards))
         return self._shard
 
     def use_shard(self, shard: Shard) -> None:
         """Make ``shard``'s images as its plan deals them (the output location's recorded plan, which
         the writer adopted at setup: ``boundaries.ShardSource``)."""
-        if (shard.shard_index, shard.num_shards) != (self.shard_index, self.num_shards):
-            raise ValueError(f"shard {tuple(shard)} is not this data module's ({self.shard_index}, {self.num_shards})")
+        if (shard.shard_index, shard.num_shards) != (self.settings.shard_index, self.settings.num_shards):
+            raise ValueError(f"shard {tuple(shard)} is not this data module's ({self.settings.shard_index}, {self.settings.num_shards})")
         self._shard = shard
 
     def shard_images(self) -> np.ndarray:
@@ -348,11 +328,11 @@ class PromptDataModule(pl.LightningDataModule):
 
     def rejected_images(self) -> np.ndarray:
         """The image indices of rejected records that belong to this run (its shard's)."""
-        return select(self.rejected.image_indices(self.num_images_per_prompt), self.shard)
+        return select(self.rejected.image_indices(self.settings.num_images_per_prompt), self.shard)
 
     def rejected_lines(self) -> list[dict[str, Any]]:
         """``rejected.jsonl``'s lines: each rejected record (1-based), its file:line, reason and images."""
-        copies = self.num_images_per_prompt
+        copies = self.settings.num_images_per_prompt
         return [{"record": position + 1, "line": source, "reason": reason,
                  "images": [position * copies + c for c in range(copies)]}
                 for position, (source, reason) in sorted(self.rejected.rejected.items())]
@@ -366,9 +346,9 @@ class PromptDataModule(pl.LightningDataModule):
     def batch_plan(self, pending: np.ndarray) -> BatchPlan:
         """The batches of the ``pending`` images (``batching.plan_batches``)."""
         facts = self.facts or SetFacts.from_summary(self.records.summary)
-        buckets, costs = image_facts(facts, self.records.summary.set_array(), pending, self.num_images_per_prompt,
+        buckets, costs = image_facts(facts, self.records.summary.set_array(), pending, self.settings.num_images_per_prompt,
                                      self.bucket_of_position)
-        return plan_batches(pending, buckets, costs, self.call_size, self.bucket, self.pad)
+        return plan_batches(pending, buckets, costs, self.call_size, self.settings.bucket, self.pad)
 
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
         """A batch is prompts, seeds and paths, no tensor: nothing to move (Lightning would walk
@@ -398,19 +378,19 @@ class PromptDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         pending = self.pending_images()
-        if self.schedule == "pull":
+        if self.settings.schedule == "pull":
             return self._pool_loader(pending)
         self.plan = self.batch_plan(pending)
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}
         if len(pending) and (self.trainer is None or self.trainer.is_global_zero):
             log.info(self.plan.describe(kwargs["num_replicas"]))
-        dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
+        dataset = BatchDataset(PromptDataset(self.records, self.settings.seed, self.settings.num_images_per_prompt, pending), self.plan)
         strategy = run_strategy(self.trainer.strategy) if self.trainer is not None else None
         sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"],
                               stopping=strategy.run_context.stop.stopping if strategy is not None else None)
         # One plan batch a loader batch: Lightning keeps its index tracking for batch size 1.
-        return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
+        return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.settings.num_workers,
                           collate_fn=collate_batch)
 
     def _pool_loader(self, pending: np.ndarray) -> DataLoader:
@@ -421,7 +401,7 @@ class PromptDataModule(pl.LightningDataModule):
                               "writer.output_dir.")
         files, job = self._pool_at
         self.plan = self.batch_plan(np.arange(self.num_images, dtype=pending.dtype))
-        digest = plan_digest(self.plan.order, self.plan.starts, self.batch_size)
+        digest = plan_digest(self.plan.order, self.plan.starts, self.settings.batch_size)
         trainer = self.trainer
         strategy = run_strategy(trainer.strategy) if trainer is not None else None
         head = trainer is None or trainer.is_global_zero
@@ -432,17 +412,17 @@ class PromptDataModule(pl.LightningDataModule):
             raise ConfigError(problem)
         if head and len(pending):
             log.info(self.plan.describe(1) + f"; pulled from the pool in {files.where} (costliest first, lease "
-                     f"{self.lease_s:g} s)")
+                     f"{self.settings.lease_s:g} s)")
         kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {"rank": 0}
         if strategy is None or strategy.writes_outputs:
             if self.pool is None:  # (replica 0's writing rank registered when the job joined)
-                self.pool = Pool(files, job, kwargs["rank"], self.lease_s)
+                self.pool = Pool(files, job, kwargs["rank"], self.settings.lease_s)
             self.pool.register(digest, {"batches": len(self.plan), "images": self.plan.images,
-                                        "batch_size": self.batch_size, "bucket": self.bucket})
-        dataset = BatchDataset(PromptDataset(self.records, self.seed, self.num_images_per_prompt, pending), self.plan)
+                                        "batch_size": self.settings.batch_size, "bucket": self.settings.bucket})
+        dataset = BatchDataset(PromptDataset(self.records, self.settings.seed, self.settings.num_images_per_prompt, pending), self.plan)
         stop = strategy.run_context.stop if strategy is not None else None
         sampler = PullSampler(dataset, self.pool, share=strategy.replica_share() if strategy is not None else None,
                               stopping=stop.stopping if stop is not None else None,
                               requested=stop.requested if stop is not None else None)
-        return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.num_workers,
+        return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.settings.num_workers,
                           collate_fn=collate_batch)

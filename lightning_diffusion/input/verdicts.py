@@ -53,12 +53,12 @@ class RecordChecks:
         """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
         whatever ``on_bad_record`` says (a size over the budget in the config, a cache that does not
         suit the records' guidance passes, no record left)."""
-        verdicts = check_records(self.info, data.records, dict(self.call_args), data.inputs_root, data.max_pixels,
-                                 data.num_images_per_prompt)
-        problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.max_pixels)]
+        verdicts = check_records(self.info, data.records, dict(self.call_args), data.settings.inputs_root, data.settings.max_pixels,
+                                 data.settings.num_images_per_prompt)
+        problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.settings.max_pixels)]
         if self.cache is not None:
             problems += model_cache_problems(self.info, self.cache, self.call_args, data.records.summary)
-        problems += verdicts.refusal(len(data.records), data.on_bad_record)
+        problems += verdicts.refusal(len(data.records), data.settings.on_bad_record)
         return verdicts, problems
 
     def agreed_verdicts(self, data: PromptDataModule, strategy: Optional[JobRanks]) -> RecordVerdicts:
@@ -68,7 +68,7 @@ class RecordChecks:
         line, skip it when bad records refuse the run."""
         ours = run_strategy(strategy)
         context = ours.run_context if ours is not None else None
-        if context is not None and context.checked and data.on_bad_record == "fail":
+        if context is not None and context.checked and data.settings.on_bad_record == "fail":
             return RecordVerdicts()  # none, or the launching process would have refused
         outcome: tuple[Optional[RecordVerdicts], list[str]] = (None, [])
         if strategy is None or strategy.global_rank == 0:
@@ -79,6 +79,6 @@ class RecordChecks:
         raise_problems(problems)
         assert verdicts is not None
         if verdicts and (strategy is None or strategy.global_rank == 0):
-            log.warning(f"data.on_bad_record: skip: {len(verdicts.rejected):,} of {len(data.records):,} prompt records "
+            log.warning(f"data.settings.on_bad_record: skip: {len(verdicts.rejected):,} of {len(data.records):,} prompt records "
                         "cannot be made; they are listed in rejected.jsonl")
         return verdicts

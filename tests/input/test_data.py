@@ -169,3 +169,19 @@ def test_a_large_prompt_file_is_streamed(tmp_path):
     assert [s["index"] for s in batch] == [1, 3, 5, 7]
     assert batch[1]["prompt"] == "prompt number 3 with a few more words"
     assert peak < 12 * 2**20, f"peak {peak / 2**20:.1f} MB"
+
+
+def test_each_option_of_the_data_module_is_held_once_in_its_settings():
+    """``PromptDataModule``'s options live in its ``DataSettings`` alone: an attribute reads it, and
+    setting one replaces the settings (nothing holds a second copy that could disagree)."""
+    from dataclasses import fields
+
+    from lightning_diffusion.input.settings import DataSettings
+
+    data = PromptDataModule([{"prompt": "a"}, {"prompt": "b"}], batch_size=2, seed=7)
+    assert data.settings == DataSettings(prompts=[{"prompt": "a"}, {"prompt": "b"}], batch_size=2, seed=7)
+    for option in fields(DataSettings):
+        assert getattr(data, option.name) == getattr(data.settings, option.name)
+        assert option.name not in vars(data), option.name  # no instance copy
+    data.seed = 11
+    assert data.settings.seed == 11 and data.seed == 11 and data.settings.batch_size == 2
