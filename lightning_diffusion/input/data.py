@@ -282,15 +282,18 @@ class PromptDataModule(pl.LightningDataModule):
         if self.settings.num_shards <= 1:
             return None
         if self._shard is None:
-            self._shard = Shard(self.settings.shard_index, self.settings.num_shards).with_owners(
-                shard_owners(self.records, self.settings.num_images_per_prompt, self.settings.batch_size, self.settings.bucket, self.settings.num_shards))
+            settings = self.settings
+            owners = shard_owners(self.records, settings.num_images_per_prompt, settings.batch_size, settings.bucket,
+                                  settings.num_shards)
+            self._shard = Shard(settings.shard_index, settings.num_shards).with_owners(owners)
         return self._shard
 
     def use_shard(self, shard: Shard) -> None:
         """Make ``shard``'s images as its plan deals them (the output location's recorded plan, which
         the writer adopted at setup: ``boundaries.ShardSource``)."""
-        if (shard.shard_index, shard.num_shards) != (self.settings.shard_index, self.settings.num_shards):
-            raise ValueError(f"shard {tuple(shard)} is not this data module's ({self.settings.shard_index}, {self.settings.num_shards})")
+        ours = (self.settings.shard_index, self.settings.num_shards)
+        if (shard.shard_index, shard.num_shards) != ours:
+            raise ValueError(f"shard {tuple(shard)} is not this data module's {ours}")
         self._shard = shard
 
     def shard_images(self) -> np.ndarray:
@@ -343,11 +346,15 @@ class PromptDataModule(pl.LightningDataModule):
         call, and what an image of each costs."""
         self.facts, self.bucket_of_position, self.pad = facts, bucket_of_position, pad
 
+    def samples(self, pending: np.ndarray) -> PromptDataset:
+        """The ``pending`` images' samples, each seeded as the run seeds it."""
+        return PromptDataset(self.records, self.settings.seed, self.settings.num_images_per_prompt, pending)
+
     def batch_plan(self, pending: np.ndarray) -> BatchPlan:
         """The batches of the ``pending`` images (``batching.plan_batches``)."""
         facts = self.facts or SetFacts.from_summary(self.records.summary)
-        buckets, costs = image_facts(facts, self.records.summary.set_array(), pending, self.settings.num_images_per_prompt,
-                                     self.bucket_of_position)
+        buckets, costs = image_facts(facts, self.records.summary.set_array(), pending,
+                                     self.settings.num_images_per_prompt, self.bucket_of_position)
         return plan_batches(pending, buckets, costs, self.call_size, self.settings.bucket, self.pad)
 
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
@@ -385,7 +392,7 @@ class PromptDataModule(pl.LightningDataModule):
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}
         if len(pending) and (self.trainer is None or self.trainer.is_global_zero):
             log.info(self.plan.describe(kwargs["num_replicas"]))
-        dataset = BatchDataset(PromptDataset(self.records, self.settings.seed, self.settings.num_images_per_prompt, pending), self.plan)
+        dataset = BatchDataset(self.samples(pending), self.plan)
         strategy = run_strategy(self.trainer.strategy) if self.trainer is not None else None
         sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"],
                               stopping=strategy.run_context.stop.stopping if strategy is not None else None)
@@ -419,7 +426,7 @@ class PromptDataModule(pl.LightningDataModule):
                 self.pool = Pool(files, job, kwargs["rank"], self.settings.lease_s)
             self.pool.register(digest, {"batches": len(self.plan), "images": self.plan.images,
                                         "batch_size": self.settings.batch_size, "bucket": self.settings.bucket})
-        dataset = BatchDataset(PromptDataset(self.records, self.settings.seed, self.settings.num_images_per_prompt, pending), self.plan)
+        dataset = BatchDataset(self.samples(pending), self.plan)
         stop = strategy.run_context.stop if strategy is not None else None
         sampler = PullSampler(dataset, self.pool, share=strategy.replica_share() if strategy is not None else None,
                               stopping=stop.stopping if stop is not None else None,

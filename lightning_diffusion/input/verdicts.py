@@ -53,9 +53,10 @@ class RecordChecks:
         """The records of ``data`` this pipeline cannot make, and the problems that refuse the run
         whatever ``on_bad_record`` says (a size over the budget in the config, a cache that does not
         suit the records' guidance passes, no record left)."""
-        verdicts = check_records(self.info, data.records, dict(self.call_args), data.settings.inputs_root, data.settings.max_pixels,
-                                 data.settings.num_images_per_prompt)
-        problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, data.settings.max_pixels)]
+        settings = data.settings
+        verdicts = check_records(self.info, data.records, dict(self.call_args), settings.inputs_root,
+                                 settings.max_pixels, settings.num_images_per_prompt)
+        problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, settings.max_pixels)]
         if self.cache is not None:
             problems += model_cache_problems(self.info, self.cache, self.call_args, data.records.summary)
         problems += verdicts.refusal(len(data.records), data.settings.on_bad_record)
@@ -79,6 +80,6 @@ class RecordChecks:
         raise_problems(problems)
         assert verdicts is not None
         if verdicts and (strategy is None or strategy.global_rank == 0):
-            log.warning(f"data.settings.on_bad_record: skip: {len(verdicts.rejected):,} of {len(data.records):,} prompt records "
+            log.warning(f"data.on_bad_record: skip: {len(verdicts.rejected):,} of {len(data.records):,} prompt records "
                         "cannot be made; they are listed in rejected.jsonl")
         return verdicts
