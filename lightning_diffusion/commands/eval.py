@@ -392,11 +392,10 @@ def local_copies(args):
             if location is None:
                 continue
             store = open_store(location)
-            if store.needs_shared_folder:
-                continue  # a folder: read where it is
             what = "output" if key == "output_dir" else "reference"
-            folder = stack.enter_context(store.local_records(what))
-            urls[str(folder)] = store.where
+            folder = stack.enter_context(store.local_records(what))  # a folder itself, or a bucket's records
+            if str(folder) != store.where:
+                urls[str(folder)] = store.where
             setattr(args, key, str(folder))
         args.urls = urls
         yield

@@ -49,6 +49,13 @@ class OutputStore(Protocol):
     # files are written into (the folder itself, or where tar shards wait for their upload).
     where: str
 
+    @classmethod
+    def open(cls, location: Location, shard: Optional[Shard], *, allow_config_change: bool = False,
+             options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None,
+             pool: Optional[str] = None, lease_s: Optional[float] = None) -> OutputStore:
+        """The store at ``location`` (``open_store``'s arguments). Opening reads and writes nothing."""
+        ...
+
     @property
     def local_dir(self) -> Path: ...  # read only: ``ObjectStore``'s is a property
 
@@ -175,8 +182,7 @@ def open_store(location: Location, shard: Optional[Shard] = None, *, allow_confi
     ``options``: ``writer.storage_options``; ``staging_dir``: where a store that uploads builds its
     files first; ``pool``: the job's name in a pool of workers that pull batches
     (``data.schedule: pull``) and ``lease_s`` its ``data.lease_s``. Opening reads and writes nothing."""
-    cls: Any = store_class(location)
-    return cls.open(location, shard, allow_config_change=allow_config_change, options=options,
+    return store_class(location).open(location, shard, allow_config_change=allow_config_change, options=options,
                     staging_dir=staging_dir, pool=pool, lease_s=lease_s)
 
 
