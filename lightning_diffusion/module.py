@@ -239,7 +239,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             strategy = cast(JobRanks, self._trainer.strategy) if self._trainer is not None else None
             datamodule.reject(self.checks.agreed_verdicts(datamodule, strategy))
             facts = set_facts(self.info, self.call_args, datamodule.records, datamodule.rejected.rejected)
-            datamodule.use_batch_facts(*facts, pad=self.runner.pad_batches)
+            # a pipeline called one record at a time (``call_batch`` 1) pads nothing: its plan counts no padding
+            datamodule.use_batch_facts(*facts, pad=self.runner.pad_batches and self.info.spec.call_batch != 1)
 
     def configure_model(self) -> None:
         """Load the pipeline with the strategy's ``LoadPlan`` (once: a loaded module keeps its pipeline)."""
