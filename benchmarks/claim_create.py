@@ -9,25 +9,18 @@ a claim without a holder, taken for a stopped worker's). Side by side in one run
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from lightning_diffusion.output.pool import FolderPoolFiles
+from lightning_diffusion.output.pool import FolderPoolFiles, exclusive_create
 
 
 def exclusive_then_write(folder: Path, name: str, data: bytes) -> bool:
     path = folder / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return True
+    return exclusive_create(path, data)
 
 
 def per_claim(make, count: int) -> float:

@@ -74,6 +74,18 @@ def plan_digest(order: np.ndarray, starts: np.ndarray, batch_size: int) -> str:
     return digest.hexdigest()[:16]
 
 
+def exclusive_create(path: Path, data: bytes) -> bool:
+    """Make ``path`` holding ``data`` unless it exists (``O_EXCL``): whether this call made it. The
+    file exists empty until the write ends; ``FolderPoolFiles.create`` links a written file instead."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return True
+
+
 class PoolFiles(Protocol):
     """The few operations a pool needs of its storage (``FolderPoolFiles``, ``bucket_pool.BucketPoolFiles``)."""
 
@@ -140,12 +152,7 @@ class FolderPoolFiles:
         except FileExistsError:
             return False
         except OSError:  # a file system without hard links: made exclusively, then written
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            return exclusive_create(path, data)
         finally:
             temporary.unlink(missing_ok=True)
         return True
