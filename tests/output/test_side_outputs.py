@@ -146,3 +146,22 @@ def test_a_pipeline_without_text_embeddings_is_refused_before_weights(tmp_path, 
 def test_two_replicas_save_the_same_side_outputs_as_one_process(files_run, tmp_path):
     run_cli(*tiny_args(tmp_path, *ARGS, *SIDES, "--trainer.devices", "2"))
     assert side_bytes(tmp_path) == side_bytes(files_run)
+
+
+def test_under_guidance_in_one_batch_the_positive_prompts_embeddings_are_saved(tmp_path):
+    """Stable Diffusion calls its UNet on ``cat([negative, positive])``: each image keeps its own
+    prompt's rows, a padded call's included (3 images in calls of 2)."""
+    from diffusers import StableDiffusionPipeline
+
+    from lightning_diffusion.pipelines import tiny
+
+    run_here(*tiny_args(tmp_path, *ARGS, *SIDES, "--model.pretrained_model_name_or_path", "tiny:sd15",
+                        "--model.guidance_scale", "7.5", "--model.call_kwargs", "null"))
+    pipe = StableDiffusionPipeline.from_pretrained(tiny.resolve("tiny:sd15"))
+    lines = read_manifest_lines(tmp_path)
+    with torch.no_grad():
+        positive, negative = pipe.encode_prompt([line["prompt"] for line in lines], "cpu", 1, True)
+    for n, line in enumerate(lines):
+        saved = load_file(tmp_path / line["text_embeddings"]["file"])["prompt_embeds"]
+        assert torch.equal(saved, positive[n]) and not torch.equal(saved, negative[n])
+        assert line["latents"]["vae_scaling_factor"] == pipe.vae.config.scaling_factor
