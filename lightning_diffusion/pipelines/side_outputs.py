@@ -36,8 +36,9 @@ LATENTS = "latents"
 TEXT_EMBEDDINGS = "text_embeddings"
 # The denoiser arguments that carry the prompt, as the safetensors file names them.
 TEXT_ARGUMENTS = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
-# What a VAE's config says of the scale of its latents (present ones are recorded).
-SCALING_KEYS = ("scaling_factor", "shift_factor", "latents_mean", "latents_std")
+# What a VAE's config says of the scale of its latents, and the names they are recorded under (those present).
+SCALING_KEYS = {"scaling_factor": "vae_scaling_factor", "shift_factor": "vae_shift_factor",
+                "latents_mean": "vae_latents_mean", "latents_std": "vae_latents_std"}
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
@@ -119,9 +120,9 @@ class SideCapture:
                 raise RuntimeError("writer.save_latents: the pipeline's call did not decode through its VAE")
             latents = torch.cat(captured.decoded) if len(captured.decoded) > 1 else captured.decoded[0]
             vae = next(getattr(pipeline, name) for name in VAES if getattr(pipeline, name, None) is not None)
-            scaling = {key: vae.config[key] for key in SCALING_KEYS if vae.config.get(key) is not None}
+            scaling = {name: vae.config[key] for key, name in SCALING_KEYS.items() if vae.config.get(key) is not None}
             for n in range(count):
-                sides[n][LATENTS] = _side({"latents": latents[n]}, {"vae_" + k: v for k, v in scaling.items()})
+                sides[n][LATENTS] = _side({"latents": latents[n]}, scaling)
         if self.text_embeddings:
             if not captured.text:
                 raise RuntimeError("writer.save_text_embeddings: the pipeline's call did not reach its denoiser "
