@@ -142,6 +142,15 @@ def test_a_pipeline_without_text_embeddings_is_refused_before_weights(tmp_path, 
         in proc.stderr
 
 
+def test_a_pipeline_without_a_decoding_vae_is_refused_before_weights(tmp_path, cli_here):
+    """A VAE component whose class has no ``decode`` (here a UNet) has no decoded latents to save."""
+    model = tiny_flux_with(tmp_path, "vae", "UNet2DModel")
+    proc = cli_here(*tiny_args(tmp_path / "out", *ARGS, "--model.pretrained_model_name_or_path", str(model),
+                               "--writer.save_latents", "true"))
+    assert proc.returncode == 2
+    assert "writer.save_latents: FluxPipeline has no VAE component (vae, movq) with a decode method" in proc.stderr
+
+
 @pytest.mark.slow
 def test_two_replicas_save_the_same_side_outputs_as_one_process(files_run, tmp_path):
     run_cli(*tiny_args(tmp_path, *ARGS, *SIDES, "--trainer.devices", "2"))
