@@ -14,7 +14,7 @@ from torch import nn
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.core.console import log
 from lightning_diffusion.core.errors import raise_problems
-from lightning_diffusion.core.records import INPUT_FIELDS, CallArgs, ImageResult, Record, Sample
+from lightning_diffusion.core.records import INPUT_FIELDS, CallArgs, ImageResult, Record, Sample, SideOutput
 from lightning_diffusion.input.batching import call_key
 from lightning_diffusion.input.costs import set_facts
 from lightning_diffusion.input.data import PromptDataModule
@@ -28,6 +28,7 @@ from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.pipelines.plain import Accelerators
 from lightning_diffusion.pipelines.settings import ModelSettings
+from lightning_diffusion.pipelines.side_outputs import SideCapture, side_output_problems
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -167,6 +168,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             num_inference_steps=self.call_args.get("num_inference_steps"), show_inner_progress=show_inner_progress)
         self.runner = CallRunner(pad_batches, info.spec.call_batch)
         self.checks = RecordChecks(info, self.call_args, self.cache)
+        self.side_capture = SideCapture()  # what the writer saves beside each image (``save_side_outputs``)
+        self._sides: dict[int, dict[str, SideOutput]] = {}  # by index, from ``generate`` to ``predict_step``
 
     @property
     def model_path(self) -> str:
@@ -192,6 +195,13 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             self.checks.record_verdicts(data)
         return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
                             self.options["attention_backend"], self.options["quantization"], tuple(self.adapters))
+
+    def save_side_outputs(self, latents: bool, text_embeddings: bool) -> None:
+        """Capture each image's decoded latents and prompt embeddings in its result's ``sides``
+        (the writer's ``save_latents``, ``save_text_embeddings``); refused, before the weights load,
+        where the pipeline's classes have none (``side_outputs``)."""
+        raise_problems(side_output_problems(self.info, latents, text_embeddings))
+        self.side_capture = SideCapture(latents, text_embeddings)
 
     def use_load_plan(self, plan: LoadPlan) -> None:
         """Load with ``plan`` in ``configure_model`` (a strategy's components and options)."""
@@ -356,11 +366,14 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
                 if error is None:
                     assert image is not None and params is not None  # a call that did not fail made both
                     result["image"], result["params"] = image, params
+                    if sample["index"] in self._sides:
+                        result["sides"] = self._sides[sample["index"]]
                 else:  # on_error: skip; the writer lists it in failed.jsonl
                     result["error"], result["record"] = error, sample.get("source")
                     self.failures += 1
                 results[sample["index"]] = result
         self.stats["busy_s"] += time.perf_counter() - start
+        self._sides = {}
         return [results[sample["index"]] for sample in batch]
 
     def generate(self, samples: list[Sample], agree: bool = False
@@ -379,7 +392,17 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         items = {name: values[0] if name in single else values for name, values in items.items()}
         if "prompt" in single and isinstance(kwargs.get("negative_prompt"), list):
             kwargs = {**kwargs, "negative_prompt": kwargs["negative_prompt"][0]}
-        output = self.runner.step(agree, self.device, lambda: self.pipeline(**items, output_type="np", **kwargs))
+        if self.side_capture:
+            def call() -> Any:
+                with self.side_capture.during(self.pipeline) as captured:
+                    output = self.pipeline(**items, output_type="np", **kwargs)
+                sides = self.side_capture.per_image(captured, self.pipeline, len(samples), real)
+                self._sides.update({sample["index"]: side for sample, side in zip(samples, sides)})
+                return output
+        else:
+            def call() -> Any:
+                return self.pipeline(**items, output_type="np", **kwargs)
+        output = self.runner.step(agree, self.device, call)
         images = np.asarray(getattr(output, self.info.spec.output or "images"), dtype=np.float32)
         # What the call received, and nothing it did not (the pipeline's own defaults are not the
         # run's arguments: FluxPipeline's guidance_scale=3.5 reaches no transformer without guidance

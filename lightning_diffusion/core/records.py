@@ -56,11 +56,21 @@ class Sample(TypedDict):
     padding: NotRequired[bool]
 
 
+class SideOutput(TypedDict):
+    """One image's tensors beside it (``writer.save_latents``, ``writer.save_text_embeddings``):
+    ``data``, a safetensors file's bytes, and ``about``, what its manifest line says of them (each
+    tensor's shape and dtype, the VAE's scaling)."""
+
+    data: bytes
+    about: dict[str, Any]
+
+
 class ImageResult(TypedDict):
     """What the module made of one sample: its ``index``, ``prompt``, ``seed`` and the negative prompt
     it ran with; either ``image`` (float pixels in [0, 1], or uint8 once the writer converted them;
     frames first for a video) and ``params`` (what the call received, its size and input files), or
-    ``error`` (one line) and ``record`` (the sample's source). The writer adds its ``claim`` (a pool's
+    ``error`` (one line) and ``record`` (the sample's source); ``sides``: its side outputs by name
+    (``latents``, ``text_embeddings``), where the writer saves them. The writer adds its ``claim`` (a pool's
     ``fence.Claim``) or ``batch`` (the run's batch count) before the files are written."""
 
     index: int
@@ -70,6 +80,7 @@ class ImageResult(TypedDict):
     columns: NotRequired[dict[str, Any]]
     image: NotRequired[np.ndarray]
     params: NotRequired[dict[str, Any]]
+    sides: NotRequired[dict[str, SideOutput]]
     error: NotRequired[str]
     record: NotRequired[Optional[str]]
     claim: NotRequired[Any]

@@ -147,6 +147,17 @@ class ImageSource(Protocol):
         ...
 
 
+@runtime_checkable
+class SideOutputSource(Protocol):
+    """A LightningModule that hands each image's latents and prompt embeddings to the writer
+    (``writer.save_latents``, ``writer.save_text_embeddings``; ``DiffusionModule``)."""
+
+    def save_side_outputs(self, latents: bool, text_embeddings: bool) -> None:
+        """Capture the side outputs asked for in each result's ``sides``; a ConfigError, before any
+        weight loads, where the pipeline has none."""
+        ...
+
+
 class RunStrategy(Protocol):
     """A strategy as the module, the data module and the writer read it."""
 

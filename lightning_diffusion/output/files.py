@@ -98,6 +98,7 @@ def worker_temporaries(folder: Path, workers: set[str]) -> list[Path]:
     return found
 
 
+SIDE_SUFFIX = ".safetensors"  # a side output's file or tar member (``writer.save_latents``)
 EXIF_DESCRIPTION = 0x010E  # ImageDescription: where WebP and JPEG files carry the parameters (JSON)
 
 
@@ -294,7 +295,7 @@ class OutputFiles:
             cache: what a resume verifies, ``recorded``), then renamed, or left for the caller."""
             tmp, size = temporary_write(path, write, sync, item["claim"].worker if item.get("claim") else "")
             try:
-                if path.suffix != ".npy":
+                if path.suffix not in (".npy", SIDE_SUFFIX):  # the output's own bytes: what a resume verifies
                     digest.update(tmp.read_bytes())
                 if renames is None:
                     os.replace(tmp, path)
@@ -321,10 +322,15 @@ class OutputFiles:
             size = put(self.output_dir / name, lambda f: self.encode(picture, metadata, f))
         if self.settings.save_arrays:
             put(self.output_dir / f"{index:06d}.npy", lambda f: np.save(f, item["image"]))
+        sides = {}
+        for side, output in (item.get("sides") or {}).items():  # beside the image: its name, another suffix
+            side_name = f"{name.rpartition('.')[0]}.{side}{SIDE_SUFFIX}"
+            put(self.output_dir / side_name, lambda f, data=output["data"]: f.write(data))
+            sides[side] = {"file": side_name, "bytes": len(output["data"]), **output["about"]}
         return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size,
                 "sha256": digest.hexdigest(), **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
-        }, **claim_key(item), "written": round(time.time(), 3)}
+        }, **sides, **claim_key(item), "written": round(time.time(), 3)}
 
     def _name(self, index: int, prompt: str, suffix: str) -> str:
         """The output's path in the folder, its subfolder made once (``layout``)."""
@@ -433,6 +439,10 @@ class TarShards:
             if self.tmp is None:
                 self._open(item["index"], item["claim"].worker if item.get("claim") else "")
             key = f"{item['index']:09d}"
+            sides = item.get("sides") or {}
+            if sides:  # named in the sample's metadata and its line: where each is, its shapes and scaling
+                metadata = {**metadata, **{side: {**self._side_place(key, side), "bytes": len(output["data"]),
+                                                  **output["about"]} for side, output in sides.items()}}
             self._add(item, key, suffix, data, metadata)
             self.lines.append({"index": item["index"], "prompt": item["prompt"], "seed": item["seed"],
                                "file": "", "member": f"{key}{suffix}", "bytes": len(data),
@@ -458,9 +468,17 @@ class TarShards:
         self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.USTAR_FORMAT)  # no per-member PAX header
 
     def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
-        """A sample: ``{key}{suffix}`` (its bytes) and ``{key}.json`` (its metadata)."""
+        """A sample: ``{key}{suffix}`` (its bytes), ``{key}.json`` (its metadata) and its side outputs
+        (``{key}.latents.safetensors``...)."""
         self._member(f"{key}{suffix}", data)
         self._member(f"{key}.json", json.dumps(metadata, ensure_ascii=False).encode("utf-8"))
+        for side, output in (item.get("sides") or {}).items():
+            self._member(f"{key}.{side}{SIDE_SUFFIX}", output["data"])
+
+    @staticmethod
+    def _side_place(key: str, side: str) -> dict[str, str]:
+        """Where a sample's side output is in the shard."""
+        return {"member": f"{key}.{side}{SIDE_SUFFIX}"}
 
     def _finish(self, tmp: Path) -> int:
         """The open shard complete on disk under its temporary name ``tmp``; returns its size."""
@@ -563,13 +581,24 @@ class ParquetShards(TarShards):
         if suffix not in IMAGE_FORMATS.values():
             raise ConfigError(f"writer.format: parquet holds images; {item['index']} is a video ({suffix}): write "
                               "videos with writer.format: files or webdataset.")
-        self.rows.append(parquet_row(key, suffix, data, metadata))
+        row = parquet_row(key, suffix, data, metadata)
+        row.update({side: output["data"] for side, output in (item.get("sides") or {}).items()})
+        self.rows.append(row)
+
+    @staticmethod
+    def _side_place(key: str, side: str) -> dict[str, str]:
+        return {"column": side}
+
+    @property
+    def sides(self) -> tuple[str, ...]:
+        """The side-output columns every shard of this run has (binary: safetensors bytes)."""
+        return side_columns(self.files.settings)
 
     def _finish(self, tmp: Path) -> int:
         rows, self.rows = self.rows, []
         fsync = self.files.settings.fsync != "off"
         with open(tmp, "wb") as f:
-            write_parquet(f, rows)
+            write_parquet(f, rows, self.sides)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -582,7 +611,8 @@ class ParquetShards(TarShards):
         keep = [n for n, member in enumerate(table.column("image").combine_chunks().field("path").to_pylist())
                 if member.partition(".")[0] in keys]
         rows = table.take(keep).to_pylist()
-        tmp, size = temporary_write(path, lambda f: write_parquet(f, rows), self.files.settings.fsync != "off")
+        sides, fsync = self.sides, self.files.settings.fsync != "off"
+        tmp, size = temporary_write(path, lambda f: write_parquet(f, rows, sides), fsync)
         os.replace(tmp, path)
         return size
 
@@ -608,19 +638,25 @@ def parquet_row(key: str, suffix: str, data: bytes, metadata: dict[str, Any]) ->
             "parameters": json.dumps(metadata, ensure_ascii=False)}
 
 
-def write_parquet(file: IO[bytes], rows: list[dict[str, Any]]) -> None:
-    """``rows`` as one Parquet file with pyarrow, its schema fixed (every shard the same) and the
-    features ``datasets`` restores in its metadata."""
+def side_columns(settings: WriterSettings) -> tuple[str, ...]:
+    """The side outputs a run saves (``writer.save_latents``, ``writer.save_text_embeddings``), by name."""
+    return tuple(name for name, on in (("latents", settings.save_latents),
+                                       ("text_embeddings", settings.save_text_embeddings)) if on)
+
+
+def write_parquet(file: IO[bytes], rows: list[dict[str, Any]], sides: tuple[str, ...] = ()) -> None:
+    """``rows`` as one Parquet file with pyarrow, its schema fixed (every shard of a run the same) and
+    the features ``datasets`` restores in its metadata; ``sides``: binary columns of safetensors bytes."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError("writer.format: parquet needs pyarrow: pip install pyarrow") from None
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    fields = [pa.field("image", image)] + [pa.field(name, getattr(pa, kind)())
-                                           for name, kind in PARQUET_COLUMNS.items()]
+    columns = {**PARQUET_COLUMNS, **{side: "binary" for side in sides}}
+    fields = [pa.field("image", image)] + [pa.field(name, getattr(pa, kind)()) for name, kind in columns.items()]
     features = {"image": {"_type": "Image"},
-                **{name: {"dtype": kind, "_type": "Value"} for name, kind in PARQUET_COLUMNS.items()}}
+                **{name: {"dtype": kind, "_type": "Value"} for name, kind in columns.items()}}
     schema = pa.schema(fields, metadata={b"huggingface": json.dumps({"info": {"features": features}}).encode()})
     table = pa.Table.from_pylist(rows, schema=schema)
     pq.write_table(table, file, row_group_size=PARQUET_ROW_GROUP, compression="none")  # images are compressed

@@ -34,6 +34,7 @@ FSYNC = ("file", "batch", "off")
 # files (measured in docs/writing.md).
 PNG_COMPRESS_LEVEL = 1
 WRITE_IN = ("process", "thread")  # the writer process (``background.WriterProcess``), or threads
+SIDE_OUTPUTS = ("save_latents", "save_text_embeddings")  # tensors saved beside each image
 
 
 def resolve_layout(layout: str, expected: Optional[int], files_per_folder: int) -> str:
@@ -72,6 +73,8 @@ class WriterSettings:
 
     output_dir: str = "outputs"  # checked as a folder, or a bucket's URL, by its store
     save_arrays: bool = False
+    save_latents: bool = False  # refused before weights where the pipeline has none (``side_outputs``)
+    save_text_embeddings: bool = False
     video_format: str = ruled("mp4", choices=VIDEO_FORMATS)
     fps: int = ruled(16, minimum=1, integer=True)
     allow_config_change: bool = False
@@ -142,12 +145,16 @@ def image_settings(
 def storage_settings(writer: WriterSettings, expected: Optional[int]) -> dict[str, Any]:
     """Where outputs go, as run.json records it (the defaults, loose files in one folder, record
     nothing: a folder made before these keys resumes): a resume with another layout or format is
-    refused like other settings. ``expected``: the prompt set's images (``auto`` decides by it)."""
+    refused like other settings, and so is one that turns the side outputs on or off. ``expected``:
+    the prompt set's images (``auto`` decides by it)."""
     settings: dict[str, Any] = {}
     if writer.format != "files":
         settings["writer.format"] = writer.format
     elif resolve_layout(writer.layout, expected, writer.files_per_folder) == "sharded":
         settings.update({"writer.layout": "sharded", "writer.files_per_folder": writer.files_per_folder})
+    for side in SIDE_OUTPUTS:  # a folder whose images all have them, or none
+        if getattr(writer, side):
+            settings[f"writer.{side}"] = True
     return settings
 
 

@@ -51,6 +51,7 @@ from lightning_diffusion.output.boundaries import (
     PromptSource,
     RunPlan,
     ShardSource,
+    SideOutputSource,
     require,
     run_strategy,
 )
@@ -160,6 +161,13 @@ class ImageWriter(BasePredictionWriter):
             same folder resumes: images already in the manifest are skipped. An object-store URL
             (``s3://bucket/prefix``, any fsspec URL) takes ``format: webdataset`` (``object_store``).
         save_arrays: also save the decoded float image as ``NNNNNN.npy`` (for numerical checks).
+        save_latents: also save the latents the VAE decoded into each image, in the dtype computed, as
+            a safetensors file beside it (``{name}.latents.safetensors``; a tar member
+            ``{key}.latents.safetensors``; a Parquet column ``latents``), its shape and the VAE's
+            scaling in its manifest line (docs/writing.md).
+        save_text_embeddings: also save the prompt embeddings the denoiser saw
+            (``encoder_hidden_states``, and ``pooled_projections`` where it takes them) the same way
+            (``text_embeddings``).
         video_format: how videos are written: ``mp4`` (H.264, needs PyAV), ``webp`` or ``gif``.
         fps: frames per second of written videos.
         allow_config_change: resume into a folder whose images were made with other settings
@@ -205,6 +213,8 @@ class ImageWriter(BasePredictionWriter):
         self,
         output_dir: str = WriterSettings.output_dir,
         save_arrays: bool = WriterSettings.save_arrays,
+        save_latents: bool = WriterSettings.save_latents,
+        save_text_embeddings: bool = WriterSettings.save_text_embeddings,
         video_format: str = WriterSettings.video_format,
         fps: int = WriterSettings.fps,
         allow_config_change: bool = WriterSettings.allow_config_change,
@@ -225,7 +235,8 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         super().__init__(write_interval="batch")
         self.settings = WriterSettings.of(dict(
-            output_dir=output_dir, save_arrays=save_arrays, video_format=video_format, fps=fps,
+            output_dir=output_dir, save_arrays=save_arrays, save_latents=save_latents,
+            save_text_embeddings=save_text_embeddings, video_format=video_format, fps=fps,
             allow_config_change=allow_config_change, image_format=image_format, quality=quality,
             png_compress_level=png_compress_level, fsync=fsync, write_workers=write_workers, write_queue=write_queue,
             write_in=write_in, layout=layout, files_per_folder=files_per_folder, format=format,
@@ -323,6 +334,9 @@ class ImageWriter(BasePredictionWriter):
         # Lightning sets trainer.datamodule only for a run given a data module
         data: PromptSource = require(getattr(trainer, "datamodule", None), PromptSource, "a data module (datamodule=)")
         module: ImageSource = require(pl_module, ImageSource, "a LightningModule")
+        if self.settings.save_latents or self.settings.save_text_embeddings:  # refused before the weights load
+            require(pl_module, SideOutputSource, "a LightningModule that captures latents and text embeddings"
+                    ).save_side_outputs(self.settings.save_latents, self.settings.save_text_embeddings)
         self.started_at, self.predicting_at = time.time(), None
         strategy = run_strategy(trainer.strategy)
         self._drains = strategy.run_context.drains if strategy is not None else None

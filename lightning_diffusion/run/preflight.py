@@ -40,6 +40,7 @@ from lightning_diffusion.pipelines import lora
 from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.pipelines.settings import ModelSettings
+from lightning_diffusion.pipelines.side_outputs import side_output_problems
 
 # PNG keeps about half of the raw RGB bytes for generated images; used only to warn early.
 _PNG_RATIO = 0.5
@@ -199,6 +200,8 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             verdicts = RecordVerdicts(dict(records.bad))
         problems += verdicts.refusal(len(records), data.on_bad_record)
     problems += writer_problems(writer)
+    if info is not None:  # latents or embeddings asked of a pipeline that has none (the writer checks it again)
+        problems += side_output_problems(info, writer.save_latents, writer.save_text_embeddings)
     devices_found = devices_problems(config.trainer.get("devices"), config.trainer.get("num_nodes"))
     problems += devices_found
     if here:
