@@ -50,6 +50,7 @@ PARENT_FOLDERS = ("/", "/var", "/home", "/root")
 # otherwise be found by the device's memory, after the weights loaded.
 MAX_PIXELS = 4096 * 4096
 LEASE_S = 180.0  # data.lease_s's default: how long a silent worker's claims wait before a takeover
+MAX_SHARDS = 2**16 - 1  # data.num_shards: a shard number is kept in 2 bytes an image
 MIN_LEASE_S = 2.0  # a renewal every lease/4: below this, renewals would cost more than they protect
 
 

@@ -12,11 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_diffusion.core.checks import LEASE_S, MAX_BATCH_SIZE, MAX_PIXELS, MIN_LEASE_S, SEED_MAX, integer, one_of
+from lightning_diffusion.core.checks import (
+    LEASE_S,
+    MAX_BATCH_SIZE,
+    MAX_PIXELS,
+    MAX_SHARDS,
+    MIN_LEASE_S,
+    SEED_MAX,
+    integer,
+    one_of,
+)
 from lightning_diffusion.core.errors import ConfigError, is_int
 from lightning_diffusion.core.groups import group_options
 from lightning_diffusion.core.records import INPUT_FIELDS
-from lightning_diffusion.output.shard import MAX_SHARDS
 from lightning_diffusion.pipelines.checks import CALL_ARGS
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before

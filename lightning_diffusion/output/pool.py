@@ -141,21 +141,24 @@ class FolderPoolFiles:
         linked to ``name``, which fails where ``name`` exists (a hard link is atomic on local file
         systems and NFS alike). A file made empty and then written would let a reader between the
         two see a claim without a holder, which reads as a stopped worker's: a needless takeover."""
+        from lightning_diffusion.output.manifest import temporary_name
+
         path = self.folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             return False
-        temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.new")
-        temporary.write_bytes(data)
+        temporary = temporary_name(path)  # pid and random bytes: unique across the nodes and threads
         try:
-            os.link(temporary, path)
-        except FileExistsError:
-            return False
-        except OSError:  # a file system without hard links: made exclusively, then written
-            return exclusive_create(path, data)
+            temporary.write_bytes(data)
+            try:
+                os.link(temporary, path)
+            except FileExistsError:  # held; or, over NFS, a retried link that had made it: two names then
+                return os.stat(temporary).st_nlink == 2
+            except OSError:  # a file system without hard links: made exclusively, then written
+                return exclusive_create(path, data)
+            return True
         finally:
             temporary.unlink(missing_ok=True)
-        return True
 
     def read(self, name: str) -> Optional[bytes]:
         try:

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
 
+from lightning_diffusion.core.checks import MAX_SHARDS as MAX_SHARDS  # a shard number: 2 bytes an image
+
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
-MAX_SHARDS = 2**16 - 1  # a shard number is kept in 2 bytes an image
 
 
 class Batches(Protocol):

@@ -556,7 +556,11 @@ class ImageWriter(BasePredictionWriter):
         self._on_drift(trainer, auditor.after_batch(module, batch, prediction, module.batch_size or len(batch)))
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._auditor is not None:  # the sampled images still waiting for a full call
+        # The sampled images still waiting for a full call; not after a stop (a signal, Ctrl-C, a
+        # drift): its time is the grace the scheduler gives to finish the batch in flight and merge.
+        strategy = run_strategy(trainer.strategy)
+        stopped = strategy is not None and strategy.run_context.stop.stopping.is_set()
+        if self._auditor is not None and not stopped:
             self._on_drift(trainer, self._auditor.flush(cast(audit_.PlainRemaker, pl_module)))
 
     def _on_drift(self, trainer: pl.Trainer, drift: Optional[str]) -> None:

@@ -303,10 +303,11 @@ def nothing_to_make(folder: Path, found: Finished, records: Any, num_images: int
     """The line that ends a run whose folder holds all of its images, before any process starts or
     any weight loads; None where the run has something to do: an image not in the manifest (failed
     records, rejected ones, a shard's others), lines a resume repairs, parts a resume merges, or
-    records with input files (the writer checks that they did not change)."""
+    records with input files (the writer checks that they did not change), audit parts a run merges."""
     expected = shard_size(num_images, shard)
     if (not (folder / MANIFEST).is_file() or found.untidy or found.conflicted or records.summary.with_inputs
             or any(folder.glob("manifest*.part-*.jsonl")) or any(folder.glob("failed*.part-*.jsonl"))
+            or any(folder.glob("audit*.part-*.jsonl"))
             or np.count_nonzero(found.in_shard(shard) < num_images) < expected):
         return None
     which = "" if shard is None else f" of shard {shard[0]} of {shard[1]}"

@@ -185,6 +185,11 @@ def test_a_complete_folder_says_so_before_anything_loads(tmp_path, cli_here):
             f"{tmp_path}/manifest.jsonl" in again.stderr), again.stderr
     assert "Loading" not in again.stderr and "batch plan" not in again.stderr
     assert (tmp_path / "manifest.jsonl").read_text() == manifest
+    # An audit part a killed run left (writer.audit) is work to merge: not "nothing to make".
+    part = tmp_path / "audit.part-0.jsonl"
+    part.write_text('{"index": 0, "psnr": Infinity}\n')
+    assert "nothing to make" not in run_here(*args).stderr
+    part.unlink()
     # A program that calls DiffusionCLI itself is not ended: it returns after an empty loop.
     from lightning_diffusion.run.config import DiffusionCLI
 
