@@ -256,21 +256,27 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _metrics_config(tmp_path: Path, port: int, file: Path) -> Path:
+def _metrics_config(tmp_path: Path, port: int, file: Path, via: str = "callback") -> Path:
+    """tiny.yaml with live metrics on ``port`` and in ``file``: kept by the ``writer`` (its
+    metrics keys) or by the ``callback`` (``PrometheusMetrics``)."""
     import yaml
 
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "configs/tiny.yaml").read_text())
-    config["trainer"]["callbacks"] = [{"class_path": "lightning_diffusion.output.metrics.PrometheusMetrics",
-                                       "init_args": {"port": port, "file": str(file), "interval_s": 0.05,
-                                                     "host": "127.0.0.1"}}]
+    if via == "writer":
+        config["writer"] = {**(config.get("writer") or {}), "metrics_port": port, "metrics_file": str(file)}
+    else:
+        config["trainer"]["callbacks"] = [{"class_path": "lightning_diffusion.output.metrics.PrometheusMetrics",
+                                           "init_args": {"port": port, "file": str(file), "interval_s": 0.05,
+                                                         "host": "127.0.0.1"}}]
     path = tmp_path / "metrics.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path):
+@pytest.mark.parametrize("via", ["writer", "callback"])
+def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path, via):
     import threading
     import urllib.request
 
@@ -280,6 +286,7 @@ def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path)
     port, file, out = _free_port(), tmp_path / "run.prom", tmp_path / "run"
     scraped: list[dict[str, float]] = []
     stop = threading.Event()
+    from lightning_diffusion.output.metrics import port_problem
 
     def scrape() -> None:
         while not stop.is_set():
@@ -294,7 +301,8 @@ def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path)
     thread = threading.Thread(target=scrape, daemon=True)
     thread.start()
     try:
-        run_here("predict", "--config", str(_metrics_config(tmp_path, port, file)), "--writer.output_dir", str(out),
+        run_here("predict", "--config", str(_metrics_config(tmp_path, port, file, via)),
+                 "--writer.output_dir", str(out),
                  "--data.prompts", "[a red circle, a blue square]", "--data.num_images_per_prompt", "12",
                  "--model.height", "32", "--model.width", "32", "--model.num_inference_steps", "2",
                  "--data.batch_size", "2", "--trainer.enable_progress_bar", "false")
@@ -312,9 +320,18 @@ def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path)
     assert final["lightning_diffusion_images_written"] == len(manifest) == 24
     assert final["lightning_diffusion_images_failed"] == final["lightning_diffusion_images_rejected"] == 0
     assert final["lightning_diffusion_seconds_per_batch_count"] == 12
+    assert port_problem(port, "127.0.0.1") is None, "the port is given back at the run's end"
+    if via == "writer":  # rank 0's write queue (writer.write_queue: 2 in tiny.yaml's defaults), empty at the end
+        depths = [sample["lightning_diffusion_write_queue_depth"] for sample in scraped
+                  if "lightning_diffusion_write_queue_depth" in sample]
+        assert depths and all(0 <= depth <= 2 for depth in depths), depths
+        assert final["lightning_diffusion_write_queue_depth"] == 0
+        run = json.loads((out / "run.json").read_text())
+        assert "model" in run and not any("metrics" in key for key in run), "the metrics keys decide no picture"
 
 
-def test_metrics_on_a_port_in_use_are_refused_naming_it_before_any_image(tmp_path):
+@pytest.mark.parametrize("via", ["writer", "callback"])
+def test_metrics_on_a_port_in_use_are_refused_naming_it_before_any_image(tmp_path, via):
     import socket
 
     pytest.importorskip("prometheus_client")
@@ -323,10 +340,42 @@ def test_metrics_on_a_port_in_use_are_refused_naming_it_before_any_image(tmp_pat
         taken.listen(1)
         port = taken.getsockname()[1]
         out = tmp_path / "run"
-        proc = run_here("predict", "--config", str(_metrics_config(tmp_path, port, tmp_path / "x.prom")),
+        proc = run_here("predict", "--config", str(_metrics_config(tmp_path, port, tmp_path / "x.prom", via)),
                         "--writer.output_dir", str(out), "--data.prompts", "[a red circle]", "--model.height", "32",
                         "--model.width", "32", "--model.num_inference_steps", "2",
                         "--trainer.enable_progress_bar", "false", check=False)
     assert proc.returncode != 0
     assert f"port {port} cannot be served" in proc.stderr, proc.stderr[-2000:]
     assert not list(out.glob("*.png"))
+    if via == "writer":  # refused by the CLI's checks: no process started, the folder not made
+        assert not out.exists()
+
+
+def test_a_writer_in_python_refuses_a_metrics_port_in_use_before_the_folder_and_the_weights(tmp_path):
+    import socket
+
+    from lightning.pytorch import Trainer
+
+    from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+    from lightning_diffusion.core.errors import ConfigError
+
+    pytest.importorskip("prometheus_client")
+    module = DiffusionModule("tiny:flux", height=32, width=32, num_inference_steps=1)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        writer = ImageWriter(str(tmp_path / "out"), metrics_port=port)
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[writer])
+        with pytest.raises(ConfigError, match=f"port {port} cannot be served"):
+            trainer.predict(module, datamodule=PromptDataModule(["a fox"], batch_size=1))
+    assert module.pipeline is None, "no weights loaded"
+    assert not (tmp_path / "out" / "run.json").exists() and not (tmp_path / "out" / ".lock").exists()
+
+
+def test_a_metrics_port_outside_0_to_65535_is_refused():
+    from lightning_diffusion.core.errors import ConfigError
+    from lightning_diffusion.output.writer import ImageWriter
+
+    with pytest.raises(ConfigError, match="writer.metrics_port"):
+        ImageWriter("out", metrics_port=70000)
