@@ -216,14 +216,31 @@ def test_a_run_still_writing_is_said_and_its_parts_shown_by_rank(small_run, tmp_
     assert "part-0" in page
 
 
-def test_webdataset_shards_and_sharded_folders_have_every_thumbnail(tmp_path):
+def test_webdataset_and_parquet_shards_and_sharded_folders_have_every_thumbnail(tmp_path):
+    pytest.importorskip("pyarrow")
     for name, extra in (("tars", ("--writer.format", "webdataset", "--writer.samples_per_shard", "3")),
+                        ("parquet", ("--writer.format", "parquet", "--writer.samples_per_shard", "3")),
                         ("sharded", ("--writer.layout", "sharded", "--writer.files_per_folder", "3"))):
         out = tmp_path / name
         _predict(out, *extra)
         result = build(str(out))
         assert result["images"] == result["thumbs_made"] == 4 * COPIES and not result["unreadable"]
         assert sorted(_figures((out / "report.html").read_text())) == list(range(4 * COPIES)), name
+    # a Parquet row's thumbnail is its own picture: the row's image, scaled
+    import io
+
+    from lightning_diffusion.output.recorded import read_output, scan_manifest
+    from lightning_diffusion.report.collect import read_records
+    from lightning_diffusion.report.thumbs import thumb_path
+
+    entries, _ = scan_manifest(tmp_path / "parquet")
+    for record in read_records(tmp_path / "parquet")[0]:
+        assert record.file.endswith(".parquet") and record.member
+        source = Image.open(io.BytesIO(read_output(tmp_path / "parquet", entries[record.index])))
+        thumb = Image.open(thumb_path(tmp_path / "parquet" / ".thumbs", record)).convert("RGB")
+        expected = source.convert("RGB")
+        expected.thumbnail(thumb.size)
+        assert thumb.size == expected.size and np.abs(np.asarray(thumb, float) - np.asarray(expected, float)).mean() < 8
 
 
 @pytest.mark.slow
