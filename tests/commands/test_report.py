@@ -183,6 +183,53 @@ def test_failed_rejected_truncated_and_garbled_outputs_are_marked_not_a_crash(sm
         assert '<figure id="i1" class="broken"' in page
 
 
+def _verdicts(page: str) -> dict[int, tuple[str, str]]:
+    """Each figure's eval verdict: (ok or bad, its words)."""
+    found = {}
+    for index, body in re.findall(r'<figure id="i(\d+)".*?>(.*?)</figure>', page, re.S):
+        verdict = re.search(r'<span class="verdict (ok|bad)">eval: (.*?)</span>', body)
+        if verdict:
+            found[int(index)] = (verdict.group(1), verdict.group(2))
+    return found
+
+
+def test_the_page_shows_an_evals_verdicts_beside_each_image_it_judged(small_run, tmp_path, cli_here):
+    out = _copy(small_run, tmp_path)
+    # against the run's own folder: every image identical to its reference
+    proc = cli_here("eval", str(out), "--reference", str(small_run), "--json", str(out / "eval.json"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["index"]: row for row in json.loads((out / "eval.json").read_text())["images"]}
+    assert len(rows) == 4 * COPIES
+    result = build(str(out))  # OUTPUT/eval.json, found without being named
+    page = (out / "report.html").read_text()
+    verdicts = _verdicts(page)
+    assert result["judged"] == len(verdicts) == 4 * COPIES
+    for index, (kind, words) in verdicts.items():
+        adherence = rows[index].get("adherence", {})
+        assert words.endswith("PSNR inf, SSIM 1.000"), words
+        assert all(f"{key} {'✓' if passed else '✗'}" in words for key, passed in adherence.items()), words
+        assert kind == ("ok" if all(adherence.values()) else "bad")
+    assert '<h2 id="eval">Eval</h2>' in page and "8 images judged" in page
+
+    # a result of other images (another prompt at an index) judges nothing there; a shapes caption's
+    # adherence is shown check by check; a file that is no result is refused
+    other = json.loads((out / "eval.json").read_text())
+    other["images"][0]["prompt"] = "a yellow star"
+    other["images"][1]["adherence"] = {"colour": True, "shape": False}
+    other["summary"]["adherence"] = {"colour": {"share": 0.75, "images": 4}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    build(str(out), eval_result=str(tmp_path / "other.json"))
+    page = (out / "report.html").read_text()
+    verdicts = _verdicts(page)
+    assert set(verdicts) == set(range(1, 4 * COPIES))
+    assert verdicts[1] == ("bad", "colour ✓ · shape ✗ · PSNR inf, SSIM 1.000")
+    assert "colour right in 75% of 4" in page
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    proc = cli_here("report", str(out), "--eval", str(tmp_path / "bad.json"))
+    assert proc.returncode == 2 and "is not the result of lightning-diffusion eval" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_status_prints_images_per_device_hour_beside_its_rate(small_run, cli_here):
     last = json.loads((small_run / "run.json").read_text())["history"][-1]
     expected = last["made"] * 3600 / (last["wall_s"] * len(last["images_per_s_by_rank"]))
