@@ -154,6 +154,12 @@ def test_takeovers_are_counted_by_status_and_the_metrics_with_each_workers_eta(t
         assert samples[("lightning_diffusion_batches_taken_over_by_worker", ("b-0",))] == 1
         assert {key[1] for key in samples if key[0] == "lightning_diffusion_eta_seconds_by_worker"} == {("a-0",),
                                                                                                        ("b-0",)}
+        from lightning_diffusion.commands.status import text
+        from lightning_diffusion.output.status import folder_status
+
+        said = text(folder_status(tmp_path))
+        assert "3 of 10 batches claimed, 3 taken over (plan plan)" in said, said
+        assert "worker a-0: working" in said and "1 claim (1 by a takeover)" in said, said
     finally:
         a.leave(ended=True)
         b.leave(ended=True)
