@@ -48,19 +48,41 @@ def _client() -> Any:
     return prometheus_client
 
 
-class OutputCollector:
-    """A ``prometheus_client`` collector of an output's counts, read at each scrape."""
+# A scrape re-reads the output at most once in this many times the last read took: reading a 10^6-line
+# manifest takes seconds (docs/benchmarks.md), in global rank 0's process, beside its prediction.
+READ_SHARE = 10
 
-    def __init__(self, location: str) -> None:
-        self.location = location
+
+class OutputCollector:
+    """A ``prometheus_client`` collector of an output's counts, read at a scrape (kept for
+    ``READ_SHARE`` times the read's own duration, so that frequent scrapes of a large output cost
+    rank 0 at most a tenth of a core; ``fresh`` forgets it)."""
+
+    def __init__(self, location: str, read_share: float = READ_SHARE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.location, self.read_share, self.clock = location, read_share, clock
+        self._kept: Optional[dict[str, Any]] = None
+        self._until = 0.0
+        self._lock = threading.Lock()  # scrapes and the textfile's thread read one at a time
+
+    def fresh(self) -> None:
+        """The next scrape reads the output again (the run's last counts)."""
+        self._until = 0.0
 
     def status(self) -> Optional[dict[str, Any]]:
         from lightning_diffusion.output.store import open_store
 
-        try:
-            return open_store(self.location).status()
-        except ConfigError:  # nothing recorded yet
-            return None
+        with self._lock:
+            started = self.clock()
+            if started < self._until:
+                return self._kept
+            try:
+                self._kept = open_store(self.location).status()
+            except ConfigError:  # nothing recorded yet
+                self._kept = None
+            ended = self.clock()
+            self._until = ended + self.read_share * (ended - started)
+            return self._kept
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -149,7 +171,8 @@ class LiveMetrics:
         self._thread: Optional[threading.Thread] = None
         self._server: Any = None
         self._registry: Any = client.CollectorRegistry()
-        self._registry.register(OutputCollector(location))
+        self._collector = OutputCollector(location)
+        self._registry.register(self._collector)
         self._seconds = client.Histogram("lightning_diffusion_seconds_per_batch",
                                          "seconds a batch takes on global rank 0", registry=self._registry,
                                          buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
@@ -181,6 +204,7 @@ class LiveMetrics:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._collector.fresh()  # the merged manifest's counts, not a kept read
         self.write_file()
         if self._server is not None:
             server, thread = self._server if isinstance(self._server, tuple) else (self._server, None)
