@@ -59,8 +59,9 @@ class OutputCollector:
     rank 0 at most a tenth of a core; ``fresh`` forgets it)."""
 
     def __init__(self, location: str, read_share: float = READ_SHARE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, options: Optional[dict[str, Any]] = None) -> None:
         self.location, self.read_share, self.clock = location, read_share, clock
+        self.options = options  # a bucket's fsspec options (writer.storage_options)
         self._kept: Optional[dict[str, Any]] = None
         self._until = 0.0
         self._lock = threading.Lock()  # scrapes and the textfile's thread read one at a time
@@ -77,7 +78,7 @@ class OutputCollector:
             if started < self._until:
                 return self._kept
             try:
-                self._kept = open_store(self.location).status()
+                self._kept = open_store(self.location, options=self.options).status()
             except ConfigError:  # nothing recorded yet
                 self._kept = None
             ended = self.clock()
@@ -157,10 +158,12 @@ def port_problem(port: int, host: str = "") -> Optional[str]:
 class LiveMetrics:
     """The live metrics of the run writing into ``location``, kept on global rank 0: ``/metrics`` on
     ``port`` (0: none) of ``host`` (all addresses by default), and/or the textfile ``file`` written
-    every ``interval_s`` seconds. ``queue_depth``: the batches waiting in rank 0's write queue."""
+    every ``interval_s`` seconds. ``queue_depth``: the batches waiting in rank 0's write queue;
+    ``options``: a bucket's fsspec options."""
 
     def __init__(self, location: str, port: int = 0, file: Optional[str] = None, interval_s: float = 15.0,
-                 host: str = "", queue_depth: Optional[Callable[[], int]] = None) -> None:
+                 host: str = "", queue_depth: Optional[Callable[[], int]] = None,
+                 options: Optional[dict[str, Any]] = None) -> None:
         self.port, self.file, self.interval_s, self.host = port, file, interval_s, host
         client = _client()
         if port:
@@ -171,7 +174,7 @@ class LiveMetrics:
         self._thread: Optional[threading.Thread] = None
         self._server: Any = None
         self._registry: Any = client.CollectorRegistry()
-        self._collector = OutputCollector(location)
+        self._collector = OutputCollector(location, options=options)
         self._registry.register(self._collector)
         self._seconds = client.Histogram("lightning_diffusion_seconds_per_batch",
                                          "seconds a batch takes on global rank 0", registry=self._registry,
@@ -240,7 +243,8 @@ class PrometheusMetrics(Callback):
         writer = next((c for c in trainer.callbacks if isinstance(c, ImageWriter)), None)  # type: ignore[attr-defined]
         if writer is None:
             raise ConfigError("PrometheusMetrics reads the run's output: it needs the ImageWriter callback.")
-        self.live = LiveMetrics(writer.settings.output_dir, self.port, self.file, self.interval_s, self.host)
+        self.live = LiveMetrics(writer.settings.output_dir, self.port, self.file, self.interval_s, self.host,
+                                options=writer.settings.storage_options)
         trainer.callbacks.append(_AfterWriter(self))  # type: ignore[attr-defined]  # its teardown: the last counts
 
     def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

@@ -397,7 +397,8 @@ class ImageWriter(BasePredictionWriter):
     def _start_metrics(self) -> None:
         try:
             self._metrics = LiveMetrics(self.settings.output_dir, self.settings.metrics_port,
-                                        self.settings.metrics_file, queue_depth=self._queue_depth)
+                                        self.settings.metrics_file, queue_depth=self._queue_depth,
+                                        options=self.settings.storage_options)
         except (ConfigError, OSError):  # taken since the check (another process): the folder is given back
             self._release()
             raise
@@ -626,12 +627,15 @@ class ImageWriter(BasePredictionWriter):
 
     def _release(self) -> None:
         """The folder's lock given back (this process's staging folder removed); the stall watch no
-        longer drains this writer; the live metrics' last counts written and their port closed."""
-        self._finish_metrics()
+        longer drains this writer; then the live metrics' last counts written (no run holding the
+        output any more) and their port closed."""
         if self._drains is not None and self.drain_on_stall in self._drains:
             self._drains.remove(self.drain_on_stall)
-        if self.store is not None:
-            self.store.release()
+        try:
+            if self.store is not None:
+                self.store.release()
+        finally:
+            self._finish_metrics()
 
     def _summary(self, parts: dict[int, int], total: int, failed: int = 0) -> dict[str, Any]:
         end = time.time()

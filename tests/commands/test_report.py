@@ -312,6 +312,32 @@ def test_a_bucket_is_read_through_its_store(tmp_path, monkeypatch):
     assert sorted(_figures((tmp_path / "run.html").read_text())) == list(range(4 * COPIES))
 
 
+def test_a_buckets_run_keeps_its_metrics_file_at_the_buckets_counts(tmp_path, monkeypatch):
+    moto_server = pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for key, value in dict(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="testing",
+                               AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                               AWS_EC2_METADATA_DISABLED="true").items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("metrics")
+        _predict("s3://metrics/run", "--writer.format", "webdataset", "--writer.metrics_file",
+                 str(tmp_path / "run.prom"))
+    finally:
+        server.stop()
+    final = {sample.name: sample.value
+             for family in text_string_to_metric_families((tmp_path / "run.prom").read_text())
+             for sample in family.samples if not sample.labels}
+    assert final["lightning_diffusion_images_written"] == final["lightning_diffusion_images_expected"] == 4 * COPIES
+    assert final["lightning_diffusion_seconds_per_batch_count"] == 2 and final["lightning_diffusion_running"] == 0
+
+
 def _free_port() -> int:
     import socket
 
@@ -384,6 +410,7 @@ def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path,
     assert final["lightning_diffusion_images_written"] == len(manifest) == 24
     assert final["lightning_diffusion_images_failed"] == final["lightning_diffusion_images_rejected"] == 0
     assert final["lightning_diffusion_seconds_per_batch_count"] == 12
+    assert final["lightning_diffusion_running"] == 0, "the last counts are read once the run gave the folder back"
     assert port_problem(port, "127.0.0.1") is None, "the port is given back at the run's end"
     if via == "writer":  # rank 0's write queue (writer.write_queue: 2 in tiny.yaml's defaults), empty at the end
         depths = [sample["lightning_diffusion_write_queue_depth"] for sample in scraped
