@@ -37,6 +37,10 @@ the index rule (image ``i`` to shard ``i % N``), for two sets of that many recor
 four sizes in turn (a grid written by nested loops), and runs of random length of one size and
 step count (a set concatenated from sources).
 
+``--metrics-cost`` instead times the one-process run without and with the writer's live metrics
+(``writer.metrics_port``, scraped over HTTP every second from this process, and ``metrics_file``):
+``plain_ms_per_image``, ``metrics_ms_per_image``, and the scrapes answered.
+
 ``--object-store`` instead times the same one-process run into a bucket of a local S3 server (moto's
 server mode on 127.0.0.1, with s3fs as the client) beside the run into a folder, both with
 ``writer.format: webdataset`` (``bucket_ms_per_image``, ``folder_ms_per_image``).
@@ -99,7 +103,8 @@ def child(args: argparse.Namespace) -> None:
         def configure_model(self):
             self.pipeline = StandIn()
 
-    writer = ImageWriter(args.out, format=args.format, fsync=args.fsync)
+    metrics = dict(metrics_port=args.metrics_port, metrics_file=f"{args.out}.prom") if args.metrics_port else {}
+    writer = ImageWriter(args.out, format=args.format, fsync=args.fsync, **metrics)
     trainer = Trainer(accelerator="cpu", devices=args.replicas, strategy=DataParallelStrategy(), logger=False,
                       enable_progress_bar=False, callbacks=[writer],
                       limit_predict_batches=args.limit_batches or None)
@@ -116,10 +121,11 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, out: Path, prompts: Path, replicas: int = 1, shards: int = 1, shard: int = 0,
-        limit_batches: int = 0) -> dict:
+        limit_batches: int = 0, metrics_port: int = 0) -> dict:
     command = [sys.executable, __file__, "--child", "--out", str(out), "--prompts", str(prompts), "--format",
                args.format, "--fsync", args.fsync, "--batch-size", str(args.batch_size), "--replicas", str(replicas),
-               "--shards", str(shards), "--shard-index", str(shard), "--limit-batches", str(limit_batches)]
+               "--shards", str(shards), "--shard-index", str(shard), "--limit-batches", str(limit_batches),
+               "--metrics-port", str(metrics_port)]
     proc = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
@@ -233,6 +239,45 @@ def shard_spread(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps({"shard_spread": rows}, indent=2))
 
 
+def metrics_cost(args: argparse.Namespace) -> None:
+    """The one-process run without, then with the writer's live metrics, scraped every second."""
+    import socket
+    import threading
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    scrapes: list[float] = []
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.wait(1.0):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+                scrapes.append(time.time())
+            except OSError:
+                continue
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        prompts = root / "prompts.txt"
+        prompts.write_text("".join(f"a shape number {n}\n" for n in range(args.images)))
+        plain = run(args, root / "plain", prompts)
+        thread = threading.Thread(target=scrape, daemon=True)
+        thread.start()
+        try:
+            with_metrics = run(args, root / "metrics", prompts, metrics_port=port)
+        finally:
+            stop.set()
+            thread.join()
+    result = {"images": args.images, "format": args.format, "plain_ms_per_image": plain["ms_per_image"],
+              "metrics_ms_per_image": with_metrics["ms_per_image"], "scrapes": len(scrapes)}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
 def object_store(args: argparse.Namespace) -> None:
     """One process into a folder and into a local S3 server's bucket, tar shards both."""
     from moto.server import ThreadedMotoServer
@@ -282,6 +327,8 @@ def main() -> None:
     parser.add_argument("--prompts")
     parser.add_argument("--shard-index", type=int, default=0)
     parser.add_argument("--object-store", action="store_true", help="a bucket of a local S3 server against a folder")
+    parser.add_argument("--metrics-cost", action="store_true", help="the run without and with the writer's metrics")
+    parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--shard-spread", type=int, metavar="RECORDS",
                         help="the job array shards' computed cost spread on mixed sets of this many records")
     args = parser.parse_args()
@@ -289,6 +336,8 @@ def main() -> None:
         return child(args)
     if args.object_store:
         return object_store(args)
+    if args.metrics_cost:
+        return metrics_cost(args)
     if args.start_up:
         return start_up(args)
     if args.shard_spread:

@@ -127,6 +127,9 @@ class StepTimer(Callback):
         if params.get("num_frames"):
             shape += f"x{params['num_frames']}"
         replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
+        images_per_sec = self.images * replicas / total if total else 0.0
+        # every process holds a device (a device map's process, the GPUs it spans)
+        devices = trainer.world_size * len(self.devices(trainer)) if self.cuda else trainer.world_size
         Path(self.report).write_text(json.dumps({
             "strategy": type(trainer.strategy).__name__,
             "world_size": trainer.world_size,
@@ -145,7 +148,9 @@ class StepTimer(Callback):
                if self.cuda else {}),
             "shape": shape,
             # rank 0's batches, times the replicas that run alongside it
-            "images_per_sec": self.images * replicas / total if total else 0.0,
+            "images_per_sec": images_per_sec,
+            "devices": devices,
+            "images_per_device_hour": images_per_sec * 3600.0 / devices,
             "load_s": self.load_s,
             "warmup_s": self.warmup_s,
             "device": "cuda" if self.cuda else "cpu",
@@ -301,12 +306,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["time_ratio_vs_diffusers"] = bare_ips / result["images_per_sec"] if result["images_per_sec"] else None
 
     def table() -> None:
-        print("| Strategy | Batch | Batches timed | ms / batch step | Batch steps / s | Images / s | Peak memory (GB) "
-              "| Shape | Load (s) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| Strategy | Batch | Batches timed | ms / batch step | Batch steps / s | Images / s "
+              "| Images / device-hour | Peak memory (GB) | Shape | Load (s) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         print(f"| {result['strategy']} x{result['world_size']} | {result['batch_size']} | {result['timed_batches']} | "
               f"{result['ms_per_batch_step']:.1f} | {result['batch_steps_per_sec']:.2f} | "
-              f"{result['images_per_sec']:.2f} | {result['peak_memory_gb']:.2f} | {result['shape']} | "
+              f"{result['images_per_sec']:.2f} | {result['images_per_device_hour']:,.0f} | "
+              f"{result['peak_memory_gb']:.2f} | {result['shape']} | "
               f"{result['load_s']:.1f} |")
         spread = result.get("batch_seconds")
         if spread:

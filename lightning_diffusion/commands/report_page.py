@@ -7,12 +7,13 @@ with the gallery (thumbnails grouped by prompt, seeds side by side, a search box
 captions), the failed and rejected records with their reasons, the pace (images per minute per
 worker from the manifest's times, stalls and the last worker to finish marked, each resume its own
 segment), the cost (device-hours, images per device-hour, money per image at
-``--device-hour-price``) and the settings. Reads every layout the writer makes: loose files (flat
-or sharded), webdataset tar shards and buckets (``s3://...``). Writes nothing there but the page
-(by default) and the thumbnails, which are made once into ``OUTPUT/.thumbs`` (a bucket's beside the
-page) and reused. A set larger
-than ``--page-size`` images pages its gallery (``FILE-STEM.pages/``), with a sample of the whole set
-on the first page. Exit code 0; 2 for an output that is not one of lightning-diffusion.
+``--device-hour-price``), an ``eval``'s verdicts beside each image it judged (``--eval FILE``, or
+``OUTPUT/eval.json``: ``eval OUTPUT --json OUTPUT/eval.json`` leaves one) and the settings. Reads
+every layout the writer makes: loose files (flat or sharded), webdataset and Parquet shards and
+buckets (``s3://...``). Writes nothing there but the page (by default) and the thumbnails, which
+are made once into ``OUTPUT/.thumbs`` (a bucket's beside the page) and reused. A set larger than
+``--page-size`` images pages its gallery (``FILE-STEM.pages/``), with a sample of the whole set on
+the first page. Exit code 0; 2 for an output that is not one of lightning-diffusion.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ PAGE_SIZE = 300
 
 def build(output: str, html: Optional[str] = None, price: Optional[float] = None, devices: Optional[int] = None,
           page_size: int = PAGE_SIZE, thumbs: Optional[str] = None,
-          options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+          options: Optional[dict[str, Any]] = None, eval_result: Optional[str] = None) -> dict[str, Any]:
     """Write the report of ``output``; returns what was done (pages, thumbnails, counts, cost).
-    Raises ``ConfigError`` for an output that is not one of lightning-diffusion."""
+    ``eval_result``: an ``eval``'s result (``--json FILE.json``) whose verdicts the page shows
+    (default: the folder's ``eval.json`` where there is one). Raises ``ConfigError`` for an output
+    that is not one of lightning-diffusion, or an eval result that is not one."""
     from lightning_diffusion.report import collect, pace, page, plots
     from lightning_diffusion.report.thumbs import FOLDER, make_thumbs
+    from lightning_diffusion.report.verdicts import EVAL_FILE, read_verdicts
 
     started = time.perf_counter()
     with collect.opened(output, options) as found:
@@ -49,6 +53,9 @@ def build(output: str, html: Optional[str] = None, price: Optional[float] = None
         else:
             root = found.folder / FOLDER
         read_s = time.perf_counter() - started
+        judged = Path(eval_result) if eval_result else (found.folder / EVAL_FILE if not found.is_bucket else None)
+        verdicts = read_verdicts(judged, found.records) if judged is not None and (
+            eval_result or judged.is_file()) else None
         made, broken = make_thumbs(found.records, found.folder, root)
         thumbs_s = time.perf_counter() - started - read_s
         spans = pace.spans(found.histories, devices)
@@ -61,7 +68,7 @@ def build(output: str, html: Optional[str] = None, price: Optional[float] = None
                         "tensor-parallel group writes from one rank: give --devices for such runs).")
         layout = page.Layout(first=first, thumbs=root, folder=found.folder, link_files=not found.is_bucket)
         written = page.write_pages(found, layout, broken, workers, cost, plots.data_uri(png) if png else None, note,
-                                   devices_note, page_size)
+                                   devices_note, page_size, verdicts)
         return {
             "output": found.where, "html": str(first), "pages": len(written),
             "bytes": sum(path.stat().st_size for path in written), "first_page_bytes": written[0].stat().st_size,
@@ -71,6 +78,7 @@ def build(output: str, html: Optional[str] = None, price: Optional[float] = None
             "device_h": cost.total["device_h"], "images_per_device_h": cost.total["images_per_device_h"],
             "money": cost.total["money"], "money_per_image": cost.total["money_per_image"],
             "plot": png is not None, "plot_note": note,
+            "judged": len(verdicts.by_index) if verdicts is not None else None,
             "seconds": round(time.perf_counter() - started, 3), "read_s": round(read_s, 3),
             "thumbs_s": round(thumbs_s, 3),
         }
@@ -111,6 +119,9 @@ def main(argv: list[str]) -> int:
                         help=f"images a gallery page holds at most (default {PAGE_SIZE})")
     parser.add_argument("--thumbs", metavar="DIR", help="where the thumbnails are kept (default: OUTPUT/.thumbs; for "
                                                          "a bucket, beside the page)")
+    parser.add_argument("--eval", metavar="FILE.json", dest="eval_result",
+                        help="an eval's result (eval OUTPUT --json FILE.json) whose verdicts the page shows beside "
+                             "each image (default: OUTPUT/eval.json where there is one)")
     add_json_option(parser, "what was written")
     args = parser.parse_args(json_argv(argv))
     if args.page_size < 1 or (args.devices is not None and args.devices < 1) or (
@@ -119,7 +130,8 @@ def main(argv: list[str]) -> int:
               "0 or more.", file=sys.stderr)
         return 2
     try:
-        result = build(args.output_dir, args.html, args.device_hour_price, args.devices, args.page_size, args.thumbs)
+        result = build(args.output_dir, args.html, args.device_hour_price, args.devices, args.page_size, args.thumbs,
+                       eval_result=args.eval_result)
     except ConfigError as err:
         print(f"lightning-diffusion report: error: {err}", file=sys.stderr)
         return 2

@@ -186,12 +186,14 @@ def text(status: dict[str, Any]) -> str:
     if pool:
         working = [member for member in pool["workers"] if member["live"]]
         lines.append(f"  pool: {counted(len(working), 'worker')} live of {len(pool['workers'])} registered; "
-                     + "; ".join(f"{plan['claimed']:,} of {plan['batches']:,} batches claimed (plan {plan['plan']})"
-                                 for plan in pool["plans"]))
-        for member in working:  # a member: {"worker", "state", "pid", "host", "claims", "slurm_job"}
+                     + "; ".join(f"{plan['claimed']:,} of {plan['batches']:,} batches claimed"
+                                 + (f", {plan['taken_over']:,} taken over" if plan.get("taken_over") else "")
+                                 + f" (plan {plan['plan']})" for plan in pool["plans"]))
+        for member in working:  # a member: {"worker", "state", "pid", "host", "claims", "took_over", "slurm_job"}
+            took = f" ({member['took_over']:,} by a takeover)" if member.get("took_over") else ""
             lines.append(f"  worker {member['worker']}: {member['state']}, pid {member['pid']} on {member['host']}, "
-                         f"{counted(member['claims'], 'claim')}" + (f", SLURM job {member['slurm_job']}"
-                                                                     if member["slurm_job"] else ""))
+                         f"{counted(member['claims'], 'claim')}{took}" + (f", SLURM job {member['slurm_job']}"
+                                                                           if member["slurm_job"] else ""))
     if status.get("audit"):
         from lightning_diffusion.output.audit import audit_text
 

@@ -1,16 +1,17 @@
-"""Live metrics of a run in Prometheus' format, through ``prometheus_client``: ``PrometheusMetrics``,
-a callback beside ``ImageWriter``, serves them over HTTP (``port``) and/or keeps a textfile for
-node_exporter's textfile collector (``file``), from global rank 0::
+"""Live metrics of a run in Prometheus' format, through ``prometheus_client``, from global rank 0:
+served over HTTP (a port) and/or kept in a textfile for node_exporter's textfile collector. The
+writer keeps them itself where ``writer.metrics_port`` or ``writer.metrics_file`` is set::
 
-    trainer:
-      callbacks:
-        - class_path: lightning_diffusion.output.metrics.PrometheusMetrics
-          init_args: {port: 9464}
+    writer:
+      metrics_port: 9464
+      metrics_file: /var/lib/node_exporter/textfile/diffusion.prom
+
+``PrometheusMetrics``, a callback beside ``ImageWriter``, does the same without the writer's keys.
 
 The counts are read from the output at each scrape, as ``lightning-diffusion status`` reads them
 (``OutputStore.status``: every rank's manifest part, the failed and rejected records, a pool's
-claims), so they are the manifest's own; rank 0's seconds per batch are timed by the callback. A
-port in use is refused, naming it, when the trainer sets up: before any weights load.
+claims and takeovers), so they are the manifest's own; rank 0's seconds per batch and its writer's
+queue depth are rank 0's own. A port in use is refused, naming it, before any weights load.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from lightning.pytorch.callbacks import Callback
 
@@ -42,23 +43,47 @@ def _client() -> Any:
     try:
         import prometheus_client
     except ImportError:
-        raise ConfigError(f"PrometheusMetrics needs prometheus_client: {INSTALL}") from None
+        raise ConfigError(f"live metrics (writer.metrics_port, writer.metrics_file, PrometheusMetrics) need "
+                          f"prometheus_client: {INSTALL}") from None
     return prometheus_client
 
 
-class OutputCollector:
-    """A ``prometheus_client`` collector of an output's counts, read at each scrape."""
+# A scrape re-reads the output at most once in this many times the last read took: reading a 10^6-line
+# manifest takes seconds (docs/benchmarks.md), in global rank 0's process, beside its prediction.
+READ_SHARE = 10
 
-    def __init__(self, location: str) -> None:
-        self.location = location
+
+class OutputCollector:
+    """A ``prometheus_client`` collector of an output's counts, read at a scrape (kept for
+    ``READ_SHARE`` times the read's own duration, so that frequent scrapes of a large output cost
+    rank 0 at most a tenth of a core; ``fresh`` forgets it)."""
+
+    def __init__(self, location: str, read_share: float = READ_SHARE,
+                 clock: Callable[[], float] = time.monotonic, options: Optional[dict[str, Any]] = None) -> None:
+        self.location, self.read_share, self.clock = location, read_share, clock
+        self.options = options  # a bucket's fsspec options (writer.storage_options)
+        self._kept: Optional[dict[str, Any]] = None
+        self._until = 0.0
+        self._lock = threading.Lock()  # scrapes and the textfile's thread read one at a time
+
+    def fresh(self) -> None:
+        """The next scrape reads the output again (the run's last counts)."""
+        self._until = 0.0
 
     def status(self) -> Optional[dict[str, Any]]:
         from lightning_diffusion.output.store import open_store
 
-        try:
-            return open_store(self.location).status()
-        except ConfigError:  # nothing recorded yet
-            return None
+        with self._lock:
+            started = self.clock()
+            if started < self._until:
+                return self._kept
+            try:
+                self._kept = open_store(self.location, options=self.options).status()
+            except ConfigError:  # nothing recorded yet
+                self._kept = None
+            ended = self.clock()
+            self._until = ended + self.read_share * (ended - started)
+            return self._kept
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -91,6 +116,30 @@ class OutputCollector:
             yield claimed
             yield GaugeMetricFamily("lightning_diffusion_batches_planned", "batches of the pool's plans",
                                     value=float(sum(int(plan.get("batches") or 0) for plan in pool["plans"])))
+            yield GaugeMetricFamily("lightning_diffusion_batches_taken_over",
+                                    "takeovers of the pool's batches (a worker's claim made after its holder stopped)",
+                                    value=float(sum(int(plan.get("taken_over") or 0) for plan in pool["plans"])))
+            took = GaugeMetricFamily("lightning_diffusion_batches_taken_over_by_worker",
+                                     "batches each pool worker holds by a takeover", labels=["worker"])
+            eta = GaugeMetricFamily("lightning_diffusion_eta_seconds_by_worker",
+                                    "seconds until each live pool worker ends (see worker_etas)", labels=["worker"])
+            for worker in pool["workers"]:
+                took.add_metric([str(worker["worker"])], float(worker.get("took_over") or 0))
+            for name, seconds in worker_etas(pool, time.time()).items():
+                eta.add_metric([name], seconds)
+            yield took
+            yield eta
+
+
+def worker_etas(pool: dict[str, Any], now: float) -> dict[str, float]:
+    """Seconds until each live worker of a pool (``pool_summary``) ends: the batches nobody has
+    claimed yet at the pace the live workers claim them together, then its own batch at its own pace
+    (each worker's pace: its claims since it joined). A worker that claimed nothing yet has none."""
+    left = sum(max(0, int(plan.get("batches") or 0) - int(plan.get("claimed") or 0)) for plan in pool["plans"])
+    paces = {str(worker["worker"]): int(worker.get("claims") or 0) / max(now - float(worker["since"]), 1.0)
+             for worker in pool["workers"] if worker["live"] and worker.get("since") is not None}
+    together = sum(paces.values())
+    return {name: (left / together if left else 0.0) + 1 / pace for name, pace in paces.items() if pace > 0}
 
 
 def port_problem(port: int, host: str = "") -> Optional[str]:
@@ -102,12 +151,76 @@ def port_problem(port: int, host: str = "") -> Optional[str]:
         try:
             probe.bind((host, port))
         except OSError as err:
-            return f"PrometheusMetrics: port {port} cannot be served: {err.strerror or err}."
+            return f"metrics: port {port} cannot be served: {err.strerror or err}."
     return None
 
 
+class LiveMetrics:
+    """The live metrics of the run writing into ``location``, kept on global rank 0: ``/metrics`` on
+    ``port`` (0: none) of ``host`` (all addresses by default), and/or the textfile ``file`` written
+    every ``interval_s`` seconds. ``queue_depth``: the batches waiting in rank 0's write queue;
+    ``options``: a bucket's fsspec options."""
+
+    def __init__(self, location: str, port: int = 0, file: Optional[str] = None, interval_s: float = 15.0,
+                 host: str = "", queue_depth: Optional[Callable[[], int]] = None,
+                 options: Optional[dict[str, Any]] = None) -> None:
+        self.port, self.file, self.interval_s, self.host = port, file, interval_s, host
+        client = _client()
+        if port:
+            problem = port_problem(port, host)
+            if problem:
+                raise ConfigError(problem)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._server: Any = None
+        self._registry: Any = client.CollectorRegistry()
+        self._collector = OutputCollector(location, options=options)
+        self._registry.register(self._collector)
+        self._seconds = client.Histogram("lightning_diffusion_seconds_per_batch",
+                                         "seconds a batch takes on global rank 0", registry=self._registry,
+                                         buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        if queue_depth is not None:
+            client.Gauge("lightning_diffusion_write_queue_depth", "batches waiting in global rank 0's write queue",
+                         registry=self._registry).set_function(queue_depth)
+        if port:
+            self._server = client.start_http_server(port, addr=host or "0.0.0.0", registry=self._registry)
+        if file:
+            self._thread = threading.Thread(target=self._keep_file, name="prometheus-textfile", daemon=True)
+            self._thread.start()
+
+    def observe_batch(self, seconds: float) -> None:
+        self._seconds.observe(seconds)
+
+    def write_file(self) -> None:
+        if self.file and self._registry is not None:
+            _client().write_to_textfile(os.fspath(self.file), self._registry)
+
+    def _keep_file(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write_file()
+
+    def finish(self) -> None:
+        """The last counts written (call it once the writer has merged everything), the server
+        stopped. Safe to call twice."""
+        if self._registry is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._collector.fresh()  # the merged manifest's counts, not a kept read
+        self.write_file()
+        if self._server is not None:
+            server, thread = self._server if isinstance(self._server, tuple) else (self._server, None)
+            server.shutdown()
+            server.server_close()
+            if thread is not None:
+                thread.join()
+        self._registry = self._server = self._thread = None
+
+
 class PrometheusMetrics(Callback):
-    """Live metrics of the run for Prometheus (see the module).
+    """Live metrics of the run for Prometheus (see the module), for a run that does not set the
+    writer's ``metrics_port``/``metrics_file``.
 
     Args:
         port: serve ``/metrics`` over HTTP on this port (0: none).
@@ -119,36 +232,19 @@ class PrometheusMetrics(Callback):
     def __init__(self, port: int = 0, file: Optional[str] = None, interval_s: float = 15.0, host: str = "") -> None:
         super().__init__()
         self.port, self.file, self.interval_s, self.host = port, file, interval_s, host
-        self._server: Any = None
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._registry: Any = None
+        self.live: Optional[LiveMetrics] = None
         self._batch_started: Optional[float] = None
-        self._seconds: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not trainer.is_global_zero or self._registry is not None:
+        if not trainer.is_global_zero or self.live is not None:
             return
-        client = _client()
         from lightning_diffusion.output.writer import ImageWriter
 
         writer = next((c for c in trainer.callbacks if isinstance(c, ImageWriter)), None)  # type: ignore[attr-defined]
         if writer is None:
             raise ConfigError("PrometheusMetrics reads the run's output: it needs the ImageWriter callback.")
-        if self.port:
-            problem = port_problem(self.port, self.host)
-            if problem:
-                raise ConfigError(problem)
-        self._registry = client.CollectorRegistry()
-        self._registry.register(OutputCollector(writer.settings.output_dir))
-        self._seconds = client.Histogram("lightning_diffusion_seconds_per_batch",
-                                         "seconds a batch takes on global rank 0", registry=self._registry,
-                                         buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        if self.port:
-            self._server = client.start_http_server(self.port, addr=self.host or "0.0.0.0", registry=self._registry)
-        if self.file:
-            self._thread = threading.Thread(target=self._keep_file, name="prometheus-textfile", daemon=True)
-            self._thread.start()
+        self.live = LiveMetrics(writer.settings.output_dir, self.port, self.file, self.interval_s, self.host,
+                                options=writer.settings.storage_options)
         trainer.callbacks.append(_AfterWriter(self))  # type: ignore[attr-defined]  # its teardown: the last counts
 
     def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -157,33 +253,13 @@ class PrometheusMetrics(Callback):
 
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._seconds is not None and self._batch_started is not None:
-            self._seconds.observe(time.perf_counter() - self._batch_started)
-
-    def write_file(self) -> None:
-        if self.file and self._registry is not None:
-            _client().write_to_textfile(os.fspath(self.file), self._registry)
-
-    def _keep_file(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.write_file()
+        if self.live is not None and self._batch_started is not None:
+            self.live.observe_batch(time.perf_counter() - self._batch_started)
 
     def finish(self) -> None:
-        """The last counts written (once the writer has written and merged everything), the server
-        stopped."""
-        if self._registry is None:
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.write_file()  # the run's last counts (the writer merged its parts before this)
-        if self._server is not None:
-            server, thread = self._server if isinstance(self._server, tuple) else (self._server, None)
-            server.shutdown()
-            server.server_close()
-            if thread is not None:
-                thread.join()
-        self._registry = self._server = self._thread = None
+        if self.live is not None:
+            self.live.finish()
+            self.live = None
 
 
 class _AfterWriter(Callback):

@@ -267,10 +267,11 @@ def live_jobs(files: PoolFiles) -> set[str]:
 
 
 def pool_summary(files: PoolFiles) -> dict[str, Any]:
-    """What ``status`` shows of a pool: each worker (state, live, host, pid, its claims) and each
-    plan's claims."""
+    """What ``status`` shows of a pool: each worker (state, live, host, pid, its claims, those it
+    holds by a takeover) and each plan's claims and takeovers."""
     workers = read_workers(files)
     claims_by_worker: dict[str, int] = {}
+    took_over: dict[str, int] = {}  # the batches each worker holds by a takeover
     plans = []
     for folder in files.names(POOL):
         if not folder.startswith("claims-"):
@@ -282,18 +283,23 @@ def pool_summary(files: PoolFiles) -> dict[str, Any]:
             batch, _, generation = name.partition(".")
             if batch not in holders or int(generation or 0) > holders[batch][0]:
                 holders[batch] = (int(generation or 0), name)
-        for _, name in holders.values():
+        for taken, name in holders.values():
             holder = (files.read(f"{POOL}/{folder}/{name}") or b"").decode().removeprefix(SEALED)
             claims_by_worker[holder] = claims_by_worker.get(holder, 0) + 1
+            if taken:  # the batch's holder took it over
+                took_over[holder] = took_over.get(holder, 0) + 1
         plan = json.loads(files.read(f"{POOL}/plan-{digest}.json") or b"{}")
-        plans.append({"plan": digest, "batches": plan.get("batches"), "claimed": len(holders)})
+        # every takeover made (a batch taken over twice counts twice), named B.G with G from 1
+        plans.append({"plan": digest, "batches": plan.get("batches"),
+                      "claimed": len(holders), "taken_over": sum(1 for name in names if "." in name)})
     shown = []
     for name, worker in sorted(workers.items()):
         live = worker_live(files, f"{WORKERS}/{name}.json", worker, LEASE_S)
         state = worker.get("state") if live or worker.get("state") not in ACTIVE else WorkerState.SILENT.value
         shown.append({"worker": name, "state": state, "live": live, "host": worker.get("host"),
                       "pid": worker.get("pid"), "slurm_job": worker.get("slurm_job"),
-                      "claims": claims_by_worker.get(name, 0), "since": worker.get("since")})
+                      "claims": claims_by_worker.get(name, 0), "took_over": took_over.get(name, 0),
+                      "since": worker.get("since")})
     return {"workers": shown, "plans": plans}
 
 

@@ -93,6 +93,9 @@ class WriterSettings:
     staging_dir: Optional[str] = None
     storage_options: Optional[dict[str, Any]] = field(default=None, repr=False)  # credentials: never shown
     audit: Optional[dict[str, Any]] = None  # checked by ``audit.audit_problems``
+    # live metrics (``metrics.LiveMetrics``), kept by global rank 0; not in run.json: they decide no picture
+    metrics_port: int = ruled(0, minimum=0, maximum=65535, integer=True, hint=" (0: none)")
+    metrics_file: Optional[str] = None
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> WriterSettings:

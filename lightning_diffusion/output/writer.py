@@ -57,6 +57,7 @@ from lightning_diffusion.output.boundaries import (
 )
 from lightning_diffusion.output.files import OutputFiles, size_text, to_uint8
 from lightning_diffusion.output.manifest import FAILED, REJECTED
+from lightning_diffusion.output.metrics import LiveMetrics, port_problem
 from lightning_diffusion.output.pool import batching_conflict, quit_join
 from lightning_diffusion.output.settings import WriterSettings, resolve_layout, run_settings
 from lightning_diffusion.output.shard import adopt, plan_file
@@ -201,6 +202,10 @@ class ImageWriter(BasePredictionWriter):
         audit: re-make a sample of the images with the accelerators off and record the drift in
             ``audit.jsonl``: ``{fraction: 0.01, min_psnr: 30, on_drift: warn}`` (``on_drift: stop``
             ends the run with exit code 3; ``audit``, docs/caching.md).
+        metrics_port: serve the run's live metrics in Prometheus' format on ``/metrics`` of this
+            port, from global rank 0 (0: none; ``metrics.LiveMetrics``). A port in use is refused
+            before any weights load.
+        metrics_file: keep the same metrics in this textfile (node_exporter's textfile collector).
 
     The defaults are the writer group's declaration (``settings.WriterSettings``). Only one run may write
     into a folder at a time (``.lock``, taken over when its run is dead), or one run a shard for the
@@ -232,6 +237,8 @@ class ImageWriter(BasePredictionWriter):
         staging_dir: Optional[str] = WriterSettings.staging_dir,
         storage_options: Optional[dict[str, Any]] = WriterSettings.storage_options,
         audit: Optional[dict[str, Any]] = WriterSettings.audit,
+        metrics_port: int = WriterSettings.metrics_port,
+        metrics_file: Optional[str] = WriterSettings.metrics_file,
     ) -> None:
         super().__init__(write_interval="batch")
         self.settings = WriterSettings.of(dict(
@@ -241,7 +248,7 @@ class ImageWriter(BasePredictionWriter):
             png_compress_level=png_compress_level, fsync=fsync, write_workers=write_workers, write_queue=write_queue,
             write_in=write_in, layout=layout, files_per_folder=files_per_folder, format=format,
             samples_per_shard=samples_per_shard, staging_dir=staging_dir, storage_options=storage_options,
-            audit=audit))
+            audit=audit, metrics_port=metrics_port, metrics_file=metrics_file))
         raise_problems(writer_problems(self.settings))
         if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
@@ -269,6 +276,8 @@ class ImageWriter(BasePredictionWriter):
         self._drains: Optional[list[Callable[[], None]]] = None  # the run context's, while set up
         self.audit_settings = audit_.settings_of(audit)
         self._auditor: Optional[audit_.Auditor] = None  # this rank's, while set up (writer.audit)
+        self._metrics: Optional[LiveMetrics] = None  # global rank 0's, while set up (writer.metrics_*)
+        self._batch_started: Optional[float] = None
         # Known at the run's end:
         self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
         self.summary: Optional[dict[str, Any]] = None
@@ -351,7 +360,10 @@ class ImageWriter(BasePredictionWriter):
                                 options=given.storage_options, staging_dir=given.staging_dir, pool=job,
                                 lease_s=self.plan.lease_s)
         result: tuple[Optional[str], Any, bool, Optional[tuple[str, str]]] = (None, [], False, None)
-        if trainer.is_global_zero:
+        problem = port_problem(given.metrics_port) if given.metrics_port and trainer.is_global_zero else None
+        if problem:  # refused before the folder is taken
+            result = (problem, [], False, None)
+        elif trainer.is_global_zero:
             result = (*self.store.prepare(self.run_settings(module), self.expected, self.total), self.store.adopted,
                       self.store.lock_token)
             if job is not None and result[0] is None:  # a pool's batches: refused before the weights load
@@ -393,6 +405,36 @@ class ImageWriter(BasePredictionWriter):
             kind = WriterProcess if self.settings.write_in == "process" else WriterThreads
             self._writers = kind(self.files, self.settings.write_workers, self.settings.write_queue,
                                  f"rank {trainer.global_rank}'s image writers")
+        if trainer.is_global_zero and (given.metrics_port or given.metrics_file):
+            self._start_metrics()
+
+    def _start_metrics(self) -> None:
+        try:
+            self._metrics = LiveMetrics(self.settings.output_dir, self.settings.metrics_port,
+                                        self.settings.metrics_file, queue_depth=self._queue_depth,
+                                        options=self.settings.storage_options)
+        except (ConfigError, OSError):  # taken since the check (another process): the folder is given back
+            self._release()
+            raise
+
+    def _queue_depth(self) -> int:
+        writers = self._writers
+        return writers.jobs.qsize() if writers is not None else 0
+
+    def _finish_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.finish()
+            self._metrics = None
+
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                               batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_started = time.perf_counter()
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        if self._metrics is not None and self._batch_started is not None:
+            self._metrics.observe_batch(time.perf_counter() - self._batch_started)
 
     @property
     def files(self) -> OutputFiles:
@@ -603,11 +645,15 @@ class ImageWriter(BasePredictionWriter):
 
     def _release(self) -> None:
         """The folder's lock given back (this process's staging folder removed); the stall watch no
-        longer drains this writer."""
+        longer drains this writer; then the live metrics' last counts written (no run holding the
+        output any more) and their port closed."""
         if self._drains is not None and self.drain_on_stall in self._drains:
             self._drains.remove(self.drain_on_stall)
-        if self.store is not None:
-            self.store.release()
+        try:
+            if self.store is not None:
+                self.store.release()
+        finally:
+            self._finish_metrics()
 
     def _summary(self, parts: dict[int, int], total: int, failed: int = 0) -> dict[str, Any]:
         end = time.time()

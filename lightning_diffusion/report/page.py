@@ -23,6 +23,7 @@ from typing import Optional
 from lightning_diffusion.report.collect import Collected, Record, env_of, when
 from lightning_diffusion.report.pace import Cost, Worker
 from lightning_diffusion.report.thumbs import thumb_path
+from lightning_diffusion.report.verdicts import Verdict, Verdicts
 
 SEARCH_INDEX_GROUPS = 200_000  # prompts the cross-page search index holds at most
 SAMPLE = 120  # thumbnails of the sample view
@@ -43,6 +44,7 @@ vertical-align:top}th{background:#f0f0f0}td.n{text-align:right;font-variant-nume
 .seeds{display:flex;flex-wrap:wrap;gap:8px}figure{margin:0;width:164px;font-size:11px;color:#555;overflow-wrap:anywhere}
 figure img,figure video{display:block;width:160px;height:160px;object-fit:contain;border:1px solid #ccc;background:#eee}
 .details{font-size:11px;color:#666;margin:-4px 0 6px;overflow-wrap:anywhere}
+.verdict.ok{color:#1a7f37}.verdict.bad{color:#b42318}
 figure.broken .missing{width:160px;height:90px;display:flex;align-items:center;justify-content:center;
 background:#fee;color:#a00;border:1px dashed #a00}
 .sample{display:flex;flex-wrap:wrap;gap:2px}.sample img{width:64px;height:64px;object-fit:cover}
@@ -175,24 +177,29 @@ def _thumb(layout: Layout, record: Record, broken: dict[int, str]) -> str:
     return f'<img src="{uri}" alt="{alt}" loading="lazy">{badge}'
 
 
-def _figure(layout: Layout, record: Record, broken: dict[int, str], own_details: bool) -> str:
+def _figure(layout: Layout, record: Record, broken: dict[int, str], own_details: bool,
+            judged: Optional[Verdict] = None) -> str:
     caption = " · ".join(part for part in (f"seed {record.seed}", record.shape, f"#{record.index}") if part)
     details = (f'<br><span title="{esc(record.details)}">{esc(record.details[:80])}</span>'
                if own_details and record.details else "")
+    if judged is not None:
+        details += f'<br><span class="verdict {"ok" if judged.ok else "bad"}">eval: {esc(judged.text)}</span>'
     kind = ' class="broken"' if record.index in broken else ""
     return (f'<figure id="i{record.index}"{kind} data-index="{record.index}">{_thumb(layout, record, broken)}'
             f"<figcaption>{esc(caption)}{details}</figcaption></figure>")
 
 
-def _gallery(layout: Layout, groups: list[list[Record]], broken: dict[int, str]) -> str:
+def _gallery(layout: Layout, groups: list[list[Record]], broken: dict[int, str],
+             judged: Optional[dict[int, Verdict]] = None) -> str:
+    judged = judged or {}
     parts = []
     for group in groups:
         prompt = group[0].prompt
         shared = len({record.details for record in group}) == 1  # the call's parameters once, above the seeds
         details = f'<div class="details">{esc(group[0].details)}</div>' if shared and group[0].details else ""
+        figures = "".join(_figure(layout, record, broken, not shared, judged.get(record.index)) for record in group)
         parts.append(f'<section class="group" data-caption="{esc(prompt)}"><h3>{esc(prompt)}</h3>{details}'
-                     '<div class="seeds">' + "".join(_figure(layout, record, broken, not shared) for record in group)
-                     + "</div></section>")
+                     f'<div class="seeds">{figures}</div></section>')
     return "\n".join(parts)
 
 
@@ -336,8 +343,10 @@ def _sample(layout: Layout, pages: list[list[list[Record]]]) -> str:
 
 
 def write_pages(collected: Collected, layout: Layout, broken: dict[int, str], workers: list[Worker], cost: Cost,
-                plot: Optional[str], plot_note: str, devices_note: str, page_size: int) -> list[Path]:
-    """Every page of the report; returns their paths (page 1 first)."""
+                plot: Optional[str], plot_note: str, devices_note: str, page_size: int,
+                verdicts: Optional[Verdicts] = None) -> list[Path]:
+    """Every page of the report; returns their paths (page 1 first). ``verdicts``: an ``eval``'s,
+    beside each image it judged and summed up on page 1."""
     pages = paged(collected.records, page_size)
     count = len(pages)
     title = f"lightning-diffusion report: {collected.where.rstrip('/').rsplit('/', 1)[-1]}"
@@ -361,14 +370,18 @@ def write_pages(collected: Collected, layout: Layout, broken: dict[int, str], wo
         body.append(f'<h2 id="gallery">Gallery</h2>{_nav(layout, page, count)}<p><input id="search" type="search" '
                     f'placeholder="search the captions" aria-label="search the captions"> <span id="shown"></span>'
                     f'</p><ul id="elsewhere"></ul><p>{images:,} images on this page.</p>')
-        body.append(_gallery(layout, groups, broken))
+        body.append(_gallery(layout, groups, broken, verdicts.by_index if verdicts is not None else None))
         body.append(_nav(layout, page, count))
         if page == 1:
             if count > 1:
                 body.append(_sample(layout, pages))
             body += ["<h2>Failed and rejected</h2>", _problems(collected), "<h2>Pace</h2>",
-                     _pace(workers, plot, plot_note), "<h2>Cost</h2>", _cost(cost, devices_note), "<h2>Settings</h2>",
-                     _settings(collected)]
+                     _pace(workers, plot, plot_note), "<h2>Cost</h2>", _cost(cost, devices_note)]
+            if verdicts is not None:
+                body += ['<h2 id="eval">Eval</h2>',
+                         f'<p class="eval-summary">{esc(verdicts.summary)} ({esc(verdicts.source)}; '
+                         f'{len(verdicts.by_index):,} of the outputs here judged).</p>']
+            body += ["<h2>Settings</h2>", _settings(collected)]
         body.append(f'<script id="report-config" type="application/json">{script_json(config)}</script>')
         if count > 1:
             body.append(f'<script src="{esc(os.path.relpath(search_js, path.parent))}"></script>')

@@ -3,9 +3,9 @@ bucket's beside the page, ``PAGE.thumbs/``: the report writes nothing into a buc
 the output's recorded size, so an output made again gets a new thumbnail; a later report reuses
 every one that is there.
 
-An image is read from its file or its tar shard's member (each shard opened once), decoded with
-Pillow and scaled to fit ``THUMB_PX``; a video's poster is its first frame (GIF and animated WebP by
-Pillow, MP4 and WebM by PyAV where installed). What cannot be decoded is returned with the reason,
+An image is read from its file, its tar shard's member or its Parquet shard's row (each shard opened
+once), decoded with Pillow and scaled to fit ``THUMB_PX``; a video's poster is its first frame (GIF
+and animated WebP by Pillow, MP4 and WebM by PyAV where installed). What cannot be decoded is returned with the reason,
 for the page to mark.
 """
 
@@ -20,6 +20,7 @@ from typing import Optional
 
 from PIL import Image
 
+from lightning_diffusion.output.recorded import parquet_members
 from lightning_diffusion.report.collect import Record
 
 THUMB_PX = 160
@@ -60,19 +61,27 @@ def _save(data: bytes, record: Record, path: Path) -> None:
 
 
 def _make(folder: Path, root: Path, group: list[Record]) -> dict[int, str]:
-    """The thumbnails of ``group`` (loose files, or the members of one tar shard); returns the
-    outputs that could not be read, with why."""
+    """The thumbnails of ``group`` (loose files, or the members of one tar or Parquet shard);
+    returns the outputs that could not be read, with why."""
     broken: dict[int, str] = {}
     tar: Optional[tarfile.TarFile] = None
+    rows: Optional[dict[str, bytes]] = None  # a Parquet shard's images by member (writer.format: parquet)
     try:
         if group[0].member is not None:
             try:
-                tar = tarfile.open(folder / group[0].file)
-            except (OSError, tarfile.TarError) as err:
+                if group[0].file.endswith(".parquet"):
+                    rows = parquet_members(folder / group[0].file)
+                else:
+                    tar = tarfile.open(folder / group[0].file)
+            except Exception as err:  # missing, truncated, not a tar or Parquet file
                 return {record.index: f"its shard {group[0].file} cannot be read: {err}" for record in group}
         for record in group:
             try:
-                if tar is not None:
+                if rows is not None:
+                    if record.member not in rows:
+                        raise ValueError(f"{record.member} is not a row of {record.file}")
+                    data = rows[str(record.member)]
+                elif tar is not None:
                     assert record.member is not None
                     handle = tar.extractfile(record.member)
                     if handle is None:

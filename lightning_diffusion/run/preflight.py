@@ -27,6 +27,7 @@ from lightning_diffusion.input.settings import MAX_PROMPT_CHARS, DataSettings, c
 from lightning_diffusion.output.files import size_text
 from lightning_diffusion.output.lock import OutputLock, busy_message
 from lightning_diffusion.output.manifest import MANIFEST, RUN_FILE, recorded_conflict, settings_conflict
+from lightning_diffusion.output.metrics import port_problem
 from lightning_diffusion.output.recorded import Finished, finished
 from lightning_diffusion.output.settings import (
     WriterSettings,
@@ -202,6 +203,8 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     problems += writer_problems(writer)
     if info is not None:  # latents or embeddings asked of a pipeline that has none (the writer checks it again)
         problems += side_output_problems(info, writer.save_latents, writer.save_text_embeddings)
+    if here and is_int(writer.metrics_port, 1) and writer.metrics_port <= 65535:  # the run's machine: its port
+        problems += [problem] if (problem := port_problem(writer.metrics_port)) else []
     devices_found = devices_problems(config.trainer.get("devices"), config.trainer.get("num_nodes"))
     problems += devices_found
     if here:

@@ -14,8 +14,8 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     # tiny:shapes with true CFG against the config's default negative prompt: the bare loop passes it too
     proc = run_here("benchmark", "--config", "configs/tiny.yaml", "--data.prompts", "[a, b, c, d, e, f]",
                    "--data.batch_size", "2", "--compare-diffusers", "--json", str(report))
-    assert ("| Strategy | Batch | Batches timed | ms / batch step | Batch steps / s | Images / s | Peak memory (GB) "
-            "| Shape | Load (s) |" in proc.stdout)
+    assert ("| Strategy | Batch | Batches timed | ms / batch step | Batch steps / s | Images / s "
+            "| Images / device-hour | Peak memory (GB) | Shape | Load (s) |" in proc.stdout)
     result = json.loads(report.read_text())
     assert result["strategy"] == "DataParallelStrategy" and result["shape"] == "64x64"
     # 3 batches in the set: repeated to 1 warm-up and 5 timed batches (each record twice), and no more
@@ -31,6 +31,20 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     assert "over 5 batches of 2 images x 12 steps, after 1 warm-up batch(es)" in proc.stdout
     assert result["buckets"] == 1 and result["batches"] == 6 and result["padded_images"] == 0
     assert list(result["busy_s_by_rank"]) == ["0"] and result["busy_s_by_rank"]["0"] > 0
+
+
+def test_benchmark_prints_images_per_device_hour_beside_its_rate(tmp_path):
+    report = tmp_path / "bench.json"
+    proc = run_here("benchmark", "--config", "configs/tiny.yaml", "--data.prompts", "[a, b]",
+                    "--data.batch_size", "2", "--model.num_inference_steps", "2", "--model.height", "32",
+                    "--model.width", "32", "--batches", "2", "--json", str(report))
+    result = json.loads(report.read_text())
+    assert result["devices"] == 1 and result["images_per_sec"] > 0
+    assert result["images_per_device_hour"] == pytest.approx(result["images_per_sec"] * 3600)
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| DataParallelStrategy"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[5] == f"{result['images_per_sec']:.2f}"
+    assert cells[6] == f"{result['images_per_device_hour']:,.0f}"
 
 
 @pytest.mark.slow

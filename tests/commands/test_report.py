@@ -183,6 +183,53 @@ def test_failed_rejected_truncated_and_garbled_outputs_are_marked_not_a_crash(sm
         assert '<figure id="i1" class="broken"' in page
 
 
+def _verdicts(page: str) -> dict[int, tuple[str, str]]:
+    """Each figure's eval verdict: (ok or bad, its words)."""
+    found = {}
+    for index, body in re.findall(r'<figure id="i(\d+)".*?>(.*?)</figure>', page, re.S):
+        verdict = re.search(r'<span class="verdict (ok|bad)">eval: (.*?)</span>', body)
+        if verdict:
+            found[int(index)] = (verdict.group(1), verdict.group(2))
+    return found
+
+
+def test_the_page_shows_an_evals_verdicts_beside_each_image_it_judged(small_run, tmp_path, cli_here):
+    out = _copy(small_run, tmp_path)
+    # against the run's own folder: every image identical to its reference
+    proc = cli_here("eval", str(out), "--reference", str(small_run), "--json", str(out / "eval.json"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["index"]: row for row in json.loads((out / "eval.json").read_text())["images"]}
+    assert len(rows) == 4 * COPIES
+    result = build(str(out))  # OUTPUT/eval.json, found without being named
+    page = (out / "report.html").read_text()
+    verdicts = _verdicts(page)
+    assert result["judged"] == len(verdicts) == 4 * COPIES
+    for index, (kind, words) in verdicts.items():
+        adherence = rows[index].get("adherence", {})
+        assert words.endswith("PSNR inf, SSIM 1.000"), words
+        assert all(f"{key} {'✓' if passed else '✗'}" in words for key, passed in adherence.items()), words
+        assert kind == ("ok" if all(adherence.values()) else "bad")
+    assert '<h2 id="eval">Eval</h2>' in page and "8 images judged" in page
+
+    # a result of other images (another prompt at an index) judges nothing there; a shapes caption's
+    # adherence is shown check by check; a file that is no result is refused
+    other = json.loads((out / "eval.json").read_text())
+    other["images"][0]["prompt"] = "a yellow star"
+    other["images"][1]["adherence"] = {"colour": True, "shape": False}
+    other["summary"]["adherence"] = {"colour": {"share": 0.75, "images": 4}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    build(str(out), eval_result=str(tmp_path / "other.json"))
+    page = (out / "report.html").read_text()
+    verdicts = _verdicts(page)
+    assert set(verdicts) == set(range(1, 4 * COPIES))
+    assert verdicts[1] == ("bad", "colour ✓ · shape ✗ · PSNR inf, SSIM 1.000")
+    assert "colour right in 75% of 4" in page
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    proc = cli_here("report", str(out), "--eval", str(tmp_path / "bad.json"))
+    assert proc.returncode == 2 and "is not the result of lightning-diffusion eval" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_status_prints_images_per_device_hour_beside_its_rate(small_run, cli_here):
     last = json.loads((small_run / "run.json").read_text())["history"][-1]
     expected = last["made"] * 3600 / (last["wall_s"] * len(last["images_per_s_by_rank"]))
@@ -216,14 +263,31 @@ def test_a_run_still_writing_is_said_and_its_parts_shown_by_rank(small_run, tmp_
     assert "part-0" in page
 
 
-def test_webdataset_shards_and_sharded_folders_have_every_thumbnail(tmp_path):
+def test_webdataset_and_parquet_shards_and_sharded_folders_have_every_thumbnail(tmp_path):
+    pytest.importorskip("pyarrow")
     for name, extra in (("tars", ("--writer.format", "webdataset", "--writer.samples_per_shard", "3")),
+                        ("parquet", ("--writer.format", "parquet", "--writer.samples_per_shard", "3")),
                         ("sharded", ("--writer.layout", "sharded", "--writer.files_per_folder", "3"))):
         out = tmp_path / name
         _predict(out, *extra)
         result = build(str(out))
         assert result["images"] == result["thumbs_made"] == 4 * COPIES and not result["unreadable"]
         assert sorted(_figures((out / "report.html").read_text())) == list(range(4 * COPIES)), name
+    # a Parquet row's thumbnail is its own picture: the row's image, scaled
+    import io
+
+    from lightning_diffusion.output.recorded import read_output, scan_manifest
+    from lightning_diffusion.report.collect import read_records
+    from lightning_diffusion.report.thumbs import thumb_path
+
+    entries, _ = scan_manifest(tmp_path / "parquet")
+    for record in read_records(tmp_path / "parquet")[0]:
+        assert record.file.endswith(".parquet") and record.member
+        source = Image.open(io.BytesIO(read_output(tmp_path / "parquet", entries[record.index])))
+        thumb = Image.open(thumb_path(tmp_path / "parquet" / ".thumbs", record)).convert("RGB")
+        expected = source.convert("RGB")
+        expected.thumbnail(thumb.size)
+        assert thumb.size == expected.size and np.abs(np.asarray(thumb, float) - np.asarray(expected, float)).mean() < 8
 
 
 @pytest.mark.slow
@@ -248,6 +312,32 @@ def test_a_bucket_is_read_through_its_store(tmp_path, monkeypatch):
     assert sorted(_figures((tmp_path / "run.html").read_text())) == list(range(4 * COPIES))
 
 
+def test_a_buckets_run_keeps_its_metrics_file_at_the_buckets_counts(tmp_path, monkeypatch):
+    moto_server = pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for key, value in dict(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="testing",
+                               AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                               AWS_EC2_METADATA_DISABLED="true").items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("metrics")
+        _predict("s3://metrics/run", "--writer.format", "webdataset", "--writer.metrics_file",
+                 str(tmp_path / "run.prom"))
+    finally:
+        server.stop()
+    final = {sample.name: sample.value
+             for family in text_string_to_metric_families((tmp_path / "run.prom").read_text())
+             for sample in family.samples if not sample.labels}
+    assert final["lightning_diffusion_images_written"] == final["lightning_diffusion_images_expected"] == 4 * COPIES
+    assert final["lightning_diffusion_seconds_per_batch_count"] == 2 and final["lightning_diffusion_running"] == 0
+
+
 def _free_port() -> int:
     import socket
 
@@ -256,21 +346,27 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _metrics_config(tmp_path: Path, port: int, file: Path) -> Path:
+def _metrics_config(tmp_path: Path, port: int, file: Path, via: str = "callback") -> Path:
+    """tiny.yaml with live metrics on ``port`` and in ``file``: kept by the ``writer`` (its
+    metrics keys) or by the ``callback`` (``PrometheusMetrics``)."""
     import yaml
 
     from tests.conftest import REPO
 
     config = yaml.safe_load((REPO / "configs/tiny.yaml").read_text())
-    config["trainer"]["callbacks"] = [{"class_path": "lightning_diffusion.output.metrics.PrometheusMetrics",
-                                       "init_args": {"port": port, "file": str(file), "interval_s": 0.05,
-                                                     "host": "127.0.0.1"}}]
+    if via == "writer":
+        config["writer"] = {**(config.get("writer") or {}), "metrics_port": port, "metrics_file": str(file)}
+    else:
+        config["trainer"]["callbacks"] = [{"class_path": "lightning_diffusion.output.metrics.PrometheusMetrics",
+                                           "init_args": {"port": port, "file": str(file), "interval_s": 0.05,
+                                                         "host": "127.0.0.1"}}]
     path = tmp_path / "metrics.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path):
+@pytest.mark.parametrize("via", ["writer", "callback"])
+def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path, via):
     import threading
     import urllib.request
 
@@ -280,6 +376,7 @@ def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path)
     port, file, out = _free_port(), tmp_path / "run.prom", tmp_path / "run"
     scraped: list[dict[str, float]] = []
     stop = threading.Event()
+    from lightning_diffusion.output.metrics import port_problem
 
     def scrape() -> None:
         while not stop.is_set():
@@ -294,7 +391,8 @@ def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path)
     thread = threading.Thread(target=scrape, daemon=True)
     thread.start()
     try:
-        run_here("predict", "--config", str(_metrics_config(tmp_path, port, file)), "--writer.output_dir", str(out),
+        run_here("predict", "--config", str(_metrics_config(tmp_path, port, file, via)),
+                 "--writer.output_dir", str(out),
                  "--data.prompts", "[a red circle, a blue square]", "--data.num_images_per_prompt", "12",
                  "--model.height", "32", "--model.width", "32", "--model.num_inference_steps", "2",
                  "--data.batch_size", "2", "--trainer.enable_progress_bar", "false")
@@ -312,9 +410,19 @@ def test_metrics_scraped_during_a_real_run_end_at_the_manifests_counts(tmp_path)
     assert final["lightning_diffusion_images_written"] == len(manifest) == 24
     assert final["lightning_diffusion_images_failed"] == final["lightning_diffusion_images_rejected"] == 0
     assert final["lightning_diffusion_seconds_per_batch_count"] == 12
+    assert final["lightning_diffusion_running"] == 0, "the last counts are read once the run gave the folder back"
+    assert port_problem(port, "127.0.0.1") is None, "the port is given back at the run's end"
+    if via == "writer":  # rank 0's write queue (writer.write_queue: 2 in tiny.yaml's defaults), empty at the end
+        depths = [sample["lightning_diffusion_write_queue_depth"] for sample in scraped
+                  if "lightning_diffusion_write_queue_depth" in sample]
+        assert depths and all(0 <= depth <= 2 for depth in depths), depths
+        assert final["lightning_diffusion_write_queue_depth"] == 0
+        run = json.loads((out / "run.json").read_text())
+        assert "model" in run and not any("metrics" in key for key in run), "the metrics keys decide no picture"
 
 
-def test_metrics_on_a_port_in_use_are_refused_naming_it_before_any_image(tmp_path):
+@pytest.mark.parametrize("via", ["writer", "callback"])
+def test_metrics_on_a_port_in_use_are_refused_naming_it_before_any_image(tmp_path, via):
     import socket
 
     pytest.importorskip("prometheus_client")
@@ -323,10 +431,42 @@ def test_metrics_on_a_port_in_use_are_refused_naming_it_before_any_image(tmp_pat
         taken.listen(1)
         port = taken.getsockname()[1]
         out = tmp_path / "run"
-        proc = run_here("predict", "--config", str(_metrics_config(tmp_path, port, tmp_path / "x.prom")),
+        proc = run_here("predict", "--config", str(_metrics_config(tmp_path, port, tmp_path / "x.prom", via)),
                         "--writer.output_dir", str(out), "--data.prompts", "[a red circle]", "--model.height", "32",
                         "--model.width", "32", "--model.num_inference_steps", "2",
                         "--trainer.enable_progress_bar", "false", check=False)
     assert proc.returncode != 0
     assert f"port {port} cannot be served" in proc.stderr, proc.stderr[-2000:]
     assert not list(out.glob("*.png"))
+    if via == "writer":  # refused by the CLI's checks: no process started, the folder not made
+        assert not out.exists()
+
+
+def test_a_writer_in_python_refuses_a_metrics_port_in_use_before_the_folder_and_the_weights(tmp_path):
+    import socket
+
+    from lightning.pytorch import Trainer
+
+    from lightning_diffusion import DiffusionModule, ImageWriter, PromptDataModule
+    from lightning_diffusion.core.errors import ConfigError
+
+    pytest.importorskip("prometheus_client")
+    module = DiffusionModule("tiny:flux", height=32, width=32, num_inference_steps=1)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        writer = ImageWriter(str(tmp_path / "out"), metrics_port=port)
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[writer])
+        with pytest.raises(ConfigError, match=f"port {port} cannot be served"):
+            trainer.predict(module, datamodule=PromptDataModule(["a fox"], batch_size=1))
+    assert module.pipeline is None, "no weights loaded"
+    assert not (tmp_path / "out" / "run.json").exists() and not (tmp_path / "out" / ".lock").exists()
+
+
+def test_a_metrics_port_outside_0_to_65535_is_refused():
+    from lightning_diffusion.core.errors import ConfigError
+    from lightning_diffusion.output.writer import ImageWriter
+
+    with pytest.raises(ConfigError, match="writer.metrics_port"):
+        ImageWriter("out", metrics_port=70000)

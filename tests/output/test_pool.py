@@ -114,12 +114,55 @@ def test_a_live_pool_refuses_a_run_that_deals_and_status_shows_its_workers(tmp_p
         shown = pool_summary(FolderPoolFiles(tmp_path))
         assert shown["workers"] == [{"worker": "abc-0", "state": "working", "live": True, "host": socket.gethostname(),
                                      "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID"), "claims": 2,
-                                     "since": pool.since}]
-        assert shown["plans"] == [{"plan": "plan", "batches": 4, "claimed": 2}]
+                                     "took_over": 0, "since": pool.since}]
+        assert shown["plans"] == [{"plan": "plan", "batches": 4, "claimed": 2, "taken_over": 0}]
     finally:
         pool.leave(ended=True)
     assert not live_workers(FolderPoolFiles(tmp_path)) and busy_message(tmp_path, None, None) is None
     assert json.loads((tmp_path / WORKERS / "abc-0.json").read_text())["state"] == "ended"
+
+
+def test_takeovers_are_counted_by_status_and_the_metrics_with_each_workers_eta(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lightning_diffusion.output.metrics import OutputCollector, worker_etas
+
+    files = FolderPoolFiles(tmp_path)
+    a, b = Pool(files, "a", 0, 60.0), Pool(files, "b", 0, 60.0)
+    a.register("plan", {"batches": 10, "images": 20, "batch_size": 2})
+    b.register("plan", {"batches": 10, "images": 20, "batch_size": 2})
+    try:
+        assert a.claim(0) and a.claim(1) and b.claim(2)
+        assert b.take_over(1, 0)[0] and a.take_over(1, 1)[0]  # batch 1 taken over twice, last by a
+        assert b.take_over(0, 0)[0]
+        shown = pool_summary(files)
+        assert {w["worker"]: (w["claims"], w["took_over"]) for w in shown["workers"]} == {"a-0": (1, 1),
+                                                                                           "b-0": (2, 1)}
+        assert shown["plans"] == [{"plan": "plan", "batches": 10, "claimed": 3, "taken_over": 3}]
+        # 7 batches unclaimed; a claims 1 a second, b 2: together 3 a second, then its own batch
+        now = max(w["since"] for w in shown["workers"]) + 1.0
+        paced = {**shown, "workers": [{**w, "since": now - 1.0} for w in shown["workers"]]}
+        assert worker_etas(paced, now) == pytest.approx({"a-0": 7 / 3 + 1.0, "b-0": 7 / 3 + 0.5})
+        (tmp_path / "run.json").write_text(json.dumps({"expected": 20}))
+        registry = CollectorRegistry()
+        registry.register(OutputCollector(str(tmp_path)))
+        samples = {(s.name, tuple(s.labels.values())): s.value
+                   for family in text_string_to_metric_families(generate_latest(registry).decode())
+                   for s in family.samples}
+        assert samples[("lightning_diffusion_batches_taken_over", ())] == 3
+        assert samples[("lightning_diffusion_batches_taken_over_by_worker", ("b-0",))] == 1
+        assert {key[1] for key in samples if key[0] == "lightning_diffusion_eta_seconds_by_worker"} == {("a-0",),
+                                                                                                       ("b-0",)}
+        from lightning_diffusion.commands.status import text
+        from lightning_diffusion.output.status import folder_status
+
+        said = text(folder_status(tmp_path))
+        assert "3 of 10 batches claimed, 3 taken over (plan plan)" in said, said
+        assert "worker a-0: working" in said and "1 claim (1 by a takeover)" in said, said
+    finally:
+        a.leave(ended=True)
+        b.leave(ended=True)
 
 
 def test_a_silent_worker_is_not_live_once_its_lease_lapses(tmp_path):
