@@ -13,6 +13,7 @@ import lightning_diffusion
 from lightning_diffusion.output.folder_store import FolderStore
 from lightning_diffusion.output.object_store import ObjectStore
 from lightning_diffusion.output.store import OutputStore, open_store, store_class
+from tests.commands.test_cli import _imports as imported_modules
 
 PACKAGE = Path(lightning_diffusion.__file__).parent
 
@@ -34,50 +35,35 @@ def _part(module: str) -> str:
     return "__init__" if len(parts) == 1 else parts[1]
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """Every module of the package that ``path`` imports, wherever the import stands (at the top,
-    in a function, under ``TYPE_CHECKING``): a type named in an annotation ties the layers too."""
-    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    package = package.removesuffix(".__init__")
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-            # ``from lightning_diffusion import console`` imports the module ``lightning_diffusion.console``
-            found += [(node.lineno, f"{base}.{alias.name}" if base == PACKAGE.name else base) for alias in node.names]
-    return [(line, module) for line, module in found if module.split(".")[0] == PACKAGE.name]
+def _modules() -> dict[str, Path]:
+    files = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
+    return {name.removesuffix(".__init__"): path for name, path in files.items()}
 
 
 def test_packages_import_only_their_own_layer_and_those_below():
+    """Every import counts, wherever it stands (at the top, in a function, under ``TYPE_CHECKING``):
+    a type named in an annotation ties the layers too (``test_cli._imports`` reads them all)."""
+    modules = _modules()
     back_up, unknown = [], set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        source = _part(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
-        for line, module in _imports(path):
+    for name, path in sorted(modules.items()):
+        source = _part(name)
+        for module in sorted(imported_modules(name, ast.parse(path.read_text()), set(modules))):
             target = _part(module)
             unknown |= {part for part in (source, target) if part not in LAYERS}
             if source in LAYERS and target in LAYERS and LAYERS.index(target) > LAYERS.index(source):
-                back_up.append(f"{path.relative_to(PACKAGE)}:{line} ({source}) imports {module} ({target})")
+                back_up.append(f"{path.relative_to(PACKAGE)} ({source}) imports {module} ({target})")
     assert not unknown, f"parts in no layer: {sorted(unknown)} (add them to LAYERS and docs/internals.md)"
     assert not back_up, back_up
 
 
-def test_the_layering_check_sees_an_import_that_runs_back_up(tmp_path, monkeypatch):
-    """The check above reads lazy and type-only imports: a file of ``core`` that imports the writer
-    inside a function is caught."""
-    bad = tmp_path / PACKAGE.name / "core" / "bad.py"
-    bad.parent.mkdir(parents=True)
-    bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..output import writer\n"
-                   "def f():\n    from lightning_diffusion import module\n")
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / PACKAGE.name)
-    assert [(line, module) for line, module in _imports(bad)] == [
-        (3, "lightning_diffusion.output"), (5, "lightning_diffusion.module")]
-    assert [_part(m) for _, m in _imports(bad)] == ["output", "module"]
+def test_the_layering_check_sees_an_import_that_runs_back_up():
+    """A module of ``core`` that imports the writer under ``TYPE_CHECKING`` and the module inside a
+    function is read as importing both: the check above would refuse it."""
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..output import writer\n"
+              "def f():\n    from lightning_diffusion import module\n")
+    found = imported_modules("lightning_diffusion.core.bad", ast.parse(source), set(_modules()))
+    assert found == {"lightning_diffusion.output.writer", "lightning_diffusion.module"}
+    assert sorted(_part(m) for m in found) == ["module", "output"]
 
 
 @pytest.mark.parametrize("old", sorted(lightning_diffusion.MOVED))

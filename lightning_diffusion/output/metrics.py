@@ -238,9 +238,11 @@ class PrometheusMetrics(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not trainer.is_global_zero or self.live is not None:
             return
-        from lightning_diffusion.output.writer import ImageWriter
+        from lightning_diffusion.output.settings import WriterSettings
 
-        writer = next((c for c in trainer.callbacks if isinstance(c, ImageWriter)), None)  # type: ignore[attr-defined]
+        # the ImageWriter, known by its settings (the writer imports this module: no import back)
+        writer = next((c for c in trainer.callbacks  # type: ignore[attr-defined]
+                       if isinstance(getattr(c, "settings", None), WriterSettings)), None)
         if writer is None:
             raise ConfigError("PrometheusMetrics reads the run's output: it needs the ImageWriter callback.")
         self.live = LiveMetrics(writer.settings.output_dir, self.port, self.file, self.interval_s, self.host,

@@ -162,13 +162,9 @@ class ImageWriter(BasePredictionWriter):
             same folder resumes: images already in the manifest are skipped. An object-store URL
             (``s3://bucket/prefix``, any fsspec URL) takes ``format: webdataset`` (``object_store``).
         save_arrays: also save the decoded float image as ``NNNNNN.npy`` (for numerical checks).
-        save_latents: also save the latents the VAE decoded into each image, in the dtype computed, as
-            a safetensors file beside it (``{name}.latents.safetensors``; a tar member
-            ``{key}.latents.safetensors``; a Parquet column ``latents``), its shape and the VAE's
-            scaling in its manifest line (docs/writing.md).
-        save_text_embeddings: also save the prompt embeddings the denoiser saw
-            (``encoder_hidden_states``, and ``pooled_projections`` where it takes them) the same way
-            (``text_embeddings``).
+        save_latents: also save the latents the VAE decoded into each image, as safetensors beside
+            it in the dtype computed (a file, a tar member, a Parquet column; docs/writing.md).
+        save_text_embeddings: also save the prompt embeddings the denoiser saw, the same way.
         video_format: how videos are written: ``mp4`` (H.264, needs PyAV), ``webp`` or ``gif``.
         fps: frames per second of written videos.
         allow_config_change: resume into a folder whose images were made with other settings
@@ -189,9 +185,8 @@ class ImageWriter(BasePredictionWriter):
             subfolder ``index // files_per_folder``) or ``auto`` (default: flat when the run's
             images fit in one folder of ``files_per_folder``, else sharded).
         files_per_folder: files per subfolder of the sharded layout (default 10,000).
-        format: ``files`` (default: one file an output) or ``webdataset`` (tar shards of
-            ``samples_per_shard`` samples, ``{key}.png`` and ``{key}.json`` each, as WebDataset
-            and img2dataset write them).
+        format: ``files`` (default: one file an output), ``webdataset`` (tar shards of
+            ``samples_per_shard`` samples, as WebDataset and img2dataset write them) or ``parquet``.
         samples_per_shard: samples a tar shard holds (``format: webdataset``); a kill loses at
             most the open shard.
         staging_dir: with ``output_dir`` in an object store (``s3://bucket/prefix``), the local
@@ -199,12 +194,9 @@ class ImageWriter(BasePredictionWriter):
             temporary folder).
         storage_options: the object store's fsspec options (endpoint, credentials...); a value
             ``env:NAME`` is read from the environment variable ``NAME``. Never recorded.
-        audit: re-make a sample of the images with the accelerators off and record the drift in
-            ``audit.jsonl``: ``{fraction: 0.01, min_psnr: 30, on_drift: warn}`` (``on_drift: stop``
-            ends the run with exit code 3; ``audit``, docs/caching.md).
-        metrics_port: serve the run's live metrics in Prometheus' format on ``/metrics`` of this
-            port, from global rank 0 (0: none; ``metrics.LiveMetrics``). A port in use is refused
-            before any weights load.
+        audit: re-make a sample with the accelerators off, the drift in ``audit.jsonl``:
+            ``{fraction: 0.01, min_psnr: 30, on_drift: warn}`` (docs/caching.md).
+        metrics_port: serve live metrics for Prometheus on this port from global rank 0 (0: none).
         metrics_file: keep the same metrics in this textfile (node_exporter's textfile collector).
 
     The defaults are the writer group's declaration (``settings.WriterSettings``). Only one run may write
