@@ -208,6 +208,6 @@ def writer_problems(settings: WriterSettings) -> list[str]:
         if rule.choices:
             problems += one_of(value, key, rule.choices)
         elif rule.integer:
-            problems += [p.replace(key, rule.label or key) + rule.hint
+            problems += [p.replace(key, rule.label or key).removesuffix(".") + rule.hint + "."
                          for p in integer(value, key, rule.minimum, rule.maximum)]
     return problems

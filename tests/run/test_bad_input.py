@@ -165,7 +165,7 @@ CASES = [
     ("unknown video format", ["--writer.video_format", "avi"], "writer.video_format must be one of mp4, webp, gif"),
     ("fps 0", ["--writer.fps", "0"], "writer.fps must be an integer >= 1"),
     ("metrics port out of range", ["--writer.metrics_port", "70000"],
-     "writer.metrics_port must be an integer from 0 to 65,535, got 70000"),
+     "writer.metrics_port must be an integer from 0 to 65,535, got 70000 (0: none)."),
     ("devices not a count", ["--trainer.devices", "one"], "trainer.devices must be a count of devices (1, 8), auto"),
     ("mesh does not fit the world", ["--trainer.devices", "3", "--trainer.strategy.class_path",
                                      "lightning_diffusion.strategies.MeshStrategy",
