@@ -6,6 +6,7 @@ folders, a bucket), bad input, paging and the cost against the recorded history.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -290,8 +291,10 @@ def test_webdataset_and_parquet_shards_and_sharded_folders_have_every_thumbnail(
         assert thumb.size == expected.size and np.abs(np.asarray(thumb, float) - np.asarray(expected, float)).mean() < 8
 
 
-@pytest.mark.slow
-def test_a_bucket_is_read_through_its_store(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def _bucket(monkeypatch, name: str):
+    """A local S3 server (moto) for the ``with`` block, its bucket ``name`` made, the environment
+    pointing at it."""
     moto_server = pytest.importorskip("moto.server")
     s3fs = pytest.importorskip("s3fs")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -302,35 +305,29 @@ def test_a_bucket_is_read_through_its_store(tmp_path, monkeypatch):
                                AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                                AWS_EC2_METADATA_DISABLED="true").items():
             monkeypatch.setenv(key, value)
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("reports")
-        _predict("s3://reports/run", "--writer.format", "webdataset")
-        result = build("s3://reports/run", html=str(tmp_path / "run.html"))
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(name)
+        yield
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_bucket_is_read_through_its_store(tmp_path, monkeypatch):
+    with _bucket(monkeypatch, "reports"):
+        _predict("s3://reports/run", "--writer.format", "webdataset")
+        result = build("s3://reports/run", html=str(tmp_path / "run.html"))
     assert result["images"] == result["thumbs_made"] == 4 * COPIES
     assert (tmp_path / "run.thumbs").is_dir(), "a bucket's thumbnails are kept beside the page"
     assert sorted(_figures((tmp_path / "run.html").read_text())) == list(range(4 * COPIES))
 
 
 def test_a_buckets_run_keeps_its_metrics_file_at_the_buckets_counts(tmp_path, monkeypatch):
-    moto_server = pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
     pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        for key, value in dict(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="testing",
-                               AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                               AWS_EC2_METADATA_DISABLED="true").items():
-            monkeypatch.setenv(key, value)
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("metrics")
+    with _bucket(monkeypatch, "metrics"):
         _predict("s3://metrics/run", "--writer.format", "webdataset", "--writer.metrics_file",
                  str(tmp_path / "run.prom"))
-    finally:
-        server.stop()
     final = {sample.name: sample.value
              for family in text_string_to_metric_families((tmp_path / "run.prom").read_text())
              for sample in family.samples if not sample.labels}
