@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_diffusion.core.console import counted, log
 from lightning_diffusion.core.errors import ConfigError, PeerLost, WritingFailed, raise_problems
+from lightning_diffusion.core.groups import called_with
 from lightning_diffusion.core.records import ImageResult
 from lightning_diffusion.output import audit as audit_
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
@@ -232,15 +233,9 @@ class ImageWriter(BasePredictionWriter):
         metrics_port: int = WriterSettings.metrics_port,
         metrics_file: Optional[str] = WriterSettings.metrics_file,
     ) -> None:
+        settings: WriterSettings = called_with(WriterSettings, locals())  # each option once, in its settings
         super().__init__(write_interval="batch")
-        self.settings = WriterSettings.of(dict(
-            output_dir=output_dir, save_arrays=save_arrays, save_latents=save_latents,
-            save_text_embeddings=save_text_embeddings, video_format=video_format, fps=fps,
-            allow_config_change=allow_config_change, image_format=image_format, quality=quality,
-            png_compress_level=png_compress_level, fsync=fsync, write_workers=write_workers, write_queue=write_queue,
-            write_in=write_in, layout=layout, files_per_folder=files_per_folder, format=format,
-            samples_per_shard=samples_per_shard, staging_dir=staging_dir, storage_options=storage_options,
-            audit=audit, metrics_port=metrics_port, metrics_file=metrics_file))
+        self.settings = settings
         raise_problems(writer_problems(self.settings))
         if write_workers and write_in == "process" and self.files_class.__module__ == "__main__":
             raise ConfigError(f"{type(self).__name__}.files_class {self.files_class.__name__} is defined in the "
