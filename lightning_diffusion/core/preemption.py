@@ -38,6 +38,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
@@ -66,6 +67,12 @@ DRIFT_EXIT_CODE = 3
 # its next batch, whichever rank the signal reached (``kill PID`` reaches one process).
 _STOP_KEY = "lightning_diffusion/stop"
 STOP_SIGNAL = signal.SIGUSR1
+# A SIGTERM repeated this long after the one a run is stopping on is ignored until the run's last
+# collective: SLURM's scancel reaches a task twice (slurmstepd's signal and srun's forward of its
+# own), and a second one arriving after the strategy's teardown would end the task before the end of
+# run agreement, so that its peers would see it lost. SLURM's KillWait (30 s by default) still ends a
+# run that does not end itself.
+REPEAT_GRACE_S = 120.0
 
 
 def in_slurm_job() -> bool:
@@ -96,14 +103,17 @@ class StopController:
         self._previous_sigterm: _Handler = None
         self._previous_sigterm_after: _Handler = None  # what SIGTERM does once the run gave it back
         self._watching_terminate = False
+        self._terminated_at: Optional[float] = None  # the first SIGTERM of this run (``REPEAT_GRACE_S``)
 
     # ----------------------------------------------------------------- signals
 
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         if signum == signal.SIGTERM and not self._watching_terminate:
+            if self._terminated_at is not None and time.monotonic() - self._terminated_at < REPEAT_GRACE_S:
+                return  # a repeat of the SIGTERM this run is stopping on: the run ends itself
             # Left installed after the run (Lightning restores the handlers it found, ours among them,
             # after the strategy gave SIGTERM back): act as if it were not there.
-            signal.signal(signal.SIGTERM, self._previous_sigterm_after or signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, self._previous_sigterm_after or self._previous_sigterm or signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
         first = not self.requested.is_set()
@@ -111,6 +121,8 @@ class StopController:
         if signum == signal.SIGTERM:
             first = first or not self.terminated.is_set()
             self.terminated.set()
+            if self._terminated_at is None:
+                self._terminated_at = time.monotonic()
         if first and self._rank == 0:
             then = ("stopping" + (" (no requeue from here)" if self.slurm else "") if signum == signal.SIGTERM
                     else "stopping so that the job can be requeued")
@@ -168,9 +180,13 @@ class StopController:
                 self._previous_sigterm = previous
             self._watching_terminate = True
 
-    def release_terminate(self) -> None:
-        """Give SIGTERM back (the strategy's teardown, ``finish_job``)."""
+    def release_terminate(self, final: bool = True) -> None:
+        """Give SIGTERM back (the strategy's teardown, ``finish_job``). Not ``final`` while a run stops on
+        a SIGTERM: the handler stays, ignoring repeats (``REPEAT_GRACE_S``), until ``finish_job``'s
+        last collective is over."""
         self._watching_terminate = False
+        if not final and self.terminated.is_set():
+            return
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             self._previous_sigterm_after = self._previous_sigterm
             signal.signal(signal.SIGTERM, self._previous_sigterm)
@@ -278,8 +294,9 @@ class StopController:
         if not self.enabled:
             return 0
         self.release_interrupt()
-        self.release_terminate()
+        self.release_terminate(final=False)
         stopped, made, terminated, interrupted, drifted = self.outcome()  # every rank is here after the merge
+        self.release_terminate()  # the last collective is over: a SIGTERM now ends the process as before
         self.interrupted.clear()  # this run's; an in-process caller's next run starts afresh
         if drifted and not (interrupted or terminated):  # also where no batch was left to stop
             if self._rank == 0:

@@ -506,6 +506,6 @@ class DiffusionParallelStrategy(ParallelStrategy):
             handle.remove()
         self._beats = []
         self.run_context.stop.release_interrupt()
-        self.run_context.stop.release_terminate()
+        self.run_context.stop.release_terminate(final=False)  # kept while a SIGTERM stops the run
         # The idle group stays: Lightning tears the strategy down before the callbacks, and the
         # writer's teardown still waits on it; destroy_process_group() at the end ends every group.

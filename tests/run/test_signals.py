@@ -208,3 +208,28 @@ def test_a_peer_that_leaves_before_the_end_is_one_line_on_rank_0_and_a_rerun_com
         "connection was lost); the images recorded are kept, and the same command resumes.")
     run_cli(*args)
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2, 3]
+
+
+def test_a_repeated_sigterm_while_a_run_stops_is_ignored_until_its_last_collective():
+    """scancel reaches a task twice (slurmstepd's SIGTERM and srun's forward of its own): the second,
+    arriving after the strategy gave SIGTERM back, must not end the task before the end-of-run
+    agreement (its peers would see it lost). Once ``finish_job``'s collective is over, SIGTERM ends
+    the process as before."""
+    code = """if True:
+        import os, signal, sys
+        from lightning_diffusion.core.preemption import StopController
+        stop = StopController()
+        stop.enabled = True
+        stop.watch_terminate()
+        os.kill(os.getpid(), signal.SIGTERM)   # the run's stop
+        assert stop.terminated.is_set()
+        stop.release_terminate(final=False)    # the strategy's teardown
+        os.kill(os.getpid(), signal.SIGTERM)   # the repeat: ignored
+        print("alive after the repeat", flush=True)
+        stop.release_terminate()               # after finish_job's last collective
+        os.kill(os.getpid(), signal.SIGTERM)   # ends the process now
+        print("still alive", flush=True)
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "alive after the repeat" in proc.stdout and "still alive" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr[-2000:])
