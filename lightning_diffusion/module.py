@@ -21,6 +21,7 @@ from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.input.records import Records
 from lightning_diffusion.input.verdicts import JobRanks, RecordChecks
 from lightning_diffusion.output.settings import image_settings, recorded_options
+from lightning_diffusion.pipelines.adapters import AdapterSets, AdapterSwitch, choice_key
 from lightning_diffusion.pipelines.cache import CacheStats, StepCache
 from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.failures import CallRunner
@@ -85,6 +86,12 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             default to the denoisers; other keys are the backend config's arguments.
         lora: LoRA adapters fused into the weights before inference (``[{path, weight_name,
             scale}]``), under every strategy, tensor parallelism's shards included.
+        adapters: LoRA adapters by name that records choose (``{style: {path, weight_name,
+            scale}}``; a record's ``"adapters": ["style"]`` or ``{"style": 0.8}``; a record without
+            one gets ``lora``): batches are cut by adapter set and a replica switches sets between
+            batches without reloading the model (docs/lora.md).
+        max_loaded_adapters: how many adapters a replica holds read at once (the least recently
+            used dropped first).
         pipeline_class: run the weights with another diffusers pipeline class, such as
             ``FluxImg2ImgPipeline`` or ``FluxInpaintPipeline`` on FLUX.1 weights (the records then
             carry ``image`` and ``mask_image`` paths).
@@ -124,6 +131,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         quantization: Optional[dict[str, Any]] = ModelSettings.quantization,
         pipeline_class: Optional[str] = ModelSettings.pipeline_class,
         lora: Optional[list[dict[str, Any]]] = ModelSettings.lora,
+        adapters: Optional[dict[str, Any]] = ModelSettings.adapters,
+        max_loaded_adapters: int = ModelSettings.max_loaded_adapters,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -153,6 +162,13 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         from lightning_diffusion.pipelines import lora as lora_
 
         self.adapters = lora_.parse(lora)
+        # model.adapters: sets chosen per record, switched between batches (``use_adapters``)
+        declared = lora_.parse_named(adapters)
+        self.adapter_sets = AdapterSets(declared, self.adapters) if declared else None
+        self.switch: Optional[AdapterSwitch] = None
+        self.adapter_record: list[dict[str, Any]] = []  # the fused set, as each image's metadata says it
+        if declared:
+            lora_.keep_read(max_loaded_adapters)
         self.options = recorded_options(options)  # OPTIONS: recorded in run.json and each image's metadata
         self.compiled = False
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
@@ -162,12 +178,12 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         self.components = nn.ModuleDict()
         self.loader = PipelineLoader(
             info, self.dtype_, dict(self.from_pretrained_kwargs), quantization=self.options["quantization"],
-            adapters=tuple(self.adapters), vae_tiling=self.options["vae_tiling"],
+            adapters=() if self.adapter_sets else tuple(self.adapters), vae_tiling=self.options["vae_tiling"],
             vae_slicing=self.options["vae_slicing"], attention_backend=self.options["attention_backend"],
             compile=self.options["compile"], cache=self.cache,
             num_inference_steps=self.call_args.get("num_inference_steps"), show_inner_progress=show_inner_progress)
         self.runner = CallRunner(pad_batches, info.spec.call_batch)
-        self.checks = RecordChecks(info, self.call_args, self.cache)
+        self.checks = RecordChecks(info, self.call_args, self.cache, declared)
         self.side_capture = SideCapture()  # what the writer saves beside each image (``save_side_outputs``)
         self._sides: dict[int, dict[str, SideOutput]] = {}  # by index, from ``generate`` to ``predict_step``
 
@@ -194,7 +210,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         if isinstance(records, Records) and isinstance(data, PromptDataModule) and data.records is records:
             self.checks.record_verdicts(data)
         return ModelRequest(self.info, self.dtype_, self.call_args, dict(self.from_pretrained_kwargs), records,
-                            self.options["attention_backend"], self.options["quantization"], tuple(self.adapters))
+                            self.options["attention_backend"], self.options["quantization"],
+                            (*self.adapters, *(self.adapter_sets.declared.values() if self.adapter_sets else ())))
 
     def save_side_outputs(self, latents: bool, text_embeddings: bool) -> None:
         """Capture each image's decoded latents and prompt embeddings in its result's ``sides``
@@ -267,6 +284,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         to ``from_pretrained``. Its torch modules are registered in ``components``."""
         loaded = self.loader.load_pipeline(self.load_plan, components, self.global_rank)
         self.pipeline, self.step_cache = loaded.pipeline, loaded.step_cache
+        self.loaded = loaded.pipeline  # what adapters are fused into, whatever wraps it (``use_pipeline``)
         for name, component in loaded.pipeline.components.items():
             if isinstance(component, nn.Module):
                 self.components[name] = component
@@ -306,6 +324,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
     def teardown(self, stage: str) -> None:
         if stage == "predict":
             self.cache_summary()
+            if self.switch is not None and self.switch.switches and self.global_rank == 0:
+                log.info(self.switch.summary())
             if self.group_work is not None and self.global_rank == 0:
                 log.info(self.group_work.summary())
 
@@ -345,7 +365,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
                 from lightning_diffusion.input.images import input_sizes
 
                 sizes = input_sizes(sample["inputs"])
-            key = call_key(self.call_arguments(sample), sorted(sample.get("inputs") or {}), sizes)
+            key = call_key(self.call_arguments(sample), sorted(sample.get("inputs") or {}), sizes,
+                           choice_key(sample.get("adapters")))
             groups.setdefault(key, []).append(sample)
         self.batch_size = max(self.batch_size or 0, len(batch))
         calls = [samples[i:i + (spec.call_batch or len(samples))] for samples in groups.values()
@@ -353,6 +374,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         results = {}
         start = time.perf_counter()
         for samples in calls:
+            self.use_adapters(samples[0])
             outcomes = self.runner.run_call(samples, self.generate, self.batch_size, self.global_rank)
             for sample, (image, params, error) in zip(samples, outcomes):
                 result: ImageResult = {
@@ -375,6 +397,20 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         self.stats["busy_s"] += time.perf_counter() - start
         self._sides = {}
         return [results[sample["index"]] for sample in batch]
+
+    def use_adapters(self, sample: Sample) -> None:
+        """Fuse the adapter set ``sample`` chooses (``model.adapters``), unless it is fused already."""
+        if self.adapter_sets is None:
+            return
+        if self.switch is None:
+            from lightning_diffusion.pipelines import lora
+
+            fuse = self.load_plan.fuse_adapters
+            self.switch = AdapterSwitch(self.loaded, fuse or lora.fuse, on_cpu=fuse is None)
+        adapters = self.adapter_sets.resolve(sample.get("adapters"))
+        if self.switch.use(adapters):
+            log.debug(f"adapters: {', '.join(name for name, _ in adapters) or 'none'} fused")
+        self.adapter_record = self.adapter_sets.record(adapters)
 
     def generate(self, samples: list[Sample], agree: bool = False
                  ) -> tuple[list[np.ndarray], list[CallArgs]]:
@@ -408,7 +444,10 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         # run's arguments: FluxPipeline's guidance_scale=3.5 reaches no transformer without guidance
         # embeddings); the size is the output's, the negative prompt and inputs are said beside.
         recorded = {k: v for k, v in kwargs.items() if k not in ("height", "width", "negative_prompt", *INPUT_FIELDS)}
-        options = {k: v for k, v in self.options.items() if v not in (None, False)}
+        options = {k: v for k, v in self.options.items() if v not in (None, False) and k != "adapters"}
+        if self.adapter_sets is not None:  # the image's own set, not every adapter the run declares
+            options = {k: v for k, v in options.items() if k != "lora"}
+            options["adapters"] = self.adapter_record
         params = {"model": self.model_path, **recorded, **options}
         sizes = [{"height": int(image.shape[-3]), "width": int(image.shape[-2])} for image in images]
         if images.ndim == 5:  # videos: (batch, frames, height, width, 3)

@@ -69,7 +69,7 @@ def model_flags(settings: dict[str, Any]) -> list[str]:
         name = key.split(".", 1)[1]
         if name in LEFT_OUT:
             continue
-        if name == "lora":
+        if name in ("lora", "adapters"):
             raise ConfigError("this run fused LoRA adapters, which run.json records by name and hash only: audit "
                               "after the fact does not load them; use writer.audit in the run.")
         if name in named:

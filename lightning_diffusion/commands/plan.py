@@ -291,12 +291,13 @@ def describe_rates(chosen: Plan, other: Optional[tuple[Plan, str]], interconnect
     return lines
 
 
-def prompt_set(prompts: str, height: int, width: int) -> tuple[int, dict[tuple[int, int], int]]:
-    """``--prompts``: a count, or a prompt file's record count and its records by size (their own
+def prompt_set(prompts: str, height: int, width: int) -> tuple[int, dict[tuple[int, int], int], int]:
+    """``--prompts``: a count, or a prompt file's record count, its records by size (their own
     ``height`` and ``width``, else ``--height`` and ``--width``), from the buckets of its
-    call-argument sets (``records.RecordSummary``; every line is read once)."""
+    call-argument sets (``records.RecordSummary``; every line is read once), and how many adapter
+    sets its records choose (0: none chooses)."""
     if prompts.isdigit():
-        return int(prompts), {}
+        return int(prompts), {}, 0
     from lightning_diffusion.input.formats import read_records
 
     records = read_records(prompts)
@@ -304,7 +305,7 @@ def prompt_set(prompts: str, height: int, width: int) -> tuple[int, dict[tuple[i
     for entry in records.summary.sets:
         size = (entry.overrides.get("height") or height, entry.overrides.get("width") or width)
         sizes[size] = sizes.get(size, 0) + entry.count
-    return len(records), sizes
+    return len(records), sizes, records.summary.adapter_sets()
 
 
 ASSUMED_PROMPTS = 1000  # the prompt count a plan assumes when none is given
@@ -340,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "for yours)")
         args.prompts = str(ASSUMED_PROMPTS)
     try:
-        args.prompts, sizes = prompt_set(args.prompts, args.height, args.width)
+        args.prompts, sizes, adapter_sets = prompt_set(args.prompts, args.height, args.width)
     except ConfigError as err:
         print(f"lightning-diffusion plan: error: {err}", file=sys.stderr)
         return 2
@@ -349,6 +350,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         shown = ", ".join(f"{h}x{w}: {n:,}" for (h, w), n in sorted(sizes.items(), key=lambda item: -item[1])[:5])
         print(f"prompt set: {args.prompts:,} records by size ({shown}); planned for the largest, "
               f"{args.height}x{args.width}")
+    if adapter_sets:
+        print(f"prompt set: {adapter_sets:,} adapter sets (model.adapters): a batch has one set, and a replica "
+              "switches sets between batches")
     plan = choose(facts, args.gpus, gpu_gb, args.interconnect, args.height, args.width, args.frames, args.prompts,
                   args.goal)
     print(f"recommended: {plan.strategy} {plan.init_args or ''} on {plan.devices} process(es)")

@@ -148,6 +148,8 @@ def text(status: dict[str, Any]) -> str:
     if status.get("failed"):
         lines.append(f"  failed: {status['failed']:,} images whose pipeline call failed ({FAILED}; a rerun retries "
                      "them)")
+    if status.get("adapter_sets"):
+        lines.append(f"  adapter sets: {status['adapter_sets']:,} (model.adapters: a batch has one)")
     if status["by_rank"]:
         lines.append("  this run, by writing rank: "
                      + ", ".join(f"rank {r}: {n:,}" for r, n in status["by_rank"].items()))

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 # Input files a record may carry (a path, or a list of paths for pipelines that take several);
 # relative paths resolve against the prompt file's folder.
 INPUT_FIELDS = ("image", "mask_image", "last_image", "control_image")
+# Fields of a record that are not pipeline-call arguments (``adapters``: the LoRA adapters it chooses).
+RECORD_FIELDS = ("prompt", "seed", "negative_prompt", "adapters", *INPUT_FIELDS)
 
 # A prompt record as read: field -> JSON value, the user's own keys included.
 Record = dict[str, Any]
@@ -42,7 +44,8 @@ class Sample(TypedDict):
     """One image of the run: its ``index`` (record ``index // num_images_per_prompt``), ``seed``
     (``input.data.image_seed``), the record's prompt and negative prompt, its call-argument
     ``overrides``, ``source`` (``prompts.jsonl:5``: where the record came from, for messages), its
-    input files by field (``inputs``), the columns ``data.keep_columns`` carries (``columns``), and
+    input files by field (``inputs``), the adapters it chose (``adapters``: name -> scale, None for the
+    declared one; absent: the run's default), the columns ``data.keep_columns`` carries (``columns``), and
     ``padding``: a copy that fills a padded call, whose output is dropped."""
 
     index: int
@@ -51,6 +54,7 @@ class Sample(TypedDict):
     negative_prompt: Optional[str]
     overrides: dict[str, Any]
     source: NotRequired[str]
+    adapters: NotRequired[dict[str, Optional[float]]]
     inputs: NotRequired[dict[str, Any]]
     columns: NotRequired[dict[str, Any]]
     padding: NotRequired[bool]

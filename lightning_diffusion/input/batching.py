@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from lightning_diffusion.core.console import counted
+from lightning_diffusion.pipelines.adapters import choice_key
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -45,7 +46,7 @@ class SetFacts:
         keys: dict[str, int] = {}
         bucket, cost = [], []
         for entry in summary.sets:
-            key = call_key(entry.overrides, sorted(entry.with_inputs))
+            key = call_key(entry.overrides, sorted(entry.with_inputs), adapters=choice_key(entry.adapters))
             bucket.append(keys.setdefault(key, len(keys)))
             o = entry.overrides
             cost.append(float((o.get("height") or 1) * (o.get("width") or 1) * (o.get("num_inference_steps") or 1)))
@@ -53,10 +54,10 @@ class SetFacts:
 
 
 def call_key(call_args: dict[str, Any], input_fields: Sequence[str],
-             input_sizes: Optional[dict[str, list[tuple[int, int]]]] = None) -> str:
+             input_sizes: Optional[dict[str, list[tuple[int, int]]]] = None, adapters: str = "") -> str:
     """What must be equal for images to share one pipeline call (``DiffusionModule.predict_step``
-    groups a batch by the same key)."""
-    key = json.dumps(call_args, sort_keys=True, default=str)
+    groups a batch by the same key); ``adapters``: the set of adapters chosen (``choice_key``)."""
+    key = json.dumps(call_args, sort_keys=True, default=str) + adapters
     if input_fields:
         key += json.dumps(sorted(input_fields))
         if input_sizes is not None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.input.batching import SetFacts, call_key
 from lightning_diffusion.input.images import record_inputs
+from lightning_diffusion.pipelines.adapters import choice_key
 
 if TYPE_CHECKING:
     from lightning_diffusion.input.records import Records
@@ -46,7 +47,8 @@ def set_facts(info: PipelineInfo, call_args: dict[str, Any], records: Records,
     buckets, costs = [], []
     for entry in summary.sets:
         args = {**call_args, **entry.overrides}
-        buckets.append(keys.setdefault(call_key(args, sorted(entry.with_inputs)), len(keys)))
+        buckets.append(keys.setdefault(call_key(args, sorted(entry.with_inputs), adapters=choice_key(entry.adapters)),
+                                       len(keys)))
         costs.append(image_cost(info, args, entry.first_negative is not None))
     by_position: Optional[dict[int, int]] = None
     if any(entry.with_inputs for entry in summary.sets):
@@ -59,6 +61,6 @@ def set_facts(info: PipelineInfo, call_args: dict[str, Any], records: Records,
                 continue
             entry = summary.sets[summary.set_of[position]]
             key = call_key({**call_args, **entry.overrides}, sorted(entry.with_inputs),
-                           input_sizes(record_inputs(records[position])))
+                           input_sizes(record_inputs(records[position])), choice_key(entry.adapters))
             by_position[position] = keys.setdefault(key, len(keys))
     return SetFacts(buckets, costs, list(keys)), by_position

@@ -24,7 +24,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_diffusion.core.console import log
+from lightning_diffusion.core.console import counted, log
 from lightning_diffusion.core.errors import ConfigError, raise_problems
 from lightning_diffusion.core.groups import called_with, read_from_settings
 from lightning_diffusion.core.records import Record, Sample
@@ -89,6 +89,8 @@ class PromptDataset(Dataset):
         }
         if inputs := record_inputs(record):
             sample["inputs"] = inputs
+        if record.get("adapters") is not None:  # model.adapters: the set this record chose
+            sample["adapters"] = record["adapters"]
         if kept is not None:
             sample["columns"] = kept
         return sample
@@ -166,7 +168,8 @@ def run_plan(settings: DataSettings, records: Records, shard: Optional[Shard] = 
     reading = {"columns": settings.columns, "keep_columns": settings.keep_columns, "split": settings.split}
     shaped = {f"data.{key}": value for key, value in reading.items() if value}
     return RunPlan(prompts, settings.seed, copies, len(records) * copies, shard, files, shaped or None,
-                   settings.schedule == "pull", settings.lease_s, settings.batch_size, settings.bucket)
+                   settings.schedule == "pull", settings.lease_s, settings.batch_size, settings.bucket,
+                   records.summary.adapter_sets(live=False))
 
 
 @read_from_settings(DataSettings)
@@ -391,7 +394,7 @@ class PromptDataModule(pl.LightningDataModule):
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         kwargs = kwargs or {"num_replicas": 1, "rank": 0}
         if len(pending) and (self.trainer is None or self.trainer.is_global_zero):
-            log.info(self.plan.describe(kwargs["num_replicas"]))
+            log.info(self.plan.describe(kwargs["num_replicas"]) + self._adapter_sets())
         dataset = BatchDataset(self.samples(pending), self.plan)
         strategy = run_strategy(self.trainer.strategy) if self.trainer is not None else None
         sampler = PlanSampler(dataset, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"],
@@ -399,6 +402,11 @@ class PromptDataModule(pl.LightningDataModule):
         # One plan batch a loader batch: Lightning keeps its index tracking for batch size 1.
         return DataLoader(dataset, batch_size=1, sampler=sampler, num_workers=self.settings.num_workers,
                           collate_fn=collate_batch)
+
+    def _adapter_sets(self) -> str:
+        """``; 6 adapter sets`` where records choose adapters (``model.adapters``): batches never mix them."""
+        sets = self.records.summary.adapter_sets() if isinstance(self.records, Records) else 0
+        return f"; {counted(sets, 'adapter set')} (a batch has one)" if sets else ""
 
     def _pool_loader(self, pending: np.ndarray) -> DataLoader:
         """The loader of a pool's worker: the whole set's batch plan (the same in every job), its
@@ -418,7 +426,7 @@ class PromptDataModule(pl.LightningDataModule):
         if problem:
             raise ConfigError(problem)
         if head and len(pending):
-            log.info(self.plan.describe(1) + f"; pulled from the pool in {files.where} (costliest first, lease "
+            log.info(self.plan.describe(1) + self._adapter_sets() + f"; pulled from the pool in {files.where} (costliest first, lease "
                      f"{self.settings.lease_s:g} s)")
         kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {"rank": 0}
         if strategy is None or strategy.writes_outputs:

@@ -6,6 +6,7 @@ fields and files record by record. ``records.RecordVerdicts`` holds the outcome.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lightning_diffusion.core.checks import MAX_PIXELS, SEED_MAX
@@ -19,17 +20,18 @@ if TYPE_CHECKING:
 
 def check_records(info: PipelineInfo, records: Sequence[object], call_args: Optional[dict[str, Any]] = None,
                   inputs_root: Optional[str] = None, max_pixels: Optional[int] = None,
-                  num_images_per_prompt: int = 1) -> RecordVerdicts:
+                  num_images_per_prompt: int = 1, adapters: Collection[str] = ()) -> RecordVerdicts:
     """Every record against the pipeline ``info`` describes: the lines rejected while reading, each
     distinct set of call arguments (``pipelines.checks.call_arg_problems``, with the config's
     ``call_args`` under it), input fields the pipeline needs or cannot take, a negative prompt it
-    cannot take, seeds that leave the generator's range, and input files (``inputs.file_problems``).
+    cannot take, seeds that leave the generator's range, adapters that ``adapters`` (the names
+    ``model.adapters`` declares) does not name, and input files (``inputs.file_problems``).
     Rejected sets leave the summary the strategies read. The outcome is kept on ``records`` (the
     launching process checks, then runs as rank 0 with the same records)."""
     records = as_records(records)
     max_pixels = max_pixels or MAX_PIXELS
-    key = json.dumps([info.path, info.class_name, call_args, inputs_root, max_pixels, num_images_per_prompt],
-                     sort_keys=True, default=repr)
+    key = json.dumps([info.path, info.class_name, call_args, inputs_root, max_pixels, num_images_per_prompt,
+                      sorted(adapters)], sort_keys=True, default=repr)
     if records.verdicts is not None and records._verdicts_key == key:
         return records.verdicts
     summary = records.summary
@@ -37,6 +39,7 @@ def check_records(info: PipelineInfo, records: Sequence[object], call_args: Opti
     for set_id, entry in enumerate(summary.sets):
         found = call_arg_problems(info, entry.overrides, base=call_args, max_pixels=max_pixels, record=True)
         found += _field_problems(info, entry)
+        found += _adapter_problems(entry.adapters, adapters)
         if found:
             reasons[set_id] = " ".join(found)
     rejected = dict(records.bad)
@@ -55,6 +58,17 @@ def check_records(info: PipelineInfo, records: Sequence[object], call_args: Opti
     summary.rejected_sets = frozenset(reasons)
     records.verdicts, records._verdicts_key = RecordVerdicts(rejected), key
     return records.verdicts
+
+
+def _adapter_problems(chosen: Optional[Mapping[str, Any]], declared: Collection[str]) -> list[str]:
+    """A record's adapters that ``model.adapters`` does not declare."""
+    if chosen is None:
+        return []
+    if not declared:
+        return ["it chooses adapters, and model.adapters declares none (model.adapters: {NAME: {path: ...}})."]
+    unknown = [name for name in chosen if name not in declared]
+    return [f"it chooses {', '.join(repr(n) for n in unknown)}, which model.adapters does not declare (it declares "
+            f"{', '.join(sorted(declared))})."] if unknown else []
 
 
 def _field_problems(info: PipelineInfo, entry: CallArgSet) -> list[str]:

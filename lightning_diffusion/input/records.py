@@ -36,15 +36,14 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_diffusion.core.checks import SEED_MAX, non_finite
 from lightning_diffusion.core.errors import ConfigError, is_int
-from lightning_diffusion.core.records import INPUT_FIELDS, CallArgs, KeptColumns, Record
+from lightning_diffusion.core.records import INPUT_FIELDS, RECORD_FIELDS, CallArgs, KeptColumns, Record
 from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
+from lightning_diffusion.pipelines.adapters import choice
 from lightning_diffusion.pipelines.checks import CALL_ARGS
 
 if TYPE_CHECKING:
     import numpy as np
 
-# Fields of a record that are not pipeline-call arguments.
-RECORD_FIELDS = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS)
 # The columns of a table (Parquet, a dataset) read as a record's fields, by name or through
 # ``data.columns``: the fields a ``.jsonl`` line may have; a table's other columns are not read.
 COLUMN_FIELDS = (*RECORD_FIELDS, *CALL_ARGS)
@@ -144,6 +143,7 @@ class CallArgSet:
         # input field -> first record (from 1) that has it / that lacks it
         self.with_inputs = {name: first for name in INPUT_FIELDS if record.get(name) is not None}
         self.without_inputs = {name: first for name in INPUT_FIELDS if record.get(name) is None}
+        self.adapters: Optional[Mapping[str, Optional[float]]] = record.get("adapters")  # the set chosen (None: the default)
 
     def add(self, number: int) -> None:
         self.count += 1
@@ -232,6 +232,8 @@ class RecordSummary:
                 hash(key)
             except TypeError:  # a list or mapping among the values
                 key = (json.dumps(overrides, sort_keys=True, default=repr), fields)
+            if record.get("adapters") is not None:  # records of one set of adapters share a set
+                key = (key, json.dumps(record["adapters"], sort_keys=True))  # type: ignore[assignment]
         self._add(key, overrides, record, record.get("seed"))
 
     def add_plain(self, seed: Optional[int]) -> None:
@@ -274,6 +276,15 @@ class RecordSummary:
             if key not in first or s.first < first[key][0]:
                 first[key] = (s.first, s.overrides)
         return sorted(first.values(), key=lambda item: item[0])
+
+    def adapter_sets(self, live: bool = True) -> int:
+        """How many sets of adapters the records that run (``live``; else every record read)
+        choose (``model.adapters``; records without a choice are the default set); 0 where no record
+        chooses."""
+        live = self._live() if live else self.sets
+        if all(s.adapters is None for s in live):
+            return 0
+        return len({json.dumps(s.adapters, sort_keys=True) for s in live})
 
     @property
     def without_negative(self) -> int:
@@ -460,6 +471,11 @@ def _checked(item: object, base: Optional[Path], constants: bool, max_chars: int
     if places:
         raise _Problem(f"{', '.join(places)} is not a finite number (NaN and Infinity are refused).")
     item = dict(item)
+    if item.get("adapters") is not None:
+        try:
+            item["adapters"] = choice(item["adapters"])
+        except ValueError as err:
+            raise _Problem(str(err)) from None
     if _INPUT_FIELD_SET.isdisjoint(item):
         return item
     for name in INPUT_FIELDS:

@@ -24,7 +24,7 @@ from lightning_diffusion.core.checks import (
 )
 from lightning_diffusion.core.errors import ConfigError, is_int
 from lightning_diffusion.core.groups import group_options
-from lightning_diffusion.core.records import INPUT_FIELDS
+from lightning_diffusion.core.records import RECORD_FIELDS
 from lightning_diffusion.pipelines.checks import CALL_ARGS
 
 # The most characters of a prompt or negative prompt (``data.max_prompt_chars``), counted before
@@ -78,7 +78,7 @@ def column_problems(columns: Optional[Mapping[str, Optional[str]]], keep: Option
     """``data.columns`` (record field -> a source's column, or null: not read), ``data.keep_columns``
     (column names) and ``data.split`` (a dataset's split), by themselves; against a file:
     ``tables.TableRecords``."""
-    fields = ("prompt", "seed", "negative_prompt", *INPUT_FIELDS, *CALL_ARGS)
+    fields = (*RECORD_FIELDS, *CALL_ARGS)
     problems: list[str] = []
     if columns is not None and not (isinstance(columns, Mapping) and all(isinstance(k, str) for k in columns)):
         problems.append(f"data.columns must map record fields to columns ({{prompt: caption, seed: id}}), "

@@ -7,7 +7,7 @@ input file once), every rank learns its verdicts and refuses or skips alike.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar
 
 from lightning_diffusion.core.console import log
@@ -44,8 +44,10 @@ class RecordChecks:
     """The records the pipeline of ``info`` cannot make with the config's ``call_args`` (before
     per-record overrides) and step ``cache`` (``None``: none), and the problems that refuse the run."""
 
-    def __init__(self, info: PipelineInfo, call_args: Mapping[str, Any], cache: Optional[Mapping[str, Any]]) -> None:
+    def __init__(self, info: PipelineInfo, call_args: Mapping[str, Any], cache: Optional[Mapping[str, Any]],
+                 adapters: Collection[str] = ()) -> None:
         self.info = info
+        self.adapters = tuple(adapters)  # the names model.adapters declares
         self.call_args = dict(call_args)
         self.cache = cache
 
@@ -55,7 +57,7 @@ class RecordChecks:
         suit the records' guidance passes, no record left)."""
         settings = data.settings
         verdicts = check_records(self.info, data.records, dict(self.call_args), settings.inputs_root,
-                                 settings.max_pixels, settings.num_images_per_prompt)
+                                 settings.max_pixels, settings.num_images_per_prompt, self.adapters)
         problems = [f"model: {p}" for p in pixel_problems(self.info, self.call_args, settings.max_pixels)]
         if self.cache is not None:
             problems += model_cache_problems(self.info, self.cache, self.call_args, data.records.summary)

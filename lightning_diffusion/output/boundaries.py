@@ -47,7 +47,8 @@ class RunPlan:
     ``files``: the files of a set read from several (a folder or glob of Parquet files, a dataset),
     whose contents are its hash; ``reading``: the settings that shape its records (``data.columns``,
     ``data.keep_columns``, ``data.split``), where set; ``pull``: the job joins a pool of workers
-    that pull batches (``data.schedule: pull``).
+    that pull batches (``data.schedule: pull``); ``adapter_sets``: the sets of adapters its records
+    choose (recorded in run.json; ``status`` says it).
     """
 
     prompts: Union[str, os.PathLike[str], Sequence[object]]
@@ -61,6 +62,7 @@ class RunPlan:
     lease_s: float = LEASE_S  # ``data.lease_s``, with ``pull``
     batch_size: int = 1  # ``data.batch_size`` and ``data.bucket``: a pool's jobs must plan the same batches
     bucket: bool = True
+    adapter_sets: int = 0  # how many sets of adapters its records choose (``model.adapters``; 0: none chooses)
 
     @property
     def expected(self) -> int:

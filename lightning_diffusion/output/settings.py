@@ -117,15 +117,22 @@ class WriterSettings:
 
 def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` as run.json and the metadata record them: adapters by file name, SHA-256 and
-    scale (not by path, which may differ between machines that make the same pictures)."""
-    if not options.get("lora"):
+    scale (not by path, which may differ between machines that make the same pictures); the
+    adapters records choose (``model.adapters``) by their names too."""
+    if not options.get("lora") and not options.get("adapters"):
         return options
     from lightning_diffusion.pipelines import lora
 
+    recorded = dict(options)
     try:
-        return {**options, "lora": lora.record(lora.parse(options["lora"]))}
+        if options.get("lora"):
+            recorded["lora"] = lora.record(lora.parse(options["lora"]))
+        if options.get("adapters"):
+            named = lora.parse_named(options["adapters"])
+            recorded["adapters"] = {name: found for name, found in zip(named, lora.record(list(named.values())))}
     except ConfigError:  # reported by pipelines.checks.model_problems
         return options
+    return recorded
 
 
 def image_settings(
@@ -141,7 +148,9 @@ def image_settings(
         **{f"from_pretrained.{k}": from_pretrained_kwargs[k] for k in ("revision", "variant")
            if k in from_pretrained_kwargs},
         **({"model.cache": dict(cache)} if cache is not None else {}),
-        **{f"model.{k}": v for k, v in sorted((options or {}).items()) if v not in (None, False)},
+        **{f"model.{k}": v for k, v in sorted((options or {}).items()) if v not in (None, False) and k != "adapters"},
+        # one key an adapter, so that a resume refused for a changed file names it
+        **{f"model.adapters.{name}": v for name, v in sorted(((options or {}).get("adapters") or {}).items())},
     }
 
 
@@ -175,6 +184,8 @@ def run_settings(image: dict[str, Any], plan: Optional[RunPlan], writer: WriterS
                                         else str(Path(plan.prompts).expanduser().resolve()))
         settings[PROMPTS_HASH] = prompts_hash(plan.prompts, plan.files)
         settings.update(plan.reading or {})
+        if plan.adapter_sets:  # a function of the prompt set's content, as its hash is
+            settings["data.adapter_sets"] = plan.adapter_sets
     if writer.video_format != WriterSettings.video_format or writer.fps != WriterSettings.fps:
         settings.update({"writer.video_format": writer.video_format, "writer.fps": writer.fps})
     if writer.image_format != "png":  # lossy files differ from the PNGs of the same pictures

@@ -114,6 +114,7 @@ def folder_status(folder: Path, now: Optional[float] = None, arrays: Optional[Jo
         "shards": shards,
         "pool": pool,
         "audit": folder_audit(folder),
+        "adapter_sets": run.get("data.adapter_sets"),
     }
 
 
@@ -160,7 +161,8 @@ def bucket_status(store: Any) -> dict[str, Any]:
             "failed": len({line["index"] for line in failed} - set(indices.tolist())), "complete": complete,
             "running": running, "by_rank": {}, "rate_per_s": rate, "rate_live": False, "eta_s": None, "lock": lock,
             "slurm_job": history[-1].get("slurm_job") if history else None, "not_counted": [],
-            "last_run": history[-1] if history else None, "shards": shards, "pool": pool}
+            "last_run": history[-1] if history else None, "shards": shards, "pool": pool,
+            "adapter_sets": run.get("data.adapter_sets")}
 
 
 def write_rate(written: np.ndarray, now: float, since: Optional[float], history: list[dict[str, Any]]

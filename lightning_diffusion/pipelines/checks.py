@@ -210,6 +210,11 @@ def model_problems(settings: ModelSettings, records: Optional[RecordSet] = None,
     problems += compile_problems(info, settings.compile)
     if settings.lora:
         problems += lora_problems(info, settings.lora, settings.quantization)
+    if settings.adapters:
+        problems += lora_problems(info, settings.adapters, settings.quantization, named=True)
+    if not is_int(settings.max_loaded_adapters, 1):
+        problems.append(f"model.max_loaded_adapters is how many adapters a replica holds read at once (the least "
+                        f"recently used dropped first): an integer of at least 1, got {settings.max_loaded_adapters!r}.")
     if settings.quantization is not None:
         classes = {name: info.component_class(name) for name in info.model_index}
         problems += quantization.check(settings.quantization, info.model_index, classes, tuple(info.denoisers()))
@@ -271,9 +276,11 @@ def backend_dtype_problems(name: str, dtype: torch.dtype, where: str = "model.at
             "float32 (native, _native_efficient, flex, xformers)."]
 
 
-def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[str, Any]]) -> list:
-    """``model.lora``: files, scales, targets that are modules of this pipeline, and no adapter on
-    a component that loads quantized (an update cannot be fused into quantized weights)."""
+def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[str, Any]],
+                  named: bool = False) -> list:
+    """``model.lora`` (``named``: ``model.adapters``, adapters by name): files, scales, finite
+    weights, targets that are modules of this pipeline with the shapes of its layers, and no adapter
+    on a component that loads quantized (an update cannot be fused into quantized weights)."""
     import importlib.util
 
     import torch
@@ -281,11 +288,14 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
     from lightning_diffusion.pipelines import lora, quantization
 
     if importlib.util.find_spec("peft") is None:
-        return ["model.lora needs the peft package, which is not installed: pip install peft."]
+        return [f"model.{'adapters' if named else 'lora'} needs the peft package, which is not installed: "
+                "pip install peft."]
     problems: list = []
-    adapters = run_check(problems, lora.parse, spec)
-    if adapters is None:
+    parsed = run_check(problems, lora.parse_named if named else lora.parse, spec)
+    if parsed is None:
         return problems
+    adapters = list(parsed.values()) if named else parsed
+    labels = [f"model.adapters.{name}" for name in parsed] if named else [f"model.lora[{n}]" for n in range(len(parsed))]
     modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
     models = {}  # and the models themselves, empty (meta device), for the updates' shapes
     for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):
@@ -296,34 +306,41 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
             modules[name] = {n for n, _ in model.named_modules()}
             models[name] = model
     loadable = list(getattr(info.pipeline_class, "_lora_loadable_modules", []))
-    for n, adapter in enumerate(adapters):
+    for where, adapter in zip(labels, adapters):
         try:
             found = lora.targets(info.pipeline_class, adapter)
             missing = lora.unknown_targets(info.pipeline_class, adapter, modules)
+            state, _, _ = lora.read(info.pipeline_class, adapter)
         except ConfigError as err:
             problems.append(str(err))
             continue
         except Exception as err:  # a file diffusers cannot read as an adapter
-            problems.append(f"model.lora[{n}]: {adapter.file} is not a LoRA adapter diffusers can read "
+            problems.append(f"{where}: {adapter.file} is not a LoRA adapter diffusers can read "
                             f"({type(err).__name__}: {err}).")
+            continue
+        bad = [key for key, value in state.items() if value.is_floating_point() and not torch.isfinite(value).all()]
+        if bad:
+            problems.append(f"{where}: {adapter.file.name} has NaN or infinite weights in {len(bad)} tensor(s) "
+                            f"({', '.join(bad[:3])}): it would make every image it touches black or noise.")
             continue
         strays = sorted(set(found) - set(loadable))
         if strays:
-            problems.append(f"model.lora[{n}]: {adapter.name}'s layers name no component of {info.class_name} that "
+            problems.append(f"{where}: {adapter.name}'s layers name no component of {info.class_name} that "
                             f"takes adapters ({', '.join(loadable)}): they start with {', '.join(strays[:3])}. A file "
                             "saved without its component prefix? Its keys should start with "
                             f"'{loadable[0] if loadable else 'transformer'}.'.")
         elif missing:
-            problems.append(f"model.lora[{n}]: {len(missing)} of {adapter.name}'s layers match no layer of "
+            problems.append(f"{where}: {len(missing)} of {adapter.name}'s layers match no layer of "
                             f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                             "(an adapter for another model?).")
         else:
-            problems += [f"model.lora[{n}]: {p}" for p in lora_shape_problems(info, adapter, models)]
+            problems += [f"{where}: {p}" for p in lora_shape_problems(info, adapter, models)]
     if quantized is not None and not problems:
         both = [c for c in quantization.quantized(quantized, tuple(info.denoisers()))
                 if any(c in lora.targets(info.pipeline_class, a) for a in adapters)]
         if both:
-            problems.append(f"model.lora: {', '.join(both)} loads quantized (model.quantization), and an adapter "
+            problems.append(f"model.{'adapters' if named else 'lora'}: {', '.join(both)} loads quantized "
+                            "(model.quantization), and an adapter "
                             "cannot be fused into quantized weights: leave it out of model.quantization.components.")
     return problems
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.pipelines.adapters import NAME
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -57,45 +60,75 @@ def parse(spec: object) -> list[Adapter]:
     """``model.lora`` as adapters; every problem is raised together."""
     if spec is None:
         return []
-    items = spec if isinstance(spec, list) else [spec]
     adapters, problems = [], []
-    for n, item in enumerate(items):
-        where = f"model.lora[{n}]"
-        if isinstance(item, str):
-            item = {"path": item}
-        if not isinstance(item, Mapping) or "path" not in item:
-            problems.append(f"{where} is a mapping such as {{path: loras/style.safetensors, scale: 0.8}}, "
-                            f"not {item!r}.")
+    for n, item in enumerate(spec if isinstance(spec, list) else [spec]):
+        adapter = _parse_one(item, f"model.lora[{n}]", problems)
+        if adapter is not None:
+            adapters.append(adapter)
+    _raise(problems)
+    return adapters
+
+
+def parse_named(spec: object) -> dict[str, Adapter]:
+    """``model.adapters`` (``{name: {path, weight_name, scale, allow_pickle}}``: the adapters records
+    choose by name) as adapters by name; every problem is raised together."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise ConfigError("model.adapters is a mapping of names to adapters, such as {style: {path: "
+                          f"loras/style.safetensors, scale: 0.8}}, not {spec!r}.")
+    adapters, problems = {}, []
+    for name, item in spec.items():
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            problems.append(f"model.adapters: {name!r} is not an adapter name (letters, digits, '_', '-' and '.', "
+                            "starting with a letter or digit).")
             continue
-        unknown = sorted(set(item) - set(ADAPTER_KEYS))
-        if unknown:
-            problems.append(f"{where} takes {', '.join(ADAPTER_KEYS)}; unknown: {', '.join(unknown)}.")
-        scale = item.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            problems.append(f"{where}.scale must be a number (negative for slider adapters), not {scale!r}.")
-        path = Path(str(item["path"])).expanduser()
-        file = path / item["weight_name"] if item.get("weight_name") else path
-        if path.is_dir() and not item.get("weight_name"):
-            found = sorted(p.name for p in path.glob("*.safetensors"))
-            if len(found) == 1:
-                file = path / found[0]
-            else:
-                problems.append(f"{where}: {path} is a folder with {len(found)} .safetensors files; name one with "
-                                f"weight_name{': ' + ', '.join(found[:5]) if found else ''}.")
-                continue
-        if not file.is_file():
-            problems.append(f"{where}: {file} does not exist.")
-            continue
-        if file.suffix != ".safetensors" and not item.get("allow_pickle"):
-            problems.append(f"{where}: {file.name} is not a .safetensors file; pickle files run code when they load: "
-                            "convert it, or set allow_pickle: true for an adapter you trust.")
-            continue
-        adapters.append(Adapter(file, float(scale) if isinstance(scale, (int, float)) else 1.0,
-                                bool(item.get("allow_pickle"))))
+        adapter = _parse_one(item, f"model.adapters.{name}", problems)
+        if adapter is not None:
+            adapters[name] = adapter
+    _raise(problems)
+    return adapters
+
+
+def _raise(problems: list[str]) -> None:
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n  - "
                           + "\n  - ".join(problems))
-    return adapters
+
+
+def _parse_one(item: object, where: str, problems: list[str]) -> Optional[Adapter]:
+    """One adapter's mapping (or a path alone), its problems added to ``problems``."""
+    if isinstance(item, str):
+        item = {"path": item}
+    if not isinstance(item, Mapping) or "path" not in item:
+        problems.append(f"{where} is a mapping such as {{path: loras/style.safetensors, scale: 0.8}}, not {item!r}.")
+        return None
+    unknown = sorted(set(item) - set(ADAPTER_KEYS))
+    if unknown:
+        problems.append(f"{where} takes {', '.join(ADAPTER_KEYS)}; unknown: {', '.join(unknown)}.")
+    scale = item.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        problems.append(f"{where}.scale must be a number (negative for slider adapters), not {scale!r}.")
+    path = Path(str(item["path"])).expanduser()
+    file = path / item["weight_name"] if item.get("weight_name") else path
+    if path.is_dir() and not item.get("weight_name"):
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        if len(found) != 1:
+            problems.append(f"{where}: {path} is a folder with {len(found)} .safetensors files; name one with "
+                            f"weight_name{': ' + ', '.join(found[:5]) if found else ''}.")
+            return None
+        file = path / found[0]
+    if not file.is_file():
+        problems.append(f"{where}: {file} does not exist.")
+        return None
+    if not os.access(file, os.R_OK):
+        problems.append(f"{where}: {file} cannot be read (permissions).")
+        return None
+    if file.suffix != ".safetensors" and not item.get("allow_pickle"):
+        problems.append(f"{where}: {file.name} is not a .safetensors file; pickle files run code when they load: "
+                        "convert it, or set allow_pickle: true for an adapter you trust.")
+        return None
+    return Adapter(file, float(scale) if isinstance(scale, (int, float)) else 1.0, bool(item.get("allow_pickle")))
 
 
 def record(adapters: Sequence[Adapter]) -> list[dict[str, Any]]:
@@ -103,8 +136,36 @@ def record(adapters: Sequence[Adapter]) -> list[dict[str, Any]]:
     return [{"file": a.name, "sha256": a.sha256(), "scale": a.scale} for a in adapters]
 
 
+# Adapters read, most recently used last: a replica switching between adapter sets reads each once
+# (``keep_read``: how many are held; ``model.max_loaded_adapters``).
+_READ: OrderedDict[tuple, tuple[dict[str, torch.Tensor], dict, Optional[dict]]] = OrderedDict()
+_KEEP = [0]
+
+
+def keep_read(most: int) -> None:
+    """Hold up to ``most`` adapters read (least recently used dropped first); 0: none."""
+    _KEEP[0] = most
+    while len(_READ) > most:
+        _READ.popitem(last=False)
+
+
 def read(pipeline_class: type, adapter: Adapter) -> tuple[dict[str, torch.Tensor], dict, Optional[dict]]:
-    """(state dict in diffusers' naming, network alphas, peft metadata) of one adapter."""
+    """(state dict in diffusers' naming, network alphas, peft metadata) of one adapter; held for the
+    next call while ``keep_read`` allows (keyed by the file's path, size and time, so a file changed
+    since is read again)."""
+    stat = adapter.file.stat()
+    key = (pipeline_class, str(adapter.file), stat.st_size, stat.st_mtime_ns, adapter.allow_pickle)
+    if key in _READ:
+        _READ.move_to_end(key)
+        return _READ[key]
+    found = _read(pipeline_class, adapter)
+    if _KEEP[0]:
+        _READ[key] = found
+        keep_read(_KEEP[0])
+    return found
+
+
+def _read(pipeline_class: type, adapter: Adapter) -> tuple[dict[str, torch.Tensor], dict, Optional[dict]]:
     if not hasattr(pipeline_class, "lora_state_dict"):
         raise ConfigError(f"model.lora: {pipeline_class.__name__} cannot load LoRA adapters (diffusers has no "
                           "LoRA loader for it).")

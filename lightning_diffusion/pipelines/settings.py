@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
 # The options that change pictures (float rounding, seams): recorded in run.json and in each image's
 # metadata, so that a folder is not resumed with other values.
-OPTIONS = ("pipeline_class", "lora", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
+OPTIONS = ("pipeline_class", "lora", "adapters", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class ModelSettings:
     quantization: Optional[dict[str, Any]] = None
     pipeline_class: Optional[str] = None
     lora: Optional[list[dict[str, Any]]] = None
+    adapters: Optional[dict[str, Any]] = None
+    max_loaded_adapters: int = 8
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> ModelSettings:

@@ -90,10 +90,19 @@ def _shape(line: dict[str, Any]) -> str:
 
 
 def _details(line: dict[str, Any]) -> str:
-    parts = [f"{key}={value}" for key, value in line.items() if key not in _OWN_KEYS]
+    parts = [f"{key}={_adapters(value) if key in ('adapters', 'lora') else value}" for key, value in line.items()
+             if key not in _OWN_KEYS]
     if line.get("negative_prompt"):
         parts.append(f"negative_prompt={line['negative_prompt']}")
     return " · ".join(parts)
+
+
+def _adapters(value: object) -> object:
+    """An image's adapters as ``style x 0.8, subject x 1``: names (files for ``model.lora``) and
+    scales, not their hashes."""
+    if not isinstance(value, list) or not all(isinstance(a, dict) for a in value):
+        return value
+    return ", ".join(f"{a.get('name') or a.get('file')} x {a.get('scale', 1):g}" for a in value) or "none"
 
 
 def _part_worker(name: str) -> str:

@@ -37,7 +37,7 @@ from lightning_diffusion.output.settings import (
 )
 from lightning_diffusion.output.shard import Shard, adopt, plan_file, recorded_owners, shard_size
 from lightning_diffusion.output.store import open_store, store_class, writer_problems
-from lightning_diffusion.pipelines import lora
+from lightning_diffusion.pipelines.adapters import every_adapter
 from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.pipelines.settings import ModelSettings
@@ -196,7 +196,8 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
         call_args = {**base, **extra}
     if records is not None:
         if info is not None and not model_found:
-            verdicts = check_records(info, records, call_args, data.inputs_root, max_pixels, copies or 1)
+            verdicts = check_records(info, records, call_args, data.inputs_root, max_pixels, copies or 1,
+                                     tuple(model.adapters) if isinstance(model.adapters, dict) else ())
         else:  # the lines that failed while reading; the rest is checked once the model is right
             verdicts = RecordVerdicts(dict(records.bad))
         problems += verdicts.refusal(len(records), data.on_bad_record)
@@ -222,7 +223,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             request = ModelRequest(info, resolve_dtype(model.torch_dtype), call_args,
                                    dict(model.from_pretrained_kwargs or {}), records,
                                    options["attention_backend"], options["quantization"],
-                                   tuple(lora.parse(options["lora"])))
+                                   every_adapter(options["lora"], options["adapters"]))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
     if not store_class(writer.output_dir).needs_shared_folder:  # a bucket: its lock and settings are read
         nothing_left = None                                          # when the run starts
