@@ -100,6 +100,7 @@ class RunStatus(TypedDict, total=False):
     shards: list[ShardStatus]
     pool: Optional[PoolSummary]
     audit: Optional[AuditSummary]
+    images_per_device_h: Optional[float]  # the ``status`` command's, beside the rate
 
 
 class JobArrays(Protocol):
