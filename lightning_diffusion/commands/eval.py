@@ -39,10 +39,11 @@ from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.core.records import ManifestLine
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB
 from lightning_diffusion.output.recorded import read_output, scan_manifest
-from lightning_diffusion.report.verdicts import EvalResult, EvalRow, EvalSummary
 
 if TYPE_CHECKING:
     import torch
+
+    from lightning_diffusion.report.verdicts import EvalResult, EvalRow, EvalSummary
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 FEATURE_POOL = 4  # VAE latents pooled to 4x4: 64 features for 4 latent channels

@@ -11,9 +11,12 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_diffusion.output.settings import StorageOptions
 
 # Job states after which a job runs no more (scontrol's names).
 FINAL_STATES = {
@@ -87,7 +90,7 @@ class Outputs:
     """Where the job's images are recorded, read from the submitting machine (``store.open_store``:
     a folder every node sees, or an object-store prefix read with ``writer.storage_options``)."""
 
-    def __init__(self, output: Any, options: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, output: Any, options: Optional[StorageOptions] = None) -> None:
         from lightning_diffusion.output.store import open_store
 
         self.store = open_store(output, options=options)

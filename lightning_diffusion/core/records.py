@@ -48,7 +48,8 @@ Record = dict[str, Any]
 CallArgs = dict[str, Any]
 # The columns of a record's source that ``data.keep_columns`` carries into its manifest line: the user's.
 KeptColumns = dict[str, Any]
-# The input files of a record by field (``INPUT_FIELDS``): a path, or a list of paths.
+# A sample's input files by field (``INPUT_FIELDS``): as a record gives them (a path, or a list of paths), or
+# as its metadata and manifest line record them (each file's name, size and SHA-256).
 InputFiles = dict[str, Any]
 # What one image was made with (``ImageResult.params``, a file's metadata): the model, the call's arguments
 # (the pipeline's own names), its size and input files.
