@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from lightning_diffusion.core.errors import ConfigError
 
@@ -141,7 +141,18 @@ class Outputs:
             self.store.release()
 
 
-def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir: Path, total: int) -> dict[str, Any]:
+class ArrayPlan(TypedDict, total=False):
+    """A job array to submit: ``num_shards``, the ``shards`` submitted (its tasks), ``max_concurrent``
+    tasks at once, the images ``expected`` and, for a pool's array, ``pool`` (each task a job of it)."""
+
+    num_shards: int
+    shards: list[int]
+    max_concurrent: Optional[int]
+    expected: Optional[int]
+    pool: bool
+
+
+def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir: Path, total: int) -> ArrayPlan:
     """The shards to submit: ``--shards`` or all of ``--array N``; with ``--resubmit`` only the
     incomplete ones. A shard whose run still writes (its lock) or whose task is still queued or
     running is left out, and said so; shards of another count still running refuse the lot.
@@ -196,7 +207,7 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     return {"num_shards": count, "shards": shards, "max_concurrent": args.max_concurrent, "expected": total}
 
 
-def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
+def record_array(job_dir: Path, job_id: str, array: ArrayPlan) -> None:
     """``array.json``: every array submitted from the job folder (``status`` and ``--resubmit`` read it)."""
 
     from lightning_diffusion.commands.status import ARRAY_FILE
@@ -212,7 +223,7 @@ def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
 
 
-def pool_array(args: argparse.Namespace, expected: Optional[int]) -> dict[str, Any]:
+def pool_array(args: argparse.Namespace, expected: Optional[int]) -> ArrayPlan:
     """``--array N`` of a pool (``data.schedule: pull``): N tasks, each a job that joins the pool (no
     shards: nothing to plan or record)."""
     if args.resubmit or args.shards is not None:
@@ -247,7 +258,7 @@ def wait_for_pool(job_id: str, outputs: Outputs, expected: Optional[int], poll_s
     return 0 if expected is not None and done >= expected else 1
 
 
-def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str, Any], config: Any,
+def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: ArrayPlan, config: Any,
                    poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
     from lightning_diffusion.output.shard import Shard

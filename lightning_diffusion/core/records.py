@@ -117,14 +117,14 @@ class ManifestLine(TypedDict, total=False):
     ``seed``, where the output is (``file``: a loose file's path, or a shard's name with the sample's
     ``member``), its ``bytes`` and ``sha256`` (what a resume verifies), the parameters it was made with
     (``model``, the call's arguments, ``width``, ``height``, ``inputs``, ``negative_prompt``, the kept
-    ``columns``; ``fps`` for a video), each side output's place (``latents``, ``text_embeddings``),
+    ``columns``; ``num_frames`` and ``fps`` for a video), each side output's place (``latents``, ``text_embeddings``),
     a pool's ``claim`` token and the time it was ``written``. The call's own arguments ride along
     under the pipeline's names, so a line may hold keys beyond these."""
 
     index: int
     prompt: str
     seed: int
-    negative_prompt: Optional[str]
+    negative_prompt: str
     file: str
     member: str
     bytes: int
@@ -133,6 +133,7 @@ class ManifestLine(TypedDict, total=False):
     model: str
     width: int
     height: int
+    num_frames: int
     num_inference_steps: int
     guidance_scale: float
     inputs: InputFiles
