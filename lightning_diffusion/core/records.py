@@ -1,4 +1,5 @@
-"""What travels from the prompt reader to the writer, declared once for every part that reads it.
+"""What travels from the prompt reader to the writer, and what the writer records, declared once for every
+part that reads it.
 
 - ``Record``: one line of a prompt set as read (``input.records``): a ``prompt``, an optional ``seed``
   and ``negative_prompt``, the input files an image-conditioned pipeline takes (``INPUT_FIELDS``) and
