@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
+from lightning_diffusion.core.records import CallArgs, Record
 from lightning_diffusion.pipelines.settings import ComponentLoader as ComponentLoader
 from lightning_diffusion.pipelines.settings import LoadPlan as LoadPlan
 
@@ -72,7 +73,7 @@ class ModelRequest:
     quantization: Optional[Mapping[str, Any]] = None
     lora: Sequence[Adapter] = ()
 
-    def call_arg_sets(self) -> list[dict[str, Any]]:
+    def call_arg_sets(self) -> list[CallArgs]:
         """The call arguments of every distinct kind of image: the config's, with each distinct set
         of per-record overrides applied (one set when there are no records)."""
         if not self.records:
@@ -116,7 +117,7 @@ class DiffusionModel(Protocol):
     info: PipelineInfo
     components: nn.ModuleDict
 
-    def request(self, records: Optional[Sequence[dict[str, Any]]] = None) -> ModelRequest:
+    def request(self, records: Optional[Sequence[Record]] = None) -> ModelRequest:
         ...
 
     def use_load_plan(self, plan: LoadPlan) -> None:

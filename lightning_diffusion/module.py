@@ -14,7 +14,16 @@ from torch import nn
 from lightning_diffusion.contract import DiffusionModel, LoadPlan, ModelRequest
 from lightning_diffusion.core.console import log
 from lightning_diffusion.core.errors import raise_problems
-from lightning_diffusion.core.records import INPUT_FIELDS, CallArgs, ImageResult, Record, Sample, SideOutput
+from lightning_diffusion.core.records import (
+    INPUT_FIELDS,
+    CallArgs,
+    ImageResult,
+    InputFiles,
+    Record,
+    RunSettings,
+    Sample,
+    SideOutput,
+)
 from lightning_diffusion.input.batching import call_key
 from lightning_diffusion.input.costs import set_facts
 from lightning_diffusion.input.data import PromptDataModule
@@ -191,13 +200,13 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
     def model_path(self) -> str:
         return self.hparams["pretrained_model_name_or_path"]
 
-    def image_settings(self) -> dict[str, Any]:
+    def image_settings(self) -> RunSettings:
         """The settings that decide the pictures (a folder made with others is not resumed into)."""
         return image_settings(self.model_path, dtype_name(self.hparams["torch_dtype"]), self.call_args,
                               self.from_pretrained_kwargs, self.cache, self.options)
 
     @property
-    def call_args(self) -> dict[str, Any]:
+    def call_args(self) -> CallArgs:
         """The pipeline-call arguments of the config (before per-record overrides)."""
         return {**self.base_call_args, **self.call_kwargs}
 
@@ -422,7 +431,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         self.stats["computed"] += len(samples)
         self.stats["kept"] += real
         generators = [torch.Generator("cpu").manual_seed(sample["seed"]) for sample in samples]
-        items: dict[str, Any] = {"prompt": [sample["prompt"] for sample in samples], "generator": generators}
+        items: CallArgs = {"prompt": [sample["prompt"] for sample in samples], "generator": generators}
         # A call that takes one prompt or generator (``facts.single_items``) is made one record at a time.
         single = self.info.facts.single_items
         items = {name: values[0] if name in single else values for name, values in items.items()}
@@ -455,7 +464,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         return list(images)[:real], [{**params, **size, **({"inputs": files} if files else {})}
                                      for size, files in zip(sizes, given)][:real]
 
-    def prepare_call(self, samples: list[Sample]) -> tuple[list[Sample], CallArgs, list[dict]]:
+    def prepare_call(self, samples: list[Sample]) -> tuple[list[Sample], CallArgs, list[InputFiles]]:
         """The samples of one call (padded to the batch size with copies of the last, marked
         ``padding``), its keyword arguments (input images read) and what each sample's metadata
         records of its inputs."""
@@ -467,7 +476,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         negatives = [self.negative_prompt(sample) for sample in samples]
         if any(n is not None for n in negatives):
             kwargs["negative_prompt"] = [n or "" for n in negatives]
-        given: list[dict[str, Any]] = [{} for _ in samples]
+        given: list[InputFiles] = [{} for _ in samples]
         if samples[0].get("inputs"):
             from lightning_diffusion.input import images as inputs
 

@@ -23,19 +23,38 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from lightning_diffusion.commands import add_json_option, help_text, json_argv, report
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.records import CallArgs, JsonObject, ManifestLine, Record, RunSettings
 
 IMAGE_SUFFIXES = (".png", ".webp", ".jpg", ".jpeg")
 # run.json's model options a plain re-make leaves out (``pipelines.plain.TURNED_OFF``), or cannot give again.
 LEFT_OUT = ("cache", "compile")
 
+if TYPE_CHECKING:
+    from lightning_diffusion.output.audit import AuditLine
 
-def run_settings(folder: Path) -> dict[str, Any]:
+
+class FolderAudit(TypedDict, total=False):
+    """An audit after the fact (``--json`` prints it): the folder, the batch size its images were
+    re-made at (and whether run.json recorded it), the options left out, each image's comparison
+    (``images``), their median PSNR and whether it falls under ``--min-psnr`` (``drift``)."""
+
+    output_dir: str
+    batch_size: int
+    batch_size_recorded: bool
+    left_out: list[str]
+    images: list[AuditLine]
+    median_psnr: float
+    drift: bool
+
+
+def run_settings(folder: Path) -> JsonObject:
     """run.json's settings, refused in one line where there is none a predict run of this version wrote."""
     path = folder / "run.json"
     if not folder.is_dir():
@@ -52,7 +71,7 @@ def run_settings(folder: Path) -> dict[str, Any]:
     return settings
 
 
-def model_flags(settings: dict[str, Any]) -> list[str]:
+def model_flags(settings: RunSettings) -> list[str]:
     """``predict`` flags for the model run.json records, with the accelerators an audit turns off
     left out."""
     from lightning_diffusion.pipelines.settings import ModelSettings
@@ -60,7 +79,7 @@ def model_flags(settings: dict[str, Any]) -> list[str]:
     named = {f.name for f in fields(ModelSettings)}
     flags = ["--model.pretrained_model_name_or_path", str(settings["model"]), "--model.torch_dtype",
              str(settings["torch_dtype"])]
-    call_kwargs: dict[str, Any] = {}
+    call_kwargs: CallArgs = {}
     from_pretrained = {key.split(".", 1)[1]: value for key, value in settings.items()
                        if key.startswith("from_pretrained.")}
     for key, value in settings.items():
@@ -83,7 +102,7 @@ def model_flags(settings: dict[str, Any]) -> list[str]:
     return flags
 
 
-def batch_size_of(settings: dict[str, Any]) -> Optional[int]:
+def batch_size_of(settings: JsonObject) -> Optional[int]:
     """The batch size the latest in-run audit recorded in run.json's history (None: none did)."""
     for summary in reversed(settings.get("history") or []):
         audit = summary.get("audit") if isinstance(summary, dict) else None
@@ -92,7 +111,7 @@ def batch_size_of(settings: dict[str, Any]) -> Optional[int]:
     return None
 
 
-def records_of(entries: dict[int, dict[str, Any]], chosen: list[int], settings: dict[str, Any]) -> list[dict]:
+def records_of(entries: Mapping[int, Mapping[str, Any]], chosen: list[int], settings: RunSettings) -> list[Record]:
     """Prompt records that make the ``chosen`` images again: prompt, seed, negative prompt, and the
     sizes and steps where an image's own differ from the run's."""
     from lightning_diffusion.pipelines.settings import MODEL_CALL_ARGS
@@ -105,7 +124,7 @@ def records_of(entries: dict[int, dict[str, Any]], chosen: list[int], settings: 
                               "outputs only; use writer.audit in the run.")
         if Path(str(entry.get("member") or entry["file"])).suffix.lower() not in IMAGE_SUFFIXES:
             raise ConfigError(f"image {index} ({entry['file']}) is a video: audit after the fact compares images only.")
-        record: dict[str, Any] = {"prompt": entry["prompt"], "seed": entry["seed"]}
+        record: Record = {"prompt": entry["prompt"], "seed": entry["seed"]}
         if entry.get("negative_prompt") is not None:
             record["negative_prompt"] = entry["negative_prompt"]
         for name in MODEL_CALL_ARGS:
@@ -115,7 +134,7 @@ def records_of(entries: dict[int, dict[str, Any]], chosen: list[int], settings: 
     return records
 
 
-def read_rgb(folder: Path, entry: dict[str, Any]) -> Any:
+def read_rgb(folder: Path, entry: ManifestLine) -> Any:
     import numpy as np
     from PIL import Image
 
@@ -129,7 +148,7 @@ def read_rgb(folder: Path, entry: dict[str, Any]) -> Any:
                           f"{type(err).__name__}: {err}") from None
 
 
-def audit_folder(folder: Path, sample: int, batch_size: Optional[int], extra: list[str]) -> dict[str, Any]:
+def audit_folder(folder: Path, sample: int, batch_size: Optional[int], extra: list[str]) -> FolderAudit:
     """The after-the-fact audit of ``folder``: its lines and how they were made."""
     from lightning_diffusion.output.audit import compare_8bit, lowest
     from lightning_diffusion.output.recorded import scan_manifest
@@ -156,7 +175,7 @@ def audit_folder(folder: Path, sample: int, batch_size: Optional[int], extra: li
             raise ConfigError(f"the plain run failed (exit {proc.returncode}): "
                               f"{(proc.stderr.strip().splitlines() or [''])[-1]}")
         made, _ = scan_manifest(plain)
-        lines = [{"index": index, "seed": entries[index]["seed"],
+        lines: list[AuditLine] = [{"index": index, "seed": entries[index]["seed"],
                   **compare_8bit(read_rgb(folder, entries[index]), read_rgb(plain, made[position]))}
                  for position, index in enumerate(chosen)]
     return {"output_dir": str(folder), "batch_size": size, "batch_size_recorded": recorded_size is not None,

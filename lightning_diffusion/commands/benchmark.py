@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_diffusion.commands import add_json_option, help_text, json_argv
 from lightning_diffusion.commands import report as emit
+from lightning_diffusion.core.records import Params
 from lightning_diffusion.input.data import PromptDataset
 from lightning_diffusion.input.formats import read_data
 from lightning_diffusion.input.images import record_inputs
@@ -58,7 +59,7 @@ class StepTimer(Callback):
         self.setup_at = self.load_s = self.warmup_s = 0.0
         self.cuda = False
         self.device_used_gb = self.allocated_gb = 0.0
-        self.last_params: dict[str, Any] = {}  # the pipeline arguments of the last batch timed
+        self.last_params: Params = {}  # the pipeline arguments of the last batch timed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.setup_at = time.perf_counter()

@@ -36,17 +36,20 @@ from typing import TYPE_CHECKING, Any
 from lightning_diffusion.commands import add_json_option, help_text, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.records import ManifestLine
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB
 from lightning_diffusion.output.recorded import read_output, scan_manifest
 
 if TYPE_CHECKING:
     import torch
 
+    from lightning_diffusion.report.verdicts import EvalResult, EvalRow, EvalSummary
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 FEATURE_POOL = 4  # VAE latents pooled to 4x4: 64 features for 4 latent channels
 
 
-def _entries(folder: Path, what: str) -> dict[int, dict[str, Any]]:
+def _entries(folder: Path, what: str) -> dict[int, ManifestLine]:
     if not folder.is_dir():
         raise ConfigError(f"{what} {folder} is not a folder.")
     if not (folder / MANIFEST).is_file() and not any(folder.glob(PART_GLOB)):
@@ -61,7 +64,7 @@ def _entries(folder: Path, what: str) -> dict[int, dict[str, Any]]:
     return entries
 
 
-def _load(folder: Path, entry: dict[str, Any]):
+def _load(folder: Path, entry: ManifestLine):
     import numpy as np
     import torch
     from PIL import Image
@@ -81,7 +84,7 @@ def _indices(indices: list[int]) -> str:
     return shown + (f" and {len(indices) - 10} more" if len(indices) > 10 else "")
 
 
-def match_reference(ours: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]]) -> list[int]:
+def match_reference(ours: dict[int, ManifestLine], ref: dict[int, ManifestLine]) -> list[int]:
     """The indices both folders hold, after checking they were made from the same prompts and seeds."""
     common = sorted(set(ours) & set(ref))
     if not common:
@@ -206,7 +209,7 @@ def _fid_kid(feature, real: list, fake: list) -> dict[str, float]:
     return result
 
 
-def evaluate(args) -> dict[str, Any]:
+def evaluate(args) -> EvalResult:
     from lightning_diffusion.commands.verify import compare
     from lightning_diffusion.pipelines import shapes
 
@@ -239,7 +242,7 @@ def evaluate(args) -> dict[str, Any]:
 
     rows = []
     for i in indices:
-        row: dict[str, Any] = {"index": i, "prompt": ours[i].get("prompt"), "seed": ours[i].get("seed")}
+        row: EvalRow = {"index": i, "prompt": ours[i].get("prompt"), "seed": ours[i].get("seed")}
         if i in ref_images:
             a = images[i].permute(1, 2, 0).numpy()
             b = ref_images[i].permute(1, 2, 0).numpy()
@@ -253,7 +256,7 @@ def evaluate(args) -> dict[str, Any]:
         rows.append(row)
 
     named = getattr(args, "urls", {})  # an object store's URL for the folder it was copied into
-    summary: dict[str, Any] = {"images": len(indices), "folder": named.get(str(folder), str(folder))}
+    summary: EvalSummary = {"images": len(indices), "folder": named.get(str(folder), str(folder))}
     if compared:
         diffs = [r for r in rows if "max_abs" in r]
         summary["reference"] = {
@@ -333,7 +336,7 @@ def _finite(value: object) -> object:
     return value
 
 
-def report(result: dict[str, Any], per_image: bool) -> str:
+def report(result: EvalResult, per_image: bool) -> str:
     summary, rows = result["summary"], result["images"]
     lines = [f"{summary['folder']}: {summary['images']} images"]
     has_ref = "reference" in summary

@@ -22,18 +22,21 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.commands import add_json_option, help_text, json_argv
 from lightning_diffusion.commands import report as emit
 from lightning_diffusion.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_diffusion.output.settings import StorageOptions
 
 PAGE_SIZE = 300
 
 
 def build(output: str, html: Optional[str] = None, price: Optional[float] = None, devices: Optional[int] = None,
           page_size: int = PAGE_SIZE, thumbs: Optional[str] = None,
-          options: Optional[dict[str, Any]] = None, eval_result: Optional[str] = None) -> dict[str, Any]:
+          options: Optional[StorageOptions] = None, eval_result: Optional[str] = None) -> dict[str, Any]:
     """Write the report of ``output``; returns what was done (pages, thumbnails, counts, cost).
     ``eval_result``: an ``eval``'s result (``--json FILE.json``) whose verdicts the page shows
     (default: the folder's ``eval.json`` where there is one). Raises ``ConfigError`` for an output

@@ -24,9 +24,10 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from lightning_diffusion.commands.slurm_jobs import (
+    ArrayPlan,
     Outputs,
     _slurm_command,
     plan_array,
@@ -128,8 +129,19 @@ def _count_devices(devices: Any) -> Optional[int]:
     return None
 
 
+class Resources(TypedDict, total=False):
+    """What a job asks SLURM for: ``nodes``, ``tasks_per_node``, ``gpus_per_node`` (None on CPU),
+    the weights fetched for it (``weights``) and a job array's plan (``array``)."""
+
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: Optional[int]
+    weights: Optional[dict[str, str]]
+    array: ArrayPlan
+
+
 def resources(trainer: Any, nodes: Optional[int], gpus_per_node: Optional[int],
-              devices_per_process: int = 1) -> dict[str, Any]:
+              devices_per_process: int = 1) -> Resources:
     """Nodes, tasks per node and GPUs per node that agree with the config, or a ConfigError. A
     process of ``DeviceMapStrategy`` spans ``devices_per_process`` GPUs: a node then needs
     ``trainer.devices x devices_per_process`` GPUs for ``trainer.devices`` tasks."""
@@ -308,7 +320,7 @@ def job_name(args: argparse.Namespace, config_path: Path) -> str:
 
 def render(
     args: argparse.Namespace, config_path: Path, predict_args: list[str], outputs: Outputs, job_dir: Path,
-    res: dict[str, Any]
+    res: Resources
 ) -> str:
     q = shlex.quote
     name = job_name(args, config_path)
@@ -358,7 +370,7 @@ def render(
         "ARRAY_NOTE": ("" if array is None else
                        " (array task $SLURM_ARRAY_TASK_ID: a job of the pool)" if array.get("pool") else
                        f" (array task $SLURM_ARRAY_TASK_ID: shard $SLURM_ARRAY_TASK_ID of {array['num_shards']})"),
-        "WEIGHTS": weights_lines(res["weights"]) if res.get("weights") else "",
+        "WEIGHTS": weights_lines(weights) if (weights := res.get("weights")) else "",
         "CPUS": ("# srun of Slurm 22.05-23.02 does not take --cpus-per-task from the allocation without this.\n"
                  'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"') if cpus is not None else "",
         # Every task sees all the node's GPUs and Lightning gives each its own (by local rank); where a

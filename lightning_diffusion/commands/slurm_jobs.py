@@ -11,9 +11,12 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from lightning_diffusion.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_diffusion.output.settings import StorageOptions
 
 # Job states after which a job runs no more (scontrol's names).
 FINAL_STATES = {
@@ -87,7 +90,7 @@ class Outputs:
     """Where the job's images are recorded, read from the submitting machine (``store.open_store``:
     a folder every node sees, or an object-store prefix read with ``writer.storage_options``)."""
 
-    def __init__(self, output: Any, options: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, output: Any, options: Optional[StorageOptions] = None) -> None:
         from lightning_diffusion.output.store import open_store
 
         self.store = open_store(output, options=options)
@@ -138,7 +141,18 @@ class Outputs:
             self.store.release()
 
 
-def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir: Path, total: int) -> dict[str, Any]:
+class ArrayPlan(TypedDict, total=False):
+    """A job array to submit: ``num_shards``, the ``shards`` submitted (its tasks), ``max_concurrent``
+    tasks at once, the images ``expected`` and, for a pool's array, ``pool`` (each task a job of it)."""
+
+    num_shards: int
+    shards: list[int]
+    max_concurrent: Optional[int]
+    expected: Optional[int]
+    pool: bool
+
+
+def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir: Path, total: int) -> ArrayPlan:
     """The shards to submit: ``--shards`` or all of ``--array N``; with ``--resubmit`` only the
     incomplete ones. A shard whose run still writes (its lock) or whose task is still queued or
     running is left out, and said so; shards of another count still running refuse the lot.
@@ -193,7 +207,7 @@ def plan_array(args: argparse.Namespace, config: Any, outputs: Outputs, job_dir:
     return {"num_shards": count, "shards": shards, "max_concurrent": args.max_concurrent, "expected": total}
 
 
-def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
+def record_array(job_dir: Path, job_id: str, array: ArrayPlan) -> None:
     """``array.json``: every array submitted from the job folder (``status`` and ``--resubmit`` read it)."""
 
     from lightning_diffusion.commands.status import ARRAY_FILE
@@ -209,7 +223,7 @@ def record_array(job_dir: Path, job_id: str, array: dict[str, Any]) -> None:
     atomic_write(path, lambda f: f.write(json.dumps({"submissions": submissions}, indent=2).encode("utf-8")))
 
 
-def pool_array(args: argparse.Namespace, expected: Optional[int]) -> dict[str, Any]:
+def pool_array(args: argparse.Namespace, expected: Optional[int]) -> ArrayPlan:
     """``--array N`` of a pool (``data.schedule: pull``): N tasks, each a job that joins the pool (no
     shards: nothing to plan or record)."""
     if args.resubmit or args.shards is not None:
@@ -244,7 +258,7 @@ def wait_for_pool(job_id: str, outputs: Outputs, expected: Optional[int], poll_s
     return 0 if expected is not None and done >= expected else 1
 
 
-def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: dict[str, Any], config: Any,
+def wait_for_array(job_id: str, outputs: Outputs, expected: int, array: ArrayPlan, config: Any,
                    poll_s: float = 2.0) -> int:
     """Follow the array's tasks until none is queued or running; report each shard."""
     from lightning_diffusion.output.shard import Shard

@@ -18,13 +18,13 @@ import re
 import sys
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from lightning_diffusion.commands import add_json_option, help_text, json_argv, report
 from lightning_diffusion.core.console import counted
 from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.output.manifest import FAILED, REJECTED
-from lightning_diffusion.output.status import RATE_WINDOW_S
+from lightning_diffusion.output.status import RATE_WINDOW_S, ArraySubmission, RunStatus
 from lightning_diffusion.output.status import shard_count as recorded_shard_count
 from lightning_diffusion.output.store import open_store
 
@@ -35,7 +35,7 @@ ARRAY_FILE = "array.json"
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD"}
 
 
-def folder_status(folder: Path, now: Optional[float] = None) -> dict[str, Any]:
+def folder_status(folder: Path, now: Optional[float] = None) -> RunStatus:
     """The status of output folder ``folder`` (``OutputStore.status``), its shards' SLURM tasks
     included."""
     return open_store(folder).status(now, SLURM_ARRAYS)
@@ -76,7 +76,7 @@ def array_states(job_id: str) -> dict[int, dict[str, str]]:
     return states
 
 
-def submissions(folder: Path) -> list[dict[str, Any]]:
+def submissions(folder: Path) -> list[ArraySubmission]:
     """Every ``slurm --array`` submission into this folder (``array.json``), oldest first."""
     try:
         found = json.loads((folder / ARRAY_FILE).read_text())["submissions"]
@@ -85,7 +85,7 @@ def submissions(folder: Path) -> list[dict[str, Any]]:
     return found if isinstance(found, list) else []
 
 
-def submitted_array(folder: Path) -> Optional[dict[str, Any]]:
+def submitted_array(folder: Path) -> Optional[ArraySubmission]:
     """The last ``slurm --array`` submission into this folder."""
     found = submissions(folder)
     return found[-1] if found else None
@@ -107,7 +107,7 @@ class SlurmArrays:
 
     active_states: Collection[str] = ACTIVE_STATES
 
-    def submitted(self, folder: Path) -> Optional[dict[str, Any]]:
+    def submitted(self, folder: Path) -> Optional[ArraySubmission]:
         return submitted_array(folder)
 
     def states(self, folder: Path) -> dict[int, dict[int, dict[str, str]]]:
@@ -117,13 +117,13 @@ class SlurmArrays:
 SLURM_ARRAYS = SlurmArrays()
 
 
-def exit_code(status: dict[str, Any]) -> int:
+def exit_code(status: RunStatus) -> int:
     if status["complete"]:
         return COMPLETE
     return RUNNING if status["running"] else STOPPED
 
 
-def device_hour_rate(status: dict[str, Any]) -> Optional[float]:
+def device_hour_rate(status: RunStatus) -> Optional[float]:
     """Images per device-hour beside the rate: a live run's rate over its writing ranks (a device
     each), else the last run's outputs over its wall time (loading included) times its devices
     (``report.collect.devices_of``); None where neither is known."""
@@ -131,12 +131,12 @@ def device_hour_rate(status: dict[str, Any]) -> Optional[float]:
     from lightning_diffusion.report.pace import per_device_hour
 
     if status.get("rate_per_s") and status.get("rate_live"):
-        return status["rate_per_s"] * 3600.0 / max(1, len(status.get("by_rank") or {}))
+        return float(status["rate_per_s"] or 0.0) * 3600.0 / max(1, len(status.get("by_rank") or {}))
     last = status.get("last_run") or {}
     return per_device_hour(int(last.get("made") or 0), float(last.get("wall_s") or 0.0), devices_of(last))
 
 
-def text(status: dict[str, Any]) -> str:
+def text(status: RunStatus) -> str:
     expected = status["expected"]
     of = f" of {expected:,} ({100 * status['done'] / expected:.0f}%)" if expected else " (expected count unknown)"
     state = "complete" if status["complete"] else ("incomplete, running" if status["running"] else
@@ -196,10 +196,10 @@ def text(status: dict[str, Any]) -> str:
             lines.append(f"  worker {member['worker']}: {member['state']}, pid {member['pid']} on {member['host']}, "
                          f"{counted(member['claims'], 'claim')}{took}" + (f", SLURM job {member['slurm_job']}"
                                                                            if member["slurm_job"] else ""))
-    if status.get("audit"):
+    if audit := status.get("audit"):
         from lightning_diffusion.output.audit import audit_text
 
-        lines.append(f"  {audit_text(status['audit'])}")
+        lines.append(f"  {audit_text(audit)}")
     for problem in status["not_counted"][:10]:
         lines.append(f"  not counted: {problem}")
     return "\n".join(lines)

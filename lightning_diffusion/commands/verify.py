@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Optional, TypedDict, cast
 
 import numpy as np
 import torch
@@ -40,7 +40,15 @@ THRESHOLDS = {
 }
 
 
-def compare(ours: np.ndarray, ref: np.ndarray) -> dict[str, float]:
+class Difference(TypedDict):
+    """Two images' difference: the largest absolute one (``max_abs``), ``psnr`` and ``ssim``."""
+
+    max_abs: float
+    psnr: float
+    ssim: float
+
+
+def compare(ours: np.ndarray, ref: np.ndarray) -> Difference:
     """Max abs difference, PSNR and SSIM of two float images (H x W x 3, or frames x H x W x 3)."""
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
@@ -135,9 +143,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for index in range(len(records)):
             ours = np.load(tmp_path / "plan" / f"{index:06d}.npy")
             ref = np.load(tmp_path / "reference" / f"{index:06d}.npy")
-            row = {"index": index, **compare(ours, ref)}
-            row["pass"] = row["max_abs"] <= max_abs and row["psnr"] >= min_psnr and row["ssim"] >= min_ssim
-            rows.append(row)
+            diff = compare(ours, ref)
+            rows.append({"index": index, **diff, "pass": diff["max_abs"] <= max_abs and diff["psnr"] >= min_psnr
+                         and diff["ssim"] >= min_ssim})
 
     passed = all(row["pass"] for row in rows)
 

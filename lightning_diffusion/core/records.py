@@ -1,4 +1,5 @@
-"""What travels from the prompt reader to the writer, declared once for every part that reads it.
+"""What travels from the prompt reader to the writer, and what the writer records, declared once for every
+part that reads it.
 
 - ``Record``: one line of a prompt set as read (``input.records``): a ``prompt``, an optional ``seed``
   and ``negative_prompt``, the input files an image-conditioned pipeline takes (``INPUT_FIELDS``) and
@@ -13,6 +14,18 @@
 JSON-born records, cross processes (the writer's process pickles them) and their fields go into
 manifest lines and metadata as they are, so a dict costs no conversion at any joint, while mypy
 checks every key's spelling and type where one is read or written.
+
+What the writer records, read back by resume, ``status``, ``report``, ``audit`` and ``eval``:
+
+- ``ManifestLine``: one output's line of the manifest (``manifest.jsonl`` and the parts appended to it).
+- ``FailureLine``: a line of ``failed.jsonl``, an image whose pipeline call failed.
+- ``RejectedLine``: a line of ``rejected.jsonl``, a record ``data.on_bad_record: skip`` left out.
+- ``RunSettings``: run.json's settings, the values a resume must share; ``RunSummary``: one run of
+  its ``history``; ``AuditSummary``: its audit (``writer.audit``), which ``status`` shows too.
+
+These are ``TypedDict``s too: they are JSON lines and files, written with ``json.dumps`` and read
+back with ``json.loads`` by other processes and other versions, so the declaration names their keys
+for mypy without any conversion on the way in or out.
 """
 
 from __future__ import annotations
@@ -38,6 +51,19 @@ Record = dict[str, Any]
 CallArgs = dict[str, Any]
 # The columns of a record's source that ``data.keep_columns`` carries into its manifest line: the user's.
 KeptColumns = dict[str, Any]
+# A sample's input files by field (``INPUT_FIELDS``): as a record gives them (a path, or a list of paths), or
+# as its metadata and manifest line record them (each file's name, size and SHA-256).
+InputFiles = dict[str, Any]
+# What one image was made with (``ImageResult.params``, a file's metadata): the model, the call's arguments
+# (the pipeline's own names), its size and input files.
+Params = dict[str, Any]
+# run.json's settings: ``model``, ``torch_dtype``, ``model.<call argument>`` (the pipeline's own names),
+# ``from_pretrained.*``, ``data.*`` and ``writer.*``: dotted option names to JSON values; a resume refuses
+# a folder whose recorded settings differ (``output.manifest.settings_conflict``).
+RunSettings = dict[str, Any]
+# A JSON object read from a file before the reader knows which of the shapes below it is (a line that may
+# be cut, a record written by another version): names to JSON values.
+JsonObject = dict[str, Any]
 
 
 class Sample(TypedDict):
@@ -52,11 +78,11 @@ class Sample(TypedDict):
     prompt: str
     seed: int
     negative_prompt: Optional[str]
-    overrides: dict[str, Any]
+    overrides: CallArgs
     source: NotRequired[str]
     adapters: NotRequired[dict[str, Optional[float]]]
-    inputs: NotRequired[dict[str, Any]]
-    columns: NotRequired[dict[str, Any]]
+    inputs: NotRequired[InputFiles]
+    columns: NotRequired[KeptColumns]
     padding: NotRequired[bool]
 
 
@@ -66,7 +92,7 @@ class SideOutput(TypedDict):
     tensor's shape and dtype, the VAE's scaling)."""
 
     data: bytes
-    about: dict[str, Any]
+    about: dict[str, object]
 
 
 class ImageResult(TypedDict):
@@ -81,14 +107,114 @@ class ImageResult(TypedDict):
     prompt: str
     seed: int
     negative_prompt: Optional[str]
-    columns: NotRequired[dict[str, Any]]
+    columns: NotRequired[KeptColumns]
     image: NotRequired[np.ndarray]
-    params: NotRequired[dict[str, Any]]
+    params: NotRequired[Params]
     sides: NotRequired[dict[str, SideOutput]]
     error: NotRequired[str]
     record: NotRequired[Optional[str]]
     claim: NotRequired[Any]
     batch: NotRequired[int]
+
+
+class ManifestLine(TypedDict, total=False):
+    """One output's manifest line, as the writer appends it (``output.files``): ``index``, ``prompt``,
+    ``seed``, where the output is (``file``: a loose file's path, or a shard's name with the sample's
+    ``member``), its ``bytes`` and ``sha256`` (what a resume verifies), the parameters it was made with
+    (``model``, the call's arguments, ``width``, ``height``, ``inputs``, ``negative_prompt``, the kept
+    ``columns``; ``num_frames`` and ``fps`` for a video), each side output's place (``latents``, ``text_embeddings``),
+    a pool's ``claim`` token and the time it was ``written``. The call's own arguments ride along
+    under the pipeline's names, so a line may hold keys beyond these."""
+
+    index: int
+    prompt: str
+    seed: int
+    negative_prompt: str
+    file: str
+    member: str
+    bytes: int
+    shard_bytes: int
+    sha256: str
+    model: str
+    width: int
+    height: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    inputs: InputFiles
+    columns: KeptColumns
+    fps: int
+    latents: dict[str, Any]
+    text_embeddings: dict[str, Any]
+    claim: str
+    written: float
+
+
+class FailureLine(TypedDict):
+    """A line of ``failed.jsonl``: the image's ``index``, its ``record`` (file:line), ``prompt``,
+    ``seed``, the ``error``'s last line and when it ``failed``."""
+
+    index: int
+    record: Optional[str]
+    prompt: str
+    seed: int
+    error: str
+    failed: float
+
+
+class RejectedLine(TypedDict):
+    """A line of ``rejected.jsonl``: the ``record`` (1-based), its ``line`` (file:line), the ``reason``
+    and the indices of the ``images`` it would have made."""
+
+    record: int
+    line: str
+    reason: str
+    images: list[int]
+
+
+class AuditSummary(TypedDict, total=False):
+    """An audit summed up: ``images`` audited, ``worst_psnr`` and ``median_psnr``, the largest
+    difference (``max_diff``); a run's (run.json's ``audit``) adds the ``seconds`` spent, their
+    ``share`` of its pipeline time, its ``AuditSettings`` and the ``batch_size`` it re-made at."""
+
+    images: int
+    worst_psnr: Optional[float]
+    median_psnr: Optional[float]
+    max_diff: Optional[int]
+    seconds: float
+    share: Optional[float]
+    fraction: float
+    min_psnr: float
+    on_drift: str
+    window: int
+    batch_size: int
+
+
+class RunSummary(TypedDict, total=False):
+    """One run in run.json's ``history`` (``output.writer``): when it ``finished``, the outputs it
+    ``made``, those ``skipped`` (already there), ``rejected`` and ``failed``, the manifest's count
+    (``in_manifest``) of those ``expected``, its seconds (``wall_s``, ``load_s``), its rates and
+    busy seconds by rank, the batch plan's ``buckets`` and padding, its SLURM job, shard and audit."""
+
+    finished: float
+    made: int
+    skipped: int
+    rejected: int
+    failed: int
+    buckets: Any
+    computed: int
+    padded: int
+    busy_s_by_rank: dict[str, float]
+    in_manifest: int
+    expected: Optional[int]
+    wall_s: float
+    load_s: float
+    images_per_s_by_rank: dict[str, float]
+    slurm_job: Optional[str]
+    shard: list[int]
+    audit: AuditSummary
+    world_size: int
+    devices: int
 
 
 class RecordSet(Protocol):

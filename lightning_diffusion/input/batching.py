@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from lightning_diffusion.core.console import counted
+from lightning_diffusion.core.records import CallArgs
 from lightning_diffusion.pipelines.adapters import choice_key
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class SetFacts:
         return cls(bucket, cost, list(keys))
 
 
-def call_key(call_args: dict[str, Any], input_fields: Sequence[str],
+def call_key(call_args: CallArgs, input_fields: Sequence[str],
              input_sizes: Optional[dict[str, list[tuple[int, int]]]] = None, adapters: str = "") -> str:
     """What must be equal for images to share one pipeline call (``DiffusionModule.predict_step``
     groups a batch by the same key); ``adapters``: the set of adapters chosen (``choice_key``)."""

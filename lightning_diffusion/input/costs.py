@@ -10,8 +10,9 @@ would depend on its batch neighbours).
 from __future__ import annotations
 
 from collections.abc import Container
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
+from lightning_diffusion.core.records import CallArgs
 from lightning_diffusion.input.batching import SetFacts, call_key
 from lightning_diffusion.input.images import record_inputs
 from lightning_diffusion.pipelines.adapters import choice_key
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
 
-def image_cost(info: PipelineInfo, args: dict[str, Any], negative: bool) -> float:
+def image_cost(info: PipelineInfo, args: CallArgs, negative: bool) -> float:
     """One image's estimated work under ``info`` (``PipelineInfo``) with call arguments ``args``;
     ``negative``: its record has a negative prompt."""
     spec = info.spec
@@ -37,7 +38,7 @@ def image_cost(info: PipelineInfo, args: dict[str, Any], negative: bool) -> floa
     return float(tokens * steps * passes)
 
 
-def set_facts(info: PipelineInfo, call_args: dict[str, Any], records: Records,
+def set_facts(info: PipelineInfo, call_args: CallArgs, records: Records,
               rejected: Container[int] = ()) -> tuple[SetFacts, Optional[dict[int, int]]]:
     """For each call-argument set of ``records`` (``Records``): the key its images are batched by
     and an image's cost; where records have input images, the bucket of each such record, by its

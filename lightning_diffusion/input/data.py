@@ -27,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_diffusion.core.console import counted, log
 from lightning_diffusion.core.errors import ConfigError, raise_problems
 from lightning_diffusion.core.groups import called_with, read_from_settings
-from lightning_diffusion.core.records import Record, Sample
+from lightning_diffusion.core.records import Record, RejectedLine, Sample
 from lightning_diffusion.input.batching import BatchPlan, SetFacts, image_facts, index_array, plan_batches
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.images import record_inputs
@@ -336,7 +336,7 @@ class PromptDataModule(pl.LightningDataModule):
         """The image indices of rejected records that belong to this run (its shard's)."""
         return select(self.rejected.image_indices(self.settings.num_images_per_prompt), self.shard)
 
-    def rejected_lines(self) -> list[dict[str, Any]]:
+    def rejected_lines(self) -> list[RejectedLine]:
         """``rejected.jsonl``'s lines: each rejected record (1-based), its file:line, reason and images."""
         copies = self.settings.num_images_per_prompt
         return [{"record": position + 1, "line": source, "reason": reason,

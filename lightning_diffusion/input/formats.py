@@ -159,7 +159,7 @@ class LineRecords(Records):
         item, kept = self.columns.shape(item)
         return check_record(item, self.source(position), self._base, constants, self.max_chars), kept
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_file": None, "_pid": None}
 
 

@@ -8,11 +8,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_diffusion.core.records import INPUT_FIELDS, Record, Sample
+from lightning_diffusion.core.records import INPUT_FIELDS, InputFiles, Record, Sample
 from lightning_diffusion.core.system import file_stat, sha256
 
 
-def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:
+def record_inputs(record: Mapping[str, Any]) -> InputFiles:
     """The record's input files by field (``image``: a path or a list of paths)."""
     return {name: record[name] for name in INPUT_FIELDS if record.get(name) is not None}
 
@@ -95,12 +95,12 @@ def upright_size(path: str) -> tuple[int, int]:
     return (height, width) if turned else (width, height)
 
 
-def input_sizes(inputs: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+def input_sizes(inputs: InputFiles) -> dict[str, list[tuple[int, int]]]:
     """Each input file's upright (width, height)."""
     return {name: [upright_size(path) for path in _paths(value)] for name, value in sorted(inputs.items())}
 
 
-def load(samples: Sequence[Sample]) -> tuple[dict[str, list], list[dict[str, Any]]]:
+def load(samples: Sequence[Sample]) -> tuple[dict[str, list], list[InputFiles]]:
     """The call arguments of a batch's input files (``image=[...]``, one entry a sample) and, per
     sample, what its metadata records of them (file name and SHA-256)."""
     from PIL import Image, ImageOps
@@ -108,10 +108,10 @@ def load(samples: Sequence[Sample]) -> tuple[dict[str, list], list[dict[str, Any
     names = sorted({name for sample in samples for name in sample.get("inputs", {})})
     digests: dict[str, str] = {}  # a padded batch repeats its last sample
     kwargs: dict[str, list] = {name: [] for name in names}
-    recorded: list[dict[str, Any]] = []
+    recorded: list[InputFiles] = []
     for sample in samples:
         inputs = sample.get("inputs", {})
-        record: dict[str, Any] = {}
+        record: InputFiles = {}
         for name in names:
             value = inputs[name]
             mode = "L" if name == "mask_image" else "RGB"

@@ -10,6 +10,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lightning_diffusion.core.checks import MAX_PIXELS, SEED_MAX
+from lightning_diffusion.core.records import CallArgs
 from lightning_diffusion.input.images import file_problems
 from lightning_diffusion.input.records import CallArgSet, RecordVerdicts, as_records
 from lightning_diffusion.pipelines.checks import call_arg_problems
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from lightning_diffusion.pipelines.model_folder import PipelineInfo
 
 
-def check_records(info: PipelineInfo, records: Sequence[object], call_args: Optional[dict[str, Any]] = None,
+def check_records(info: PipelineInfo, records: Sequence[object], call_args: Optional[CallArgs] = None,
                   inputs_root: Optional[str] = None, max_pixels: Optional[int] = None,
                   num_images_per_prompt: int = 1, adapters: Collection[str] = ()) -> RecordVerdicts:
     """Every record against the pipeline ``info`` describes: the lines rejected while reading, each

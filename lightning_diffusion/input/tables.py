@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from lightning_diffusion.core.records import KeptColumns, Record
 from lightning_diffusion.input.records import (
@@ -260,5 +260,5 @@ class TableRecords(Records):
             kept = {k: _json_ready(v) for k, v in row.select(list(self.columns.keep)).to_pylist()[0].items()}
         return check_record(item, self.source(position), self._base, self.floats[number], self.max_chars), kept
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_handles": {}, "_chunks": OrderedDict(), "_pid": None}

@@ -28,18 +28,36 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, TypedDict, cast, runtime_checkable
 
 import numpy as np
 
 from lightning_diffusion.core.errors import ConfigError, is_int
 from lightning_diffusion.core.groups import group_options
-from lightning_diffusion.core.records import ImageResult, Sample
+from lightning_diffusion.core.records import AuditSummary, ImageResult, Sample
 
 if TYPE_CHECKING:
     from lightning_diffusion.pipelines.plain import Accelerators
 
 AUDIT_FILE = "audit.jsonl"
+
+
+# What the audit writes: JSON (``audit.jsonl``'s lines), hence TypedDicts; its summary is ``core.records.AuditSummary``.
+class Comparison(TypedDict):
+    """An image against its re-make: ``psnr`` (dB), ``ssim`` and ``max_diff`` (8-bit levels)."""
+
+    psnr: float
+    ssim: float
+    max_diff: int
+
+
+class AuditLine(Comparison, total=False):
+    """A line of ``audit.jsonl``: the image's ``index`` and ``seed``, its comparison and the
+    ``seconds`` its re-make took."""
+
+    index: int
+    seed: int
+    seconds: float
 ON_DRIFT = ("warn", "stop")
 EXAMPLE = "{fraction: 0.01, min_psnr: 30, on_drift: warn}"
 
@@ -119,7 +137,7 @@ def sample_of(indices: Sequence[int], fraction: float) -> list[int]:
     return [int(i) for i in indices if sampled(int(i), fraction)]
 
 
-def compare(made: np.ndarray, plain: np.ndarray) -> dict[str, Any]:
+def compare(made: np.ndarray, plain: np.ndarray) -> Comparison:
     """``made`` (the run's image, or video) against ``plain`` (its re-make without accelerators), both
     as written: 8-bit. ``psnr`` and ``ssim`` (torchmetrics, over the frames of a video), ``max_diff``
     in 8-bit levels."""
@@ -128,7 +146,7 @@ def compare(made: np.ndarray, plain: np.ndarray) -> dict[str, Any]:
     return compare_8bit(to_uint8(np.asarray(made)), to_uint8(np.asarray(plain)))
 
 
-def compare_8bit(made: np.ndarray, plain: np.ndarray) -> dict[str, Any]:
+def compare_8bit(made: np.ndarray, plain: np.ndarray) -> Comparison:
     """``compare`` of two 8-bit images (or videos) as read from their files."""
     import torch
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
@@ -201,7 +219,8 @@ class Auditor:
         made = {sample["index"]: image for sample, image in taken}
         start = time.perf_counter()
         plain = module.remake_plain([sample for sample, _ in taken])
-        lines = [{"index": int(item["index"]), "seed": item["seed"], **compare(made[item["index"]], item["image"])}
+        lines: list[AuditLine] = [{"index": int(item["index"]), "seed": item["seed"],
+                                   **compare(made[item["index"]], item["image"])}
                  for item in plain if "image" in item]
         seconds = time.perf_counter() - start
         self.seconds += seconds
@@ -231,9 +250,9 @@ def part_name(manifest_part: Path) -> Path:
     return manifest_part.with_name(manifest_part.name.replace("manifest", "audit", 1))
 
 
-def read_lines(path: Path) -> list[dict[str, Any]]:
+def read_lines(path: Path) -> list[AuditLine]:
     """An audit file's whole lines (a line cut by a kill is left out)."""
-    lines = []
+    lines: list[AuditLine] = []
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -244,11 +263,11 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if isinstance(line, dict) and is_int(line.get("index"), 0):
-            lines.append(line)
+            lines.append(cast(AuditLine, line))
     return lines
 
 
-def merge(folder: Path, parts: Sequence[Path]) -> list[dict[str, Any]]:
+def merge(folder: Path, parts: Sequence[Path]) -> list[AuditLine]:
     """Add the ``parts`` (the ranks' lines) to ``folder/audit.jsonl`` (one line an index, the latest
     kept, sorted), remove them; the lines they held. Under the folder's merge lock: the shards of a
     job array and the jobs of a pool merge into the one file."""
@@ -270,7 +289,7 @@ def merge(folder: Path, parts: Sequence[Path]) -> list[dict[str, Any]]:
     return new
 
 
-def folder_audit(folder: Path, glob: Optional[str] = None) -> Optional[dict[str, Any]]:
+def folder_audit(folder: Path, glob: Optional[str] = None) -> Optional[AuditSummary]:
     """The audit recorded in ``folder`` so far (``audit.jsonl`` and the parts of a run going on), as
     ``status`` shows it: images audited, worst and median PSNR, largest difference; None without one.
     ``glob``: these parts only (a running run's own, for its progress line)."""
@@ -292,13 +311,13 @@ def progress_text(folder: Path, glob: str) -> str:
             f"({audit['images']:,})")
 
 
-def audit_text(audit: dict[str, Any]) -> str:
+def audit_text(audit: AuditSummary) -> str:
     """``status``'s line of ``folder_audit``."""
     return (f"audit: {audit['images']:,} images re-made without accelerators, PSNR worst {audit['worst_psnr']:.1f} "
             f"dB, median {audit['median_psnr']:.1f} dB, largest difference {audit['max_diff']} levels ({AUDIT_FILE})")
 
 
-def summary(lines: Sequence[dict[str, Any]], busy_s: float) -> dict[str, Any]:
+def summary(lines: Sequence[AuditLine], busy_s: float) -> AuditSummary:
     """The run's audit as run.json's summary records it: images audited, worst and median PSNR,
     seconds spent and their share of the time in pipeline calls (``busy_s``, the run's own)."""
     psnrs = [float(line["psnr"]) for line in lines]
@@ -309,10 +328,10 @@ def summary(lines: Sequence[dict[str, Any]], busy_s: float) -> dict[str, Any]:
             "seconds": round(seconds, 3), "share": round(seconds / busy_s, 4) if busy_s > 0 else None}
 
 
-def summary_text(audit: dict[str, Any]) -> str:
+def summary_text(audit: AuditSummary) -> str:
     if not audit["images"]:
         return "audit: no image of this run was in the sample"
-    share = f" ({100 * audit['share']:.1f}% of the run's pipeline time)" if audit.get("share") is not None else ""
+    share = f" ({100 * part:.1f}% of the run's pipeline time)" if (part := audit.get("share")) is not None else ""
     return (f"audit: {audit['images']} images re-made, PSNR worst {audit['worst_psnr']:.1f} dB, median "
             f"{audit['median_psnr']:.1f} dB, largest difference {audit['max_diff']} levels; "
             f"{audit['seconds']:.1f} s{share}")

@@ -21,10 +21,22 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol, TypeVar, Union, cast, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Literal,
+    Optional,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    Union,
+    cast,
+    runtime_checkable,
+)
 
 from lightning_diffusion.core.checks import LEASE_S
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.records import Record, RejectedLine, RunSettings
 from lightning_diffusion.output.shard import Batches, Shard, shard_size
 
 if TYPE_CHECKING:
@@ -57,7 +69,7 @@ class RunPlan:
     num_images: int
     shard: Optional[Shard] = None
     files: tuple[str, ...] = ()
-    reading: Optional[dict[str, Any]] = None
+    reading: Optional[RunSettings] = None  # how the prompt set is read, as run.json records it
     pull: bool = False  # ``data.schedule: pull``: the run's workers pull batches from a pool in the output
     lease_s: float = LEASE_S  # ``data.lease_s``, with ``pull``
     batch_size: int = 1  # ``data.batch_size`` and ``data.bucket``: a pool's jobs must plan the same batches
@@ -89,7 +101,7 @@ class PromptSource(Protocol):
         """This run's images of the records ``data.on_bad_record: skip`` leaves out."""
         ...
 
-    def rejected_lines(self) -> list[dict[str, Any]]:
+    def rejected_lines(self) -> list[RejectedLine]:
         """``rejected.jsonl``'s lines: each rejected record, its file:line, reason and images."""
         ...
 
@@ -99,7 +111,7 @@ class RecordSource(Protocol):
     """A data module whose prompt records the strategy's checks read before loading (their sizes
     and input images: ``PromptDataModule``); any other runs without those checks."""
 
-    records: Sequence[dict[str, Any]]
+    records: Sequence[Record]
 
 
 @runtime_checkable
@@ -136,15 +148,22 @@ class ShardSource(Protocol):
         ...
 
 
+class WorkStats(TypedDict):
+    """What a rank computed: images ``computed`` (padding included), those ``kept`` (returned) and
+    its seconds in pipeline calls (``busy_s``); the writer gathers them into run.json's summary."""
+
+    computed: int
+    kept: int
+    busy_s: float
+
+
 @runtime_checkable
 class ImageSource(Protocol):
     """A LightningModule as the writer reads it (``DiffusionModule``)."""
 
-    # What this rank computed: {"computed": images computed, "kept": images returned, "busy_s":
-    # seconds in pipeline calls}.
-    stats: dict[str, Any]
+    stats: WorkStats  # what this rank computed
 
-    def image_settings(self) -> dict[str, Any]:
+    def image_settings(self) -> RunSettings:
         """The settings that decide the pictures, as run.json records them."""
         ...
 

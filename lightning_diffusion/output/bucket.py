@@ -14,15 +14,18 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from lightning_diffusion.core.records import ManifestLine
 from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.fence import already_there as _already_there  # noqa: F401  (its users import it here)
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
+
+    from lightning_diffusion.output.settings import StorageOptions
 
 UPLOAD_TRIES = 5  # an upload waits 1, 2, 4 and 8 s between tries, then the run stops
 
@@ -38,9 +41,9 @@ def is_url(output_dir: object) -> bool:
     return isinstance(output_dir, str) and "://" in output_dir
 
 
-def resolved_options(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+def resolved_options(options: Optional[Mapping[str, Any]]) -> StorageOptions:
     """``writer.storage_options`` with each ``env:NAME`` value read from the environment."""
-    resolved: dict[str, Any] = {}
+    resolved: StorageOptions = {}
     for key, value in (options or {}).items():
         if isinstance(value, str) and value.startswith("env:"):
             name = value[4:]
@@ -140,7 +143,7 @@ class Uploader:
         self._fs: Optional[tuple[AbstractFileSystem, str]] = None
         self._failed: Optional[str] = None  # an upload that failed every try: the later ones are not tried
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_fs": None}
 
     @property
@@ -164,7 +167,7 @@ class Uploader:
         stem, _, suffix = name.rpartition(".")
         return f"{stem}.{self.tag.removeprefix('.pool-')}-{self.rank}.{suffix}"
 
-    def shard(self, local: Path, lines: list[dict[str, Any]]) -> None:
+    def shard(self, local: Path, lines: Sequence[ManifestLine]) -> None:
         fs, root = self.fs
         self._put(local.name, lambda: fs.put_file(str(local), f"{root}/{local.name}"))
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
@@ -177,16 +180,23 @@ class Uploader:
         self._put(name, lambda: fs.pipe_file(f"{root}/{name}", local.read_bytes()))
 
 
-def _lines(blob: bytes) -> list[dict[str, Any]]:
+def _objects(blob: bytes) -> list[Any]:
+    """The whole JSON object lines of a record object (a line cut by a kill is left out): manifest,
+    failure or rejected lines (``core.records``), as the caller knows which."""
     found = []
     for raw in blob.splitlines():
         try:
             line = json.loads(raw)
         except ValueError:
             continue
-        if isinstance(line, dict) and isinstance(line.get("index"), int):
+        if isinstance(line, dict):
             found.append(line)
     return found
+
+
+def _lines(blob: bytes) -> list[Any]:
+    """The lines of a record object that carry an image ``index``: manifest or failure lines."""
+    return [line for line in _objects(blob) if isinstance(line.get("index"), int)]
 
 
 STAGING = "lightning-diffusion-staging-"  # + host-pid-random: a process's folder of shards not yet uploaded

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import numpy as np
 
+from lightning_diffusion.core.records import FailureLine, JsonObject, RunSettings
 from lightning_diffusion.output.bucket import _already_there
 from lightning_diffusion.output.lock import deal_beside_pool_message
 from lightning_diffusion.output.manifest import RUN_FILE, recorded_conflict
-from lightning_diffusion.output.pool import Pool, live_jobs, log_joined, quit_join
+from lightning_diffusion.output.pool import Pool, WorkerRecord, live_jobs, log_joined, quit_join
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -36,13 +38,13 @@ class BucketStore(Protocol):
     @property
     def fs(self) -> tuple[AbstractFileSystem, str]: ...
 
-    def recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]: ...
+    def recorded(self) -> tuple[np.ndarray, dict[int, int], list[FailureLine]]: ...
 
     def live_locks(self) -> dict[Optional[tuple[int, int]], str]: ...
 
-    def read_json(self, name: str) -> Optional[dict[str, Any]]: ...
+    def read_json(self, name: str) -> Optional[JsonObject]: ...
 
-    def write_json(self, name: str, content: dict[str, Any], create: bool = False) -> None: ...
+    def write_json(self, name: str, content: Mapping[str, object], create: bool = False) -> None: ...
 
 
 class BucketPoolFiles:
@@ -92,7 +94,7 @@ class BucketPoolFiles:
     def renew(self, name: str, data: bytes) -> None:
         self.put(name, data)
 
-    def age(self, name: str, content: dict[str, Any]) -> float:
+    def age(self, name: str, content: WorkerRecord) -> float:
         return max(0.0, self.clock() - float(content.get("beat") or 0.0))
 
     def recorded(self) -> np.ndarray:
@@ -104,7 +106,7 @@ class BucketPoolFiles:
         return self.create(name, data), np.zeros(0, dtype=np.int64)
 
 
-def join_pool(store: BucketStore, settings: dict[str, Any],
+def join_pool(store: BucketStore, settings: RunSettings,
               total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
     """``ObjectStore.prepare`` for a job of a pool (``data.schedule: pull``): no lock (the jobs of a pool
     write beside each other); refused beside a run that deals its work; run.json made by the

@@ -14,16 +14,17 @@ import re
 import tarfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Optional
+from typing import IO, TYPE_CHECKING, Optional, cast
 
 import numpy as np
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lightning_diffusion.core.errors import ConfigError
-from lightning_diffusion.core.records import ImageResult
+from lightning_diffusion.core.records import FailureLine, ImageResult, ManifestLine, Params
 from lightning_diffusion.output.fence import Claim, Fence, pause
 from lightning_diffusion.output.manifest import failures_part, temporary_name, temporary_write
 from lightning_diffusion.output.settings import FILES_PER_FOLDER, IMAGE_FORMATS, WriterSettings
@@ -130,7 +131,7 @@ def write_animation(file, frames: np.ndarray, fps: int, fmt: str, comment: str) 
     )
 
 
-def failure_line(item: ImageResult) -> dict[str, Any]:
+def failure_line(item: ImageResult) -> FailureLine:
     """``failed.jsonl``'s line for an image whose pipeline call failed: its index, record (file:line),
     prompt, seed and the error's last line."""
     return {"index": item["index"], "record": item.get("record"), "prompt": item["prompt"], "seed": item["seed"],
@@ -180,10 +181,10 @@ class OutputFiles:
         self._shards = shards(self) if shards is not None else None
         self._folders: set[str] = set()
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_part_lock", "_shards", "_folders")}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self.__post_init__()
 
@@ -211,7 +212,7 @@ class OutputFiles:
             self._write_fenced([item for item in prediction if "error" not in item],
                                prediction[0].get("claim") if prediction else None)
             return
-        lines: list[dict[str, Any]] = []
+        lines: list[ManifestLine] = []
         try:
             for item in prediction:
                 if "error" in item:
@@ -230,7 +231,7 @@ class OutputFiles:
         meanwhile (or, raising ``fence.LockLost``, the run's lock), removed. A file that fails to
         write ends the batch there: the files before it are still published, then the error raised."""
         renames: list[tuple[Path, Path]] = []
-        lines: list[dict[str, Any]] = []
+        lines: list[ManifestLine] = []
         failed: Optional[BaseException] = None
         try:
             for item in items:
@@ -269,7 +270,7 @@ class OutputFiles:
         for claim in sorted(self.fence.publish(claims, publish), key=lambda c: c.batch):
             _log_lost(claim)
 
-    def _append(self, lines: list[dict[str, Any]], part: Optional[Path] = None) -> None:
+    def _append(self, lines: Sequence[ManifestLine | FailureLine], part: Optional[Path] = None) -> None:
         part = part or self.part
         assert part is not None
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
@@ -279,7 +280,7 @@ class OutputFiles:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def write_output(self, item: ImageResult, renames: Optional[list[tuple[Path, Path]]] = None) -> dict[str, Any]:
+    def write_output(self, item: ImageResult, renames: Optional[list[tuple[Path, Path]]] = None) -> ManifestLine:
         """Write one image or video (and its array) atomically; return its manifest line. With
         ``renames``, each file is left under its temporary name and (temporary, path) is added
         there: the caller renames it into place (``_write_fenced``)."""
@@ -327,10 +328,11 @@ class OutputFiles:
             side_name = f"{name.rpartition('.')[0]}.{side}{SIDE_SUFFIX}"
             put(self.output_dir / side_name, lambda f, data=output["data"]: f.write(data))
             sides[side] = {"file": side_name, "bytes": len(output["data"]), **output["about"]}
-        return {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size,
-                "sha256": digest.hexdigest(), **{
+        # the parameters ride along under the pipeline's names: a line holds more keys than ``ManifestLine`` names
+        return cast(ManifestLine, {"index": index, "prompt": prompt, "seed": item["seed"], "file": name, "bytes": size,
+                                   "sha256": digest.hexdigest(), **{
             k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")
-        }, **sides, **claim_key(item), "written": round(time.time(), 3)}
+        }, **sides, **claim_key(item), "written": round(time.time(), 3)})
 
     def _name(self, index: int, prompt: str, suffix: str) -> str:
         """The output's path in the folder, its subfolder made once (``layout``)."""
@@ -341,7 +343,7 @@ class OutputFiles:
             self._folders.add(folder)
         return name
 
-    def encoded(self, item: ImageResult) -> tuple[str, bytes, dict[str, Any]]:
+    def encoded(self, item: ImageResult) -> tuple[str, bytes, Params]:
         """One output encoded in memory: its file suffix, its bytes and its metadata (for a tar
         shard's members)."""
         metadata = self.metadata(item)
@@ -359,7 +361,7 @@ class OutputFiles:
         return IMAGE_FORMATS[self.settings.image_format], buffer.getvalue(), metadata
 
     @staticmethod
-    def metadata(item: ImageResult) -> dict[str, Any]:
+    def metadata(item: ImageResult) -> Params:
         """The parameters a file carries: index, prompt, seed, the call's parameters (and the negative prompt)."""
         metadata = {"index": item["index"], "prompt": item["prompt"], "seed": item["seed"], **item["params"]}
         if item.get("negative_prompt") is not None:
@@ -368,7 +370,7 @@ class OutputFiles:
             metadata["columns"] = item["columns"]
         return metadata
 
-    def encode(self, picture: Image.Image, metadata: dict[str, Any], file: IO[bytes]) -> None:
+    def encode(self, picture: Image.Image, metadata: Params, file: IO[bytes]) -> None:
         """One picture in ``image_format``, its parameters where that format keeps text."""
         if self.settings.image_format == "png":
             info = PngInfo()
@@ -403,7 +405,7 @@ class TarShards:
         self.tar: Optional[tarfile.TarFile] = None
         self.handle: Optional[IO[bytes]] = None
         self.tmp: Optional[Path] = None
-        self.lines: list[dict[str, Any]] = []
+        self.lines: list[ManifestLine] = []
         self.claims: list[Optional[Claim]] = []  # each line's (a pool's batches), else None
 
     def add(self, prediction: list[ImageResult], batch: Optional[int] = None) -> None:
@@ -444,11 +446,10 @@ class TarShards:
                 metadata = {**metadata, **{side: {**self._side_place(key, side), "bytes": len(output["data"]),
                                                   **output["about"]} for side, output in sides.items()}}
             self._add(item, key, suffix, data, metadata)
-            self.lines.append({"index": item["index"], "prompt": item["prompt"], "seed": item["seed"],
-                               "file": "", "member": f"{key}{suffix}", "bytes": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest(), **{
-                                   k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")},
-                               **claim_key(item)})
+            self.lines.append(cast(ManifestLine, {
+                "index": item["index"], "prompt": item["prompt"], "seed": item["seed"], "file": "",
+                "member": f"{key}{suffix}", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                **{k: v for k, v in metadata.items() if k not in ("index", "prompt", "seed")}, **claim_key(item)}))
             self.claims.append(item.get("claim"))
             if len(self.lines) >= self.files.settings.samples_per_shard and item.get("claim") is None:
                 self._close()
@@ -467,7 +468,7 @@ class TarShards:
         self.handle = open(self.tmp, "wb")
         self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.USTAR_FORMAT)  # no per-member PAX header
 
-    def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
+    def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: Params) -> None:
         """A sample: ``{key}{suffix}`` (its bytes), ``{key}.json`` (its metadata) and its side outputs
         (``{key}.latents.safetensors``...)."""
         self._member(f"{key}{suffix}", data)
@@ -523,7 +524,7 @@ class TarShards:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _publish(self, tmp: Path, size: int, lines: list[dict[str, Any]], claims: list[Optional[Claim]],
+    def _publish(self, tmp: Path, size: int, lines: list[ManifestLine], claims: list[Optional[Claim]],
                  held: set[Claim]) -> None:
         """The closed shard renamed (uploaded, for a bucket) and then its lines appended: only the
         samples of the batches still held (``held``, of a pool's) or of no claim."""
@@ -575,9 +576,9 @@ class ParquetShards(TarShards):
 
     def _open(self, first_index: int, owner: str = "") -> None:
         self.tmp = temporary_name(self.files.output_dir / shard_name(first_index, self.suffix), owner)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[ParquetRow] = []
 
-    def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> None:
+    def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: Params) -> None:
         if suffix not in IMAGE_FORMATS.values():
             raise ConfigError(f"writer.format: parquet holds images; {item['index']} is a video ({suffix}): write "
                               "videos with writer.format: files or webdataset.")
@@ -622,10 +623,13 @@ class ParquetShards(TarShards):
 PARQUET_COLUMNS = {"index": "int64", "prompt": "string", "seed": "int64", "negative_prompt": "string",
                    "width": "int64", "height": "int64", "num_inference_steps": "int64", "guidance_scale": "float64",
                    "parameters": "string"}
+# A row of a Parquet shard: ``image`` (``{bytes, path}``), the ``PARQUET_COLUMNS`` and each side output's bytes
+# by name; values of several types, written by pyarrow against the fixed schema.
+ParquetRow = dict[str, object]
 PARQUET_ROW_GROUP = 100  # rows a row group: a reader streams a shard a hundred images at a time
 
 
-def parquet_row(key: str, suffix: str, data: bytes, metadata: dict[str, Any]) -> dict[str, Any]:
+def parquet_row(key: str, suffix: str, data: bytes, metadata: Params) -> ParquetRow:
     """A sample as a row of a Parquet shard (``image`` is ``{bytes, path}``: datasets' Image)."""
     with Image.open(io.BytesIO(data)) as picture:
         width, height = picture.size
@@ -644,7 +648,7 @@ def side_columns(settings: WriterSettings) -> tuple[str, ...]:
                                        ("text_embeddings", settings.save_text_embeddings)) if on)
 
 
-def write_parquet(file: IO[bytes], rows: list[dict[str, Any]], sides: tuple[str, ...] = ()) -> None:
+def write_parquet(file: IO[bytes], rows: list[ParquetRow], sides: tuple[str, ...] = ()) -> None:
     """``rows`` as one Parquet file with pyarrow, its schema fixed (every shard of a run the same) and
     the features ``datasets`` restores in its metadata; ``sides``: binary columns of safetensors bytes."""
     try:

@@ -24,6 +24,7 @@ import numpy as np
 
 from lightning_diffusion.core.checks import LEASE_S
 from lightning_diffusion.core.console import log
+from lightning_diffusion.core.records import RejectedLine, RunSettings, RunSummary
 from lightning_diffusion.output.fence import FolderFence
 from lightning_diffusion.output.files import stale_temporaries, worker_temporaries
 from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
@@ -56,7 +57,7 @@ from lightning_diffusion.output.shard import (
     select,
     shard_name,
 )
-from lightning_diffusion.output.status import JobArrays, folder_status
+from lightning_diffusion.output.status import JobArrays, RunStatus, folder_status
 
 if TYPE_CHECKING:
     from lightning_diffusion.output.recorded import Finished
@@ -178,7 +179,7 @@ class FolderStore:
     def local_records(self, what: str) -> Iterator[Path]:
         yield self.folder
 
-    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> dict[str, Any]:
+    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> RunStatus:
         return folder_status(self.folder, now, arrays)
 
     @property
@@ -223,7 +224,7 @@ class FolderStore:
         self.release()
         return message, np.zeros(0, dtype=np.int64)
 
-    def prepare(self, settings: dict[str, Any], expected: Optional[int],
+    def prepare(self, settings: RunSettings, expected: Optional[int],
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
         self.expected = expected
         nothing = np.zeros(0, dtype=np.int64)
@@ -272,7 +273,7 @@ class FolderStore:
         changed = self._inputs_changed(found)
         return (self._refuse(changed) if changed else (None, done))
 
-    def _join(self, settings: dict[str, Any], total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
+    def _join(self, settings: RunSettings, total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
         """``prepare`` for a job of a pool (``data.schedule: pull``): no lock (the jobs of a pool
         write beside each other), the settings compared with run.json's as any resume's, the parts
         of jobs that ended merged, the leftovers of killed runs cleaned only where no other job works."""
@@ -366,15 +367,15 @@ class FolderStore:
         """Whether shards of ``num_shards`` left their run records here."""
         return any(self.folder.glob(f"run.shard-*-of-{num_shards}.json"))
 
-    def _write_run_file(self, settings: dict[str, Any], path: Optional[Path] = None, expected: Optional[int] = None,
-                        history: Optional[list] = None) -> None:
+    def _write_run_file(self, settings: RunSettings, path: Optional[Path] = None, expected: Optional[int] = None,
+                        history: Optional[list[RunSummary]] = None) -> None:
         """run.json (or the shard's record): the settings that decide the pictures, the expected
         count, the runs' summaries."""
         content = {**settings, "expected": self.expected if expected is None else expected,
                    "history": self._history if history is None else history}
         atomic_write(path or self.record_file, lambda f: f.write(json.dumps(content, indent=2).encode("utf-8")))
 
-    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
+    def write_rejected(self, lines: list[RejectedLine], rejected: bool) -> None:
         """Written anew by each run: the verdicts of the prompt file as it is now."""
         if not rejected and not (self.folder / REJECTED).exists():
             return
@@ -389,7 +390,7 @@ class FolderStore:
         done = finished(self.folder).indices if self.pool is not None else np.union1d(done, select(merged, self.shard))
         return parts, done, merge_failures(self.folder, self.shard, done, live_jobs=others)
 
-    def record(self, summary: dict[str, Any]) -> None:
+    def record(self, summary: RunSummary) -> None:
         if self.pool is not None:  # the jobs of a pool add to one history, one at a time
             with merge_lock(self.folder):
                 content = json.loads((self.folder / RUN_FILE).read_text())

@@ -18,20 +18,21 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypedDict
 
 from lightning_diffusion.core.console import counted
 from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.manifest import merge_lock
-from lightning_diffusion.output.pool import FolderPoolFiles, live_workers
+from lightning_diffusion.output.pool import FolderPoolFiles, WorkerRecord, live_workers
 from lightning_diffusion.output.shard import Shard, shard_name
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0
 
 
-def pool_beside_deal_message(where: object, workers: dict[str, dict]) -> str:
+def pool_beside_deal_message(where: object, workers: Mapping[str, WorkerRecord]) -> str:
     """The refusal of a run that deals its work where a pool's live ``workers`` write ``where``."""
     jobs = sorted({str(worker.get("job")) for worker in workers.values()})
     named = f"job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}"
@@ -49,6 +50,23 @@ def deal_beside_pool_message(where: object, runs: dict[Optional[tuple[int, int]]
 
 
 LOCK = ".lock"
+
+
+class LockState(TypedDict, total=False):
+    """A lock as ``status`` shows it (``OutputLock.describe``, a bucket's ``lock_state``): its holder
+    as the lock file records it (``host``, ``pid``, ``since``, ``token``; a bucket's ``run``,
+    ``slurm_job`` and ``heartbeat``), the heartbeat's age and whether it is ``live``. JSON, as the
+    file it is read from."""
+
+    host: str
+    pid: int
+    since: float
+    token: str
+    run: str
+    slurm_job: Optional[str]
+    heartbeat: float
+    heartbeat_age_s: float
+    live: bool
 
 
 def lock_name(shard: Optional[tuple[int, int]]) -> str:
@@ -136,7 +154,7 @@ class OutputLock:
             return None
         return f"pid {owner.get('pid')} on {owner.get('host')}"
 
-    def describe(self) -> Optional[dict]:
+    def describe(self) -> Optional[LockState]:
         """The lock's holder as recorded (host, pid, SLURM job, start), its heartbeat age and
         whether it still counts as live; None when there is no lock. Reads only."""
         try:

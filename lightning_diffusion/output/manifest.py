@@ -13,10 +13,11 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from lightning_diffusion.core.records import FailureLine, RunSettings
 from lightning_diffusion.output.shard import shard_name
 
 MANIFEST = "manifest.jsonl"
@@ -115,7 +116,7 @@ def prompts_hash(prompts: Union[str, os.PathLike[str], Sequence[object]], files:
     return digest.hexdigest()
 
 
-def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -> Optional[str]:
+def settings_conflict(output_dir: str | os.PathLike, settings: RunSettings) -> Optional[str]:
     """Why ``output_dir`` may not be resumed with ``settings`` (the message), or None: its run.json
     records other settings that decide pictures. A folder from before prompt hashes compares the
     prompt file's path, as it was made."""
@@ -129,7 +130,7 @@ def settings_conflict(output_dir: str | os.PathLike, settings: dict[str, Any]) -
     return recorded_conflict(recorded, settings, str(output_dir))
 
 
-def recorded_conflict(recorded: dict[str, Any], settings: dict[str, Any], where: str) -> Optional[str]:
+def recorded_conflict(recorded: Mapping[str, Any], settings: RunSettings, where: str) -> Optional[str]:
     """``settings_conflict`` against the settings ``recorded`` in the run.json of ``where``."""
     before = {k: v for k, v in recorded.items() if k not in RUN_META}
     now = {k: v for k, v in settings.items() if k not in RUN_META}
@@ -226,7 +227,7 @@ def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
     folder = Path(output_dir)
     with merge_lock(folder):
         parts = _parts_to_merge(folder, shard, FAILURES_GLOB, live_jobs)
-        now: dict[int, dict[str, Any]] = {}
+        now: dict[int, FailureLine] = {}
         for part in parts:
             now.update(_lines(part))
         failed = {**_lines(folder / FAILED), **now}
@@ -240,9 +241,9 @@ def merge_failures(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
     return len(now)
 
 
-def _lines(file: Path) -> dict[int, dict[str, Any]]:
+def _lines(file: Path) -> dict[int, FailureLine]:
     """The complete JSON lines of a failure file by index (a line cut by a kill is skipped)."""
-    found: dict[int, dict[str, Any]] = {}
+    found: dict[int, FailureLine] = {}
     if not file.is_file():
         return found
     with file.open(encoding="utf-8", errors="replace") as f:

@@ -28,6 +28,10 @@ from lightning_diffusion.core.errors import ConfigError
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_diffusion.output.pool import PoolSummary
+    from lightning_diffusion.output.settings import StorageOptions
+    from lightning_diffusion.output.status import RunStatus
+
 INSTALL = "pip install 'lightning-diffusion[report]'"
 # The gauges read from the output at each scrape, with their help text.
 GAUGES = {"lightning_diffusion_images_written": "outputs recorded in the manifest and its parts",
@@ -59,10 +63,10 @@ class OutputCollector:
     rank 0 at most a tenth of a core; ``fresh`` forgets it)."""
 
     def __init__(self, location: str, read_share: float = READ_SHARE,
-                 clock: Callable[[], float] = time.monotonic, options: Optional[dict[str, Any]] = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, options: Optional[StorageOptions] = None) -> None:
         self.location, self.read_share, self.clock = location, read_share, clock
         self.options = options  # a bucket's fsspec options (writer.storage_options)
-        self._kept: Optional[dict[str, Any]] = None
+        self._kept: Optional[RunStatus] = None
         self._until = 0.0
         self._lock = threading.Lock()  # scrapes and the textfile's thread read one at a time
 
@@ -70,7 +74,7 @@ class OutputCollector:
         """The next scrape reads the output again (the run's last counts)."""
         self._until = 0.0
 
-    def status(self) -> Optional[dict[str, Any]]:
+    def status(self) -> Optional[RunStatus]:
         from lightning_diffusion.output.store import open_store
 
         with self._lock:
@@ -131,12 +135,12 @@ class OutputCollector:
             yield eta
 
 
-def worker_etas(pool: dict[str, Any], now: float) -> dict[str, float]:
+def worker_etas(pool: PoolSummary, now: float) -> dict[str, float]:
     """Seconds until each live worker of a pool (``pool_summary``) ends: the batches nobody has
     claimed yet at the pace the live workers claim them together, then its own batch at its own pace
     (each worker's pace: its claims since it joined). A worker that claimed nothing yet has none."""
     left = sum(max(0, int(plan.get("batches") or 0) - int(plan.get("claimed") or 0)) for plan in pool["plans"])
-    paces = {str(worker["worker"]): int(worker.get("claims") or 0) / max(now - float(worker["since"]), 1.0)
+    paces = {str(worker["worker"]): int(worker.get("claims") or 0) / max(now - float(worker["since"] or 0.0), 1.0)
              for worker in pool["workers"] if worker["live"] and worker.get("since") is not None}
     together = sum(paces.values())
     return {name: (left / together if left else 0.0) + 1 / pace for name, pace in paces.items() if pace > 0}
@@ -163,7 +167,7 @@ class LiveMetrics:
 
     def __init__(self, location: str, port: int = 0, file: Optional[str] = None, interval_s: float = 15.0,
                  host: str = "", queue_depth: Optional[Callable[[], int]] = None,
-                 options: Optional[dict[str, Any]] = None) -> None:
+                 options: Optional[StorageOptions] = None) -> None:
         self.port, self.file, self.interval_s, self.host = port, file, interval_s, host
         client = _client()
         if port:

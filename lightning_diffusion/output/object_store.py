@@ -49,6 +49,14 @@ import numpy as np
 from lightning_diffusion.core.checks import LEASE_S
 from lightning_diffusion.core.console import log
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.records import (
+    FailureLine,
+    JsonObject,
+    ManifestLine,
+    RejectedLine,
+    RunSettings,
+    RunSummary,
+)
 from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.bucket import (
     FAILURES,
@@ -58,6 +66,7 @@ from lightning_diffusion.output.bucket import (
     _already_there,
     _host,
     _lines,
+    _objects,
     _why,
     access_problems,
     open_url,
@@ -68,7 +77,7 @@ from lightning_diffusion.output.bucket import (
 from lightning_diffusion.output.bucket_pool import BucketPoolFiles, join_pool
 from lightning_diffusion.output.fence import BucketFence, counted_generations, parse_token
 from lightning_diffusion.output.folder_store import output_dir_problems
-from lightning_diffusion.output.lock import pool_beside_deal_message
+from lightning_diffusion.output.lock import LockState, pool_beside_deal_message
 from lightning_diffusion.output.manifest import FAILED, MANIFEST, REJECTED, RUN_FILE, RUN_META, recorded_conflict
 from lightning_diffusion.output.pool import POOL, Pool, live_workers
 from lightning_diffusion.output.recorded import writer_name
@@ -83,7 +92,7 @@ from lightning_diffusion.output.shard import (
     select,
     shard_name,
 )
-from lightning_diffusion.output.status import JobArrays, bucket_status
+from lightning_diffusion.output.status import JobArrays, RunStatus, bucket_status
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -95,7 +104,7 @@ HEARTBEAT_S = 30.0
 EDITED_AFTER_S = 600.0
 
 
-def _modified(info: dict[str, Any]) -> Optional[float]:
+def _modified(info: Mapping[str, Any]) -> Optional[float]:
     """An object's modification time from its listing (``LastModified`` on S3, ``mtime`` elsewhere)."""
     value = info.get("LastModified", info.get("mtime", info.get("last_modified")))
     if value is None:
@@ -209,7 +218,7 @@ class ObjectStore:
                 raise ConfigError(f"{what} {self.url} records no finished image.")
             yield Path(folder)
 
-    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> dict[str, Any]:
+    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> RunStatus:
         return bucket_status(self)
 
     @property
@@ -249,7 +258,7 @@ class ObjectStore:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run": self.run,
                            "slurm_job": os.environ.get("SLURM_JOB_ID"), "heartbeat": time.time()}).encode()
 
-    def lock_state(self, name: str) -> Optional[dict[str, Any]]:
+    def lock_state(self, name: str) -> Optional[LockState]:
         """Lock ``name`` as recorded (host, pid, run), its heartbeat's age and whether it is live;
         None where there is none. Reads only."""
         fs, root = self.fs
@@ -413,14 +422,14 @@ class ObjectStore:
 
     # ----------------------------------------------------------------- the run's records
 
-    def read_json(self, name: str) -> Optional[dict[str, Any]]:
+    def read_json(self, name: str) -> Optional[JsonObject]:
         fs, root = self.fs
         try:
             return tried(f"reading {name} at", self.url, lambda: json.loads(fs.cat_file(f"{root}/{name}")))
         except FileNotFoundError:
             return None
 
-    def write_json(self, name: str, content: dict[str, Any], create: bool = False) -> None:
+    def write_json(self, name: str, content: Mapping[str, object], create: bool = False) -> None:
         fs, root = self.fs
         data = json.dumps(content, indent=2).encode("utf-8")
         try:
@@ -431,12 +440,12 @@ class ObjectStore:
                 raise FileExistsError(str(err)) from err
             raise
 
-    def recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
+    def recorded(self) -> tuple[np.ndarray, dict[int, int], list[FailureLine]]:
         """Every image recorded in the store: (indices, the rank that made each, failed lines). An
         image counts when its manifest object names a tar of the recorded size."""
         return tried("reading the records at", self.url, self._recorded)
 
-    def _recorded_lines(self) -> Iterator[tuple[int, dict[str, Any]]]:
+    def _recorded_lines(self) -> Iterator[tuple[int, ManifestLine]]:
         """Each manifest line that counts (``_counts``), with the rank that wrote it, in the manifest
         objects' order (an image recorded twice: its first line counts)."""
         for _, rank, lines, verdicts in self._manifest_objects():
@@ -444,7 +453,7 @@ class ObjectStore:
                 if counts:
                     yield rank, line
 
-    def _manifest_objects(self) -> Iterator[tuple[str, int, list[dict[str, Any]], list[Optional[bool]]]]:
+    def _manifest_objects(self) -> Iterator[tuple[str, int, list[ManifestLine], list[Optional[bool]]]]:
         """Each manifest object: (its path, the rank that wrote it, its lines, each line's verdict:
         True where it counts; False where its claim was taken over, ``fence``; None where it names
         no tar of its recorded size, or not the writer's name for its image)."""
@@ -471,7 +480,7 @@ class ObjectStore:
                         verdicts[n] = None
             yield name, rank, lines, verdicts
 
-    def _member_there(self, line: dict[str, Any], members: dict[str, dict[str, str]]) -> bool:
+    def _member_there(self, line: ManifestLine, members: dict[str, dict[str, str]]) -> bool:
         """The line's member is in its shard, with the SHA-256 the line records (where it records one)."""
         import hashlib
         import io
@@ -496,7 +505,7 @@ class ObjectStore:
         digest = members[shard].get(str(line["member"]))
         return digest is not None and line.get("sha256") in (None, digest)
 
-    def _counts(self, line: dict[str, Any], listing: dict[str, int],
+    def _counts(self, line: ManifestLine, listing: dict[str, int],
                 counted: dict[str, dict[int, int]]) -> Optional[bool]:
         """A manifest line counts where it names a tar of the prefix of the size it records, a
         member named as the writer names the line's image, and, for a pool's line, a claim whose
@@ -520,7 +529,7 @@ class ObjectStore:
             return None
         return sealed == generation  # False: a later slot exists, positive evidence it was taken over
 
-    def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[dict[str, Any]]]:
+    def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[FailureLine]]:
         fs, root = self.fs
         rank_of: dict[int, int] = {}
         for rank, line in self._recorded_lines():
@@ -537,7 +546,8 @@ class ObjectStore:
             blob = fs.cat_file(f"{root}/{REJECTED}")
         except FileNotFoundError:
             return set()
-        return {int(i) for line in _lines(blob) for i in line.get("images", [])}
+        # rejected lines name their record, not an index (``RejectedLine``): every object line counts
+        return {int(i) for line in _objects(blob) for i in line.get("images", [])}
 
     def download_records(self, into: Path) -> int:
         """The recorded images as a folder (``into``): the tar shards they are in, and their
@@ -547,7 +557,7 @@ class ObjectStore:
 
     def _download_records(self, into: Path) -> int:
         fs, root = self.fs
-        kept: dict[int, dict[str, Any]] = {}
+        kept: dict[int, ManifestLine] = {}
         for _, line in self._recorded_lines():
             kept.setdefault(int(line["index"]), line)
         into.mkdir(parents=True, exist_ok=True)
@@ -557,7 +567,7 @@ class ObjectStore:
             f.writelines(json.dumps(kept[index]) + "\n" for index in sorted(kept))
         return len(kept)
 
-    def prepare(self, settings: dict[str, Any], expected: Optional[int],
+    def prepare(self, settings: RunSettings, expected: Optional[int],
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
         self.expected = expected
         nothing = np.zeros(0, dtype=np.int64)
@@ -635,7 +645,7 @@ class ObjectStore:
         return any(re.fullmatch(rf"run\.shard-\d+-of-{num_shards}\.json", entry.rsplit("/", 1)[-1])
                    for entry in fs.ls(root, detail=False))
 
-    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
+    def write_rejected(self, lines: list[RejectedLine], rejected: bool) -> None:
         fs, root = self.fs
         if rejected or fs.exists(f"{root}/{REJECTED}"):
             fs.pipe_file(f"{root}/{REJECTED}",
@@ -681,14 +691,14 @@ class ObjectStore:
             log.info(f"{self.url}: removed {name.rsplit('/', 1)[-1]}, uploaded under a claim another worker took "
                      "over: its images are that worker's.")
 
-    def failed_now(self) -> list[dict[str, Any]]:
+    def failed_now(self) -> list[FailureLine]:
         """This run's failed lines (its ranks' ``failed/RUN.rank-R.jsonl`` objects)."""
         fs, root = self.fs
         names = fs.glob(f"{root}/{FAILURES}/{self.run}.rank-*.jsonl")
         blobs = fs.cat(names, on_error="return") if names else {}
         return [line for blob in blobs.values() if not isinstance(blob, Exception) for line in _lines(blob)]
 
-    def record(self, summary: dict[str, Any]) -> None:
+    def record(self, summary: RunSummary) -> None:
         if self.pool is not None:  # the jobs of a pool add to one history (read just before: a bucket has no lock)
             current = self.read_json(RUN_FILE) or {}
             self.write_json(RUN_FILE, {**current, "history": [*(current.get("history") or []), summary]})

@@ -34,7 +34,7 @@ import threading
 import time
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypedDict, Union
 
 import numpy as np
 
@@ -48,6 +48,65 @@ if TYPE_CHECKING:
 
 POOL = "pool"
 WORKERS = f"{POOL}/workers"
+# A pool's records are JSON files that other jobs read (and ``status`` shows), hence TypedDicts.
+class WorkerRecord(TypedDict, total=False):
+    """A worker's registration (``pool/workers/JOB-R.json``): its name, ``job``, ``host``, ``pid``,
+    SLURM job, the ``plan`` it pulls from, its ``state`` (``WorkerState``), ``lease_s``, when it
+    started (``since``) and its last renewal (``beat``)."""
+
+    worker: str
+    job: str
+    host: str
+    pid: int
+    slurm_job: Optional[str]
+    plan: Optional[str]
+    state: str
+    lease_s: float
+    since: float
+    beat: float
+
+
+class PlanRecord(TypedDict, total=False):
+    """A batch plan of the pool (``pool/plan-DIGEST.json``): its ``batches``, the ``images`` they
+    hold, ``batch_size`` and whether it ``bucket``s by shape."""
+
+    batches: int
+    images: int
+    batch_size: int
+    bucket: bool
+
+
+class WorkerStatus(TypedDict):
+    """A worker as ``status`` shows it: its registration's facts, whether it is ``live``, the
+    batches it holds (``claims``) and those it holds by a takeover (``took_over``)."""
+
+    worker: str
+    state: Optional[str]
+    live: bool
+    host: Optional[str]
+    pid: Optional[int]
+    slurm_job: Optional[str]
+    claims: int
+    took_over: int
+    since: Optional[float]
+
+
+class PlanStatus(TypedDict):
+    """A plan as ``status`` shows it: its ``batches``, those ``claimed`` and the takeovers made."""
+
+    plan: str
+    batches: Optional[int]
+    claimed: int
+    taken_over: int
+
+
+class PoolSummary(TypedDict):
+    """What ``status`` shows of a pool (``pool_summary``)."""
+
+    workers: list[WorkerStatus]
+    plans: list[PlanStatus]
+
+
 class WorkerState(str, Enum):
     """A worker's state as its registration records it (the value is the JSON text)."""
 
@@ -113,7 +172,7 @@ class PoolFiles(Protocol):
         """Say that ``name``'s writer still lives (a folder: its time; a bucket: written again)."""
         ...
 
-    def age(self, name: str, content: dict[str, Any]) -> float:
+    def age(self, name: str, content: WorkerRecord) -> float:
         """Seconds since ``name`` (read as ``content``) was last renewed."""
         ...
 
@@ -190,7 +249,7 @@ class FolderPoolFiles:
             self.put(name, data)
             os.utime(self.folder / name, (now, now))
 
-    def age(self, name: str, content: dict[str, Any]) -> float:
+    def age(self, name: str, content: WorkerRecord) -> float:
         try:
             return max(0.0, self.clock() - (self.folder / name).stat().st_mtime)
         except OSError:
@@ -215,7 +274,7 @@ class FolderPoolFiles:
             return self.create(name, data), recorded
 
 
-def worker_live(files: PoolFiles, name: str, worker: dict[str, Any], lease_s: float) -> bool:
+def worker_live(files: PoolFiles, name: str, worker: WorkerRecord, lease_s: float) -> bool:
     """Whether ``worker`` (its registration, read from ``name``) still works: its state says so, its
     lease has not lapsed, and, on this host, its process is there."""
     if worker.get("state") not in ACTIVE:
@@ -225,9 +284,9 @@ def worker_live(files: PoolFiles, name: str, worker: dict[str, Any], lease_s: fl
     return files.age(name, worker) <= float(worker.get("lease_s") or lease_s)
 
 
-def read_workers(files: PoolFiles) -> dict[str, dict[str, Any]]:
+def read_workers(files: PoolFiles) -> dict[str, WorkerRecord]:
     """Every worker registered in the location, by name (``JOB-R``)."""
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, WorkerRecord] = {}
     for name in files.names(WORKERS):
         if not name.endswith(".json"):
             continue
@@ -239,13 +298,13 @@ def read_workers(files: PoolFiles) -> dict[str, dict[str, Any]]:
     return found
 
 
-def live_workers(files: PoolFiles, lease_s: float = LEASE_S) -> dict[str, dict[str, Any]]:
+def live_workers(files: PoolFiles, lease_s: float = LEASE_S) -> dict[str, WorkerRecord]:
     """The workers of the location that still work, by name."""
     return {name: worker for name, worker in read_workers(files).items()
             if worker_live(files, f"{WORKERS}/{name}.json", worker, lease_s)}
 
 
-def proven_gone(files: PoolFiles, name: str, worker: Optional[dict[str, Any]], lease_s: float) -> bool:
+def proven_gone(files: PoolFiles, name: str, worker: Optional[WorkerRecord], lease_s: float) -> bool:
     """Whether worker ``name`` (its registration ``worker``) will write nothing more: it ended or
     failed, its process is gone from this host, or it has been silent for ``SEAL_GRACE`` leases
     (a worker that comes back after that finds its claims taken and what it uploads not counted)."""
@@ -266,13 +325,13 @@ def live_jobs(files: PoolFiles) -> set[str]:
     return {str(worker.get("job")) for worker in live_workers(files).values()}
 
 
-def pool_summary(files: PoolFiles) -> dict[str, Any]:
+def pool_summary(files: PoolFiles) -> PoolSummary:
     """What ``status`` shows of a pool: each worker (state, live, host, pid, its claims, those it
     holds by a takeover) and each plan's claims and takeovers."""
     workers = read_workers(files)
     claims_by_worker: dict[str, int] = {}
     took_over: dict[str, int] = {}  # the batches each worker holds by a takeover
-    plans = []
+    plans: list[PlanStatus] = []
     for folder in files.names(POOL):
         if not folder.startswith("claims-"):
             continue
@@ -292,7 +351,7 @@ def pool_summary(files: PoolFiles) -> dict[str, Any]:
         # every takeover made (a batch taken over twice counts twice), named B.G with G from 1
         plans.append({"plan": digest, "batches": plan.get("batches"),
                       "claimed": len(holders), "taken_over": sum(1 for name in names if "." in name)})
-    shown = []
+    shown: list[WorkerStatus] = []
     for name, worker in sorted(workers.items()):
         live = worker_live(files, f"{WORKERS}/{name}.json", worker, LEASE_S)
         state = worker.get("state") if live or worker.get("state") not in ACTIVE else WorkerState.SILENT.value
@@ -320,7 +379,7 @@ class Pool:
         self._record = f"{WORKERS}/{self.worker}.json"
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._workers: dict[str, dict[str, Any]] = {}
+        self._workers: dict[str, WorkerRecord] = {}
         self._read_at = -float("inf")
         self.state = WorkerState.WORKING
         self.took_over = 0  # batches this worker took over from another
@@ -346,7 +405,7 @@ class Pool:
             self._thread = threading.Thread(target=self._renew, name="pool-lease", daemon=True)
             self._thread.start()
 
-    def register(self, digest: str, plan: dict[str, Any], renew: bool = True) -> None:
+    def register(self, digest: str, plan: PlanRecord, renew: bool = True) -> None:
         """Work on the batches of the plan ``digest`` (``plan``: its size, for ``status``), and say so."""
         self.digest = digest
         self.claims = f"{POOL}/claims-{digest}"
@@ -467,7 +526,7 @@ class Pool:
         wait ends."""
         return (self._workers.get(worker) or {}).get("state") == WorkerState.WAITING.value
 
-    def others_live(self) -> dict[str, dict[str, Any]]:
+    def others_live(self) -> dict[str, WorkerRecord]:
         """The other workers that work now, read afresh."""
         self.refresh()
         return {name: worker for name, worker in self._workers.items()

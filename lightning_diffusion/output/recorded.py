@@ -15,10 +15,11 @@ import re
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from lightning_diffusion.core.records import ManifestLine
 from lightning_diffusion.core.system import file_stat, sha256
 from lightning_diffusion.output.manifest import MANIFEST, PART_GLOB, _parts_to_merge, atomic_write, merge_lock
 from lightning_diffusion.output.shard import select
@@ -92,7 +93,7 @@ def _finished(file: Path | str, size: Optional[int], sizes: Optional[dict[str, O
     return found is not None and (size is None or found == size)
 
 
-def read_output(folder: str | os.PathLike, entry: dict[str, Any]) -> bytes:
+def read_output(folder: str | os.PathLike, entry: ManifestLine) -> bytes:
     """An output's bytes, from its file or its tar shard's member (``writer.format: webdataset``)."""
     path = Path(folder) / str(entry["file"])
     if entry.get("member") and path.suffix == ".parquet":
@@ -379,7 +380,7 @@ def _files(folder: Path, parts: Optional[list[Path]]) -> list[Path]:
 
 
 def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None,
-                  trust_manifest: bool = False) -> tuple[dict[int, dict[str, Any]], list[str]]:
+                  trust_manifest: bool = False) -> tuple[dict[int, ManifestLine], list[str]]:
     """Finished images by index, their whole lines (the merged manifest plus parts left by a running
     or killed run), and what was not counted, as ``file:line: why`` (``parts``: these parts only,
     not every one; ``trust_manifest``: the merged manifest's lines count without a look at their
@@ -389,7 +390,7 @@ def scan_manifest(output_dir: str | os.PathLike, parts: Optional[list[Path]] = N
     unterminated last line is a write in progress, not a problem. For a whole folder of a large
     run, ``finished`` reads the same in a fraction of the memory."""
     folder = Path(output_dir)
-    entries: dict[int, dict[str, Any]] = {}
+    entries: dict[int, ManifestLine] = {}
     keys: dict[int, tuple[tuple[str, Optional[str]], str]] = {}
     conflicts: list[tuple[int, str, str]] = []
 
@@ -422,7 +423,7 @@ class Finished:
 
     indices: np.ndarray
     problems: list[str]
-    with_inputs: dict[int, dict[str, Any]]
+    with_inputs: dict[int, ManifestLine]
     conflicted: frozenset[int] = frozenset()
     untidy: bool = False  # the merged manifest holds lines that do not count (see ``repair_manifest``)
 
@@ -455,7 +456,7 @@ def finished(output_dir: str | os.PathLike, parts: Optional[list[Path]] = None) 
     folder = Path(output_dir)
     files = _files(folder, parts)
     indices = array("q")
-    with_inputs: dict[int, dict[str, Any]] = {}
+    with_inputs: dict[int, ManifestLine] = {}
 
     def keep(index: int, key: tuple[str, Optional[str]], raw: bytes, name: str, number: int) -> None:
         indices.append(index)
@@ -587,7 +588,7 @@ def merge_manifest(output_dir: str | os.PathLike, shard: Optional[tuple[int, int
     return np.frombuffer(indices, dtype=np.int64) if len(indices) else np.zeros(0, dtype=np.int64)
 
 
-def changed_since(lines: dict[int, dict[str, Any]], most: int = 5) -> list[str]:
+def changed_since(lines: dict[int, ManifestLine], most: int = 5) -> list[str]:
     """Finished outputs (manifest lines by index) whose input files are gone or no longer have the
     SHA-256 they were made from: resuming would keep pictures of other inputs. A file whose size
     and modification time are those recorded is not read again (a resume of a large data set

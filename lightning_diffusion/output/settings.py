@@ -17,10 +17,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.core.groups import group_options
+from lightning_diffusion.core.records import CallArgs, RunSettings
 from lightning_diffusion.output.manifest import PROMPTS_HASH, prompts_hash
 
 if TYPE_CHECKING:
     from lightning_diffusion.output.boundaries import RunPlan
+
+# ``writer.storage_options``: the user's fsspec options for a bucket (endpoint, credentials), passed on as given.
+StorageOptions = dict[str, Any]
 
 # The choices of the writer's options.
 LAYOUTS = ("auto", "flat", "sharded")
@@ -91,7 +95,7 @@ class WriterSettings:
     samples_per_shard: int = ruled(SAMPLES_PER_SHARD, minimum=1, integer=True)
     # an object store (output_dir s3://...): where tar shards are built, and fsspec's options
     staging_dir: Optional[str] = None
-    storage_options: Optional[dict[str, Any]] = field(default=None, repr=False)  # credentials: never shown
+    storage_options: Optional[StorageOptions] = field(default=None, repr=False)  # credentials: never shown
     audit: Optional[dict[str, Any]] = None  # checked by ``audit.audit_problems``
     # live metrics (``metrics.LiveMetrics``), kept by global rank 0; not in run.json: they decide no picture
     metrics_port: int = ruled(0, minimum=0, maximum=65535, integer=True, hint=" (0: none)")
@@ -115,7 +119,7 @@ class WriterSettings:
 
 
 
-def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
+def recorded_options(options: CallArgs) -> CallArgs:
     """``options`` as run.json and the metadata record them: adapters by file name, SHA-256 and
     scale (not by path, which may differ between machines that make the same pictures); the
     adapters records choose (``model.adapters``) by their names too."""
@@ -136,9 +140,9 @@ def recorded_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def image_settings(
-    path: str, torch_dtype: str, call_args: dict[str, Any], from_pretrained_kwargs: dict[str, Any],
-    cache: Optional[dict[str, Any]] = None, options: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
+    path: str, torch_dtype: str, call_args: CallArgs, from_pretrained_kwargs: Mapping[str, Any],
+    cache: Optional[Mapping[str, Any]] = None, options: Optional[Mapping[str, Any]] = None,
+) -> RunSettings:
     """The model settings that decide the pictures, as run.json records them. ``options``: the
     model's decoding and speed options (``vae_tiling``, ``compile``...), recorded when set."""
     return {
@@ -154,12 +158,12 @@ def image_settings(
     }
 
 
-def storage_settings(writer: WriterSettings, expected: Optional[int]) -> dict[str, Any]:
+def storage_settings(writer: WriterSettings, expected: Optional[int]) -> RunSettings:
     """Where outputs go, as run.json records it (the defaults, loose files in one folder, record
     nothing: a folder made before these keys resumes): a resume with another layout or format is
     refused like other settings, and so is one that turns the side outputs on or off. ``expected``:
     the prompt set's images (``auto`` decides by it)."""
-    settings: dict[str, Any] = {}
+    settings: RunSettings = {}
     if writer.format != "files":
         settings["writer.format"] = writer.format
     elif resolve_layout(writer.layout, expected, writer.files_per_folder) == "sharded":
@@ -170,7 +174,7 @@ def storage_settings(writer: WriterSettings, expected: Optional[int]) -> dict[st
     return settings
 
 
-def run_settings(image: dict[str, Any], plan: Optional[RunPlan], writer: WriterSettings) -> dict[str, Any]:
+def run_settings(image: RunSettings, plan: Optional[RunPlan], writer: WriterSettings) -> RunSettings:
     """run.json's settings: the model's (``image_settings``), the seeds and the prompt set (its
     content hash compared, its path recorded) of ``plan`` (None: a data module that gives none),
     a non-default video or image encoding and the storage of the ``writer`` group's values

@@ -14,13 +14,14 @@ import re
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, TypedDict
 
 import numpy as np
 
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.records import AuditSummary, RunSummary
 from lightning_diffusion.output.audit import folder_audit
-from lightning_diffusion.output.lock import OutputLock, live_locks
+from lightning_diffusion.output.lock import LockState, OutputLock, live_locks
 from lightning_diffusion.output.manifest import (
     FAILED,
     FAILURES_GLOB,
@@ -35,7 +36,71 @@ from lightning_diffusion.output.pool import POOL, FolderPoolFiles, pool_summary
 from lightning_diffusion.output.recorded import finished
 from lightning_diffusion.output.shard import Shard, recorded_owners
 
+if TYPE_CHECKING:
+    from lightning_diffusion.output.pool import PoolSummary
+
 RATE_WINDOW_S = 300.0
+
+
+# What ``status`` reads and prints (``--json`` writes it as it is), hence TypedDicts.
+class ArraySubmission(TypedDict, total=False):
+    """A job array submitted into a folder (a line of the job folder's ``array.json``): its ``job``,
+    ``num_shards``, the ``shards`` submitted, the images ``expected`` and when it was ``submitted``."""
+
+    job: str
+    num_shards: int
+    shards: list[int]
+    expected: int
+    submitted: float
+
+
+class RunStats(TypedDict):
+    """A shard's (or a folder's) runs summed (``run_stats``)."""
+
+    made: int
+    failed: int
+    rejected: int
+    predict_s: float
+    images_per_s: Optional[float]
+
+
+class ShardStatus(TypedDict, total=False):
+    """One shard of a job array (``shard_status``): ``done`` of ``expected``, whether a run of it
+    is ``running`` (``since`` when), its SLURM job and task state, its ``runs`` and their stats."""
+
+    shard: int
+    done: int
+    expected: int
+    running: bool
+    since: Optional[float]
+    slurm_job: Optional[str]
+    slurm_state: str
+    runs: int
+    stats: RunStats
+
+
+class RunStatus(TypedDict, total=False):
+    """How far a run is (``OutputStore.status``; ``folder_status`` says each key)."""
+
+    folder: str
+    done: int
+    expected: Optional[int]
+    rejected: int
+    failed: int
+    complete: bool
+    running: bool
+    by_rank: dict[str, int]
+    rate_per_s: Optional[float]
+    rate_live: bool
+    eta_s: Optional[float]
+    lock: Optional[LockState]
+    slurm_job: Optional[str]
+    not_counted: list[str]
+    last_run: Optional[RunSummary]
+    shards: list[ShardStatus]
+    pool: Optional[PoolSummary]
+    audit: Optional[AuditSummary]
+    images_per_device_h: Optional[float]  # the ``status`` command's, beside the rate
 
 
 class JobArrays(Protocol):
@@ -45,7 +110,7 @@ class JobArrays(Protocol):
     # The states in which a task holds or will hold its shard (queued or running).
     active_states: Collection[str]
 
-    def submitted(self, folder: Path) -> Optional[dict[str, Any]]:
+    def submitted(self, folder: Path) -> Optional[ArraySubmission]:
         """The last array submitted into ``folder`` (``num_shards``, ``expected``, ``job``); None
         where none was."""
         ...
@@ -55,7 +120,7 @@ class JobArrays(Protocol):
         ...
 
 
-def folder_status(folder: Path, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> dict[str, Any]:
+def folder_status(folder: Path, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> RunStatus:
     """``FolderStore.status``: the status of output folder ``folder`` at time ``now`` (default:
     this moment); ``arrays``: the scheduler's record of the job arrays submitted into it."""
     now = time.time() if now is None else now
@@ -85,7 +150,7 @@ def folder_status(folder: Path, now: Optional[float] = None, arrays: Optional[Jo
     # While a run goes: since the folder's lock was taken, the earliest live shard's (a job array), or
     # the earliest live worker's of a pool (the pool's rate: every job's outputs)
     starts = ([(lock or {}).get("since") if running else None] + [shard["since"] for shard in shards]
-              + [worker.get("since") for worker in (pool or {}).get("workers", []) if worker["live"]])
+              + [worker.get("since") for worker in (pool["workers"] if pool else []) if worker["live"]])
     since = min((t for t in starts if t is not None), default=None)
     rate = write_rate(recent_written(folder), now, since, history)
     failed = count_lines(folder / FAILED) + sum(count_lines(p) for p in folder.glob(FAILURES_GLOB))
@@ -118,7 +183,7 @@ def folder_status(folder: Path, now: Optional[float] = None, arrays: Optional[Jo
     }
 
 
-def bucket_status(store: Any) -> dict[str, Any]:
+def bucket_status(store: Any) -> RunStatus:
     """``ObjectStore.status``: the status of an object-store prefix (``writer.output_dir:
     s3://...``) from its run.json, manifest objects, shards' records and locks, with the keys of
     ``folder_status`` (no rate over the last minutes: the last run's own)."""
@@ -138,7 +203,8 @@ def bucket_status(store: Any) -> dict[str, Any]:
     rejected = store.rejected_images() - set(indices.tolist())
     expected, history = run.get("expected"), run.get("history") or []
     lock = store.lock_state(".lock")
-    shards, plans = [], {}
+    shards: list[ShardStatus] = []
+    plans = {}
     for name in sorted(n for n in names if re.fullmatch(r"run\.shard-\d+-of-\d+\.json", n)):
         record = store.read_json(name) or {}
         index, count = record.get("shard", [0, 1])
@@ -165,7 +231,7 @@ def bucket_status(store: Any) -> dict[str, Any]:
             "adapter_sets": run.get("data.adapter_sets")}
 
 
-def write_rate(written: np.ndarray, now: float, since: Optional[float], history: list[dict[str, Any]]
+def write_rate(written: np.ndarray, now: float, since: Optional[float], history: list[RunSummary]
                ) -> Optional[float]:
     """Outputs a second. While a run goes (``since``: when it took the folder): those written over
     the last ``RATE_WINDOW_S`` (or since it started, if later) divided by that whole time up to now,
@@ -178,7 +244,7 @@ def write_rate(written: np.ndarray, now: float, since: Optional[float], history:
     return run_stats(history[-1:])["images_per_s"] if history else None
 
 
-def run_stats(history: list[dict[str, Any]]) -> dict[str, Any]:
+def run_stats(history: list[RunSummary]) -> RunStats:
     """A shard's (or a folder's) runs summed, as img2dataset's ``_stats.json``: outputs made,
     failed (in the last run: a rerun retries them), rejected, seconds of prediction and the rate."""
     made = sum(int(run.get("made") or 0) for run in history)
@@ -188,7 +254,7 @@ def run_stats(history: list[dict[str, Any]]) -> dict[str, Any]:
             "predict_s": round(seconds, 3), "images_per_s": round(made / seconds, 3) if seconds else None}
 
 
-def shard_count(folder: Path, submitted: Optional[dict[str, Any]] = None) -> Optional[int]:
+def shard_count(folder: Path, submitted: Optional[ArraySubmission] = None) -> Optional[int]:
     """The shard count of the folder's job array: its last submission's (``submitted``), else the
     newest shard record's; None for a folder written without shards."""
     try:
@@ -201,7 +267,7 @@ def shard_count(folder: Path, submitted: Optional[dict[str, Any]] = None) -> Opt
 
 
 def shard_status(folder: Path, indices: np.ndarray, total: Optional[int], count: Optional[int],
-                 rejected: set[int], arrays: Optional[JobArrays] = None) -> list[dict[str, Any]]:
+                 rejected: set[int], arrays: Optional[JobArrays] = None) -> list[ShardStatus]:
     """Per shard of the folder's job array of ``count`` shards (``indices``: the images in the
     manifest; ``rejected``: the images of rejected records not among them): done and expected
     (less its rejected images), whether a run of it writes now, its last job, and its task's state
@@ -212,7 +278,7 @@ def shard_status(folder: Path, indices: np.ndarray, total: Optional[int], count:
     live = live_locks(folder)
     states = arrays.states(folder).get(count, {}) if arrays is not None else {}
     owners = recorded_owners(folder, count)
-    shards = []
+    shards: list[ShardStatus] = []
     for index in range(count):
         shard = Shard(index, count).with_owners(owners)
         try:

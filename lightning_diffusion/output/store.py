@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Option
 import numpy as np
 
 from lightning_diffusion.core.checks import integer, one_of, system_folder_problems
+from lightning_diffusion.core.records import RejectedLine, RunSettings, RunSummary
 from lightning_diffusion.output.settings import WriterSettings
 from lightning_diffusion.output.shard import Shard
-from lightning_diffusion.output.status import JobArrays
+from lightning_diffusion.output.status import JobArrays, RunStatus
 
 if TYPE_CHECKING:
     from lightning_diffusion.output.bucket import Uploader
@@ -59,7 +60,7 @@ class OutputStore(Protocol):
     @property
     def local_dir(self) -> Path: ...  # read only: ``ObjectStore``'s is a property
 
-    def prepare(self, settings: dict[str, Any], expected: Optional[int],
+    def prepare(self, settings: RunSettings, expected: Optional[int],
                 total: Optional[int]) -> tuple[Optional[str], np.ndarray]:
         """Lock, compare ``settings`` with the recorded ones, recover a killed run's leftovers:
         (the refusal or None, the indices already made). ``expected``: this run's images (its
@@ -84,7 +85,7 @@ class OutputStore(Protocol):
         """The files this run's ranks append their lines to (``ImageProgressBar`` counts them)."""
         ...
 
-    def write_rejected(self, lines: list[dict[str, Any]], rejected: bool) -> None:
+    def write_rejected(self, lines: list[RejectedLine], rejected: bool) -> None:
         """``rejected.jsonl``: ``lines`` (``PromptSource.rejected_lines``) where this run leaves out
         images (``rejected``) or an earlier run left the file."""
         ...
@@ -101,7 +102,7 @@ class OutputStore(Protocol):
         """Whether shards of ``num_shards`` left their run records here (``shard.first_plan``)."""
         ...
 
-    def record(self, summary: dict[str, Any]) -> None:
+    def record(self, summary: RunSummary) -> None:
         """Add the run's summary to its history."""
         ...
 
@@ -150,7 +151,7 @@ class OutputStore(Protocol):
         itself, or the records downloaded into a temporary one for the ``with`` block."""
         ...
 
-    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> dict[str, Any]:
+    def status(self, now: Optional[float] = None, arrays: Optional[JobArrays] = None) -> RunStatus:
         """How far the run is at time ``now`` (default: this moment), as ``lightning-diffusion status``
         prints it (``status.folder_status`` names the keys): done and expected, failed and rejected,
         the rate and ETA, the locks, each shard, a pool's workers. ``arrays``: what the scheduler

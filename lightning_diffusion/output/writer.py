@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning_diffusion.core.console import counted, log
 from lightning_diffusion.core.errors import ConfigError, PeerLost, WritingFailed, raise_problems
 from lightning_diffusion.core.groups import called_with
-from lightning_diffusion.core.records import ImageResult
+from lightning_diffusion.core.records import AuditSummary, ImageResult, RunSettings, RunSummary
 from lightning_diffusion.output import audit as audit_
 from lightning_diffusion.output.background import WriterProcess, WriterThreads
 from lightning_diffusion.output.boundaries import (
@@ -53,6 +53,7 @@ from lightning_diffusion.output.boundaries import (
     RunPlan,
     ShardSource,
     SideOutputSource,
+    WorkStats,
     require,
     run_strategy,
 )
@@ -65,15 +66,15 @@ from lightning_diffusion.output.shard import adopt, plan_file
 from lightning_diffusion.output.store import OutputStore, open_store, store_class, writer_problems
 
 
-def summary_text(summary: dict[str, Any], manifest: str) -> str:
+def summary_text(summary: RunSummary, manifest: str) -> str:
     """The run's summary as one line for the log."""
     rates = summary["images_per_s_by_rank"]
     pace = ", ".join(f"rank {rank}: {rate:.2f}" for rank, rate in rates.items()) or "none"
     expected = f" of {summary['expected']:,}" if summary.get("expected") is not None else ""
     if summary.get("shard"):
         expected += f" (shard {summary['shard'][0]} of {summary['shard'][1]})"
-    left = "".join(f", {summary[key]:,} {key} ({name})" for key, name in (("rejected", REJECTED), ("failed", FAILED))
-                   if summary.get(key))
+    left = "".join(f", {summary.get(key):,} {key} ({name})"
+                   for key, name in (("rejected", REJECTED), ("failed", FAILED)) if summary.get(key))
     if summary.get("padded"):
         left += f", {counted(summary['padded'], 'padded image')} computed"
     return (f"made {counted(summary['made'], 'output')}, {summary['skipped']:,} skipped by resume{left}; "
@@ -267,8 +268,8 @@ class ImageWriter(BasePredictionWriter):
         self._batch_started: Optional[float] = None
         # Known at the run's end:
         self.rejected = 0  # images of records data.on_bad_record: skip left out (global rank 0)
-        self.summary: Optional[dict[str, Any]] = None
-        self._work: dict[int, dict[str, Any]] = {}  # what each writing rank computed
+        self.summary: Optional[RunSummary] = None
+        self._work: dict[int, WorkStats] = {}  # what each writing rank computed
         self._buckets: Optional[int] = None  # the batch plan's buckets
         # Told the final count on global rank 0 once the manifest is merged (``ImageProgressBar``).
         self.progress_listener: Optional[Any] = None
@@ -297,7 +298,7 @@ class ImageWriter(BasePredictionWriter):
         strategy = run_strategy(trainer.strategy)
         return strategy is None or bool(strategy.writes_outputs)
 
-    def run_settings(self, pl_module: ImageSource) -> dict[str, Any]:
+    def run_settings(self, pl_module: ImageSource) -> RunSettings:
         """What decides the pictures of this folder: model, call arguments, seeds, prompts."""
         return run_settings(pl_module.image_settings(), self.plan, self.settings)
 
@@ -604,7 +605,7 @@ class ImageWriter(BasePredictionWriter):
         if stop and strategy is not None:
             strategy.run_context.stop.drift()
 
-    def _finish_audit(self) -> dict[str, Any]:
+    def _finish_audit(self) -> AuditSummary:
         """On global rank 0 after the manifest merge: the ranks' audit parts added to audit.jsonl,
         and this run's audit summarised (logged, and recorded in run.json)."""
         assert self.store is not None and self.audit_settings is not None
@@ -614,7 +615,7 @@ class ImageWriter(BasePredictionWriter):
         busy = sum(w["busy_s"] for w in self._work.values())
         # the batch size: what ``lightning-diffusion audit`` re-makes images at after the fact
         batch = {"batch_size": self.plan.batch_size} if self.plan is not None else {}
-        summary = {**audit_.summary(lines, busy), **asdict(self.audit_settings), **batch}
+        summary = cast(AuditSummary, {**audit_.summary(lines, busy), **asdict(self.audit_settings), **batch})
         log.info(audit_.summary_text(summary))
         return summary
 
@@ -642,7 +643,7 @@ class ImageWriter(BasePredictionWriter):
         finally:
             self._finish_metrics()
 
-    def _summary(self, parts: dict[int, int], total: int, failed: int = 0) -> dict[str, Any]:
+    def _summary(self, parts: dict[int, int], total: int, failed: int = 0) -> RunSummary:
         end = time.time()
         start = self.predicting_at or end
         seconds = max(end - start, 1e-9)
@@ -662,7 +663,7 @@ class ImageWriter(BasePredictionWriter):
             **({"shard": list(self.shard)} if self.shard is not None else {}),
         }
 
-    def _batch_summary(self) -> dict[str, Any]:
+    def _batch_summary(self) -> RunSummary:
         """The batch plan's buckets and what the writing ranks computed: images computed for the
         images kept (padding), and each one's seconds in pipeline calls."""
         if not self._work:

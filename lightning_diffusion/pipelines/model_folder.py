@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from lightning_diffusion.core.errors import ConfigError, is_int
+from lightning_diffusion.core.records import CallArgs
 from lightning_diffusion.pipelines.facts import PipelineFacts, derive, no_pictures
 from lightning_diffusion.pipelines.specs import PipelineSpec, spec_for
 
@@ -153,7 +154,7 @@ class PipelineInfo:
         return found
 
     def sequence_lengths(self, height: Optional[int], width: Optional[int],
-                         call_args: dict[str, Any]) -> dict[str, int]:
+                         call_args: CallArgs) -> dict[str, int]:
         """Token counts context parallelism splits: ``image``, and ``text`` when it has a fixed length
         and the ``_cp_plan`` splits it (Wan's cross-attention keeps the whole text on every rank)."""
         spec, lengths = self.spec, {}
@@ -172,8 +173,7 @@ class PipelineInfo:
         parameter = inspect.signature(self.pipeline_class.__call__).parameters.get(name)
         return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
-    def effective_call_args(self, named: dict[str, Any], call_kwargs: Optional[dict[str, Any]]
-                            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def effective_call_args(self, named: CallArgs, call_kwargs: Optional[CallArgs]) -> tuple[CallArgs, CallArgs]:
         """(named arguments, other call arguments) as the pipeline is called: the config's, with the
         model folder's recommended values (``recommended``) where the config sets nothing."""
         recommended = {k: v for k, v in self.recommended.items() if k in self.call_parameters}
@@ -223,7 +223,7 @@ class PipelineInfo:
                     f"(for example {example}{default})."]
         return []
 
-    def call_value_problems(self, values: dict[str, Any]) -> list[str]:
+    def call_value_problems(self, values: CallArgs) -> list[str]:
         """Each value fits the type the pipeline's ``__call__`` declares for it (numbers, booleans,
         strings, lists), so that ``"guidance_scale": "high"`` is refused before loading, not deep in
         the first denoising step."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from lightning_diffusion.core.groups import group_options
+from lightning_diffusion.core.records import CallArgs
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -66,7 +67,7 @@ class ModelSettings:
         subclass of ``DiffusionModule`` hold its own arguments too)."""
         return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
 
-    def named_call_args(self) -> dict[str, Any]:
+    def named_call_args(self) -> CallArgs:
         """The call arguments the group names (``MODEL_CALL_ARGS``), None where not given."""
         return {key: getattr(self, key) for key in MODEL_CALL_ARGS}
 

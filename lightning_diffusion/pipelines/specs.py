@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import os
     from pathlib import Path
 
+    from lightning_diffusion.core.records import CallArgs
     from lightning_diffusion.pipelines.facts import PipelineFacts
 
 
@@ -305,7 +306,7 @@ register(replace(SPECS["FluxPipeline"], class_name="FluxKontextPipeline", stages
                  tiny="flux-kontext", tiny_builder="lightning_diffusion.pipelines.tiny:build_flux_kontext"))
 
 
-def kontext_tokens(image_size: Optional[tuple[int, int]], call_args: dict[str, Any]) -> tuple[int, int]:
+def kontext_tokens(image_size: Optional[tuple[int, int]], call_args: CallArgs) -> tuple[int, int]:
     """FluxKontextPipeline's token counts for one record (diffusers 0.42.1, ``__call__`` steps 0
     and 3): the output keeps ``height`` x ``width``'s aspect at ``max_area`` pixels; the reference
     image (``image_size`` = width, height) is resized to the closest of Kontext's preferred

@@ -15,14 +15,18 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import numpy as np
 
 from lightning_diffusion.core.errors import ConfigError
+from lightning_diffusion.core.records import FailureLine, JsonObject, RejectedLine, RunSettings, RunSummary
 from lightning_diffusion.output.manifest import FAILED, FAILURES_GLOB, MANIFEST, PART_GLOB, REJECTED, RUN_FILE
 from lightning_diffusion.output.recorded import finished
 from lightning_diffusion.output.store import open_store
+
+if TYPE_CHECKING:
+    from lightning_diffusion.output.settings import StorageOptions
 
 # Keys of a manifest line the page shows in their own places (the rest: the call's parameters).
 _OWN_KEYS = {"index", "prompt", "seed", "file", "member", "bytes", "shard_bytes", "written", "claim", "height",
@@ -60,11 +64,11 @@ class Collected:
     where: str  # the output as given (a folder or a URL)
     folder: Path  # the local folder the records are read from (a bucket's: downloaded)
     records: list[Record]
-    failed: list[dict[str, Any]]  # failed.jsonl's lines of images not made since
-    rejected: list[dict[str, Any]]  # rejected.jsonl's lines
+    failed: list[FailureLine]  # failed.jsonl's lines of images not made since
+    rejected: list[RejectedLine]  # rejected.jsonl's lines
     not_counted: list[str]  # manifest lines that do not count, "file:line: why"
-    run: dict[str, Any]  # run.json
-    histories: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # "run.json", "shard 0 of 4" -> runs
+    run: JsonObject  # run.json as read: its settings, ``expected`` and ``history``
+    histories: dict[str, list[RunSummary]] = field(default_factory=dict)  # "run.json", "shard 0 of 4" -> runs
     running: bool = False  # a run holds the output's lock now
     is_bucket: bool = False
 
@@ -74,7 +78,7 @@ class Collected:
         return int(value) if isinstance(value, (int, float)) else None
 
     @property
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> RunSettings:
         return {key: value for key, value in self.run.items() if key not in ("history", "expected")}
 
 
@@ -82,14 +86,14 @@ def _interned(cache: dict[str, str], text: str) -> str:
     return cache.setdefault(text, text)
 
 
-def _shape(line: dict[str, Any]) -> str:
+def _shape(line: Mapping[str, Any]) -> str:
     size = f"{line['width']}x{line['height']}" if "width" in line and "height" in line else ""
     if line.get("num_frames"):
         return f"{line['num_frames']} frames of {size}" if size else f"{line['num_frames']} frames"
     return size
 
 
-def _details(line: dict[str, Any]) -> str:
+def _details(line: Mapping[str, Any]) -> str:
     parts = [f"{key}={_adapters(value) if key in ('adapters', 'lora') else value}" for key, value in line.items()
              if key not in _OWN_KEYS]
     if line.get("negative_prompt"):
@@ -156,7 +160,8 @@ def read_records(folder: Path) -> tuple[list[Record], list[str]]:
     return [kept[index] for index in sorted(kept)], found.problems
 
 
-def _json_lines(blob: bytes) -> list[dict[str, Any]]:
+def _json_lines(blob: bytes) -> list[Any]:
+    """The whole JSON object lines of a record file (failure or rejected lines: the caller knows which)."""
     lines = []
     for raw in blob.splitlines():
         try:
@@ -175,8 +180,8 @@ def _read(path: Path) -> bytes:
         return b""
 
 
-def _folder_side(folder: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]], list[dict[str, Any]],
-                                        list[dict[str, Any]]]:
+def _folder_side(folder: Path) -> tuple[JsonObject, dict[str, list[RunSummary]], list[FailureLine],
+                                        list[RejectedLine]]:
     """run.json, the histories, failed and rejected lines of an output folder."""
     try:
         run = json.loads((folder / RUN_FILE).read_text()) if (folder / RUN_FILE).is_file() else {}
@@ -201,7 +206,7 @@ def is_output_folder(folder: Path) -> bool:
 
 
 @contextlib.contextmanager
-def opened(where: str, options: Optional[dict[str, Any]] = None) -> Iterator[Collected]:
+def opened(where: str, options: Optional[StorageOptions] = None) -> Iterator[Collected]:
     """The records of output ``where`` (a folder or a bucket URL) for the ``with`` block. Raises
     ``ConfigError`` (one line) where it is not an output of lightning-diffusion."""
     store = open_store(where, options=options)
@@ -254,7 +259,7 @@ def _bucket(store: Any, where: str) -> Iterator[Collected]:
         store.release()
 
 
-def devices_of(run: dict[str, Any]) -> int:
+def devices_of(run: RunSummary) -> int:
     """The devices a run held: its recorded ``world_size`` (or ``devices``) where the writer
     records one, else its writing ranks (a context- or tensor-parallel group writes from one rank:
     pass ``--devices`` to the command for such runs)."""
@@ -266,7 +271,7 @@ def devices_of(run: dict[str, Any]) -> int:
     return max(1, len(ranks))
 
 
-def env_of(run: dict[str, Any]) -> dict[str, Any]:
+def env_of(run: Mapping[str, Any]) -> dict[str, object]:
     """What a history entry records of where it ran (not what it made)."""
     keys = ("slurm_job", "shard", "world_size", "devices", "host", "versions", "device_names")
     found = {key: run[key] for key in keys if run.get(key) is not None}

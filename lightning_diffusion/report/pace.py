@@ -14,10 +14,11 @@ with a price, money per image follow, per run and in total.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 import numpy as np
 
+from lightning_diffusion.core.records import RunSummary
 from lightning_diffusion.report.collect import Record, devices_of
 
 STALL_MIN_S = 60.0  # a gap shorter than this is never a stall
@@ -63,7 +64,7 @@ class Worker:
         return 60.0 * (self.count - 1) / seconds if seconds > 0 and self.count > 1 else None
 
 
-def spans(histories: dict[str, list[dict[str, Any]]], devices: Optional[int] = None) -> list[Span]:
+def spans(histories: dict[str, list[RunSummary]], devices: Optional[int] = None) -> list[Span]:
     """Every run of every history, oldest first (``devices``: the devices of every run, where
     the writer's record does not tell, see ``collect.devices_of``)."""
     found = []
@@ -121,15 +122,29 @@ def workers(records: list[Record], found: list[Span]) -> list[Worker]:
     return sorted(shown, key=lambda worker: (worker.first, worker.name))
 
 
+class CostLine(TypedDict):
+    """A line of the cost table (the report's JSON holds it as it is): a run's (or the ``total``)
+    ``devices``, wall and device hours, images ``made`` and per device-hour, money and money per image."""
+
+    label: str
+    devices: Optional[int]
+    wall_s: float
+    device_h: float
+    made: int
+    images_per_device_h: Optional[float]
+    money: Optional[float]
+    money_per_image: Optional[float]
+
+
 @dataclass
 class Cost:
-    rows: list[dict[str, Any]]  # per run: label, devices, wall_s, device_h, made, per_device_h, money
-    total: dict[str, Any]
+    rows: list[CostLine]  # per run
+    total: CostLine
     price: Optional[float]
 
 
 def _line(label: str, devices: Optional[int], wall_s: float, device_s: float, made: int,
-          price: Optional[float]) -> dict[str, Any]:
+          price: Optional[float]) -> CostLine:
     device_h = device_s / 3600.0
     money = price * device_h if price is not None else None
     return {"label": label, "devices": devices, "wall_s": round(wall_s, 3), "device_h": device_h, "made": made,

@@ -10,12 +10,45 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict, cast
 
 from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.report.collect import Record
 
 EVAL_FILE = "eval.json"  # where ``eval OUT --json OUT/eval.json`` leaves it for the report
+
+
+# eval's result as its JSON file holds it (``commands.eval`` writes it, this module reads it back).
+class EvalRow(TypedDict, total=False):
+    """One image of eval's result: its ``index``, ``prompt`` and ``seed``; against a reference its
+    ``max_abs`` difference, ``psnr`` and ``ssim``; for a shapes caption what was ``detected`` and
+    each ``adherence`` check."""
+
+    index: int
+    prompt: Optional[str]
+    seed: Optional[int]
+    max_abs: float
+    psnr: float
+    ssim: float
+    detected: dict[str, object]
+    adherence: dict[str, bool]
+
+
+class EvalSummary(TypedDict, total=False):
+    """eval's summary: the ``images`` judged in ``folder``, the ``reference`` comparison, each
+    adherence check's share, FID and KID (``fid``) and the CLIP score."""
+
+    images: int
+    folder: str
+    reference: dict[str, Any]
+    adherence: dict[str, dict[str, float]]
+    fid: dict[str, Any]
+    clip_score: float
+
+
+class EvalResult(TypedDict):
+    summary: EvalSummary
+    images: list[EvalRow]
 
 
 @dataclass(frozen=True)
@@ -38,7 +71,7 @@ def _psnr(value: Any) -> str:
     return "PSNR inf" if math.isinf(number) else f"PSNR {number:.1f} dB"
 
 
-def verdict(row: dict[str, Any]) -> Optional[Verdict]:
+def verdict(row: EvalRow) -> Optional[Verdict]:
     """The verdict of one of eval's rows; None for a row that judged nothing (no reference, not a
     caption the shapes detector reads)."""
     adherence = row.get("adherence") or {}
@@ -48,7 +81,7 @@ def verdict(row: dict[str, Any]) -> Optional[Verdict]:
     return Verdict(" · ".join(parts), all(adherence.values())) if parts else None
 
 
-def summary_line(summary: dict[str, Any]) -> str:
+def summary_line(summary: EvalSummary) -> str:
     parts = [f"{summary.get('images', 0):,} images judged"]
     for key, share in (summary.get("adherence") or {}).items():
         parts.append(f"{key} right in {100 * float(share['share']):.0f}% of {share['images']:,}")
@@ -82,4 +115,4 @@ def read_verdicts(path: Path, records: list[Record]) -> Verdicts:
         judged = verdict(row)
         if judged is not None:
             found[record.index] = judged
-    return Verdicts(str(path), found, summary_line(summary))
+    return Verdicts(str(path), found, summary_line(cast(EvalSummary, summary)))

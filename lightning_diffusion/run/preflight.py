@@ -19,6 +19,7 @@ import numpy as np
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.core.checks import cpu_devices_problems, devices_problems
 from lightning_diffusion.core.errors import ConfigError, is_int, run_check
+from lightning_diffusion.core.records import CallArgs, RunSettings
 from lightning_diffusion.input.data import run_plan, shard_owners
 from lightning_diffusion.input.formats import read_records
 from lightning_diffusion.input.record_checks import check_records
@@ -48,7 +49,7 @@ _PNG_RATIO = 0.5
 
 
 def disk_space_problems(
-    info: PipelineInfo, named: dict[str, Any], records: Sequence[Any], per_prompt: int, output_dir: str,
+    info: PipelineInfo, named: CallArgs, records: Sequence[Any], per_prompt: int, output_dir: str,
     shard: Optional[Shard] = None, found: Optional[Finished] = None,
 ) -> list[str]:
     """The outputs still to make need more space than the output folder's file system has free.
@@ -190,7 +191,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
     info, model_found = model_problems(model, records.summary if records is not None else None, max_pixels)
     problems = model_found + problems
     named = model.named_call_args()
-    call_args: dict[str, Any] = {}
+    call_args: CallArgs = {}
     if info is not None:
         base, extra = info.effective_call_args(named, model.call_kwargs)
         call_args = {**base, **extra}
@@ -277,7 +278,7 @@ class Verdict:
 
 
 def _run_settings(model: ModelSettings, data: DataSettings, writer: WriterSettings, records: Any,
-                  call_args: dict[str, Any]) -> dict[str, Any]:
+                  call_args: CallArgs) -> RunSettings:
     """The settings run.json records for this run (what a resume compares)."""
     return run_settings(image_settings(model.pretrained_model_name_or_path, dtype_name(model.torch_dtype), call_args,
                                        dict(model.from_pretrained_kwargs or {}), model.cache,
@@ -285,7 +286,7 @@ def _run_settings(model: ModelSettings, data: DataSettings, writer: WriterSettin
                         run_plan(data, records), writer)
 
 
-def bucket_nothing_left(store: Any, settings: dict[str, Any], num_images: int) -> Optional[str]:
+def bucket_nothing_left(store: Any, settings: RunSettings, num_images: int) -> Optional[str]:
     """``nothing_to_make`` for a bucket prefix: its run.json records these ``settings``, every image
     of the set is recorded there (the lines that count, ``ObjectStore.recorded``), and no run holds
     it. A prefix made with other settings is left to the run, which refuses it naming the key."""

@@ -27,6 +27,7 @@ import torch
 
 from lightning_diffusion.contract import ModelRequest
 from lightning_diffusion.core.errors import ConfigError, run_check
+from lightning_diffusion.core.records import CallArgs
 from lightning_diffusion.pipelines import quantization
 from lightning_diffusion.pipelines.specs import cfg_supported, spec_for
 from lightning_diffusion.strategies.parallel_dims import ParallelDims
@@ -58,7 +59,7 @@ def backend_device_problems(name: str, device: torch.device) -> list[str]:
     return []
 
 
-def cfg_problems(class_name: str, call_args: dict[str, Any], default: Callable[[str], object],
+def cfg_problems(class_name: str, call_args: CallArgs, default: Callable[[str], object],
                  records: Optional[Sequence[object]]) -> list[str]:
     """A cfg pair would only run the same work twice unless the pipeline's spec says how its two
     guidance passes are fed and the config turns the negative branch on; refuse instead.
@@ -312,7 +313,7 @@ def reference_sequence_problems(request: ModelRequest, dims: ParallelDims, most:
     return []
 
 
-def sequence_problems(request: ModelRequest, dims: ParallelDims, call_args: dict[str, Any]) -> list[str]:
+def sequence_problems(request: ModelRequest, dims: ParallelDims, call_args: CallArgs) -> list[str]:
     """The image and text token counts of one set of call arguments divide the context-parallel degree."""
     info = request.info
     height, width = call_args.get("height"), call_args.get("width")

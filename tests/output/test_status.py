@@ -30,3 +30,18 @@ def test_a_folder_with_only_a_submitted_array_reads_as_running_with_its_queued_t
         (0, 2, None, None), (1, 2, "PENDING", "7_1")]
     with pytest.raises(ConfigError, match="is not an output folder of lightning-diffusion"):
         open_store(out).status()  # without the scheduler's record, nothing marks it as an output folder
+
+
+def test_a_buckets_rejected_images_are_read_from_its_rejected_lines():
+    """``rejected.jsonl``'s lines name their record and images, not an index: each counts (fsspec's
+    memory file system stands for the bucket)."""
+    import json
+
+    from lightning_diffusion.output.object_store import ObjectStore
+
+    store = ObjectStore("memory://bucket/rejected-run", None)
+    fs, root = store.fs
+    lines = [{"record": 2, "line": "prompts.jsonl:2", "reason": "no prompt", "images": [2, 3]},
+             {"record": 5, "line": "prompts.jsonl:5", "reason": "no prompt", "images": [8, 9]}]
+    fs.pipe_file(f"{root}/rejected.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode())
+    assert store.rejected_images() == {2, 3, 8, 9}
