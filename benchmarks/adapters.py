@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from lora_tp import make_adapter  # benchmarks/lora_tp.py, beside this file
+
 from quantization import build_medium  # benchmarks/quantization.py, beside this file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +107,8 @@ def main() -> None:
         plain.write_text("".join(json.dumps({"prompt": r["prompt"], "seed": r["seed"]}) + "\n" for r in records))
         declared = json.dumps({n: {"path": str(f)} for n, f in adapters.items()})
         for repeat in range(args.repeats):
-            one = predict(model, tmp / f"one-{repeat}", plain, ["--model.lora", json.dumps([{"path": str(adapters["a"])}])])
+            one = predict(model, tmp / f"one-{repeat}", plain,
+                          ["--model.lora", json.dumps([{"path": str(adapters["a"])}])])
             rows["one adapter"].append(one["predict_s"] / one["made"])
             loads.append(one["load_s"])
             four = predict(model, tmp / f"four-{repeat}", mixed, ["--model.adapters", declared])
@@ -134,8 +136,9 @@ def main() -> None:
     for row, values in rows.items():
         print(f"| {row} | {statistics.median(values):.3f} | {statistics.median(values) / base:.2f}x |")
     four = switches[-1]
-    print(f"\nswitches in the four-adapter run: {four['switches']}, {four['switch_s'] / max(four['switches'], 1):.3f} s "
-          f"each; base weights held on the CPU: {four['held_mb']:.1f} MB; an adapter read and held: {adapter_mb:.1f} MB")
+    each = four["switch_s"] / max(four["switches"], 1)
+    print(f"\nswitches in the four-adapter run: {four['switches']}, {each:.3f} s each; base weights held on the CPU: "
+          f"{four['held_mb']:.1f} MB; an adapter read and held: {adapter_mb:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -426,7 +426,8 @@ class PromptDataModule(pl.LightningDataModule):
         if problem:
             raise ConfigError(problem)
         if head and len(pending):
-            log.info(self.plan.describe(1) + self._adapter_sets() + f"; pulled from the pool in {files.where} (costliest first, lease "
+            log.info(self.plan.describe(1) + self._adapter_sets() + f"; pulled from the pool in {files.where} "
+                     "(costliest first, lease "
                      f"{self.settings.lease_s:g} s)")
         kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {"rank": 0}
         if strategy is None or strategy.writes_outputs:

@@ -143,7 +143,8 @@ class CallArgSet:
         # input field -> first record (from 1) that has it / that lacks it
         self.with_inputs = {name: first for name in INPUT_FIELDS if record.get(name) is not None}
         self.without_inputs = {name: first for name in INPUT_FIELDS if record.get(name) is None}
-        self.adapters: Optional[Mapping[str, Optional[float]]] = record.get("adapters")  # the set chosen (None: the default)
+        # the set of adapters chosen (None: the default)
+        self.adapters: Optional[Mapping[str, Optional[float]]] = record.get("adapters")
 
     def add(self, number: int) -> None:
         self.count += 1
@@ -281,10 +282,10 @@ class RecordSummary:
         """How many sets of adapters the records that run (``live``; else every record read)
         choose (``model.adapters``; records without a choice are the default set); 0 where no record
         chooses."""
-        live = self._live() if live else self.sets
-        if all(s.adapters is None for s in live):
+        sets = self._live() if live else self.sets
+        if all(s.adapters is None for s in sets):
             return 0
-        return len({json.dumps(s.adapters, sort_keys=True) for s in live})
+        return len({json.dumps(s.adapters, sort_keys=True) for s in sets})
 
     @property
     def without_negative(self) -> int:

@@ -100,6 +100,7 @@ class RunStatus(TypedDict, total=False):
     shards: list[ShardStatus]
     pool: Optional[PoolSummary]
     audit: Optional[AuditSummary]
+    adapter_sets: Optional[int]  # the sets of adapters the records choose (``model.adapters``)
     images_per_device_h: Optional[float]  # the ``status`` command's, beside the rate
 
 

@@ -205,7 +205,7 @@ class AdapterSwitch:
         for name in components:
             model = getattr(self.pipeline, name, None)
             device = next(model.parameters()).device if model is not None else None
-            if device is not None and device.type != "cpu":
+            if model is not None and device is not None and device.type != "cpu":
                 model.to("cpu")
                 moved[name] = device
         return moved

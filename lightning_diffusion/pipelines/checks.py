@@ -214,7 +214,8 @@ def model_problems(settings: ModelSettings, records: Optional[RecordSet] = None,
         problems += lora_problems(info, settings.adapters, settings.quantization, named=True)
     if not is_int(settings.max_loaded_adapters, 1):
         problems.append(f"model.max_loaded_adapters is how many adapters a replica holds read at once (the least "
-                        f"recently used dropped first): an integer of at least 1, got {settings.max_loaded_adapters!r}.")
+                        "recently used dropped first): an integer of at least 1, got "
+                        f"{settings.max_loaded_adapters!r}.")
     if settings.quantization is not None:
         classes = {name: info.component_class(name) for name in info.model_index}
         problems += quantization.check(settings.quantization, info.model_index, classes, tuple(info.denoisers()))
@@ -291,11 +292,13 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
         return [f"model.{'adapters' if named else 'lora'} needs the peft package, which is not installed: "
                 "pip install peft."]
     problems: list = []
-    parsed = run_check(problems, lora.parse_named if named else lora.parse, spec)
+    parsed: Optional[Mapping[str, Adapter]] = run_check(
+        problems, (lambda s: lora.parse_named(s)) if named else (lambda s: {
+            f"[{n}]": a for n, a in enumerate(lora.parse(s))}), spec)
     if parsed is None:
         return problems
-    adapters = list(parsed.values()) if named else parsed
-    labels = [f"model.adapters.{name}" for name in parsed] if named else [f"model.lora[{n}]" for n in range(len(parsed))]
+    adapters = list(parsed.values())
+    labels = [f"model.adapters.{name}" if named else f"model.lora{name}" for name in parsed]
     modules = {}  # the diffusers models' module names (text encoders' parts are left to diffusers)
     models = {}  # and the models themselves, empty (meta device), for the updates' shapes
     for name in getattr(info.pipeline_class, "_lora_loadable_modules", []):

@@ -60,7 +60,8 @@ def parse(spec: object) -> list[Adapter]:
     """``model.lora`` as adapters; every problem is raised together."""
     if spec is None:
         return []
-    adapters, problems = [], []
+    adapters: list[Adapter] = []
+    problems: list[str] = []
     for n, item in enumerate(spec if isinstance(spec, list) else [spec]):
         adapter = _parse_one(item, f"model.lora[{n}]", problems)
         if adapter is not None:

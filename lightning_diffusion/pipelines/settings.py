@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 MODEL_CALL_ARGS = ("height", "width", "num_inference_steps", "guidance_scale", "num_frames")
 # The options that change pictures (float rounding, seams): recorded in run.json and in each image's
 # metadata, so that a folder is not resumed with other values.
-OPTIONS = ("pipeline_class", "lora", "adapters", "vae_tiling", "compile", "vae_slicing", "attention_backend", "quantization")
+OPTIONS = ("pipeline_class", "lora", "adapters", "vae_tiling", "compile", "vae_slicing", "attention_backend",
+           "quantization")
 
 
 @dataclass(frozen=True)
