@@ -171,6 +171,12 @@ def test_bad_adapters_are_refused_before_loading(loras, tmp_path, cli_here):
     assert "p.jsonl:1" in proc.stderr and "p.jsonl:3" in proc.stderr and "p.jsonl:2" not in proc.stderr
     assert "'mist', which model.adapters does not declare" in proc.stderr and "'fog'" in proc.stderr
     # data.on_bad_record: skip makes the others and lists these
+    skipped = cli_here(*tiny_args(tmp_path / "o0", "--data.prompts", prompts, "--model.adapters", declared(loras),
+                                  "--data.on_bad_record", "skip"))
+    assert skipped.returncode == 0, skipped.stderr
+    assert [line["prompt"] for line in read_manifest_lines(tmp_path / "o0")] == ["b"]
+    rejected = [json.loads(line) for line in (tmp_path / "o0" / "rejected.jsonl").read_text().splitlines()]
+    assert [r["line"].rsplit(":", 1)[1] for r in rejected] == ["1", "3"] and "'mist'" in rejected[0]["reason"]
     prompts_ok = write_prompts(tmp_path / "q.jsonl", [{"prompt": "a", "adapters": ["ink", "mist"]}, {"prompt": "b"}])
     no_model = cli_here(*tiny_args(tmp_path / "o2", "--data.prompts", prompts_ok))
     assert no_model.returncode == 2 and "model.adapters declares none" in no_model.stderr
@@ -226,6 +232,7 @@ STRATEGIES = {
     "ulysses_2": ["--config", "configs/tiny-ulysses.yaml"],
     "tp_2": ["--config", "configs/tiny-tp.yaml"],
     "mesh_2x2": ["--config", "configs/tiny-tp.yaml", "--trainer.devices", "4"],
+    "pool_of_2_replicas": ["--data.schedule", "pull", "--trainer.devices", "2"],
 }
 
 
@@ -277,3 +284,36 @@ def test_the_report_page_names_each_images_adapters(mixed, cli_here, tmp_path):
     assert proc.returncode == 0, proc.stderr
     html = page.read_text()
     assert "adapters=ink x 0.5, neon x 1" in html and "adapters=paper x 0.8" in html
+
+
+@pytest.mark.slow  # torch.compile on CPU: seconds
+def test_switching_adapters_recompiles_nothing_and_a_step_cache_keeps_to_its_batch(loras, mixed, tmp_path):
+    import torch._dynamo
+
+    out, prompts = mixed
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = tmp_path / "compiled"
+    proc = run_here(*tiny_args(compiled, "--data.prompts", prompts, "--data.batch_size", "2", "--model.adapters",
+                               declared(loras), "--model.compile", "regional"))
+    assert "adapters: 6 switches" in proc.stderr
+    # FLUX.1 has two repeated block classes, compiled once each for one shape: six adapter sets add no graph
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 4, dict(torch._dynamo.utils.counters["stats"])
+    torch._dynamo.reset()
+    eager = by_record(out)
+    for key, image in by_record(compiled).items():
+        np.testing.assert_allclose(image, eager[key], rtol=0, atol=1e-4, err_msg=str(key))  # test_speed's bound
+    # A first-block cache decides per call: a mixed run's image of set S is a run of S alone's.
+    cache = json.dumps({"type": "first_block", "threshold": 0.3})
+    cached = tmp_path / "cached"
+    run_here(*tiny_args(cached, "--data.prompts", prompts, "--data.batch_size", "2", "--model.adapters",
+                        declared(loras), "--model.cache", cache))
+    chosen = [{k: v for k, v in r.items() if k != "adapters"} for r in records() if r.get("adapters") == ["wood"]]
+    alone = tmp_path / "alone"
+    run_here(*tiny_args(alone, "--data.prompts", write_prompts(tmp_path / "wood.jsonl", chosen), "--data.batch_size",
+                        "2", "--model.cache", cache, "--model.lora", json.dumps([{"path": str(loras["wood"]),
+                                                                                  "scale": 0.8}])))
+    mixed_images = by_record(cached)
+    for key, image in by_record(alone).items():
+        assert np.array_equal(mixed_images[key], image), key
