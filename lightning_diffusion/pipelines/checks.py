@@ -380,8 +380,8 @@ def vae_tiling_problems(info: PipelineInfo, vae_tiling: object) -> list[str]:
     that has a tiled decode; not ``false`` for a VAE that decodes only by tiles."""
     tiled_only = info.facts.tiled_only
     if vae_tiling is False and tiled_only:
-        return [f"model.vae_tiling: false, but {info.class_name}'s VAE ({tiled_only}) decodes only by tiles (its decode "
-                "raises without tiling): set model.vae_tiling: true, or leave it unset (it is then turned on)."]
+        return [f"model.vae_tiling: false, but {info.class_name}'s VAE ({tiled_only}) decodes only by tiles (its "
+                "decode raises without tiling): set model.vae_tiling: true, or leave it unset (it is then turned on)."]
     if vae_tiling is None or vae_tiling is False:
         return []
     if vae_tiling is not True and not isinstance(vae_tiling, dict):

@@ -487,7 +487,7 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
     vae_config = configs.get(vae, {})
     vae_class = _component_class(model_index, vae)
     spatial, temporal = vae_compression(vae_class, vae_config) if vae_config else (None, 1)
-    init = inspect.signature(pipeline_class.__init__).parameters
+    init = inspect.signature(vars(pipeline_class).get("__init__") or pipeline_class).parameters
     denoiser = next((name for name in DENOISERS if name in configs), None)
     patch, patch_t = token_patch(configs[denoiser], latent_channels(vae_config)) if denoiser else (None, 1)
     height, width = _call_default(parameters, "height"), _call_default(parameters, "width")
@@ -648,9 +648,10 @@ def checked_multiple(pipeline_class: type, configs: dict[str, dict[str, Any]]) -
     for node in ast.walk(found):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             assigned.setdefault(node.targets[0].id, node.value)
-    multiples = set()
+    multiples: set[Optional[int]] = set()
     for node in ast.walk(found):
         if (isinstance(node, ast.Compare) and isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Mod)
                 and isinstance(node.left.left, ast.Name) and node.left.left.id == "height"):
             multiples.add(value(node.left.right))
-    return multiples.pop() if len(multiples) == 1 and None not in multiples and min(multiples) > 0 else None
+    multiple = multiples.pop() if len(multiples) == 1 else None
+    return multiple if multiple is not None and multiple > 0 else None

@@ -214,7 +214,8 @@ class PipelineInfo:
         """What a run says of the size of a pipeline without a VAE whose size rule cannot be read:
         the size is not checked, and each image's metadata records the size made."""
         facts = self.facts
-        if not facts.pixel_space or facts.checked_multiple is not None or not {"height", "width"} & self.call_parameters:
+        sized = {"height", "width"} & self.call_parameters
+        if not facts.pixel_space or facts.checked_multiple is not None or not sized:
             return None
         return (f"{self.class_name} has no VAE, and its check_inputs states no size rule that can be read: height "
                 "and width are passed as given, unchecked; each image's metadata records the size made")

@@ -62,8 +62,9 @@ def test_a_vae_that_decodes_only_by_tiles_is_read_from_its_class():
 
     from lightning_diffusion.pipelines.facts import decodes_only_by_tiles, derive
 
-    models = [getattr(diffusers, name, None) for name in dir(diffusers)]
-    found = [m.__name__ for m in models if isinstance(m, type) and issubclass(m, ModelMixin) and decodes_only_by_tiles(m)]
+    models = [m for m in (getattr(diffusers, name, None) for name in dir(diffusers))
+              if isinstance(m, type) and issubclass(m, ModelMixin)]
+    found = [m.__name__ for m in models if decodes_only_by_tiles(m)]
     assert found == ["AutoencoderKLAllegro"]
     facts = derive(diffusers.AllegroPipeline, {"vae": ["diffusers", "AutoencoderKLAllegro"]},
                    {"vae": {"_class_name": "AutoencoderKLAllegro"}})
