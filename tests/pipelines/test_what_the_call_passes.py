@@ -366,3 +366,18 @@ def test_task_pipelines_built_from_tiny_copies_give_the_same_bytes_over_two_repl
     assert against_one_process(common, tmp_path, "data_parallel") == 0
     assert sorted(load_arrays(tmp_path / "two")) == [0, 1]
     record(class_name, "data_parallel 2", "equal", "byte-identical to one process", copy=f"built from {base}")
+
+
+@pytest.mark.slow
+def test_flux_inpainting_under_ulysses_2_equals_one_process(tmp_path):
+    """FLUX.1's inpainting (tiny:flux, ``model.pipeline_class``): its mask and masked image blend the
+    latents between steps and reach the transformer only inside its hidden states, which the plan
+    splits; two records of unequal prompts in one call, on 2 ranks (tolerance 1e-5 on float pixels)."""
+    prompts = records(tmp_path / "inputs", "image", "mask_image")
+    common = ["predict", "--config", "configs/tiny-flux.yaml", "--model.pipeline_class", "FluxInpaintPipeline",
+              "--data.prompts", str(prompts), *STEPS, "--data.batch_size", "2"]
+    worst = against_one_process(common, tmp_path, "ulysses")
+    assert worst <= ATOL, worst
+    assert sorted(load_arrays(tmp_path / "two")) == [0, 1]
+    record("FluxInpaintPipeline", "ulysses 2", "equal", f"max difference {worst:.1e} (tolerance {ATOL:.0e})",
+           copy="tiny:flux")
