@@ -34,7 +34,7 @@ from lightning_diffusion.pipelines.adapters import AdapterSets, AdapterSwitch, c
 from lightning_diffusion.pipelines.cache import CacheStats, StepCache
 from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.failures import CallRunner
-from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader
+from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader, decoding_defaults
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
 from lightning_diffusion.pipelines.plain import Accelerators
 from lightning_diffusion.pipelines.settings import ModelSettings
@@ -178,7 +178,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         self.adapter_record: list[dict[str, Any]] = []  # the fused set, as each image's metadata says it
         if declared:
             lora_.keep_read(max_loaded_adapters)
-        self.options = recorded_options(options)  # OPTIONS: recorded in run.json and each image's metadata
+        defaults, notes = decoding_defaults(info, options)  # a VAE that decodes only by tiles
+        self.options = recorded_options({**options, **defaults})  # OPTIONS: in run.json and each image's metadata
         self.compiled = False
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
@@ -190,7 +191,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             adapters=() if self.adapter_sets else tuple(self.adapters), vae_tiling=self.options["vae_tiling"],
             vae_slicing=self.options["vae_slicing"], attention_backend=self.options["attention_backend"],
             compile=self.options["compile"], cache=self.cache,
-            num_inference_steps=self.call_args.get("num_inference_steps"), show_inner_progress=show_inner_progress)
+            num_inference_steps=self.call_args.get("num_inference_steps"), show_inner_progress=show_inner_progress,
+            notes=tuple(notes))
         self.runner = CallRunner(pad_batches, info.spec.call_batch)
         self.checks = RecordChecks(info, self.call_args, self.cache, declared)
         self.side_capture = SideCapture()  # what the writer saves beside each image (``save_side_outputs``)

@@ -37,6 +37,8 @@ def short_reason(detail: str) -> str:
         return "text mask not verified under ulysses_anything"
     if "text attention mask" in detail:
         return "text mask under ring"
+    if "decodes only by tiles" in detail:
+        return "`model.vae_tiling: false` (its VAE decodes only by tiles)"
     if "that needs the package" in detail:  # a placeholder class of diffusers
         return "needs the package " + detail.split("that needs the package ")[1].split(",")[0]
     if "takes no prompt" in detail:  # and what it takes instead

@@ -216,6 +216,12 @@ def load_arrays(output_dir: Path) -> dict[int, np.ndarray]:
     return {int(Path(f).stem): np.load(f) for f in glob.glob(str(output_dir / "*.npy"))}
 
 
+def worst_difference(ours: dict[int, np.ndarray], ref: dict[int, np.ndarray]) -> float:
+    """The largest absolute difference between two runs' arrays, which must hold the same images."""
+    assert sorted(ours) == sorted(ref) and ours, (sorted(ours), sorted(ref))
+    return max(float(np.abs(ours[i] - ref[i]).max()) for i in ref)
+
+
 def load_pngs(output_dir: Path) -> dict[int, np.ndarray]:
     return {int(Path(f).name[:6]): np.asarray(Image.open(f)) for f in glob.glob(str(output_dir / "*.png"))}
 

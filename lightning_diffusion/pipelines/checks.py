@@ -397,7 +397,11 @@ def compile_problems(info: PipelineInfo, mode: object) -> list[str]:
 
 def vae_tiling_problems(info: PipelineInfo, vae_tiling: object) -> list[str]:
     """``model.vae_tiling``: ``true``, or the settings of the VAE's ``enable_tiling``, for a VAE
-    that has a tiled decode."""
+    that has a tiled decode; not ``false`` for a VAE that decodes only by tiles."""
+    tiled_only = info.facts.tiled_only
+    if vae_tiling is False and tiled_only:
+        return [f"model.vae_tiling: false, but {info.class_name}'s VAE ({tiled_only}) decodes only by tiles (its "
+                "decode raises without tiling): set model.vae_tiling: true, or leave it unset (it is then turned on)."]
     if vae_tiling is None or vae_tiling is False:
         return []
     if vae_tiling is not True and not isinstance(vae_tiling, dict):

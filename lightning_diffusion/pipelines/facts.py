@@ -31,6 +31,8 @@ TEXT_MASK_ARGS = ("encoder_attention_mask", "encoder_hidden_states_mask")
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")
 # The components that decode latents to pictures, in the order they are looked for (Kandinsky's ``movq``).
 VAES = ("vae", "movq")
+# Other components that decode latents (aMUSEd's and LDM's ``vqvae``, Würstchen's ``vqgan``).
+OTHER_DECODERS = ("vqvae", "vqgan")
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,14 @@ class PipelineFacts:
     ``unsplit_per_token``: (component, argument, mask) for each argument its ``__call__`` passes a
     component with a ``_cp_plan`` that holds a value per latent token (computed from a latent mask,
     as LTX image-to-video's timestep from its conditioning mask) and that the plan does not split:
-    each rank would get the whole sequence's values beside its shard of the tokens."""
+    each rank would get the whole sequence's values beside its shard of the tokens.
+    ``tiled_only``: the VAE's class name where its decode raises unless tiling is on (Allegro's
+    ``AutoencoderKLAllegro``: "Decoding without tiling has not been implemented yet").
+    ``pixel_space``: it has no VAE (no ``vae``, ``movq``, ``vqvae`` or ``vqgan``): its denoiser makes
+    the pixels. ``checked_multiple``: the multiple its ``check_inputs`` holds height and width to
+    (``height % (self.vae_scale_factor * self.transformer.config.patch_size) != 0``), where every
+    name in it can be read from the class and the configs; ``own_scale``: the ``vae_scale_factor``
+    its class states without a VAE (PRX's pixel pipeline: 1)."""
 
     @property
     def text_split(self) -> bool:
@@ -102,6 +111,10 @@ class PipelineFacts:
     rounds_to: Optional[int] = None
     needed_inputs: tuple[str, ...] = ()
     unsplit_per_token: tuple[tuple[str, str, str], ...] = ()
+    tiled_only: Optional[str] = None
+    pixel_space: bool = False
+    checked_multiple: Optional[int] = None
+    own_scale: Optional[int] = None
 
     @property
     def size_multiple(self) -> Optional[int]:
@@ -472,7 +485,9 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
     frames_arg = FRAMES_ARG if FRAMES_ARG in parameters and output == "frames" else None
     vae = next((name for name in VAES if name in configs), "vae")
     vae_config = configs.get(vae, {})
-    spatial, temporal = vae_compression(_component_class(model_index, vae), vae_config) if vae_config else (None, 1)
+    vae_class = _component_class(model_index, vae)
+    spatial, temporal = vae_compression(vae_class, vae_config) if vae_config else (None, 1)
+    init = inspect.signature(vars(pipeline_class).get("__init__") or pipeline_class).parameters
     denoiser = next((name for name in DENOISERS if name in configs), None)
     patch, patch_t = token_patch(configs[denoiser], latent_channels(vae_config)) if denoiser else (None, 1)
     height, width = _call_default(parameters, "height"), _call_default(parameters, "width")
@@ -537,8 +552,106 @@ def derive(pipeline_class: type, model_index: dict[str, Any], configs: dict[str,
         needed_inputs=untested_inputs(pipeline_class),
         denoiser_class=_class_name(model_index.get(next((n for n in DENOISERS if n in model_index), ""))),
         unsplit_per_token=tuple(per_token),
+        tiled_only=vae_class.__name__ if vae_class is not None and decodes_only_by_tiles(vae_class) else None,
+        pixel_space=not any(name in model_index or name in init for name in (*VAES, *OTHER_DECODERS)),
+        checked_multiple=checked_multiple(pipeline_class, configs),
+        own_scale=own_scale(pipeline_class),
     )
 
 
 def _class_name(entry: Any) -> Optional[str]:
     return entry[1] if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) else None
+
+
+def _function(method: Any) -> Any:
+    """The ``def`` node of ``method``'s source, or None where it has none readable."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    return next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+
+
+def decodes_only_by_tiles(vae_class: type) -> bool:
+    """Whether the VAE's ``_decode`` returns its tiled decode under ``if self.use_tiling`` and
+    otherwise raises, at the top of its body (``AutoencoderKLAllegro``), read from its source."""
+    import ast
+
+    found = _function(getattr(vae_class, "_decode", None)) if hasattr(vae_class, "_decode") else None
+    if found is None:
+        return False
+
+    def tiling(test: Any) -> bool:
+        return "use_tiling" in ast.unparse(test)
+
+    tiled = any(isinstance(s, ast.If) and tiling(s.test) and not isinstance(s.test, ast.UnaryOp)
+                and any(isinstance(b, ast.Return) for b in s.body) for s in found.body)
+    raises = any(isinstance(s, ast.Raise) for s in found.body)
+    refused = any(isinstance(s, ast.If) and isinstance(s.test, ast.UnaryOp) and tiling(s.test)
+                  and any(isinstance(b, ast.Raise) for b in s.body) for s in found.body)
+    return (tiled and raises) or refused
+
+
+def own_scale(pipeline_class: type) -> Optional[int]:
+    """The ``vae_scale_factor`` a pipeline class states without a VAE: a class attribute, or a
+    property whose body returns a constant (PRX's pixel pipeline: ``return 1``)."""
+    import ast
+
+    value = inspect.getattr_static(pipeline_class, "vae_scale_factor", None)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, property):
+        return None
+    found = _function(value.fget)
+    returns = [n for n in ast.walk(found) if isinstance(n, ast.Return)] if found is not None else []
+    if len(returns) == 1 and isinstance(returns[0].value, ast.Constant) and type(returns[0].value.value) is int:
+        return returns[0].value.value
+    return None
+
+
+def checked_multiple(pipeline_class: type, configs: dict[str, dict[str, Any]]) -> Optional[int]:
+    """The multiple ``check_inputs`` holds height to (``if height % X != 0 ... raise``), where ``X``
+    reads only constants, names assigned before it in ``check_inputs``, the class's own
+    ``vae_scale_factor`` (``own_scale``) and components' configs (``self.transformer.config.patch_size``);
+    None where any part of it cannot be read (a VAE's factor set in ``__init__`` from the loaded VAE)."""
+    import ast
+
+    found = _function(getattr(pipeline_class, "check_inputs", None)) if hasattr(pipeline_class, "check_inputs") \
+        else None
+    if found is None:
+        return None
+    assigned: dict[str, Any] = {}
+
+    def value(node: Any) -> Optional[int]:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name) and node.id in assigned:
+            return value(assigned[node.id])
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add, ast.Pow, ast.FloorDiv)):
+            left, right = value(node.left), value(node.right)
+            if left is None or right is None:
+                return None
+            return {ast.Mult: left * right, ast.Add: left + right, ast.Pow: left ** right,
+                    ast.FloorDiv: left // right if right else 0}[type(node.op)]
+        text = ast.unparse(node)
+        if text == "self.vae_scale_factor":
+            return own_scale(pipeline_class)
+        parts = text.split(".")
+        if len(parts) == 4 and parts[0] == "self" and parts[2] == "config":
+            read = configs.get(parts[1], {}).get(parts[3])
+            return read if type(read) is int else None
+        return None
+
+    for node in ast.walk(found):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            assigned.setdefault(node.targets[0].id, node.value)
+    multiples: set[Optional[int]] = set()
+    for node in ast.walk(found):
+        if (isinstance(node, ast.Compare) and isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Mod)
+                and isinstance(node.left.left, ast.Name) and node.left.left.id == "height"):
+            multiples.add(value(node.left.right))
+    multiple = multiples.pop() if len(multiples) == 1 else None
+    return multiple if multiple is not None and multiple > 0 else None

@@ -45,6 +45,27 @@ class NodeRanks(Protocol):
         ...
 
 
+def decoding_defaults(info: PipelineInfo, options: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The decoding options a pipeline cannot run without, where ``model.vae_tiling`` is unset: a VAE
+    that decodes only by tiles (``PipelineFacts.tiled_only``) gets ``vae_tiling: true`` and, where it
+    can, ``vae_slicing`` (Allegro's tiled decode fills a one-sample buffer), with the lines that say
+    so; and what a run says of a size it cannot check (``PipelineInfo.size_note``). An explicit
+    ``vae_tiling: false`` is refused by ``checks.vae_tiling_problems``."""
+    changed: dict[str, Any] = {}
+    notes = [note for note in (info.size_note(),) if note]
+    vae = info.facts.tiled_only
+    if vae and options.get("vae_tiling") is None:
+        changed["vae_tiling"] = True
+        slicing = not options.get("vae_slicing") and callable(getattr(info.component_class("vae"), "enable_slicing",
+                                                                       None))
+        if slicing:
+            changed["vae_slicing"] = True
+        also = " and model.vae_slicing (its tiled decode takes one sample)" if slicing else ""
+        notes.append(f"model.vae_tiling: on{also}, as {info.class_name}'s VAE ({vae}) decodes only by tiles; "
+                     "set model.vae_tiling to choose its tiles")
+    return changed, notes
+
+
 class LoadedPipeline(NamedTuple):
     """What ``PipelineLoader.load_pipeline`` made: the pipeline with its options applied, and the
     step cache installed on it (``None`` without ``model.cache``)."""
@@ -58,7 +79,8 @@ class PipelineLoader:
     """How the pipeline of ``info`` loads, from the model's settings: ``dtype``, the user's
     ``from_pretrained_kwargs``, ``quantization``, the LoRA ``adapters``, ``vae_tiling``,
     ``vae_slicing``, ``attention_backend``, ``compile``, the step ``cache`` (with the config's
-    ``num_inference_steps``; ``None``: the pipeline's default) and ``show_inner_progress``.
+    ``num_inference_steps``; ``None``: the pipeline's default), ``show_inner_progress`` and the
+    ``notes`` logged once it loads (``decoding_defaults``).
 
     It keeps no pipeline: the one it loads is returned (``LoadedPipeline``) and owned by the module
     (``DiffusionModule.pipeline``, which a strategy may then replace with its parallelised one)."""
@@ -75,6 +97,7 @@ class PipelineLoader:
     cache: Optional[Mapping[str, Any]] = None
     num_inference_steps: Optional[int] = None
     show_inner_progress: bool = False
+    notes: Sequence[str] = ()
 
     def build_components(self, plan: LoadPlan) -> dict[str, nn.Module]:
         """The components ``plan`` builds itself (a transformer sharded while it loads, one placed
@@ -155,6 +178,9 @@ class PipelineLoader:
             (plan.fuse_adapters or lora.fuse)(pipeline, self.adapters)
             if global_rank == 0:
                 log.info(f"model.lora: {', '.join(f'{a.name} x {a.scale:g}' for a in self.adapters)} fused")
+        if global_rank == 0:
+            for note in self.notes:
+                log.info(note)
         tiling = self.vae_tiling
         if tiling:
             pipeline.vae.enable_tiling(**(tiling if isinstance(tiling, dict) else {}))

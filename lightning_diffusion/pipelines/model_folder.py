@@ -194,8 +194,12 @@ class PipelineInfo:
 
     def size_problems(self, height: Optional[int], width: Optional[int]) -> list[str]:
         """Sizes the pipeline makes as asked: multiples of its pixels per token, or of the multiple its
-        own call rounds sizes up to (``PipelineFacts.rounds_to``), whichever is larger."""
+        own call rounds sizes up to (``PipelineFacts.rounds_to``), whichever is larger. A pipeline
+        without a VAE follows the rule its ``check_inputs`` states (``PipelineFacts.checked_multiple``),
+        and none where it states none it can be read from (``size_note``)."""
         multiple = math.lcm(self.size_multiple, self.facts.rounds_to or 1)
+        if self.facts.pixel_space:
+            multiple = math.lcm(self.facts.checked_multiple or 1, self.facts.rounds_to or 1)
         problems = []
         for name, value in (("height", height), ("width", width)):
             if value is None:
@@ -205,6 +209,16 @@ class PipelineInfo:
                 problems.append(f"{name}={value!r} cannot be made by {self.class_name}: use a positive multiple of "
                                 f"{multiple}{hint}.")
         return problems
+
+    def size_note(self) -> Optional[str]:
+        """What a run says of the size of a pipeline without a VAE whose size rule cannot be read:
+        the size is not checked, and each image's metadata records the size made."""
+        facts = self.facts
+        sized = {"height", "width"} & self.call_parameters
+        if not facts.pixel_space or facts.checked_multiple is not None or not sized:
+            return None
+        return (f"{self.class_name} has no VAE, and its check_inputs states no size rule that can be read: height "
+                "and width are passed as given, unchecked; each image's metadata records the size made")
 
     def frames_problems(self, frames: Optional[int]) -> list[str]:
         spec = self.spec

@@ -137,8 +137,8 @@ class PipelineSpec:
 
     def resolved(self, facts: Optional["PipelineFacts"] = None) -> "PipelineSpec":
         """This entry with every fact it leaves unset read from the pipeline (``facts``),
-        and the remaining unknowns at their neutral values (1 token a latent pixel, an 8x VAE,
-        ``images``)."""
+        and the remaining unknowns at their neutral values (1 token a latent pixel, an 8x VAE, or the
+        pipeline's own ``vae_scale_factor`` (else 1) where it has no VAE, ``images``)."""
         def pick(name: str, derived: Any, neutral: Any) -> Any:
             own = getattr(self, name)
             return own if own is not None else (derived if derived is not None else neutral)
@@ -153,7 +153,8 @@ class PipelineSpec:
             call_batch=1 if f is not None and f.single_items else self.call_batch,
             cp_mask_modes=tuple(dict.fromkeys((*self.cp_mask_modes, *mask_modes))),
             patch=pick("patch", f and f.patch, 1),
-            vae_scale=pick("vae_scale", f and f.spatial, 8),
+            vae_scale=pick("vae_scale", f and f.spatial,
+                           (f.own_scale or 1) if f is not None and f.pixel_space else 8),
             output=pick("output", f and f.output, "images"),
             frames_arg=pick("frames_arg", f and f.frames_arg, None),
             temporal_scale=pick("temporal_scale", f and f.temporal, 1),

@@ -233,7 +233,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             problems += store.write_problems()
             if (not problems and info is not None and records is not None and data.num_shards == 1
                     and not records.summary.with_inputs and not writer.allow_config_change):
-                nothing_left = bucket_nothing_left(store, _run_settings(model, data, writer, records, call_args),
+                nothing_left = bucket_nothing_left(store, _run_settings(model, data, writer, records, call_args, info),
                                                    len(records) * data.num_images_per_prompt)
         return Verdict(problems, complete, nothing_left)
     if not problems and is_int(data.num_shards, 1) and is_int(data.shard_index, 0):
@@ -259,7 +259,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
         if not writer.allow_config_change:
             # The writer checks again when the run starts; here it costs no process start.
             conflict = settings_conflict(Path(writer.output_dir).expanduser(),
-                                         _run_settings(model, data, writer, records, call_args))
+                                         _run_settings(model, data, writer, records, call_args, info))
             if conflict:
                 problems.append(conflict)
         if here and not problems and found is not None and num_images is not None:
@@ -278,11 +278,16 @@ class Verdict:
 
 
 def _run_settings(model: ModelSettings, data: DataSettings, writer: WriterSettings, records: Any,
-                  call_args: CallArgs) -> RunSettings:
-    """The settings run.json records for this run (what a resume compares)."""
+                  call_args: CallArgs, info: PipelineInfo) -> RunSettings:
+    """The settings run.json records for this run (what a resume compares), with the decoding
+    options the module turns on itself (``decoding_defaults``)."""
+    from lightning_diffusion.pipelines.loading import decoding_defaults
+
+    options = model.options()
+    options.update(decoding_defaults(info, options)[0])
     return run_settings(image_settings(model.pretrained_model_name_or_path, dtype_name(model.torch_dtype), call_args,
                                        dict(model.from_pretrained_kwargs or {}), model.cache,
-                                       recorded_options(model.options())),
+                                       recorded_options(options)),
                         run_plan(data, records), writer)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
+from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args, worst_difference
 
 ATOL = 1e-5
 KONTEXT = ["--model.pretrained_model_name_or_path", "tiny:flux-kontext", "--model.call_kwargs.max_area", "4096",
@@ -79,11 +79,6 @@ def edits(tmp_path_factory):
     return prompts, reference
 
 
-def _worst(ours: dict, ref: dict) -> float:
-    assert sorted(ours) == sorted(ref) and ours
-    return max(float(np.abs(ours[i] - ref[i]).max()) for i in ref)
-
-
 @pytest.mark.slow  # four pipelines' references: out of the quick loop
 def test_each_pipeline_makes_pictures_from_its_records_inputs(edits, tmp_path):
     """One process: every record gives an output of the configured size, named with its input files,
@@ -109,7 +104,7 @@ def test_kontext_batches_of_mixed_image_sizes_equal_batch_size_one(edits, tmp_pa
     prompts, reference = edits
     out = tmp_path / "batched"
     run_here(*edit_args(out, "kontext", prompts["kontext"], "--data.batch_size", "4"))
-    assert _worst(load_arrays(out), reference("kontext")) <= ATOL
+    assert worst_difference(load_arrays(out), reference("kontext")) <= ATOL
 
 
 @pytest.mark.slow
@@ -131,7 +126,7 @@ def test_edit_pipelines_under_every_strategy_match_one_process(name, strategy, e
     prompts, reference = edits
     out = tmp_path / "out"
     proc = run_cli(*edit_args(out, name, prompts[name], *strategy))
-    assert _worst(load_arrays(out), reference(name)) <= ATOL
+    assert worst_difference(load_arrays(out), reference(name)) <= ATOL
     assert [line["index"] for line in read_manifest_lines(out)] == sorted(reference(name))
     if "cfg_parallel" in strategy:
         assert "0 run whole on both ranks" in proc.stdout + proc.stderr  # every transformer call was split
@@ -221,4 +216,4 @@ def test_a_killed_edit_run_resumes_with_each_record_once_and_the_same_pictures(e
     rerun = run_here(*edit_args(out, "kontext", prompts["kontext"]))
     assert "resumed: 1 already" in rerun.stdout + rerun.stderr or "resumed: 2 already" in rerun.stdout + rerun.stderr
     assert [line["index"] for line in read_manifest_lines(out)] == [0, 1, 2, 3]
-    assert _worst(load_arrays(out), reference("kontext")) <= ATOL
+    assert worst_difference(load_arrays(out), reference("kontext")) <= ATOL
