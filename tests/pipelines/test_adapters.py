@@ -227,6 +227,19 @@ def test_a_killed_mixed_run_resumes_exactly(loras, mixed, tmp_path):
         assert np.array_equal(first[key], second[key]), key
 
 
+def test_a_mixed_run_under_a_device_map_matches_one_process(loras, mixed, tmp_path, cli_here):
+    out, prompts = mixed
+    args = ["--data.prompts", prompts, "--data.batch_size", "2", "--model.adapters", declared(loras)]
+    run_here(*tiny_args(tmp_path / "out", *args, "--trainer.strategy.init_args.max_memory", "null",
+                        "--trainer.strategy.init_args.offload_folder", "null", config="configs/tiny-device-map.yaml"))
+    ours, ref = by_record(tmp_path / "out"), by_record(out)
+    assert sorted(ours) == sorted(ref)
+    for key in ref:  # our in-place fuse on the placed weights, against diffusers' fuse: rounding apart
+        np.testing.assert_allclose(ours[key], ref[key], rtol=0, atol=ATOL, err_msg=str(key))
+    proc = cli_here(*tiny_args(tmp_path / "refused", *args, config="configs/tiny-device-map.yaml"))
+    assert proc.returncode == 2 and "an update cannot be fused into offloaded weights" in proc.stderr
+
+
 STRATEGIES = {
     "data_parallel_2": ["--trainer.devices", "2"],
     "ulysses_2": ["--config", "configs/tiny-ulysses.yaml"],
