@@ -111,6 +111,12 @@ class OutputCollector:
         for rank, count in (status.get("by_rank") or {}).items():
             by_rank.add_metric([str(rank)], float(count))
         yield by_rank
+        shard_eta = GaugeMetricFamily("lightning_diffusion_eta_seconds_by_shard",
+                                      "seconds until each running array task's shard ends (see shard_etas)",
+                                      labels=["shard"])
+        for shard, seconds in shard_etas(status).items():
+            shard_eta.add_metric([str(shard)], seconds)
+        yield shard_eta
         pool = status.get("pool")
         if pool:
             claimed = GaugeMetricFamily("lightning_diffusion_batches_claimed", "batches each pool worker holds",
@@ -144,6 +150,17 @@ def worker_etas(pool: PoolSummary, now: float) -> dict[str, float]:
              for worker in pool["workers"] if worker["live"] and worker.get("since") is not None}
     together = sum(paces.values())
     return {name: (left / together if left else 0.0) + 1 / pace for name, pace in paces.items() if pace > 0}
+
+
+def shard_etas(status: RunStatus) -> dict[int, float]:
+    """Seconds until each running shard of a job array ends: its images left at the folder's live
+    rate shared evenly by the running shards (a shard's own rate is not kept while it runs)."""
+    running = [shard for shard in status.get("shards") or [] if shard["running"]]
+    rate = status.get("rate_per_s")
+    if not running or not rate or not status.get("rate_live"):
+        return {}
+    each = rate / len(running)
+    return {shard["shard"]: max(0, shard["expected"] - shard["done"]) / each for shard in running}
 
 
 def port_problem(port: int, host: str = "") -> Optional[str]:

@@ -167,9 +167,9 @@ class DeviceMapStrategy(MeshStrategy):
         if not request.lora:
             return []
         if self.offload_folder or any(k == "cpu" for k in self.max_memory):
-            return ["model.lora (or model.adapters) with a device map that may offload weights to the CPU or disk (offload_folder, "
-                    "max_memory for cpu): an update cannot be fused into offloaded weights; drop them, or use "
-                    "data_parallel."]
+            return ["model.lora (or model.adapters) with a device map that may offload weights to the CPU or disk "
+                    "(offload_folder, max_memory for cpu): an update cannot be fused into offloaded weights; drop "
+                    "them, or use data_parallel."]
         from lightning_diffusion.pipelines import lora
 
         problems: list = []
