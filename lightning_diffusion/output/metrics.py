@@ -187,10 +187,6 @@ class LiveMetrics:
                  options: Optional[StorageOptions] = None) -> None:
         self.port, self.file, self.interval_s, self.host = port, file, interval_s, host
         client = _client()
-        if port:
-            problem = port_problem(port, host)
-            if problem:
-                raise ConfigError(problem)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._server: Any = None
@@ -203,8 +199,11 @@ class LiveMetrics:
         if queue_depth is not None:
             client.Gauge("lightning_diffusion_write_queue_depth", "batches waiting in global rank 0's write queue",
                          registry=self._registry).set_function(queue_depth)
-        if port:
-            self._server = client.start_http_server(port, addr=host or "0.0.0.0", registry=self._registry)
+        if port:  # the server's own bind decides (a probe before it would leave a window for another process)
+            try:
+                self._server = client.start_http_server(port, addr=host or "0.0.0.0", registry=self._registry)
+            except OSError as err:
+                raise ConfigError(f"metrics: port {port} cannot be served: {err.strerror or err}.") from None
         if file:
             self._thread = threading.Thread(target=self._keep_file, name="prometheus-textfile", daemon=True)
             self._thread.start()
