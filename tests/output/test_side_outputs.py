@@ -176,6 +176,40 @@ def test_under_guidance_in_one_batch_the_positive_prompts_embeddings_are_saved(t
         assert line["latents"]["vae_scaling_factor"] == pipe.vae.config.scaling_factor
 
 
+def same_tensors(ours: dict, one: dict, atol: float = 1e-4) -> None:
+    assert sorted(ours) == sorted(one)
+    for key in one:
+        mine, theirs = load(ours[key]), load(one[key])
+        assert sorted(mine) == sorted(theirs)
+        for name in theirs:
+            assert mine[name].shape == theirs[name].shape
+            assert torch.allclose(mine[name], theirs[name], rtol=0, atol=atol), (key, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["configs/tiny-tp.yaml", "configs/tiny-device-map.yaml"], ids=["tp_2", "device_map"])
+def test_a_tensor_parallel_group_and_a_device_map_write_the_whole_tensors_once(files_run, tmp_path, config):
+    """tp=2 (the group's writing rank writes the tensors the group computed together) and a staged
+    device map (tensors gathered from the devices they were placed on) give one process's tensors,
+    to float rounding."""
+    extra = (["--trainer.strategy.init_args.max_memory", "null", "--trainer.strategy.init_args.offload_folder", "null"]
+             if "device-map" in config else [])
+    run_cli(*tiny_args(tmp_path, *ARGS, *SIDES, *extra, config=config))
+    same_tensors(side_bytes(tmp_path), side_bytes(files_run))
+
+
+@pytest.mark.slow
+def test_cfg_parallel_saves_the_conditional_branchs_tensors_once(tmp_path):
+    """CFG parallel over 2 ranks (tiny Qwen-Image, true CFG): each image's latents and its own
+    prompt's embeddings (the conditional branch), written once, equal one process's."""
+    qwen = ["--data.batch_size", "2", "--model.height", "32", "--model.width", "32", "--model.num_inference_steps",
+            "2"]  # the config's prompts: each with its negative prompt, which cfg=2 needs
+    run_cli(*tiny_args(tmp_path / "one", *qwen, *SIDES, "--trainer.devices", "1", "--trainer.strategy",
+                       "data_parallel", config="configs/tiny-cfg.yaml"))
+    run_cli(*tiny_args(tmp_path / "cfg", *qwen, *SIDES, config="configs/tiny-cfg.yaml"))
+    same_tensors(side_bytes(tmp_path / "cfg"), side_bytes(tmp_path / "one"))
+
+
 @pytest.mark.slow
 def test_a_context_parallel_group_writes_the_whole_tensors_once(files_run, tmp_path):
     """Ulysses over 2 ranks: the latents decoded after the gather and the embeddings before the
