@@ -30,7 +30,7 @@ from lightning_diffusion.input.data import PromptDataModule
 from lightning_diffusion.input.records import Records
 from lightning_diffusion.input.verdicts import JobRanks, RecordChecks
 from lightning_diffusion.output.settings import image_settings, recorded_options
-from lightning_diffusion.pipelines.adapters import AdapterSets, AdapterSwitch, choice_key
+from lightning_diffusion.pipelines.adapters import AdapterSets, AdapterSwitch, choice_key, parse_named
 from lightning_diffusion.pipelines.cache import CacheStats, StepCache
 from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.failures import CallRunner
@@ -172,7 +172,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
 
         self.adapters = lora_.parse(lora)
         # model.adapters: sets chosen per record, switched between batches (``use_adapters``)
-        declared = lora_.parse_named(adapters)
+        declared = parse_named(adapters)
         self.adapter_sets = AdapterSets(declared, self.adapters) if declared else None
         self.switch: Optional[AdapterSwitch] = None
         self.adapter_record: list[dict[str, Any]] = []  # the fused set, as each image's metadata says it

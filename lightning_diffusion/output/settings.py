@@ -126,13 +126,14 @@ def recorded_options(options: CallArgs) -> CallArgs:
     if not options.get("lora") and not options.get("adapters"):
         return options
     from lightning_diffusion.pipelines import lora
+    from lightning_diffusion.pipelines.adapters import parse_named
 
     recorded = dict(options)
     try:
         if options.get("lora"):
             recorded["lora"] = lora.record(lora.parse(options["lora"]))
         if options.get("adapters"):
-            named = lora.parse_named(options["adapters"])
+            named = parse_named(options["adapters"])
             recorded["adapters"] = {name: found for name, found in zip(named, lora.record(list(named.values())))}
     except ConfigError:  # reported by pipelines.checks.model_problems
         return options

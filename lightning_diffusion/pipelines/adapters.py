@@ -32,6 +32,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from lightning_diffusion.core.errors import ConfigError
+
 if TYPE_CHECKING:  # torch is imported where a switch runs: the prompt readers use this module's rules
     import torch
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -83,12 +85,36 @@ def choice(value: object) -> Choice:
     return dict(sorted(found.items()))
 
 
+def parse_named(spec: object) -> dict[str, Adapter]:
+    """``model.adapters`` (``{name: {path, weight_name, scale, allow_pickle}}``: the adapters records
+    choose by name) as adapters by name; every problem is raised together."""
+    from lightning_diffusion.pipelines.lora import _parse_one, _raise
+
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise ConfigError("model.adapters is a mapping of names to adapters, such as {style: {path: "
+                          f"loras/style.safetensors, scale: 0.8}}, not {spec!r}.")
+    adapters: dict[str, Adapter] = {}
+    problems: list[str] = []
+    for name, item in spec.items():
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            problems.append(f"model.adapters: {name!r} is not an adapter name (letters, digits, '_', '-' and '.', "
+                            "starting with a letter or digit).")
+            continue
+        adapter = _parse_one(item, f"model.adapters.{name}", problems)
+        if adapter is not None:
+            adapters[name] = adapter
+    _raise(problems)
+    return adapters
+
+
 def every_adapter(lora: object, adapters: object) -> tuple[Adapter, ...]:
     """``model.lora``'s adapters and ``model.adapters``' (what a strategy checks and prepares for:
     any of them may be fused into its weights)."""
     from lightning_diffusion.pipelines import lora as lora_
 
-    return (*lora_.parse(lora), *lora_.parse_named(adapters).values())
+    return (*lora_.parse(lora), *parse_named(adapters).values())
 
 
 def choice_key(chosen: Optional[Mapping[str, Optional[float]]]) -> str:

@@ -287,13 +287,14 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
     import torch
 
     from lightning_diffusion.pipelines import lora, quantization
+    from lightning_diffusion.pipelines.adapters import parse_named
 
     if importlib.util.find_spec("peft") is None:
         return [f"model.{'adapters' if named else 'lora'} needs the peft package, which is not installed: "
                 "pip install peft."]
     problems: list = []
     parsed: Optional[Mapping[str, Adapter]] = run_check(
-        problems, (lambda s: lora.parse_named(s)) if named else (lambda s: {
+        problems, (lambda s: parse_named(s)) if named else (lambda s: {
             f"[{n}]": a for n, a in enumerate(lora.parse(s))}), spec)
     if parsed is None:
         return problems

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from lightning_diffusion.core.errors import ConfigError
-from lightning_diffusion.pipelines.adapters import NAME
 
 if TYPE_CHECKING:
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -66,27 +65,6 @@ def parse(spec: object) -> list[Adapter]:
         adapter = _parse_one(item, f"model.lora[{n}]", problems)
         if adapter is not None:
             adapters.append(adapter)
-    _raise(problems)
-    return adapters
-
-
-def parse_named(spec: object) -> dict[str, Adapter]:
-    """``model.adapters`` (``{name: {path, weight_name, scale, allow_pickle}}``: the adapters records
-    choose by name) as adapters by name; every problem is raised together."""
-    if spec is None:
-        return {}
-    if not isinstance(spec, Mapping):
-        raise ConfigError("model.adapters is a mapping of names to adapters, such as {style: {path: "
-                          f"loras/style.safetensors, scale: 0.8}}, not {spec!r}.")
-    adapters, problems = {}, []
-    for name, item in spec.items():
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            problems.append(f"model.adapters: {name!r} is not an adapter name (letters, digits, '_', '-' and '.', "
-                            "starting with a letter or digit).")
-            continue
-        adapter = _parse_one(item, f"model.adapters.{name}", problems)
-        if adapter is not None:
-            adapters[name] = adapter
     _raise(problems)
     return adapters
 
