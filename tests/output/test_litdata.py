@@ -86,6 +86,15 @@ def test_a_resume_after_a_partial_run_adds_only_the_missing_images(flat, tmp_pat
     samples = streamed(tmp_path)
     assert sorted(samples) == list(range(10))
     assert all(sample["image"] == flat[index] for index, sample in samples.items())
+    # docs/writing.md's ways to one dataset: the shards streamed together, or merged by LitData
+    import litdata
+
+    shards = [str(p) for p in sorted(tmp_path.glob("shard-*.litdata"))]
+    together = litdata.CombinedStreamingDataset([litdata.StreamingDataset(p) for p in shards], iterate_over_all=True)
+    assert sorted(sample["index"] for sample in together) == list(range(10))
+    litdata.merge_datasets(shards, str(tmp_path / "merged"))
+    merged = {sample["index"]: sample["image"] for sample in litdata.StreamingDataset(str(tmp_path / "merged"))}
+    assert merged == flat
 
 
 def test_litdata_without_the_package_names_its_install_and_a_pool_is_refused_before_the_weights(tmp_path):
