@@ -14,9 +14,10 @@ bytes as ``image`` and its member name as ``image_path``; its types are the same
 and every shard (no value is None: an empty negative prompt, ``-1`` steps and NaN guidance where a
 call has none), so that ``litdata.merge_datasets`` joins the shards of a run into one dataset.
 
-Imported only where the format is chosen: LitData (and torch, which it imports) are not needed by
-the other formats. Writing into a bucket (``object_store``) and into a pool (``data.schedule: pull``)
-is refused before the weights load.
+A pool's shard (``data.schedule: pull``) is published through the fence as a tar shard is: the
+samples of batches taken over meanwhile are left out (the shard is written again by LitData without
+them). Imported only where the format is chosen: LitData (and torch, which it imports) are not needed
+by the other formats. A bucket's output (``object_store``) is refused before the weights load.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from PIL import Image
 from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.core.records import ImageResult
 from lightning_diffusion.output.files import TarShards, side_columns
-from lightning_diffusion.output.settings import IMAGE_FORMATS, LITDATA_INSTALL, LITDATA_POOL_REFUSED
+from lightning_diffusion.output.manifest import temporary_name
+from lightning_diffusion.output.settings import IMAGE_FORMATS, LITDATA_INSTALL
 
 
 def _litdata() -> Any:
@@ -123,7 +125,20 @@ class LitdataShards(TarShards):
         shutil.rmtree(tmp, ignore_errors=True)
 
     def _keep_only(self, path: Path, keys: set[str]) -> int:
-        raise ConfigError(LITDATA_POOL_REFUSED)  # refused before a run starts: a pool's shard is never rewritten here
+        """A pool's shard written again with only the samples of ``keys`` (the batches still held):
+        read back through LitData, written by it into a new temporary folder that replaces ``path``."""
+        litdata, _ = _litdata()
+        dataset = litdata.StreamingDataset(os.fspath(path))
+        kept = [sample for sample in (dataset[position] for position in range(len(dataset)))
+                if str(sample["image_path"]).partition(".")[0] in keys]
+        again = temporary_name(path)
+        try:
+            self.chunk = write_litdata(again, kept, self.files.settings.fsync != "off")
+            shutil.rmtree(path)
+            os.replace(again, path)
+        finally:
+            shutil.rmtree(again, ignore_errors=True)
+        return (path / self.chunk).stat().st_size
 
     @staticmethod
     def _place(tmp: Path, path: Path) -> None:

@@ -26,10 +26,8 @@ if TYPE_CHECKING:
 LAYOUTS = ("auto", "flat", "sharded")
 FORMATS = ("files", "webdataset", "parquet", "litdata")
 SHARD_FORMATS = ("webdataset", "parquet", "litdata")  # the samples of a rank's batches in shards, in order
-# writer.format: litdata's package, and what it does not do yet (``litdata_shards``)
+# writer.format: litdata's package (``litdata_shards``)
 LITDATA_INSTALL = "pip install 'lightning-diffusion[litdata]' (or pip install litdata)"
-LITDATA_POOL_REFUSED = ("writer.format: litdata is not written by a pool (data.schedule: pull) yet: use "
-                        "data.schedule: deal, or writer.format: webdataset or parquet.")
 FILES_PER_FOLDER = 10_000  # img2dataset's shard size; listing and backing up folders stays fast
 SAMPLES_PER_SHARD = 1_000  # a tar shard: about 1 GB of 1024x1024 PNGs; a kill loses at most the open one
 VIDEO_FORMATS = ("mp4", "webp", "gif")

@@ -61,7 +61,6 @@ from lightning_diffusion.output.manifest import FAILED, REJECTED
 from lightning_diffusion.output.metrics import LiveMetrics, port_problem
 from lightning_diffusion.output.pool import batching_conflict, quit_join
 from lightning_diffusion.output.settings import (
-    LITDATA_POOL_REFUSED,
     SHARD_FORMATS,
     WriterSettings,
     resolve_layout,
@@ -346,8 +345,6 @@ class ImageWriter(BasePredictionWriter):
         if self._drains is not None:  # a rank stalled in a collective writes what it queued before it ends
             self._drains.append(self.drain_on_stall)
         self.plan = data.run_plan()
-        if self.plan.pull and self.settings.format == "litdata":
-            raise ConfigError(LITDATA_POOL_REFUSED)
         self.total, self.shard, self.expected = self.plan.num_images, self.plan.shard, self.plan.expected
         # a job of a pool (data.schedule: pull) has a name of its own, the same on its ranks
         job = trainer.strategy.broadcast(os.urandom(4).hex()) if self.plan.pull else None

@@ -30,7 +30,6 @@ from lightning_diffusion.output.manifest import MANIFEST, RUN_FILE, recorded_con
 from lightning_diffusion.output.metrics import port_problem
 from lightning_diffusion.output.recorded import Finished, finished
 from lightning_diffusion.output.settings import (
-    LITDATA_POOL_REFUSED,
     WriterSettings,
     image_settings,
     recorded_options,
@@ -202,8 +201,6 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
             verdicts = RecordVerdicts(dict(records.bad))
         problems += verdicts.refusal(len(records), data.on_bad_record)
     problems += writer_problems(writer)
-    if writer.format == "litdata" and data.schedule == "pull":
-        problems.append(LITDATA_POOL_REFUSED)
     if info is not None:  # latents or embeddings asked of a pipeline that has none (the writer checks it again)
         problems += side_output_problems(info, writer.save_latents, writer.save_text_embeddings)
     if here and is_int(writer.metrics_port, 1) and writer.metrics_port <= 65535:  # the run's machine: its port

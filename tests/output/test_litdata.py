@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from lightning_diffusion.output.recorded import finished
-from lightning_diffusion.output.settings import LITDATA_POOL_REFUSED
 from lightning_diffusion.output.store import litdata_problems
 from tests.conftest import REPO, read_manifest_lines, run_here, tiny_args
 from tests.output.test_layouts import ARGS, flat, outputs  # noqa: F401 (the loose files' run, a fixture)
@@ -97,15 +96,42 @@ def test_a_resume_after_a_partial_run_adds_only_the_missing_images(flat, tmp_pat
     assert merged == flat
 
 
-def test_litdata_without_the_package_names_its_install_and_a_pool_is_refused_before_the_weights(tmp_path):
+def test_litdata_without_the_package_names_its_install_and_a_bucket_is_refused_before_the_weights(tmp_path):
     assert litdata_problems("litdata", installed=lambda name: False) == [
         "writer.format: litdata needs the litdata package, which is not installed: "
         "pip install 'lightning-diffusion[litdata]' (or pip install litdata)."]
     assert litdata_problems("litdata", installed=lambda name: True) == []
     assert litdata_problems("parquet", installed=lambda name: False) == []
-    proc = run_here(*tiny_args(tmp_path / "out", *ARGS, "--writer.format", "litdata", "--data.schedule", "pull"),
-                    check=False)
-    assert proc.returncode == 2 and LITDATA_POOL_REFUSED in proc.stderr
-    assert not (tmp_path / "out").exists()  # refused before anything was made
     proc = run_here(*tiny_args("s3://bucket/out", *ARGS, "--writer.format", "litdata"), check=False)
     assert proc.returncode == 2 and "set writer.format: webdataset (or parquet)" in proc.stderr
+
+
+def test_a_pools_shard_keeps_only_the_batches_it_still_holds(tmp_path):
+    """A pool's shard whose first batch was taken over while it was open is written again by LitData
+    without that batch's samples, named by the first sample it keeps; only those have lines."""
+    litdata = pytest.importorskip("litdata")
+    from tests.output.test_fencing import Clock, Worker, _prepare
+
+    out, clock = tmp_path / "out", Clock()
+    _prepare(str(out), tmp_path)
+    a = Worker(str(out), "aaaa0000", "litdata", clock, tmp_path)
+    b = Worker(str(out), "bbbb1111", "litdata", clock, tmp_path)
+    assert a.pool.claim(0)
+    a.write((0, 0, ()))  # two samples in A's open shard (it closes after a whole batch, at 3 or more)
+    assert b.pool.take_over(0, 0)[0]  # batch 0 is B's now
+    assert a.pool.claim(1)
+    a.write((1, 0, ()))  # the shard closes: batch 0's samples are left out of it
+    a.files.finish()
+    shards = sorted(out.glob("shard-*.litdata"))
+    assert [p.name for p in shards] == ["shard-000000002.litdata"] and not list(out.glob(".shard-*"))
+    assert [s["index"] for s in litdata.StreamingDataset(str(shards[0]))] == [2, 3]
+    lines = [line for part in out.glob("manifest.pool-*.jsonl") for line in read_manifest_lines_of(part)]
+    assert sorted(line["index"] for line in lines) == [2, 3]
+    assert {line["file"] for line in lines} == {"shard-000000002.litdata/chunk-0-0.bin"}
+    assert all(line["shard_bytes"] == (out / line["file"]).stat().st_size for line in lines)
+
+
+def read_manifest_lines_of(part: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in part.read_text().splitlines()]

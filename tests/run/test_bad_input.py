@@ -124,8 +124,6 @@ CASES = [
     ("unknown layout", ["--writer.layout", "nested"], "writer.layout must be one of auto, flat, sharded, got 'nested'"),
     ("unknown format", ["--writer.format", "tiff"],
      "writer.format must be one of files, webdataset, parquet, litdata, got 'tiff'"),
-    ("litdata in a pool", ["--writer.format", "litdata", "--data.schedule", "pull"],
-     "writer.format: litdata is not written by a pool (data.schedule: pull) yet"),
     ("override of the wrong type", ["--data.prompts", "{d}/typed.jsonl"],
      "typed.jsonl:2: guidance_scale must be a number, got 'high'"),
     ("call_kwargs of the wrong type", ["--model.call_kwargs", '{"max_sequence_length": "long"}'],
