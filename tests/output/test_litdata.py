@@ -103,7 +103,8 @@ def test_litdata_without_the_package_names_its_install_and_a_bucket_is_refused_b
     assert litdata_problems("litdata", installed=lambda name: True) == []
     assert litdata_problems("parquet", installed=lambda name: False) == []
     proc = run_here(*tiny_args("s3://bucket/out", *ARGS, "--writer.format", "litdata"), check=False)
-    assert proc.returncode == 2 and "set writer.format: webdataset (or parquet)" in proc.stderr
+    assert proc.returncode == 2 and "writer.format: litdata writes its shards into a folder, not an object store " \
+        "(s3://bucket/out) yet" in proc.stderr
 
 
 def test_a_pools_shard_keeps_only_the_batches_it_still_holds(tmp_path):
