@@ -2,6 +2,7 @@
 (a folder of LitData's chunk and index renamed into place, then its manifest lines), a resume that
 adds only what is missing, and the refusals before the weights load."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,15 @@ def test_litdata_shards_hold_the_loose_files_bytes_and_streaming_dataset_reads_t
     assert "10 of 10 (100%) outputs, complete" in run_here("status", str(tmp_path)).stdout
     proc = run_here(*tiny_args(tmp_path, *ARGS, "--writer.format", "parquet"), check=False)
     assert proc.returncode == 2 and "writer.format: 'litdata' then, 'parquet' now" in proc.stderr
+    # a chunk modified after its lines is read back through LitData: its samples count while they
+    # are the bytes recorded, and none does once the chunk is another of the same size
+    chunk = tmp_path / "shard-000000004.litdata" / "chunk-0-0.bin"
+    later = chunk.stat().st_mtime + 3600
+    os.utime(chunk, (later, later))
+    assert sorted(finished(tmp_path).indices) == list(range(10))
+    chunk.write_bytes(bytes(chunk.stat().st_size))
+    os.utime(chunk, (later + 1, later + 1))
+    assert sorted(finished(tmp_path).indices) == [0, 1, 2, 3, 8, 9]
 
 
 def test_a_resume_after_a_partial_run_adds_only_the_missing_images(flat, tmp_path):  # noqa: F811
