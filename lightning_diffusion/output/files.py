@@ -76,12 +76,27 @@ def stale_temporaries(folder: Path, shard: Optional[tuple[int, int]], deep: bool
     for where in folders:
         for entry in os.scandir(where):
             match = _TEMPORARY.match(entry.name) if entry.name.startswith(".") else None
-            if match is None or not entry.is_file(follow_symlinks=False):
+            if match is None or not (entry.is_file(follow_symlinks=False) or _shard_folder(entry)):
                 continue
             index = match.group(1)
             if shard is None or (index is not None and in_shard(int(index), shard)):
                 found.append(Path(entry.path))
     return found
+
+
+def _shard_folder(entry: os.DirEntry) -> bool:
+    """A temporary that is a folder: a LitData shard's (``writer.format: litdata``), never a link."""
+    return ".litdata." in entry.name and entry.is_dir(follow_symlinks=False)
+
+
+def remove_temporary(path: Path) -> None:
+    """A temporary of ``stale_temporaries`` or ``worker_temporaries`` removed (a file, or a shard's folder)."""
+    if path.is_dir() and not path.is_symlink():
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def worker_temporaries(folder: Path, workers: set[str]) -> list[Path]:
@@ -92,7 +107,8 @@ def worker_temporaries(folder: Path, workers: set[str]) -> list[Path]:
                           and re.fullmatch(r"\d{5,}", e.name)]
     for where in folders:
         for entry in os.scandir(where):
-            if entry.name.startswith(".") and ".tmp-" in entry.name and entry.is_file(follow_symlinks=False):
+            if entry.name.startswith(".") and ".tmp-" in entry.name and (
+                    entry.is_file(follow_symlinks=False) or _shard_folder(entry)):
                 owner = entry.name.rpartition(".tmp-")[0].rpartition(".")[2]
                 if owner in workers:
                     found.append(Path(entry.path))
@@ -177,7 +193,12 @@ class OutputFiles:
 
     def __post_init__(self) -> None:
         self._part_lock = threading.Lock()
-        shards = {"webdataset": TarShards, "parquet": ParquetShards}.get(self.settings.format)
+        kinds: dict[str, type[TarShards]] = {"webdataset": TarShards, "parquet": ParquetShards}
+        shards = kinds.get(self.settings.format)
+        if self.settings.format == "litdata":
+            from lightning_diffusion.output.litdata_shards import LitdataShards
+
+            shards = LitdataShards
         self._shards = shards(self) if shards is not None else None
         self._folders: set[str] = set()
 
@@ -463,8 +484,13 @@ class TarShards:
 
     suffix = ".tar"
 
-    def _open(self, first_index: int, owner: str = "") -> None:
+    def _open_name(self, first_index: int, owner: str = "") -> None:
+        """The open shard's temporary name (``tmp``), beside the name it is published under."""
         self.tmp = temporary_name(self.files.output_dir / shard_name(first_index, self.suffix), owner)
+
+    def _open(self, first_index: int, owner: str = "") -> None:
+        self._open_name(first_index, owner)
+        assert self.tmp is not None
         self.handle = open(self.tmp, "wb")
         self.tar = tarfile.open(fileobj=self.handle, mode="w", format=tarfile.USTAR_FORMAT)  # no per-member PAX header
 
@@ -511,7 +537,7 @@ class TarShards:
         try:
             size = self._finish(tmp)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            self._discard(tmp)
             raise
         pause("written")
         pool = {claim for claim in claims if claim is not None}
@@ -522,7 +548,21 @@ class TarShards:
             else:
                 self._publish(tmp, size, lines, claims, pool)
         finally:
-            tmp.unlink(missing_ok=True)
+            self._discard(tmp)
+
+    @staticmethod
+    def _discard(tmp: Path) -> None:
+        """The shard's temporary, where it was not published."""
+        tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def _place(tmp: Path, path: Path) -> None:
+        """The closed shard renamed into place (over one a killed run left without lines)."""
+        os.replace(tmp, path)
+
+    def _recorded_file(self, name: str) -> str:
+        """What a published shard's lines name as their ``file``: the shard itself."""
+        return name
 
     def _publish(self, tmp: Path, size: int, lines: list[ManifestLine], claims: list[Optional[Claim]],
                  held: set[Claim]) -> None:
@@ -537,10 +577,10 @@ class TarShards:
         name = shard_name(lines[0]["index"], self.suffix)
         if self.files.publish is not None and claims[keep[0]] is not None:
             name = self.files.publish.pool_name(name)  # a pool's shards in a bucket: one name a worker
-        os.replace(tmp, self.files.output_dir / name)
+        self._place(tmp, self.files.output_dir / name)
         pause("published")
         stamp = round(time.time(), 3)
-        lines = [{**line, "file": name, "shard_bytes": size, "written": stamp} for line in lines]
+        lines = [{**line, "file": self._recorded_file(name), "shard_bytes": size, "written": stamp} for line in lines]
         if self.files.publish is not None:  # uploaded whole, and recorded there, before the lines count here
             local = self.files.output_dir / name
             try:
@@ -575,7 +615,7 @@ class ParquetShards(TarShards):
     suffix = ".parquet"
 
     def _open(self, first_index: int, owner: str = "") -> None:
-        self.tmp = temporary_name(self.files.output_dir / shard_name(first_index, self.suffix), owner)
+        self._open_name(first_index, owner)
         self.rows: list[ParquetRow] = []
 
     def _add(self, item: ImageResult, key: str, suffix: str, data: bytes, metadata: Params) -> None:

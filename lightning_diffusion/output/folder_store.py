@@ -26,7 +26,7 @@ from lightning_diffusion.core.checks import LEASE_S
 from lightning_diffusion.core.console import log
 from lightning_diffusion.core.records import RejectedLine, RunSettings, RunSummary
 from lightning_diffusion.output.fence import FolderFence
-from lightning_diffusion.output.files import stale_temporaries, worker_temporaries
+from lightning_diffusion.output.files import remove_temporary, stale_temporaries, worker_temporaries
 from lightning_diffusion.output.lock import OutputLock, busy_message, live_locks
 from lightning_diffusion.output.manifest import (
     MANIFEST,
@@ -314,7 +314,7 @@ class FolderStore:
         if stale is None:
             stale = stale_temporaries(self.folder, self.shard, deep=any(self.folder.glob(PART_GLOB)))
         for path in stale:
-            path.unlink(missing_ok=True)
+            remove_temporary(path)
         if stale:
             log.info("%s: removed %d half-written temporary file%s of an earlier run that was stopped.",
                      self.folder, len(stale), "" if len(stale) == 1 else "s")

@@ -170,7 +170,10 @@ class ObjectStore:
     def settings_problems(settings: WriterSettings) -> list[str]:
         """A ``writer.output_dir`` URL's settings (reaching the store is ``write_problems``)."""
         url, problems = settings.output_dir, []
-        if settings.format not in ("webdataset", "parquet"):
+        if settings.format == "litdata":
+            problems.append(f"writer.format: litdata writes its shards into a folder, not an object store ({url}) yet: "
+                            "write them into a folder, or set writer.format: webdataset or parquet.")
+        elif settings.format not in ("webdataset", "parquet"):
             problems.append(f"writer.output_dir {url} is an object store, which takes shards uploaded whole: set "
                             "writer.format: webdataset (or parquet).")
         if settings.save_arrays:

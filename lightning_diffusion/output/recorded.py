@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # own index first (``files_class`` subclasses may change the rest). A manifest line naming anything
 # else (``run.json``, ``../x``, another output's file) is not this output.
 _OUTPUT_FILE = re.compile(r"(?:\d{5,}/)?(\d{6,})-[^/]*")
-_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?\.(?:tar|parquet)")  # a pool's in a bucket: its worker too
+# a pool's in a bucket: its worker too; a LitData shard's chunk (``shard-000000100.litdata/chunk-0-0.bin``)
+_SHARD_FILE = re.compile(r"shard-\d{9,}(?:\.[0-9a-f]+-\d+)?\.(?:tar|parquet|litdata/chunk-\d+-\d+\.bin)")
 _SHARD_MEMBER = re.compile(r"(\d{9,})\.[^/]+")
 
 # A manifest line as the writer writes it (keys in this order); other lines are read as JSON.
@@ -98,6 +99,8 @@ def read_output(folder: str | os.PathLike, entry: ManifestLine) -> bytes:
     path = Path(folder) / str(entry["file"])
     if entry.get("member") and path.suffix == ".parquet":
         return parquet_members(path)[str(entry["member"])]
+    if entry.get("member") and is_litdata_chunk(path):
+        return litdata_members(path)[str(entry["member"])]
     if entry.get("member"):
         import tarfile
 
@@ -113,6 +116,31 @@ def parquet_members(path: Path) -> dict[str, bytes]:
     read are kept while they do not change (``eval`` reads a shard's images one after another)."""
     stat = os.stat(path)
     return _parquet_members(os.fspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+def is_litdata_chunk(path: Path | str) -> bool:
+    """A LitData shard's chunk file (``writer.format: litdata``): ``shard-...litdata/chunk-R-C.bin``."""
+    path = Path(path)
+    return path.suffix == ".bin" and path.parent.suffix == ".litdata"
+
+
+def litdata_members(chunk: Path) -> dict[str, bytes]:
+    """A LitData shard's images by member name (``writer.format: litdata``), read through
+    ``litdata.StreamingDataset`` from the folder of its ``chunk``; kept as ``parquet_members`` keeps them."""
+    stat = os.stat(chunk)
+    return _litdata_members(os.fspath(Path(chunk).parent), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _litdata_members(folder: str, mtime_ns: int, size: int) -> dict[str, bytes]:
+    from litdata import StreamingDataset
+
+    try:
+        dataset = StreamingDataset(folder)
+        samples = (dataset[position] for position in range(len(dataset)))
+        return {str(sample["image_path"]): bytes(sample["image"]) for sample in samples}
+    except Exception as err:  # a chunk cut short or not LitData's: a ValueError, as pyarrow's are
+        raise ValueError(f"{folder} is not a LitData shard that reads: {err}") from err
 
 
 @functools.lru_cache(maxsize=2)
@@ -180,9 +208,10 @@ class _Looked:
                     for block in iter(lambda: f.read(1 << 20), b""):
                         digest.update(block)
                 return digest.hexdigest() == sha
-            if name not in self.members and name.endswith(".parquet"):
+            if name not in self.members and (name.endswith(".parquet") or is_litdata_chunk(name)):
+                read = parquet_members if name.endswith(".parquet") else litdata_members
                 self.members[name] = {member: hashlib.sha256(data).hexdigest()
-                                      for member, data in parquet_members(Path(self.prefix + name)).items()}
+                                      for member, data in read(Path(self.prefix + name)).items()}
             if name not in self.members:
                 found: dict[str, str] = {}
                 with tarfile.open(self.prefix + name) as tar:

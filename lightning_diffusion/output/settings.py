@@ -28,7 +28,10 @@ StorageOptions = dict[str, Any]
 
 # The choices of the writer's options.
 LAYOUTS = ("auto", "flat", "sharded")
-FORMATS = ("files", "webdataset", "parquet")
+FORMATS = ("files", "webdataset", "parquet", "litdata")
+SHARD_FORMATS = ("webdataset", "parquet", "litdata")  # the samples of a rank's batches in shards, in order
+# writer.format: litdata's package (``litdata_shards``)
+LITDATA_INSTALL = "pip install 'lightning-diffusion[litdata]' (or pip install litdata)"
 FILES_PER_FOLDER = 10_000  # img2dataset's shard size; listing and backing up folders stays fast
 SAMPLES_PER_SHARD = 1_000  # a tar shard: about 1 GB of 1024x1024 PNGs; a kill loses at most the open one
 VIDEO_FORMATS = ("mp4", "webp", "gif")

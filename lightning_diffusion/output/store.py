@@ -16,7 +16,7 @@ import numpy as np
 
 from lightning_diffusion.core.checks import integer, one_of, system_folder_problems
 from lightning_diffusion.core.records import RejectedLine, RunSettings, RunSummary
-from lightning_diffusion.output.settings import WriterSettings
+from lightning_diffusion.output.settings import LITDATA_INSTALL, WriterSettings
 from lightning_diffusion.output.shard import Shard
 from lightning_diffusion.output.status import JobArrays, RunStatus
 
@@ -211,4 +211,18 @@ def writer_problems(settings: WriterSettings) -> list[str]:
         elif rule.integer:
             problems += [p.replace(key, rule.label or key).removesuffix(".") + rule.hint + "."
                          for p in integer(value, key, rule.minimum, rule.maximum)]
-    return problems
+    return problems + litdata_problems(settings.format)
+
+
+def litdata_problems(format: str, installed: Callable[[str], bool] | None = None) -> list[str]:
+    """``writer.format: litdata`` where the litdata package is not installed (``installed``: whether a
+    package is, by its import name)."""
+    if format != "litdata":
+        return []
+    if installed is None:
+        import importlib.util
+
+        installed = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
+    if installed("litdata"):
+        return []
+    return [f"writer.format: litdata needs the litdata package, which is not installed: {LITDATA_INSTALL}."]

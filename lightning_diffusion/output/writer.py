@@ -61,7 +61,12 @@ from lightning_diffusion.output.files import OutputFiles, size_text, to_uint8
 from lightning_diffusion.output.manifest import FAILED, REJECTED
 from lightning_diffusion.output.metrics import LiveMetrics, port_problem
 from lightning_diffusion.output.pool import batching_conflict, quit_join
-from lightning_diffusion.output.settings import WriterSettings, resolve_layout, run_settings
+from lightning_diffusion.output.settings import (
+    SHARD_FORMATS,
+    WriterSettings,
+    resolve_layout,
+    run_settings,
+)
 from lightning_diffusion.output.shard import adopt, plan_file
 from lightning_diffusion.output.store import OutputStore, open_store, store_class, writer_problems
 
@@ -188,7 +193,8 @@ class ImageWriter(BasePredictionWriter):
             images fit in one folder of ``files_per_folder``, else sharded).
         files_per_folder: files per subfolder of the sharded layout (default 10,000).
         format: ``files`` (default: one file an output), ``webdataset`` (tar shards of
-            ``samples_per_shard`` samples, as WebDataset and img2dataset write them) or ``parquet``.
+            ``samples_per_shard`` samples, as WebDataset and img2dataset write them), ``parquet``
+            or ``litdata`` (a LitData dataset a shard, which ``litdata.StreamingDataset`` reads).
         samples_per_shard: samples a tar shard holds (``format: webdataset``); a kill loses at
             most the open shard.
         staging_dir: with ``output_dir`` in an object store (``s3://bucket/prefix``), the local
@@ -485,7 +491,7 @@ class ImageWriter(BasePredictionWriter):
                 return
             if claim is not None:
                 prediction = [{**item, "claim": claim} for item in prediction]
-        if self.settings.format in ("webdataset", "parquet"):  # a shard keeps the batches' order, whoever writes
+        if self.settings.format in SHARD_FORMATS:  # a shard keeps the batches' order, whoever writes
             prediction = [{**item, "batch": self._batches} for item in prediction]
             self._batches += 1
         if self._writers is None:

@@ -20,7 +20,7 @@ from typing import Optional
 
 from PIL import Image
 
-from lightning_diffusion.output.recorded import parquet_members
+from lightning_diffusion.output.recorded import is_litdata_chunk, litdata_members, parquet_members
 from lightning_diffusion.report.collect import Record
 
 THUMB_PX = 160
@@ -65,12 +65,14 @@ def _make(folder: Path, root: Path, group: list[Record]) -> dict[int, str]:
     returns the outputs that could not be read, with why."""
     broken: dict[int, str] = {}
     tar: Optional[tarfile.TarFile] = None
-    rows: Optional[dict[str, bytes]] = None  # a Parquet shard's images by member (writer.format: parquet)
+    rows: Optional[dict[str, bytes]] = None  # a Parquet or LitData shard's images by member
     try:
         if group[0].member is not None:
             try:
                 if group[0].file.endswith(".parquet"):
                     rows = parquet_members(folder / group[0].file)
+                elif is_litdata_chunk(group[0].file):
+                    rows = litdata_members(folder / group[0].file)
                 else:
                     tar = tarfile.open(folder / group[0].file)
             except Exception as err:  # missing, truncated, not a tar or Parquet file

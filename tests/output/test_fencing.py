@@ -24,6 +24,7 @@ from lightning_diffusion.output.folder_store import FolderStore
 from lightning_diffusion.output.manifest import MANIFEST
 from lightning_diffusion.output.object_store import ObjectStore
 from lightning_diffusion.output.pool import SEAL_GRACE, FolderPoolFiles, Pool
+from lightning_diffusion.output.recorded import litdata_members
 from lightning_diffusion.output.settings import WriterSettings
 from tests.output.test_object_store import s3  # noqa: F401  (the local S3 server)
 
@@ -34,7 +35,7 @@ RECORDS = [{"prompt": f"fenced prompt {i}"} for i in range(IMAGES)]
 # renamed into place or uploaded, before the lines), and after its lines.
 STEPS = ["claimed", "made", "written", "locked", "published", "recorded"]
 LAYOUTS = {"files": ("files", "flat"), "sharded": ("files", "sharded"), "webdataset": ("webdataset", "flat"),
-           "parquet": ("parquet", "flat")}
+           "parquet": ("parquet", "flat"), "litdata": ("litdata", "flat")}
 
 
 class Clock:
@@ -124,14 +125,36 @@ def _reference(tmp_path: Path, kind: str) -> dict[str, bytes]:
     for start in range(0, IMAGES, BATCH):
         files.write_batch(_items(range(start, start + BATCH)))
     files.finish()
-    return _outputs({p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*")
-                     if p.is_file() and not p.name.startswith((".", "manifest"))})
+    return _outputs(_named(out, (".", "manifest")))
+
+
+def _named(out: Path, left_out: tuple[str, ...]) -> dict[str, bytes]:
+    """The folder's files by name (none whose name starts with ``left_out``, none in a hidden folder
+    or the pool's), a LitData shard's chunk as its samples' images (``shard-....litdata/MEMBER``)."""
+    named: dict[str, bytes] = {}
+    for p in out.rglob("*"):
+        relative = p.relative_to(out)
+        if (not p.is_file() or p.name.startswith(left_out) or "pool" in relative.parts
+                or any(part.startswith(".") for part in relative.parts)):
+            continue
+        if p.parent.name.endswith(".litdata"):
+            if p.suffix == ".bin":
+                named.update({f"{relative.parent.as_posix()}/{member}": data
+                              for member, data in litdata_members(p).items()})
+            continue
+        named[relative.as_posix()] = p.read_bytes()
+    return named
 
 
 def _outputs(named: dict[str, bytes]) -> dict[str, bytes]:
     """Loose files as they are; a tar shard's members, each once (a member twice fails here)."""
     found: dict[str, bytes] = {}
     for name, blob in named.items():
+        if ".litdata/" in name:  # a LitData shard's sample (``_named``)
+            member = name.rpartition("/")[2]
+            assert member not in found, f"{member} is in two shards"
+            found[member] = blob
+            continue
         if name.endswith(".parquet"):
             import io
 
@@ -214,9 +237,7 @@ def _interleave(where: str, kind: str, step: str, tmp_path: Path, lapse: float =
 def _check_folder(out: Path, reference: dict[str, bytes]) -> None:
     lines = [json.loads(line) for line in (out / MANIFEST).read_text().splitlines()]
     assert sorted(line["index"] for line in lines) == list(range(IMAGES))  # every index once
-    outputs = _outputs({p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*")
-                        if p.is_file() and not p.name.startswith((".", "manifest", "run", "failed"))
-                        and "pool" not in p.relative_to(out).parts})
+    outputs = _outputs(_named(out, (".", "manifest", "run", "failed")))
     assert outputs == reference  # every file or member once, the bytes of one process
     status = FolderStore(out, None).status()
     assert status["complete"] and status["done"] == IMAGES and not status["not_counted"]
@@ -225,6 +246,8 @@ def _check_folder(out: Path, reference: dict[str, bytes]) -> None:
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 @pytest.mark.parametrize("step", STEPS)
 def test_a_worker_frozen_at_any_step_of_a_folder_pool_adds_nothing_twice(tmp_path, kind, step):
+    if kind == "litdata":
+        pytest.importorskip("litdata")
     out = tmp_path / "out"
     _interleave(str(out), kind, step, tmp_path)
     _check_folder(out, _reference(tmp_path, kind))
@@ -350,8 +373,10 @@ def _stale(out: Path) -> None:
     os.utime(out / ".lock", (old, old))
 
 
-@pytest.mark.parametrize("kind", ["files", "webdataset"])
+@pytest.mark.parametrize("kind", ["files", "webdataset", "litdata"])
 def test_a_run_frozen_past_its_lock_publishes_nothing_once_a_resume_took_the_lock_over(tmp_path, kind):
+    if kind == "litdata":
+        pytest.importorskip("litdata")
     out = tmp_path / "out"
     out.mkdir()
     zombie, zombie_files, _ = _dealt(out, _settings(kind))
@@ -399,10 +424,12 @@ def test_a_lock_takeover_waits_for_a_publication_in_progress_and_counts_it(tmp_p
     assert resumed["done"].tolist() == [0, 1]  # the publication it waited for is counted: not made again
 
 
-@pytest.mark.parametrize("kind", ["webdataset", "parquet"])
+@pytest.mark.parametrize("kind", ["webdataset", "parquet", "litdata"])
 def test_a_pools_batch_is_never_split_over_two_shards(tmp_path, kind):
     """Shards of 3 samples, batches of 2: a pool's shard closes after a whole batch (4 samples), so a
     batch is sealed and published whole or not at all (a takeover of it then makes all of it)."""
+    if kind == "litdata":
+        pytest.importorskip("litdata")
     out = tmp_path / "out"
     clock = Clock()
     _prepare(str(out), tmp_path)

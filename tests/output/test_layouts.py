@@ -166,9 +166,12 @@ def test_a_repair_drops_only_the_lines_that_do_not_count(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("storage", [["--writer.files_per_folder", "3"],
-                                     ["--writer.format", "webdataset", "--writer.samples_per_shard", "3"]],
-                         ids=["sharded", "webdataset"])
+                                     ["--writer.format", "webdataset", "--writer.samples_per_shard", "3"],
+                                     ["--writer.format", "litdata", "--writer.samples_per_shard", "3"]],
+                         ids=["sharded", "webdataset", "litdata"])
 def test_two_replicas_and_a_job_array_write_every_image_once(flat, storage, tmp_path):
+    if "litdata" in storage:
+        pytest.importorskip("litdata")
     run_cli(*tiny_args(tmp_path / "replicas", *ARGS, *storage, "--trainer.devices", "2"))
     assert outputs(tmp_path / "replicas") == flat
     for shard in ("0", "1", "2"):
@@ -182,8 +185,10 @@ def test_two_replicas_and_a_job_array_write_every_image_once(flat, storage, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, suffix", [("webdataset", "tar"), ("parquet", "parquet")])
+@pytest.mark.parametrize("fmt, suffix", [("webdataset", "tar"), ("parquet", "parquet"), ("litdata", "litdata")])
 def test_a_kill_in_the_middle_of_a_shard_loses_only_that_shard(tmp_path, fmt, suffix):
+    if fmt == "litdata":
+        pytest.importorskip("litdata")
     slow = ["--data.prompts", "[" + ", ".join(f"prompt {n}" for n in range(24)) + "]", "--data.batch_size", "2",
             "--model.height", "64", "--model.width", "64", "--model.num_inference_steps", "16",
             "--writer.format", fmt, "--writer.samples_per_shard", "4"]
@@ -194,8 +199,8 @@ def test_a_kill_in_the_middle_of_a_shard_loses_only_that_shard(tmp_path, fmt, su
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
-        # a tar shard is open under its temporary name; a Parquet shard's rows are in memory (it has
-        # no file until it closes): killed once the first shard's lines are in, mid the second shard
+        # a tar shard is open under its temporary name; a Parquet or LitData shard's rows are in memory
+        # (it has no file until it closes): killed once the first shard's lines are in, mid the second shard
         if list(out.glob(f"shard-*.{suffix}")) and (list(out.glob(".shard-*.tmp-*")) if fmt == "webdataset"
                                                     else sum(count_lines(p) for p in out.glob(PART_GLOB)) >= 4):
             break

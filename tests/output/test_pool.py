@@ -218,14 +218,16 @@ def test_a_job_killed_mid_batch_is_taken_over_by_a_job_that_joins(tmp_path, refe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["files", "webdataset"])
+@pytest.mark.parametrize("layout", ["files", "webdataset", "litdata"])
 def test_a_frozen_worker_loses_its_batches_and_its_late_result_adds_nothing(tmp_path, reference, layout):
     """A job stopped (SIGSTOP: every process of it, its renewals too) after its third claim, past its
     lease: the other job takes its batches over, those it had finished into its still-open tar
     included; continued, it publishes nothing of them (``fence``): each index once in the manifest,
     in the files and in the tars, the bytes of one process."""
+    if layout == "litdata":
+        pytest.importorskip("litdata")
     out = tmp_path / "out"
-    writer = "save_arrays=True" if layout == "files" else "format='webdataset', samples_per_shard=100"
+    writer = "save_arrays=True" if layout == "files" else f"format={layout!r}, samples_per_shard=100"
     frozen = _job(tmp_path, out, "frozen", {0: 1.0}, lease=2.0, writer=writer)
     claims = lambda: [p for p in out.glob("pool/claims-*/*")]  # noqa: E731
     _wait_for(lambda: len(claims()) >= 3 or frozen.poll() is not None)
@@ -252,6 +254,13 @@ def test_a_frozen_worker_loses_its_batches_and_its_late_result_adds_nothing(tmp_
         with tarfile.open(tar) as shard:
             members += [(m.name, np.asarray(Image.open(shard.extractfile(m)))) for m in shard.getmembers()
                         if m.name.endswith(".png")]
+    if layout == "litdata":  # a LitData shard written again without the batches taken over
+        import io
+
+        import litdata
+
+        members = [(sample["image_path"], np.asarray(Image.open(io.BytesIO(sample["image"]))))
+                   for shard in sorted(out.glob("shard-*.litdata")) for sample in litdata.StreamingDataset(str(shard))]
     assert sorted(name for name, _ in members) == [f"{i:09d}.png" for i in range(5)]  # each member once
     ref = reference()
     assert all(np.array_equal(pixels, to_uint8(ref[int(name[:9])])) for name, pixels in members)

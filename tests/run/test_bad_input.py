@@ -123,7 +123,7 @@ CASES = [
      "writer.files_per_folder must be an integer >= 1, got 0"),
     ("unknown layout", ["--writer.layout", "nested"], "writer.layout must be one of auto, flat, sharded, got 'nested'"),
     ("unknown format", ["--writer.format", "tiff"],
-     "writer.format must be one of files, webdataset, parquet, got 'tiff'"),
+     "writer.format must be one of files, webdataset, parquet, litdata, got 'tiff'"),
     ("override of the wrong type", ["--data.prompts", "{d}/typed.jsonl"],
      "typed.jsonl:2: guidance_scale must be a number, got 'high'"),
     ("call_kwargs of the wrong type", ["--model.call_kwargs", '{"max_sequence_length": "long"}'],
