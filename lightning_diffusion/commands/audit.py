@@ -31,8 +31,8 @@ from lightning_diffusion.commands import add_json_option, help_text, json_argv, 
 from lightning_diffusion.core.errors import ConfigError
 
 IMAGE_SUFFIXES = (".png", ".webp", ".jpg", ".jpeg")
-# run.json's model options a plain re-make leaves out (``pipelines.plain.TURNED_OFF``), or cannot give again.
-LEFT_OUT = ("cache", "compile")
+# run.json's model options a plain re-make leaves out (``pipelines.plain.TURNED_OFF``).
+LEFT_OUT = ("cache", "compile", "attention_backend", "quantization")
 
 
 def run_settings(folder: Path) -> dict[str, Any]:

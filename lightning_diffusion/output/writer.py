@@ -571,9 +571,10 @@ class ImageWriter(BasePredictionWriter):
                               f"(accelerators, remake_plain: DiffusionModule); got {type(pl_module).__name__}.")
         settings = self.audit_settings
         assert settings is not None and self._part is not None
+        accelerators = pl_module.accelerators()  # every rank: it refuses what it cannot turn off
         if trainer.is_global_zero:
             log.info(f"audit: {100 * settings.fraction:g}% of the images ({audit_.AUDIT_FILE}), "
-                     f"{pl_module.accelerators().describe()}; bound {settings.min_psnr:g} dB, on drift: "
+                     f"{accelerators.describe()}; bound {settings.min_psnr:g} dB, on drift: "
                      f"{settings.on_drift}")
         return audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer))
 
