@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
@@ -319,7 +320,8 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         strategy = self._trainer.strategy if self._trainer is not None else None
         backend = getattr(strategy, "attention_backend", None)
         return Accelerators.of(self.cache, self.options, dtype_name(self.hparams["torch_dtype"]),
-                               backend if isinstance(backend, str) else None, torch.get_float32_matmul_precision())
+                               backend if isinstance(backend, str) else None, torch.get_float32_matmul_precision(),
+                               os.environ.get("DIFFUSERS_ATTN_BACKEND"))
 
     def remake_plain(self, samples: Sequence[Sample]) -> list[ImageResult]:
         """``predict_step`` on ``samples`` with every accelerator off (``plain``): the same seeds,
@@ -334,11 +336,9 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
             names = quantization.quantized(spec, tuple(self.info.denoisers()))
             self.plain_weights = PlainWeights.load(self.info, self.dtype_, names, self.from_pretrained_kwargs)
         denoisers = self.loader.denoiser_modules(self.pipeline)
-        attention = any(getattr(p, "_attention_backend", None) is not None for d in denoisers.values()
-                        for p in (getattr(m, "processor", None) for m in d.modules()))
         saved = dict(self.stats), self.failures
         try:
-            with accelerators_off(self.pipeline, self.step_cache, denoisers, attention, self.plain_weights,
+            with accelerators_off(self.pipeline, self.step_cache, denoisers, self.plain_weights,
                                   dict(self.components.items())):
                 return self.predict_step(list(samples))
         finally:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from lightning_diffusion.pipelines.plain import Accelerators
 
 AUDIT_FILE = "audit.jsonl"
+BASELINE_DIR = "audit"  # keep_baseline: the re-made images, beside audit.jsonl
 ON_DRIFT = ("warn", "stop")
 EXAMPLE = "{fraction: 0.01, min_psnr: 30, on_drift: warn}"
 
@@ -48,12 +49,14 @@ EXAMPLE = "{fraction: 0.01, min_psnr: 30, on_drift: warn}"
 class AuditSettings:
     """``writer.audit``: ``fraction`` of the images audited (0 < fraction <= 1), the PSNR bound in
     dB (``min_psnr``), what a drift does (``on_drift``: ``warn`` or ``stop``) and over how many of
-    a replica's last audited images the median is taken (``window``)."""
+    a replica's last audited images the median is taken (``window``); ``keep_baseline``: the re-made
+    images stored in ``audit/`` beside audit.jsonl (PNG; a video's frames as ``.npy``)."""
 
     fraction: float = 0.01
     min_psnr: float = 30.0
     on_drift: str = "warn"
     window: int = 5
+    keep_baseline: bool = False
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> AuditSettings:
@@ -84,6 +87,8 @@ def audit_problems(given: object) -> list[str]:
         problems.append(f"writer.audit.on_drift must be one of {', '.join(ON_DRIFT)}, got {settings.on_drift!r}.")
     if not is_int(settings.window, 1):
         problems.append(f"writer.audit.window must be an integer >= 1, got {settings.window!r}.")
+    if not isinstance(settings.keep_baseline, bool):
+        problems.append(f"writer.audit.keep_baseline must be true or false, got {settings.keep_baseline!r}.")
     return problems
 
 
@@ -170,8 +175,10 @@ class Auditor:
     (``writes``: this rank writes its replica's outputs), and judges the drift. At most
     ``call_size - 1`` images wait; ``flush`` audits them at the run's end (a killed run does not)."""
 
-    def __init__(self, settings: AuditSettings, part: Path, writes: bool) -> None:
+    def __init__(self, settings: AuditSettings, part: Path, writes: bool, folder: Optional[Path] = None) -> None:
         self.settings = settings
+        # keep_baseline: where the writing rank stores the re-made images (the output folder's ``audit/``)
+        self.baselines = folder / BASELINE_DIR if settings.keep_baseline and folder is not None else None
         self.part = part
         self.writes = writes
         self.psnrs: list[float] = []
@@ -207,6 +214,9 @@ class Auditor:
         self.seconds += seconds
         for line in lines:
             line["seconds"] = round(seconds / len(lines), 4)
+        if self.writes and self.baselines is not None:
+            for line, item in zip(lines, (item for item in plain if "image" in item)):
+                line["baseline"] = store_baseline(self.baselines, line["index"], item["image"])
         if self.writes and lines:
             with open(self.part, "a", encoding="utf-8") as f:
                 f.write("".join(json.dumps(line) + "\n" for line in lines))
@@ -224,6 +234,26 @@ class Auditor:
         return (f"audit: the median PSNR of the last {len(recent)} audited images is {median:.1f} dB, under "
                 f"writer.audit.min_psnr {self.settings.min_psnr:g} (worst {min(recent):.1f} dB): the accelerators "
                 "change these pictures more than the bound allows")
+
+
+def store_baseline(folder: Path, index: int, image: np.ndarray) -> str:
+    """Store image ``index``'s re-made baseline in ``folder`` (8-bit, as the run's own is compared):
+    a PNG, or a video's frames as ``.npy``; its path from the output folder, for its audit line."""
+    from PIL import Image
+
+    from lightning_diffusion.output.files import to_uint8
+
+    folder.mkdir(exist_ok=True)
+    pixels = to_uint8(np.asarray(image))
+    path = folder / f"{int(index):06d}{'.png' if pixels.ndim == 3 else '.npy'}"
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as f:
+        if pixels.ndim == 3:
+            Image.fromarray(pixels).save(f, format="PNG")
+        else:
+            np.save(f, pixels)
+    os.replace(temporary, path)
+    return f"{BASELINE_DIR}/{path.name}"
 
 
 def part_name(manifest_part: Path) -> Path:

@@ -576,7 +576,8 @@ class ImageWriter(BasePredictionWriter):
             log.info(f"audit: {100 * settings.fraction:g}% of the images ({audit_.AUDIT_FILE}), "
                      f"{accelerators.describe()}; bound {settings.min_psnr:g} dB, on drift: "
                      f"{settings.on_drift}")
-        return audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer))
+        folder = self.store.local_dir if self.store is not None else None
+        return audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer), folder)
 
     def _audit_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                      prediction: list[ImageResult]) -> None:

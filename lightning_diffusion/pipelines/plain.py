@@ -44,15 +44,19 @@ class Accelerators:
 
     @classmethod
     def of(cls, cache: Optional[Mapping[str, Any]], options: Mapping[str, Any], torch_dtype: str,
-           strategy_backend: Optional[str] = None, matmul_precision: str = "highest") -> Accelerators:
+           strategy_backend: Optional[str] = None, matmul_precision: str = "highest",
+           environment_backend: Optional[str] = None) -> Accelerators:
         """From the model's settings: ``cache`` (``model.cache``), ``options`` (``ModelSettings.options``),
-        the dtype's name, the strategy's attention backend and the process's float32 matmul precision."""
+        the dtype's name, the strategy's attention backend, the process's float32 matmul precision
+        and ``DIFFUSERS_ATTN_BACKEND``."""
         on = {"cache": cache is not None, "compile": bool(options.get("compile")),
               "attention_backend": options.get("attention_backend") is not None,
               "quantization": bool(options.get("quantization"))}
         off = [f"model.{n}" for n in TURNED_OFF if on[n]]
         if strategy_backend is not None and not on["attention_backend"]:
             off.insert(2 if len(off) >= 2 else len(off), "the strategy's attention_backend")
+        if environment_backend not in (None, "", "native") and "attention_backend" not in " ".join(off):
+            off.append("DIFFUSERS_ATTN_BACKEND")
         if matmul_precision != "highest":
             off.append(MATMUL)
         return cls(tuple(off), torch_dtype)
@@ -132,12 +136,13 @@ def plain_backend(processor: Any) -> str:
 
 @contextmanager
 def _native_attention(denoisers: Mapping[str, nn.Module]) -> Iterator[None]:
-    """The denoisers' attention processors on ``plain_backend`` (and diffusers' process-wide active
-    backend on ``native``: ``set_attention_backend`` set it too), theirs back after."""
+    """The denoisers' attention processors that name a backend on ``plain_backend``, and diffusers'
+    process-wide active backend (what the others follow; ``set_attention_backend`` and
+    ``DIFFUSERS_ATTN_BACKEND`` set it) on ``native``; theirs back after."""
     from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend
 
     processors = [m.processor for d in denoisers.values() for m in d.modules()
-                  if hasattr(getattr(m, "processor", None), "_attention_backend")]
+                  if getattr(getattr(m, "processor", None), "_attention_backend", None) is not None]
     saved = [(p, p._attention_backend) for p in processors]
     try:
         for processor, _ in saved:
@@ -161,11 +166,11 @@ def _highest_matmul_precision() -> Iterator[None]:
 
 @contextmanager
 def accelerators_off(pipeline: Any, step_cache: Optional[StepCache], denoisers: Mapping[str, nn.Module],
-                     attention: bool = False, plain_weights: Optional[PlainWeights] = None,
+                     plain_weights: Optional[PlainWeights] = None,
                      components: Optional[Mapping[str, nn.Module]] = None) -> Iterator[None]:
     """``pipeline`` with its step cache and compilation off inside the ``with`` block, back on after.
-    ``denoisers``: its denoiser components (``PipelineLoader.denoiser_modules``); ``attention``:
-    their attention backend set back to the default too; ``plain_weights``: the full-precision
+    ``denoisers``: its denoiser components (``PipelineLoader.denoiser_modules``), their attention
+    on diffusers' default backend; ``plain_weights``: the full-precision
     parameters swapped into ``components`` (the pipeline's, by name) for the call."""
     from diffusers.models.cache_utils import CacheMixin
 
@@ -190,8 +195,7 @@ def accelerators_off(pipeline: Any, step_cache: Optional[StepCache], denoisers: 
                     module._compiled_call_impl = None
         with ExitStack() as stack:
             stack.enter_context(_highest_matmul_precision())
-            if attention:
-                stack.enter_context(_native_attention(denoisers))
+            stack.enter_context(_native_attention(denoisers))
             if plain_weights is not None:
                 stack.enter_context(plain_weights.swapped_in(components or {}))
             yield
