@@ -37,6 +37,7 @@ from lightning_diffusion.core.groups import group_options
 from lightning_diffusion.core.records import ImageResult, Sample
 
 if TYPE_CHECKING:
+    from lightning_diffusion.output.clip import ClipScorer
     from lightning_diffusion.pipelines.plain import Accelerators
 
 AUDIT_FILE = "audit.jsonl"
@@ -50,13 +51,16 @@ class AuditSettings:
     """``writer.audit``: ``fraction`` of the images audited (0 < fraction <= 1), the PSNR bound in
     dB (``min_psnr``), what a drift does (``on_drift``: ``warn`` or ``stop``) and over how many of
     a replica's last audited images the median is taken (``window``); ``keep_baseline``: the re-made
-    images stored in ``audit/`` beside audit.jsonl (PNG; a video's frames as ``.npy``)."""
+    images stored in ``audit/`` beside audit.jsonl (PNG; a video's frames as ``.npy``);
+    ``clip_model``: a local CLIP model folder, for each image's CLIP score and its difference from
+    the baseline's (``output.clip``)."""
 
     fraction: float = 0.01
     min_psnr: float = 30.0
     on_drift: str = "warn"
     window: int = 5
     keep_baseline: bool = False
+    clip_model: Optional[str] = None
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> AuditSettings:
@@ -89,6 +93,10 @@ def audit_problems(given: object) -> list[str]:
         problems.append(f"writer.audit.window must be an integer >= 1, got {settings.window!r}.")
     if not isinstance(settings.keep_baseline, bool):
         problems.append(f"writer.audit.keep_baseline must be true or false, got {settings.keep_baseline!r}.")
+    if settings.clip_model is not None:
+        from lightning_diffusion.output.clip import folder_problem
+
+        problems += folder_problem(settings.clip_model, "writer.audit.clip_model")
     return problems
 
 
@@ -185,6 +193,7 @@ class Auditor:
         self.seconds = 0.0
         self.drifting = False  # the median is under the bound now (said once each time it falls)
         self.waiting: list[tuple[Sample, np.ndarray]] = []  # (sample, the run's image)
+        self.clip: Optional[ClipScorer] = None  # clip_model's, loaded by the first audit that needs it
 
     def after_batch(self, module: PlainRemaker, batch: Sequence[Sample],
                     prediction: Sequence[ImageResult], call_size: int) -> Optional[str]:
@@ -208,14 +217,17 @@ class Auditor:
         made = {sample["index"]: image for sample, image in taken}
         start = time.perf_counter()
         plain = module.remake_plain([sample for sample, _ in taken])
+        remade = [item for item in plain if "image" in item]
         lines = [{"index": int(item["index"]), "seed": item["seed"], **compare(made[item["index"]], item["image"])}
-                 for item in plain if "image" in item]
+                 for item in remade]
+        if self.writes and self.settings.clip_model is not None:
+            self._clip_scores(lines, {sample["index"]: sample for sample, _ in taken}, made, remade)
         seconds = time.perf_counter() - start
         self.seconds += seconds
         for line in lines:
             line["seconds"] = round(seconds / len(lines), 4)
         if self.writes and self.baselines is not None:
-            for line, item in zip(lines, (item for item in plain if "image" in item)):
+            for line, item in zip(lines, remade):
                 line["baseline"] = store_baseline(self.baselines, line["index"], item["image"])
         if self.writes and lines:
             with open(self.part, "a", encoding="utf-8") as f:
@@ -223,6 +235,25 @@ class Auditor:
                 f.flush()
         self.psnrs.extend(line["psnr"] for line in lines)
         return self._judge()
+
+    def _clip_scores(self, lines: list[dict[str, Any]], samples: Mapping[int, Sample],
+                     made: Mapping[int, np.ndarray], remade: Sequence[ImageResult]) -> None:
+        """Each image's ``clip_score`` (the run's, against its prompt) and ``clip_diff`` (the run's
+        minus the baseline's), in its line; a video's are left out."""
+        from lightning_diffusion.output.clip import ClipScorer
+        from lightning_diffusion.output.files import to_uint8
+
+        pairs = [(line, to_uint8(np.asarray(made[line["index"]])), to_uint8(np.asarray(item["image"])))
+                 for line, item in zip(lines, remade) if np.asarray(item["image"]).ndim == 3]
+        if not pairs:
+            return
+        if self.clip is None:
+            assert self.settings.clip_model is not None
+            self.clip = ClipScorer(self.settings.clip_model, "writer.audit.clip_model")
+        prompts = [str(samples[line["index"]]["prompt"]) for line, _, _ in pairs]
+        scores = self.clip.scores([a for _, a, _ in pairs] + [b for _, _, b in pairs], prompts + prompts)
+        for (line, _, _), ours, theirs in zip(pairs, scores, scores[len(pairs):]):
+            line["clip_score"], line["clip_diff"] = round(ours, 4), round(ours - theirs, 4)
 
     def _judge(self) -> Optional[str]:
         recent = self.psnrs[-self.settings.window:]

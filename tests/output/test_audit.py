@@ -78,6 +78,7 @@ def test_compare_identical_and_different_images():
     ("{on_drift: halt}", "writer.audit.on_drift must be one of warn, stop, got 'halt'"),
     ("{fractoin: 0.1}", "writer.audit has no option fractoin"),
     ("{keep_baseline: 3}", "writer.audit.keep_baseline must be true or false, got 3"),
+    ("{clip_model: /no/such/clip}", "writer.audit.clip_model /no/such/clip is not a local CLIP model folder"),
 ])
 def test_bad_audit_settings_are_one_line_each_before_weights(audit, said, cli_here, tmp_path):
     proc = cli_here(*tiny_args(tmp_path / "out", *PROMPTS, "--writer.audit", audit, config="configs/tiny.yaml"))
@@ -238,6 +239,31 @@ def test_the_baseline_is_kept_in_its_own_folder_when_asked(plain_pair, tmp_path)
     # the outputs are the run's own: the manifest and the folder hold its four images only
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2, 3]
     assert len(list(tmp_path.glob("*.png"))) == len(list(plain_folder.glob("*.png"))) == 4
+
+
+@pytest.mark.usefixtures("attention_default")
+def test_the_clip_score_and_its_difference_from_the_baseline_with_a_local_clip_model(plain_pair, tmp_path):
+    """A random tiny CLIP (its numbers mean nothing): each line's score is the run's image's against
+    its prompt, and its difference the run's minus the plain run's; a run without accelerators has none."""
+    from lightning_diffusion.output.clip import ClipScorer
+    from tests.pipelines.test_shapes import tiny_clip
+
+    plain, _ = plain_pair
+    clip = tiny_clip(tmp_path / "clip")
+    same = tmp_path / "same"  # first: the run with a backend below sets diffusers' process-wide one
+    shapes(same, "--data.batch_size", "2", "--writer.audit", f"{{fraction: 1.0, clip_model: {clip}}}")
+    assert [line["clip_diff"] for line in audit_lines(same)] == [0.0] * 4
+    out = tmp_path / "out"
+    shapes(out, "--data.batch_size", "2", "--model.attention_backend", "_native_math", "--writer.audit",
+           f"{{fraction: 1.0, clip_model: {clip}}}")
+    made, lines = load_arrays(out), audit_lines(out)
+    prompts = {line["index"]: line["prompt"] for line in read_manifest_lines(out)}
+    scorer = ClipScorer(str(clip), "clip")
+    for line in lines:
+        i = line["index"]
+        ours, theirs = scorer.scores([to_uint8(made[i]), to_uint8(plain[i])], [prompts[i]] * 2)
+        assert line["clip_score"] == round(ours, 4) and line["clip_diff"] == round(ours - theirs, 4)
+    assert any(line["clip_diff"] != 0 for line in lines)
 
 
 def test_what_the_re_make_turns_off_is_back_after_it():
