@@ -8,9 +8,9 @@ lowest hashes of their indices: every fraction that sampled at least that many p
 makes them again on one device with the model settings run.json records but the step cache,
 compile, the attention backend and quantization off, the same seeds and the run's batch size
 (recorded by an in-run audit; else ``--batch-size``, default 1), and compares them with the
-recorded files: PSNR, SSIM and the largest difference in 8-bit levels, as ``audit.jsonl`` has them. Reads the folder and writes
-nothing there. Exit code 0, 3 when the median PSNR is under ``--min-psnr`` (the drift code of
-``writer.audit.on_drift: stop``), 2 for bad input.
+recorded files: PSNR, SSIM and the largest difference in 8-bit levels, as ``audit.jsonl`` has
+them. Reads the folder and writes nothing there. Exit code 0, 3 when the median PSNR is under
+``--min-psnr`` (the drift code of ``writer.audit.on_drift: stop``), 2 for bad input.
 """
 
 from __future__ import annotations

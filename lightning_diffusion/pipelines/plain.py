@@ -141,7 +141,7 @@ def _native_attention(denoisers: Mapping[str, nn.Module]) -> Iterator[None]:
     ``DIFFUSERS_ATTN_BACKEND`` set it) on ``native``; theirs back after."""
     from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend
 
-    processors = [m.processor for d in denoisers.values() for m in d.modules()
+    processors: list[Any] = [m.processor for d in denoisers.values() for m in d.modules()
                   if getattr(getattr(m, "processor", None), "_attention_backend", None) is not None]
     saved = [(p, p._attention_backend) for p in processors]
     try:
