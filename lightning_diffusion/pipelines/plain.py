@@ -27,7 +27,8 @@ from torch import nn
 
 from lightning_diffusion.pipelines.cache import StepCache
 
-# What an audit turns off, as it names them (``model.<name>``, or the process's setting).
+# The model options an audit turns off (``model.<name>``); besides, the strategy's attention
+# backend, ``DIFFUSERS_ATTN_BACKEND`` and a float32 matmul precision under highest (``MATMUL``).
 TURNED_OFF = ("cache", "compile", "attention_backend", "quantization")
 MATMUL = "torch.float32_matmul_precision"
 # from_pretrained arguments that choose a component's files (the pipeline's own, such as custom_pipeline, do not)
@@ -49,16 +50,12 @@ class Accelerators:
         """From the model's settings: ``cache`` (``model.cache``), ``options`` (``ModelSettings.options``),
         the dtype's name, the strategy's attention backend, the process's float32 matmul precision
         and ``DIFFUSERS_ATTN_BACKEND``."""
-        on = {"cache": cache is not None, "compile": bool(options.get("compile")),
-              "attention_backend": options.get("attention_backend") is not None,
-              "quantization": bool(options.get("quantization"))}
-        off = [f"model.{n}" for n in TURNED_OFF if on[n]]
-        if strategy_backend is not None and not on["attention_backend"]:
-            off.insert(2 if len(off) >= 2 else len(off), "the strategy's attention_backend")
-        if environment_backend not in (None, "", "native") and "attention_backend" not in " ".join(off):
-            off.append("DIFFUSERS_ATTN_BACKEND")
-        if matmul_precision != "highest":
-            off.append(MATMUL)
+        attention = ("model.attention_backend" if options.get("attention_backend") is not None
+                     else "the strategy's attention_backend" if strategy_backend is not None
+                     else "DIFFUSERS_ATTN_BACKEND" if environment_backend not in (None, "", "native") else None)
+        on = {"model.cache": cache is not None, "model.compile": bool(options.get("compile")), attention: True,
+              "model.quantization": bool(options.get("quantization")), MATMUL: matmul_precision != "highest"}
+        off = [name for name, is_on in on.items() if is_on and name is not None]
         return cls(tuple(off), torch_dtype)
 
     def describe(self) -> str:

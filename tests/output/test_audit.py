@@ -397,3 +397,21 @@ def test_a_drift_under_two_replicas_stops_the_run_with_its_exit_code_and_a_resum
     run_cli(*args, "--writer.audit", "{fraction: 1.0, on_drift: warn}")
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == list(range(12))
     assert [line["index"] for line in audit_lines(tmp_path)] == list(range(12))
+
+
+@pytest.mark.slow
+def test_under_ulysses_a_quantized_run_is_re_made_with_its_full_precision_weights(tmp_path):
+    """The full-precision parameters are swapped into the group's context-parallel transformer (its
+    hooks stay): each line equals the comparison with a plain Ulysses run's image."""
+    pytest.importorskip("torchao")
+    plain, quantized = tmp_path / "plain", tmp_path / "quantized"
+    common = ["--data.batch_size", "2", *ULYSSES]
+    run_cli(*tiny_args(plain, *PROMPTS, *common, config="configs/tiny.yaml"), timeout=400)
+    run_cli(*tiny_args(quantized, *PROMPTS, *common, "--model.quantization", INT8WO, "--writer.audit",
+                       "{fraction: 1.0}", config="configs/tiny.yaml"), timeout=400)
+    made, reference = load_arrays(quantized), load_arrays(plain)
+    lines = audit_lines(quantized)
+    assert [line["index"] for line in lines] == [0, 1, 2, 3]
+    for line in lines:
+        assert {k: line[k] for k in NUMBERS} == compare(made[line["index"]], reference[line["index"]])
+    assert all(line["max_diff"] > 0 for line in lines)
