@@ -1,5 +1,5 @@
 """CLIP score from a local CLIP model folder (no download): torchmetrics' definition, 100 x
-max(cosine(image, text), 0), computed here because torchmetrics 1.9's ``CLIPScore`` takes only hub
+max(cosine(image, text), 0), computed here because torchmetrics 1.9's CLIPScore takes only hub
 names it knows and breaks on transformers 5's ``get_image_features`` output. Used by the audit
 (``writer.audit.clip_model``) and ``lightning-diffusion eval --clip``.
 """
