@@ -220,6 +220,11 @@ def test_a_fast_attention_backend_and_quantization_are_off_in_the_re_make(accele
     if named == "model.quantization":  # int8 weights change every image: both batches were made quantized
         assert all(0 < line["max_diff"] and 30 < line["psnr"] < math.inf for line in lines)
     assert not (tmp_path / "audit").exists()  # no baseline kept unless asked
+    # after the fact, the plain run leaves the accelerator out of run.json's settings: the same numbers
+    after = json.loads(run_here("audit", str(tmp_path), "--sample", "4", "--json").stdout)
+    assert after["left_out"] == [named] and after["batch_size"] == 2
+    assert [{k: line[k] for k in NUMBERS} for line in after["images"]] == [{k: line[k] for k in NUMBERS}
+                                                                           for line in lines]
 
 
 @pytest.mark.usefixtures("attention_default")
