@@ -3,11 +3,13 @@ off, on the same devices with the same seeds, and the drift recorded in ``audit.
 
 An image is in the sample when a hash of its index falls under ``fraction``: the same images for
 any number of replicas or nodes, a pool, a job array's shards and a resume, with no coordination.
-After each batch, every rank of a replica re-makes the batch's sampled images with the step cache
-and compilation off (``DiffusionModule.remake_plain``: same seeds, same padding to the batch
-size, so nothing but the accelerators differs) and compares the 8-bit images as written: PSNR and
-SSIM (torchmetrics) and the largest difference in 8-bit levels. Identical images have an infinite
-PSNR (``Infinity`` in the JSON line, as Python's ``json`` writes and reads it).
+After each batch, every rank of a replica re-makes the batch's sampled images with every
+accelerator off (``DiffusionModule.remake_plain``, ``pipelines.plain``: same seeds, same padding
+to the batch size, so nothing but the accelerators differs) and compares the 8-bit images as
+written: PSNR and SSIM (torchmetrics) and the largest difference in 8-bit levels; with
+``clip_model``, the CLIP scores too (``output.clip``). Identical images have an infinite PSNR
+(``Infinity`` in the JSON line, as Python's ``json`` writes and reads it). The re-made images are
+kept only with ``keep_baseline`` (``audit/``, never among the outputs).
 
 ``on_drift: stop``: when the median PSNR of a replica's last ``window`` audited images falls under
 ``min_psnr``, the run stops as on a signal (the batch in flight written, the manifest merged) and

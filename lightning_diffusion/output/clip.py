@@ -35,7 +35,8 @@ class ClipScorer:
             self.model: Any = CLIPModel.from_pretrained(path).eval()
             self.processor: Any = CLIPProcessor.from_pretrained(path)
         except (OSError, ValueError) as err:
-            raise ConfigError(f"{where} {folder} does not load as a CLIP model and processor ({err}).") from None
+            said = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ConfigError(f"{where} {folder} does not load as a CLIP model and processor ({said}).") from None
 
     def scores(self, images: Sequence[np.ndarray], prompts: Sequence[str], batch: int = 32) -> list[float]:
         """Each image's CLIP score against its prompt."""

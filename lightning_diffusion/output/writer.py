@@ -578,7 +578,12 @@ class ImageWriter(BasePredictionWriter):
                      f"{accelerators.describe()}; bound {settings.min_psnr:g} dB, on drift: "
                      f"{settings.on_drift}")
         folder = self.store.local_dir if self.store is not None else None
-        return audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer), folder)
+        auditor = audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer), folder)
+        if settings.clip_model is not None and auditor.writes:  # loaded now: a folder that is no CLIP model fails here
+            from lightning_diffusion.output.clip import ClipScorer
+
+            auditor.clip = ClipScorer(settings.clip_model, "writer.audit.clip_model")
+        return auditor
 
     def _audit_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                      prediction: list[ImageResult]) -> None:

@@ -271,6 +271,18 @@ def test_the_clip_score_and_its_difference_from_the_baseline_with_a_local_clip_m
     assert any(line["clip_diff"] != 0 for line in lines)
 
 
+def test_a_clip_model_folder_that_does_not_load_is_refused_in_one_line_before_the_pipeline(cli_here, tmp_path):
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    (clip / "config.json").write_text("{}")
+    proc = cli_here(*tiny_args(tmp_path / "out", *PROMPTS, "--writer.audit", f"{{fraction: 1.0, clip_model: {clip}}}",
+                               config="configs/tiny.yaml"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "writer.audit.clip_model" in line]
+    assert len(said) == 1 and "does not load as a CLIP model and processor" in said[0]
+    assert not list((tmp_path / "out").glob("*.png")) and "weights in" not in proc.stderr
+
+
 def test_what_the_re_make_turns_off_is_back_after_it():
     """The attention processors' backend and the float32 matmul precision, set back after the call."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
