@@ -5,9 +5,10 @@ without an audit and at two fractions, side by side in one run.
     python benchmarks/audit.py [--images 400] [--fractions 0.01 0.05] [--repeats 3] [--out /tmp/audit-bench]
     python benchmarks/audit.py --drift [--images 20]
 
-``--drift``: the drift table instead, what the audit records for each cache setting of
-docs/caching.md's table (every image audited, ``fraction: 1``): PSNR worst and median, SSIM
-median and the largest difference in 8-bit levels, over the first ``--images`` held-out captions.
+``--drift``: the drift table instead, what the audit records for each accelerator: the cache
+settings of docs/caching.md's table, a fast attention backend and torchao's int8 quantizations
+(every image audited, ``fraction: 1``): PSNR worst and median, SSIM median and the largest
+difference in 8-bit levels, over the first ``--images`` held-out captions.
 
 Every row is ``lightning-diffusion predict --config configs/tiny.yaml`` (64x64, 12 steps, batch 5,
 true CFG 3) on the first ``--images`` held-out captions with ``model.cache: {type: first_block,
@@ -31,9 +32,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = {"type": "first_block", "threshold": 0.1}
-DRIFT = [("first_block 0.1", CACHE), ("first_block 0.2", {"type": "first_block", "threshold": 0.2}),
-         ("taylorseer interval 2", {"type": "taylorseer", "cache_interval": 2}),
-         ("taylorseer interval 4", {"type": "taylorseer", "cache_interval": 4})]
+DRIFT = [("cache first_block 0.1", "cache", CACHE),
+         ("cache first_block 0.2", "cache", {"type": "first_block", "threshold": 0.2}),
+         ("cache taylorseer interval 2", "cache", {"type": "taylorseer", "cache_interval": 2}),
+         ("cache taylorseer interval 4", "cache", {"type": "taylorseer", "cache_interval": 4}),
+         ("attention_backend _native_math", "attention_backend", "_native_math"),
+         ("quantization torchao int8wo", "quantization", {"backend": "torchao", "quant_type": "int8wo"}),
+         ("quantization torchao int8dq", "quantization", {"backend": "torchao", "quant_type": "int8dq"})]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -97,13 +102,14 @@ def drift(prompts: Path, out: Path, images: int) -> None:
     import statistics as stats
 
     print(f"tiny:shapes, 64x64, 12 steps, batch 5, {images} held-out captions, every image audited\n")
-    print("| cache | PSNR worst (dB) | PSNR median (dB) | SSIM median | largest difference (levels) |")
+    print("| accelerator | PSNR worst (dB) | PSNR median (dB) | SSIM median | largest difference (levels) |")
     print("|---|---|---|---|---|")
-    for name, cache in DRIFT:
+    for name, option, value in DRIFT:
         folder = out / ("drift-" + name.replace(" ", "-"))
         shutil.rmtree(folder, ignore_errors=True)
-        cli("predict", "--config", "configs/tiny.yaml", "--data.prompts", str(prompts), "--model.cache",
-            json.dumps(cache), "--writer.output_dir", str(folder), "--trainer.enable_progress_bar", "false",
+        setting = value if isinstance(value, str) else json.dumps(value)
+        cli("predict", "--config", "configs/tiny.yaml", "--data.prompts", str(prompts), f"--model.{option}",
+            setting, "--writer.output_dir", str(folder), "--trainer.enable_progress_bar", "false",
             "--writer.audit", json.dumps({"fraction": 1.0}))
         lines = [json.loads(line) for line in (folder / "audit.jsonl").read_text().splitlines()]
         psnr = [line["psnr"] for line in lines]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
@@ -36,7 +37,7 @@ from lightning_diffusion.pipelines.checks import model_problems
 from lightning_diffusion.pipelines.failures import CallRunner
 from lightning_diffusion.pipelines.loading import NodeRanks, PipelineLoader, decoding_defaults
 from lightning_diffusion.pipelines.model_folder import PipelineInfo, dtype_name, resolve_dtype
-from lightning_diffusion.pipelines.plain import Accelerators
+from lightning_diffusion.pipelines.plain import Accelerators, PlainWeights
 from lightning_diffusion.pipelines.settings import ModelSettings
 from lightning_diffusion.pipelines.side_outputs import SideCapture, side_output_problems
 
@@ -181,6 +182,7 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         defaults, notes = decoding_defaults(info, options)  # a VAE that decodes only by tiles
         self.options = recorded_options({**options, **defaults})  # OPTIONS: in run.json and each image's metadata
         self.compiled = False
+        self.plain_weights: Optional[PlainWeights] = None  # a quantized run's, for the audit (``remake_plain``)
         self.cache_totals: Optional[list[float]] = None  # summed over processes at the end of a run
         # How to load: set by the strategy (``use_load_plan``), whole pipeline on the CPU by default.
         self.load_plan = LoadPlan()
@@ -341,18 +343,34 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
                 log.info(self.group_work.summary())
 
     def accelerators(self) -> Accelerators:
-        """The accelerators this run has on, as an audit turns them off or keeps them (``plain``)."""
-        return Accelerators.of(self.cache, self.options, dtype_name(self.hparams["torch_dtype"]))
+        """The accelerators this run has on, all of which an audit turns off (``plain``); raises where
+        it cannot (``plain.quantization_problems``): before the weights load, the writer asks."""
+        from lightning_diffusion.pipelines.plain import quantization_problems
+
+        raise_problems(quantization_problems(self.options["quantization"], self.adapters))
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        backend = getattr(strategy, "attention_backend", None)
+        return Accelerators.of(self.cache, self.options, dtype_name(self.hparams["torch_dtype"]),
+                               backend if isinstance(backend, str) else None, torch.get_float32_matmul_precision(),
+                               os.environ.get("DIFFUSERS_ATTN_BACKEND"))
 
     def remake_plain(self, samples: Sequence[Sample]) -> list[ImageResult]:
-        """``predict_step`` on ``samples`` with the step cache and compilation off (``plain``): the
-        same seeds, padding and devices, so the images differ from the run's by the accelerators
-        alone. Every rank of the group calls it for the same samples; the run's counts are untouched."""
+        """``predict_step`` on ``samples`` with every accelerator off (``plain``): the same seeds,
+        padding and devices, so the images differ from the run's by the accelerators alone. Every
+        rank of the group calls it for the same samples; the run's counts are untouched. A quantized
+        run's full-precision weights load on the first call (on the CPU, kept for the next)."""
+        from lightning_diffusion.pipelines import quantization
         from lightning_diffusion.pipelines.plain import accelerators_off
 
+        spec = self.options["quantization"]
+        if spec and self.plain_weights is None:
+            names = quantization.quantized(spec, tuple(self.info.denoisers()))
+            self.plain_weights = PlainWeights.load(self.info, self.dtype_, names, self.from_pretrained_kwargs)
+        denoisers = self.loader.denoiser_modules(self.pipeline)
         saved = dict(self.stats), self.failures
         try:
-            with accelerators_off(self.pipeline, self.step_cache, self.loader.denoiser_modules(self.pipeline)):
+            with accelerators_off(self.pipeline, self.step_cache, denoisers, self.plain_weights,
+                                  dict(self.components.items())):
                 return self.predict_step(list(samples))
         finally:
             self.stats, self.failures = saved

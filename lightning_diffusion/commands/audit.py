@@ -5,12 +5,12 @@
 
 Takes the ``--sample`` recorded images that an in-run audit (``writer.audit``) picks first (the
 lowest hashes of their indices: every fraction that sampled at least that many picked these),
-makes them again on one device with the model settings run.json records but the step cache and
-compile off, the same seeds and the run's batch size (recorded by an in-run audit; else
-``--batch-size``, default 1), and compares them with the recorded files: PSNR, SSIM and the
-largest difference in 8-bit levels, as ``audit.jsonl`` has them. Reads the folder and writes
-nothing there. Exit code 0, 3 when the median PSNR is under ``--min-psnr`` (the drift code of
-``writer.audit.on_drift: stop``), 2 for bad input.
+makes them again on one device with the model settings run.json records but the step cache,
+compile, the attention backend and quantization off, the same seeds and the run's batch size
+(recorded by an in-run audit; else ``--batch-size``, default 1), and compares them with the
+recorded files: PSNR, SSIM and the largest difference in 8-bit levels, as ``audit.jsonl`` has
+them. Reads the folder and writes nothing there. Exit code 0, 3 when the median PSNR is under
+``--min-psnr`` (the drift code of ``writer.audit.on_drift: stop``), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.core.records import CallArgs, JsonObject, ManifestLine, Record, RunSettings
 
 IMAGE_SUFFIXES = (".png", ".webp", ".jpg", ".jpeg")
-# run.json's model options a plain re-make leaves out (``pipelines.plain.TURNED_OFF``), or cannot give again.
-LEFT_OUT = ("cache", "compile")
+# run.json's model options a plain re-make leaves out (``pipelines.plain.TURNED_OFF``).
+LEFT_OUT = ("cache", "compile", "attention_backend", "quantization")
 
 if TYPE_CHECKING:
     from lightning_diffusion.output.audit import AuditLine
@@ -170,7 +170,9 @@ def audit_folder(folder: Path, sample: int, batch_size: Optional[int], extra: li
                    "--data.batch_size", str(size), "--data.num_images_per_prompt", "1", "--trainer.devices", "1",
                    "--trainer.num_nodes", "1", "--trainer.strategy", "data_parallel", "--writer.output_dir",
                    str(plain), "--trainer.enable_progress_bar", "false", *extra]
-        proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+        # diffusers' process-wide attention backend is an accelerator too: the re-make runs its default
+        env = {k: v for k, v in os.environ.items() if k != "DIFFUSERS_ATTN_BACKEND"}
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise ConfigError(f"the plain run failed (exit {proc.returncode}): "
                               f"{(proc.stderr.strip().splitlines() or [''])[-1]}")

@@ -295,29 +295,14 @@ def evaluate(args) -> EvalResult:
 
 
 def _clip_score(model_dir: str, images: list, prompts: list[str]) -> float:
-    """CLIP score as torchmetrics defines it: 100 x max(cosine(image, text), 0), averaged. Computed
-    here because torchmetrics 1.9's CLIPScore takes only hub names it knows and breaks on
-    transformers 5's ``get_image_features`` output."""
+    """CLIP score as torchmetrics defines it, averaged (``output.clip``)."""
     import torch
-    from transformers import CLIPModel, CLIPProcessor
 
-    try:
-        model = CLIPModel.from_pretrained(model_dir).eval()
-        processor = CLIPProcessor.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"--clip {model_dir} does not load as a CLIP model and processor ({err}).") from None
-    scores = []
-    with torch.no_grad():
-        for start in range(0, len(images), 32):
-            batch = [(image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-                     for image in images[start:start + 32]]
-            inputs = processor(text=prompts[start:start + 32], images=batch, return_tensors="pt", padding=True,
-                               truncation=True, max_length=model.config.text_config.max_position_embeddings)
-            output = model(**inputs)
-            image, text = output.image_embeds, output.text_embeds
-            cosine = torch.nn.functional.cosine_similarity(image, text, dim=-1)
-            scores.append(100 * cosine.clamp(min=0))
-    return float(torch.cat(scores).mean())
+    from lightning_diffusion.output.clip import ClipScorer
+
+    pixels = [(image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy() for image in images]
+    scores = ClipScorer(model_dir, "--clip").scores(pixels, prompts)
+    return sum(scores) / len(scores)
 
 
 def _mean(values: list[float]) -> float:

@@ -3,11 +3,13 @@ off, on the same devices with the same seeds, and the drift recorded in ``audit.
 
 An image is in the sample when a hash of its index falls under ``fraction``: the same images for
 any number of replicas or nodes, a pool, a job array's shards and a resume, with no coordination.
-After each batch, every rank of a replica re-makes the batch's sampled images with the step cache
-and compilation off (``DiffusionModule.remake_plain``: same seeds, same padding to the batch
-size, so nothing but the accelerators differs) and compares the 8-bit images as written: PSNR and
-SSIM (torchmetrics) and the largest difference in 8-bit levels. Identical images have an infinite
-PSNR (``Infinity`` in the JSON line, as Python's ``json`` writes and reads it).
+After each batch, every rank of a replica re-makes the batch's sampled images with every
+accelerator off (``DiffusionModule.remake_plain``, ``pipelines.plain``: same seeds, same padding
+to the batch size, so nothing but the accelerators differs) and compares the 8-bit images as
+written: PSNR and SSIM (torchmetrics) and the largest difference in 8-bit levels; with
+``clip_model``, the CLIP scores too (``output.clip``). Identical images have an infinite PSNR
+(``Infinity`` in the JSON line, as Python's ``json`` writes and reads it). The re-made images are
+kept only with ``keep_baseline`` (``audit/``, never among the outputs).
 
 ``on_drift: stop``: when the median PSNR of a replica's last ``window`` audited images falls under
 ``min_psnr``, the run stops as on a signal (the batch in flight written, the manifest merged) and
@@ -37,6 +39,7 @@ from lightning_diffusion.core.groups import group_options
 from lightning_diffusion.core.records import AuditSummary, ImageResult, Sample
 
 if TYPE_CHECKING:
+    from lightning_diffusion.output.clip import ClipScorer
     from lightning_diffusion.pipelines.plain import Accelerators
 
 AUDIT_FILE = "audit.jsonl"
@@ -52,12 +55,18 @@ class Comparison(TypedDict):
 
 
 class AuditLine(Comparison, total=False):
-    """A line of ``audit.jsonl``: the image's ``index`` and ``seed``, its comparison and the
-    ``seconds`` its re-make took."""
+    """A line of ``audit.jsonl``: the image's ``index`` and ``seed``, its comparison, the
+    ``seconds`` its re-make took, the kept ``baseline`` image's name (``keep_baseline``) and the CLIP
+    scores (``clip_model``: the run's ``clip_score``, ``clip_diff`` against the baseline's)."""
 
     index: int
     seed: int
     seconds: float
+    baseline: str
+    clip_score: float
+    clip_diff: float
+
+BASELINE_DIR = "audit"  # keep_baseline: the re-made images, beside audit.jsonl
 ON_DRIFT = ("warn", "stop")
 EXAMPLE = "{fraction: 0.01, min_psnr: 30, on_drift: warn}"
 
@@ -66,12 +75,17 @@ EXAMPLE = "{fraction: 0.01, min_psnr: 30, on_drift: warn}"
 class AuditSettings:
     """``writer.audit``: ``fraction`` of the images audited (0 < fraction <= 1), the PSNR bound in
     dB (``min_psnr``), what a drift does (``on_drift``: ``warn`` or ``stop``) and over how many of
-    a replica's last audited images the median is taken (``window``)."""
+    a replica's last audited images the median is taken (``window``); ``keep_baseline``: the re-made
+    images stored in ``audit/`` beside audit.jsonl (PNG; a video's frames as ``.npy``);
+    ``clip_model``: a local CLIP model folder, for each image's CLIP score and its difference from
+    the baseline's (``output.clip``)."""
 
     fraction: float = 0.01
     min_psnr: float = 30.0
     on_drift: str = "warn"
     window: int = 5
+    keep_baseline: bool = False
+    clip_model: Optional[str] = None
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> AuditSettings:
@@ -102,6 +116,12 @@ def audit_problems(given: object) -> list[str]:
         problems.append(f"writer.audit.on_drift must be one of {', '.join(ON_DRIFT)}, got {settings.on_drift!r}.")
     if not is_int(settings.window, 1):
         problems.append(f"writer.audit.window must be an integer >= 1, got {settings.window!r}.")
+    if not isinstance(settings.keep_baseline, bool):
+        problems.append(f"writer.audit.keep_baseline must be true or false, got {settings.keep_baseline!r}.")
+    if settings.clip_model is not None:
+        from lightning_diffusion.output.clip import folder_problem
+
+        problems += folder_problem(settings.clip_model, "writer.audit.clip_model")
     return problems
 
 
@@ -188,14 +208,17 @@ class Auditor:
     (``writes``: this rank writes its replica's outputs), and judges the drift. At most
     ``call_size - 1`` images wait; ``flush`` audits them at the run's end (a killed run does not)."""
 
-    def __init__(self, settings: AuditSettings, part: Path, writes: bool) -> None:
+    def __init__(self, settings: AuditSettings, part: Path, writes: bool, folder: Optional[Path] = None) -> None:
         self.settings = settings
+        # keep_baseline: where the writing rank stores the re-made images (the output folder's ``audit/``)
+        self.baselines = folder / BASELINE_DIR if settings.keep_baseline and folder is not None else None
         self.part = part
         self.writes = writes
         self.psnrs: list[float] = []
         self.seconds = 0.0
         self.drifting = False  # the median is under the bound now (said once each time it falls)
         self.waiting: list[tuple[Sample, np.ndarray]] = []  # (sample, the run's image)
+        self.clip: Optional[ClipScorer] = None  # clip_model's, loaded by the first audit that needs it
 
     def after_batch(self, module: PlainRemaker, batch: Sequence[Sample],
                     prediction: Sequence[ImageResult], call_size: int) -> Optional[str]:
@@ -219,19 +242,43 @@ class Auditor:
         made = {sample["index"]: image for sample, image in taken}
         start = time.perf_counter()
         plain = module.remake_plain([sample for sample, _ in taken])
+        remade = [item for item in plain if "image" in item]
         lines: list[AuditLine] = [{"index": int(item["index"]), "seed": item["seed"],
-                                   **compare(made[item["index"]], item["image"])}
-                 for item in plain if "image" in item]
+                                   **compare(made[item["index"]], item["image"])} for item in remade]
+        if self.writes and self.settings.clip_model is not None:
+            self._clip_scores(lines, {sample["index"]: sample for sample, _ in taken}, made, remade)
         seconds = time.perf_counter() - start
         self.seconds += seconds
         for line in lines:
             line["seconds"] = round(seconds / len(lines), 4)
+        if self.writes and self.baselines is not None:
+            for line, item in zip(lines, remade):
+                line["baseline"] = store_baseline(self.baselines, line["index"], item["image"])
         if self.writes and lines:
             with open(self.part, "a", encoding="utf-8") as f:
                 f.write("".join(json.dumps(line) + "\n" for line in lines))
                 f.flush()
         self.psnrs.extend(line["psnr"] for line in lines)
         return self._judge()
+
+    def _clip_scores(self, lines: list[AuditLine], samples: Mapping[int, Sample],
+                     made: Mapping[int, np.ndarray], remade: Sequence[ImageResult]) -> None:
+        """Each image's ``clip_score`` (the run's, against its prompt) and ``clip_diff`` (the run's
+        minus the baseline's), in its line; a video's are left out."""
+        from lightning_diffusion.output.clip import ClipScorer
+        from lightning_diffusion.output.files import to_uint8
+
+        pairs = [(line, to_uint8(np.asarray(made[line["index"]])), to_uint8(np.asarray(item["image"])))
+                 for line, item in zip(lines, remade) if np.asarray(item["image"]).ndim == 3]
+        if not pairs:
+            return
+        if self.clip is None:
+            assert self.settings.clip_model is not None
+            self.clip = ClipScorer(self.settings.clip_model, "writer.audit.clip_model")
+        prompts = [str(samples[line["index"]]["prompt"]) for line, _, _ in pairs]
+        scores = self.clip.scores([a for _, a, _ in pairs] + [b for _, _, b in pairs], prompts + prompts)
+        for (line, _, _), ours, theirs in zip(pairs, scores, scores[len(pairs):]):
+            line["clip_score"], line["clip_diff"] = round(ours, 4), round(ours - theirs, 4)
 
     def _judge(self) -> Optional[str]:
         recent = self.psnrs[-self.settings.window:]
@@ -243,6 +290,26 @@ class Auditor:
         return (f"audit: the median PSNR of the last {len(recent)} audited images is {median:.1f} dB, under "
                 f"writer.audit.min_psnr {self.settings.min_psnr:g} (worst {min(recent):.1f} dB): the accelerators "
                 "change these pictures more than the bound allows")
+
+
+def store_baseline(folder: Path, index: int, image: np.ndarray) -> str:
+    """Store image ``index``'s re-made baseline in ``folder`` (8-bit, as the run's own is compared):
+    a PNG, or a video's frames as ``.npy``; its path from the output folder, for its audit line."""
+    from PIL import Image
+
+    from lightning_diffusion.output.files import to_uint8
+
+    folder.mkdir(exist_ok=True)
+    pixels = to_uint8(np.asarray(image))
+    path = folder / f"{int(index):06d}{'.png' if pixels.ndim == 3 else '.npy'}"
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as f:
+        if pixels.ndim == 3:
+            Image.fromarray(pixels).save(f, format="PNG")
+        else:
+            np.save(f, pixels)
+    os.replace(temporary, path)
+    return f"{BASELINE_DIR}/{path.name}"
 
 
 def part_name(manifest_part: Path) -> Path:

@@ -203,7 +203,8 @@ class ImageWriter(BasePredictionWriter):
         storage_options: the object store's fsspec options (endpoint, credentials...); a value
             ``env:NAME`` is read from the environment variable ``NAME``. Never recorded.
         audit: re-make a sample with the accelerators off, the drift in ``audit.jsonl``:
-            ``{fraction: 0.01, min_psnr: 30, on_drift: warn}`` (docs/caching.md).
+            ``{fraction: 0.01, min_psnr: 30, on_drift: warn}``; ``keep_baseline: true`` keeps the
+            re-made images in ``audit/``, ``clip_model: DIR`` adds CLIP scores (docs/caching.md).
         metrics_port: serve live metrics for Prometheus on this port from global rank 0 (0: none).
         metrics_file: keep the same metrics in this textfile (node_exporter's textfile collector).
 
@@ -578,11 +579,18 @@ class ImageWriter(BasePredictionWriter):
                               f"(accelerators, remake_plain: DiffusionModule); got {type(pl_module).__name__}.")
         settings = self.audit_settings
         assert settings is not None and self._part is not None
+        accelerators = pl_module.accelerators()  # every rank: it refuses what it cannot turn off
         if trainer.is_global_zero:
             log.info(f"audit: {100 * settings.fraction:g}% of the images ({audit_.AUDIT_FILE}), "
-                     f"{pl_module.accelerators().describe()}; bound {settings.min_psnr:g} dB, on drift: "
+                     f"{accelerators.describe()}; bound {settings.min_psnr:g} dB, on drift: "
                      f"{settings.on_drift}")
-        return audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer))
+        folder = self.store.local_dir if self.store is not None else None
+        auditor = audit_.Auditor(settings, audit_.part_name(self._part), self.writes_outputs(trainer), folder)
+        if settings.clip_model is not None and auditor.writes:  # loaded now: a folder that is no CLIP model fails here
+            from lightning_diffusion.output.clip import ClipScorer
+
+            auditor.clip = ClipScorer(settings.clip_model, "writer.audit.clip_model")
+        return auditor
 
     def _audit_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                      prediction: list[ImageResult]) -> None:

@@ -2,7 +2,9 @@
 the drift in ``audit.jsonl``, and ``on_drift: stop`` ending the run with exit code 3, resumably.
 
 Runs are tiny:shapes at 64x64 with 4 prompts; the drifting one uses a first-block cache at its
-largest threshold (1.0), which reuses most steps and changes pictures by far more than 30 dB.
+largest threshold (1.0), which reuses most steps and changes pictures by far more than 30 dB. The
+attention backend ``_native_math`` and torchao's int8 weights change them a little: their audits
+must equal a comparison with the plain run's images.
 """
 
 import json
@@ -16,13 +18,16 @@ import torch
 
 from lightning_diffusion.core.preemption import DRIFT_EXIT_CODE
 from lightning_diffusion.output.audit import AUDIT_FILE, audit_problems, compare, hash_value, sample_of
-from lightning_diffusion.pipelines.plain import accelerators_off
+from lightning_diffusion.output.files import to_uint8
+from lightning_diffusion.pipelines.plain import Accelerators, accelerators_off, quantization_problems
 from tests.conftest import load_arrays, read_manifest_lines, run_cli, run_here, tiny_args
 
 PROMPTS = ["--data.prompts", "[a red circle on a blue background, a large green square on a white background, "
            "a purple triangle at the bottom on a yellow background, a white star and a pink circle on a green "
            "background]", "--model.num_inference_steps", "4"]
 AGGRESSIVE = ["--model.cache", "{type: first_block, threshold: 1.0}"]
+INT8WO = "{backend: torchao, quant_type: int8wo}"
+NUMBERS = ("psnr", "ssim", "max_diff")
 
 
 def audit_lines(folder: Path) -> list[dict]:
@@ -72,6 +77,8 @@ def test_compare_identical_and_different_images():
     ("{min_psnr: high}", "writer.audit.min_psnr must be a number of dB, got 'high'"),
     ("{on_drift: halt}", "writer.audit.on_drift must be one of warn, stop, got 'halt'"),
     ("{fractoin: 0.1}", "writer.audit has no option fractoin"),
+    ("{keep_baseline: 3}", "writer.audit.keep_baseline must be true or false, got 3"),
+    ("{clip_model: /no/such/clip}", "writer.audit.clip_model /no/such/clip is not a local CLIP model folder"),
 ])
 def test_bad_audit_settings_are_one_line_each_before_weights(audit, said, cli_here, tmp_path):
     proc = cli_here(*tiny_args(tmp_path / "out", *PROMPTS, "--writer.audit", audit, config="configs/tiny.yaml"))
@@ -173,6 +180,154 @@ def test_compile_is_off_inside_and_back_after():
     assert len(traced) == 1 and torch.equal(inside, after)
 
 
+@pytest.fixture(scope="module")
+def plain_pair(tmp_path_factory):
+    """The plain run at batch 2 (no accelerator): its images, and its folder."""
+    folder = tmp_path_factory.mktemp("plain")
+    shapes(folder, "--data.batch_size", "2")
+    return load_arrays(folder), folder
+
+
+@pytest.fixture
+def attention_default():
+    """diffusers' process-wide attention backend, which ``set_attention_backend`` sets, put back after."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry._active_backend = active
+
+
+@pytest.mark.usefixtures("attention_default")
+@pytest.mark.parametrize("accelerator, named", [
+    (["--model.attention_backend", "_native_math"], "model.attention_backend"),
+    (["--model.quantization", INT8WO], "model.quantization"),
+])
+def test_a_fast_attention_backend_and_quantization_are_off_in_the_re_make(accelerator, named, plain_pair, tmp_path):
+    """Each audit line is the comparison of the accelerated image with the plain run's; the run's
+    next batch is made with the accelerator back on (its images differ from the plain ones too)."""
+    if "--model.quantization" in accelerator:
+        pytest.importorskip("torchao")
+    plain, _ = plain_pair
+    proc = shapes(tmp_path, "--data.batch_size", "2", *accelerator, "--writer.audit", "{fraction: 1.0}")
+    assert f"re-made with {named} off in the run's float32" in proc.stderr + proc.stdout
+    made = load_arrays(tmp_path)
+    lines = audit_lines(tmp_path)
+    assert [line["index"] for line in lines] == [0, 1, 2, 3]
+    for line in lines:
+        assert {k: line[k] for k in NUMBERS} == compare(made[line["index"]], plain[line["index"]])
+    assert any(line["max_diff"] > 0 for line in lines)  # the accelerator changed pixels, the re-make undid it
+    if named == "model.quantization":  # int8 weights change every image: both batches were made quantized
+        assert all(0 < line["max_diff"] and 30 < line["psnr"] < math.inf for line in lines)
+    assert not (tmp_path / "audit").exists()  # no baseline kept unless asked
+    # after the fact, the plain run leaves the accelerator out of run.json's settings: the same numbers
+    after = json.loads(run_here("audit", str(tmp_path), "--sample", "4", "--json").stdout)
+    assert after["left_out"] == [named] and after["batch_size"] == 2
+    assert [{k: line[k] for k in NUMBERS} for line in after["images"]] == [{k: line[k] for k in NUMBERS}
+                                                                           for line in lines]
+
+
+@pytest.mark.usefixtures("attention_default")
+def test_the_baseline_is_kept_in_its_own_folder_when_asked(plain_pair, tmp_path):
+    from PIL import Image
+
+    plain, plain_folder = plain_pair
+    shapes(tmp_path, "--data.batch_size", "2", "--model.attention_backend", "_native_math",
+           "--writer.audit.fraction", "0.5", "--writer.audit.keep_baseline", "true")
+    lines = audit_lines(tmp_path)
+    assert [line["index"] for line in lines] == sample_of(range(4), 0.5) != []
+    assert sorted(p.name for p in (tmp_path / "audit").iterdir()) == [f"{i:06d}.png" for i in sample_of(range(4), 0.5)]
+    for line in lines:
+        assert line["baseline"] == f"audit/{line['index']:06d}.png"
+        kept = np.asarray(Image.open(tmp_path / line["baseline"]).convert("RGB"))
+        assert np.array_equal(kept, to_uint8(plain[line["index"]]))  # the plain run's picture, as written
+    # the outputs are the run's own: the manifest and the folder hold its four images only
+    assert [line["index"] for line in read_manifest_lines(tmp_path)] == [0, 1, 2, 3]
+    assert len(list(tmp_path.glob("*.png"))) == len(list(plain_folder.glob("*.png"))) == 4
+
+
+@pytest.mark.usefixtures("attention_default")
+def test_the_clip_score_and_its_difference_from_the_baseline_with_a_local_clip_model(plain_pair, tmp_path):
+    """A random tiny CLIP (its numbers mean nothing): each line's score is the run's image's against
+    its prompt, and its difference the run's minus the plain run's; a run without accelerators has none."""
+    from lightning_diffusion.output.clip import ClipScorer
+    from tests.pipelines.test_shapes import tiny_clip
+
+    plain, _ = plain_pair
+    clip = tiny_clip(tmp_path / "clip")
+    same = tmp_path / "same"  # first: the run with a backend below sets diffusers' process-wide one
+    shapes(same, "--data.batch_size", "2", "--writer.audit", f"{{fraction: 1.0, clip_model: {clip}}}")
+    assert [line["clip_diff"] for line in audit_lines(same)] == [0.0] * 4
+    out = tmp_path / "out"
+    shapes(out, "--data.batch_size", "2", "--model.attention_backend", "_native_math", "--writer.audit",
+           f"{{fraction: 1.0, clip_model: {clip}}}")
+    made, lines = load_arrays(out), audit_lines(out)
+    prompts = {line["index"]: line["prompt"] for line in read_manifest_lines(out)}
+    scorer = ClipScorer(str(clip), "clip")
+    for line in lines:
+        i = line["index"]
+        ours, theirs = scorer.scores([to_uint8(made[i]), to_uint8(plain[i])], [prompts[i]] * 2)
+        assert line["clip_score"] == round(ours, 4) and line["clip_diff"] == round(ours - theirs, 4)
+    assert any(line["clip_diff"] != 0 for line in lines)
+
+
+def test_a_clip_model_folder_that_does_not_load_is_refused_in_one_line_before_the_pipeline(cli_here, tmp_path):
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    (clip / "config.json").write_text("{}")
+    proc = cli_here(*tiny_args(tmp_path / "out", *PROMPTS, "--writer.audit", f"{{fraction: 1.0, clip_model: {clip}}}",
+                               config="configs/tiny.yaml"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "writer.audit.clip_model" in line]
+    assert len(said) == 1 and "does not load as a CLIP model and processor" in said[0]
+    assert not list((tmp_path / "out").glob("*.png")) and "weights in" not in proc.stderr
+
+
+def test_what_the_re_make_turns_off_is_back_after_it():
+    """The attention processors' backend and the float32 matmul precision, set back after the call."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.processor = SimpleNamespace(_attention_backend=AttentionBackendName("_native_math"))
+
+    denoiser = torch.nn.Sequential(Attention(), Attention())
+    pipeline = SimpleNamespace(components={"transformer": denoiser})
+    before = torch.get_float32_matmul_precision()
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        torch.set_float32_matmul_precision("high")
+        with accelerators_off(pipeline, None, {"transformer": denoiser}):
+            assert {m.processor._attention_backend for m in denoiser} == {AttentionBackendName.NATIVE}
+            assert _AttentionBackendRegistry._active_backend == AttentionBackendName.NATIVE
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert {m.processor._attention_backend for m in denoiser} == {AttentionBackendName("_native_math")}
+        assert torch.get_float32_matmul_precision() == "high"
+        assert _AttentionBackendRegistry._active_backend == active
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_what_the_audit_turns_off_is_said_and_the_dtype_stays():
+    options = {"compile": "regional", "quantization": {"backend": "torchao"}, "attention_backend": None}
+    line = Accelerators.of({"type": "first_block"}, options, "bfloat16", "flash", "high", "native").describe()
+    assert line == ("re-made with model.cache, model.compile, the strategy's attention_backend, model.quantization, "
+                    "torch.float32_matmul_precision off in the run's bfloat16")
+    assert Accelerators.of(None, {}, "bfloat16").describe() == (
+        "no accelerator to turn off: the audit re-makes the same images the same way in the run's bfloat16, a "
+        "determinism check")
+    assert Accelerators.of(None, {}, "float32", environment_backend="flash").off == ("DIFFUSERS_ATTN_BACKEND",)
+
+
+def test_quantization_the_audit_cannot_undo_is_refused_in_one_line():
+    assert quantization_problems(None, ()) == [] and quantization_problems({"backend": "torchao"}, ()) == []
+    [bnb] = quantization_problems({"backend": "bitsandbytes_8bit"}, ())
+    assert bnb.startswith("writer.audit with model.quantization backend 'bitsandbytes_8bit'") and "\n" not in bnb
+    [lora] = quantization_problems({"backend": "torchao"}, ("an adapter",))
+    assert "writer.audit with model.quantization and model.lora" in lora
+
+
 @pytest.mark.slow
 def test_the_sample_and_its_numbers_are_the_same_for_one_and_two_replicas(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
@@ -259,3 +414,21 @@ def test_a_drift_under_two_replicas_stops_the_run_with_its_exit_code_and_a_resum
     run_cli(*args, "--writer.audit", "{fraction: 1.0, on_drift: warn}")
     assert [line["index"] for line in read_manifest_lines(tmp_path)] == list(range(12))
     assert [line["index"] for line in audit_lines(tmp_path)] == list(range(12))
+
+
+@pytest.mark.slow
+def test_under_ulysses_a_quantized_run_is_re_made_with_its_full_precision_weights(tmp_path):
+    """The full-precision parameters are swapped into the group's context-parallel transformer (its
+    hooks stay): each line equals the comparison with a plain Ulysses run's image."""
+    pytest.importorskip("torchao")
+    plain, quantized = tmp_path / "plain", tmp_path / "quantized"
+    common = ["--data.batch_size", "2", *ULYSSES]
+    run_cli(*tiny_args(plain, *PROMPTS, *common, config="configs/tiny.yaml"), timeout=400)
+    run_cli(*tiny_args(quantized, *PROMPTS, *common, "--model.quantization", INT8WO, "--writer.audit",
+                       "{fraction: 1.0}", config="configs/tiny.yaml"), timeout=400)
+    made, reference = load_arrays(quantized), load_arrays(plain)
+    lines = audit_lines(quantized)
+    assert [line["index"] for line in lines] == [0, 1, 2, 3]
+    for line in lines:
+        assert {k: line[k] for k in NUMBERS} == compare(made[line["index"]], reference[line["index"]])
+    assert all(line["max_diff"] > 0 for line in lines)
