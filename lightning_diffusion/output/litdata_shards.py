@@ -4,12 +4,12 @@ A shard is a folder ``shard-{first index}.litdata`` holding one chunk and its ``
 written by LitData's own writer (``BinaryWriter``, then ``litdata.complete_dataset``) into a
 temporary folder beside it; once they are closed (and synced) the folder is renamed into place, and
 only then are its samples' manifest lines appended, as a tar or Parquet shard is published
-(``files.TarShards``). A kill loses at most the open shard: its temporary folder is never read and
+(``shard_writers.TarShards``). A kill loses at most the open shard: its temporary folder is never read and
 is swept by the next run. Each manifest line names the shard's chunk file (``file``, its size as
 ``shard_bytes``) and the sample's ``member`` (``000000123.png``), so the checks that count a tar
 shard's outputs count these.
 
-Each sample is a dict with a Parquet row's keys (``files.PARQUET_COLUMNS``), the image's encoded
+Each sample is a dict with a Parquet row's keys (``shard_writers.PARQUET_COLUMNS``), the image's encoded
 bytes as ``image`` and its member name as ``image_path``; its types are the same in every sample
 and every shard (no value is None: an empty negative prompt, ``-1`` steps and NaN guidance where a
 call has none), so that ``litdata.merge_datasets`` joins the shards of a run into one dataset.
@@ -34,9 +34,9 @@ from PIL import Image
 
 from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.core.records import ImageResult
-from lightning_diffusion.output.files import TarShards, side_columns
 from lightning_diffusion.output.manifest import temporary_name
 from lightning_diffusion.output.settings import IMAGE_FORMATS, LITDATA_INSTALL
+from lightning_diffusion.output.shard_writers import TarShards, side_columns
 
 
 def _litdata() -> Any:
