@@ -94,14 +94,11 @@ class DiffusionModule(pl.LightningModule, DiffusionModel):
         quantization: quantize components while they load (diffusers' quantization backends):
             ``{backend: torchao, quant_type: int8wo, components: [transformer]}``; components
             default to the denoisers; other keys are the backend config's arguments.
-        lora: LoRA adapters fused into the weights before inference (``[{path, weight_name,
-            scale}]``), under every strategy, tensor parallelism's shards included.
-        adapters: LoRA adapters by name that records choose (``{style: {path, weight_name,
-            scale}}``; a record's ``"adapters": ["style"]`` or ``{"style": 0.8}``; a record without
-            one gets ``lora``): batches are cut by adapter set and a replica switches sets between
-            batches without reloading the model (docs/lora.md).
-        max_loaded_adapters: how many adapters a replica holds read at once (the least recently
-            used dropped first).
+        lora: LoRA adapters fused into the weights before inference, under every strategy
+            (``[{path, weight_name, scale}]``).
+        adapters: LoRA adapters by name (``{style: {path, scale}}``) that each record chooses
+            (``"adapters": ["style"]``; docs/lora.md).
+        max_loaded_adapters: adapters a replica holds read at once (least recently used dropped).
         pipeline_class: run the weights with another diffusers pipeline class, such as
             ``FluxImg2ImgPipeline`` or ``FluxInpaintPipeline`` on FLUX.1 weights (the records then
             carry ``image`` and ``mask_image`` paths).

@@ -184,8 +184,7 @@ class PromptDataModule(pl.LightningDataModule):
             of them (``prompts/*.parquet``), a folder written by ``datasets``' ``save_to_disk``,
             ``hf://datasets/NAME`` (read from the local Hugging Face cache), or an inline list.
         columns: record field -> the source's column (``{prompt: caption, seed: id}``); a field
-            mapped to null is not read. Parquet and datasets read only the columns named like a
-            record field (or mapped to one) and the kept ones.
+            mapped to null is not read.
         keep_columns: columns carried into each image's metadata (not read as record fields).
         split: the split of a dataset (``hf://datasets/NAME``: default ``train``; a ``save_to_disk``
             folder of several splits).
@@ -194,16 +193,15 @@ class PromptDataModule(pl.LightningDataModule):
         seed: global seed; image ``i`` of a record without a seed uses ``seed + i``.
         num_images_per_prompt: images made from each record.
         num_workers: DataLoader workers (prompts are tiny; 0 is usually right).
-        inputs_root: records' input files (``image``, ``mask_image``...) must lie under this folder
-            once links and ``..`` are resolved (for prompt files from elsewhere).
+        inputs_root: records' input files must lie under this folder, links and ``..`` resolved.
         num_shards: split the prompt set into this many shards (the tasks of a SLURM job array,
             each its own shard, writing into one output folder); 1: the whole set.
         shard_index: make only this shard of ``num_shards``: the shards are dealt the whole
             set's batches by cost, as replicas are (``shard``), recorded in the output folder.
         max_pixels: the most pixels of one image or video frame a record (or the config) may ask
             for, input images included (checked from their headers, before they are decoded).
-        max_prompt_chars: the most characters of a record's prompt or negative prompt (20,000 by
-            default); a longer one is a bad record (``on_bad_record``).
+        max_prompt_chars: the most characters of a record's prompt or negative prompt; a longer
+            one is a bad record (``on_bad_record``).
         on_bad_record: ``fail`` (default): a record that cannot be made (a key it may not set, a
             value out of bounds, a missing input file...) refuses the run before anything loads,
             naming every such record; ``skip``: the others are made, and those are listed in the
@@ -211,18 +209,13 @@ class PromptDataModule(pl.LightningDataModule):
         bucket: ``true`` (default): batches are cut among records that share every call argument
             (``batching``), so a mixed prompt set runs one full call a batch; ``false``: batches of
             consecutive images, each split into one padded call per kind of record in it.
-        schedule: ``deal`` (default): the batches are dealt to the replicas (and the shards) by
-            cost before the run; ``pull``: every writing process of every job that names this
-            output location is a worker of one pool, claiming the next batch when it is ready
-            (``output.pool``): a slower replica takes fewer batches, a second job with the same
-            config joins the first, and a dead worker's batches are taken over.
-        lease_s: with ``pull``: a worker that stops renewing its claims for this many seconds
-            (its node lost) has its batches taken over (at once where its process is gone from
-            this host). At least 2.
-        on_error: ``fail`` (default): a pipeline call that fails (out of memory on one huge record,
-            an input that cannot be decoded, an image of NaN pixels) stops the run naming its
-            record; ``skip``: its records go to ``failed.jsonl`` and the run goes on (a rerun
-            retries them). Out of memory first retries the call one record at a time.
+        schedule: ``deal`` (default): batches dealt to the replicas by cost before the run;
+            ``pull``: every job writing to this output joins one pool of workers that claim the next
+            batch when ready, a dead worker's taken over (docs/config.md).
+        lease_s: with ``pull``: seconds without a renewal after which a worker's batches are
+            taken over (at once where its process is gone from this host); at least 2.
+        on_error: ``fail`` (default): a pipeline call that fails stops the run naming its record;
+            ``skip``: its records go to ``failed.jsonl`` and the run goes on (a rerun retries them).
     """
 
     def __init__(

@@ -203,8 +203,7 @@ class ImageWriter(BasePredictionWriter):
         storage_options: the object store's fsspec options (endpoint, credentials...); a value
             ``env:NAME`` is read from the environment variable ``NAME``. Never recorded.
         audit: re-make a sample with the accelerators off, the drift in ``audit.jsonl``:
-            ``{fraction: 0.01, min_psnr: 30, on_drift: warn}``; ``keep_baseline: true`` keeps the
-            re-made images in ``audit/``, ``clip_model: DIR`` adds CLIP scores (docs/caching.md).
+            ``{fraction: 0.01, min_psnr: 30, on_drift: warn}`` (docs/caching.md).
         metrics_port: serve live metrics for Prometheus on this port from global rank 0 (0: none).
         metrics_file: keep the same metrics in this textfile (node_exporter's textfile collector).
 
