@@ -118,6 +118,7 @@ class ObjectStore:
     builds its tar shards before they go up (a temporary folder when None)."""
 
     needs_shared_folder = False
+    is_folder = False
 
     def __init__(self, url: str, shard: Optional[Shard], allow_config_change: bool = False,
                  options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> None:

@@ -210,7 +210,7 @@ def opened(where: str, options: Optional[StorageOptions] = None) -> Iterator[Col
     """The records of output ``where`` (a folder or a bucket URL) for the ``with`` block. Raises
     ``ConfigError`` (one line) where it is not an output of lightning-diffusion."""
     store = open_store(where, options=options)
-    if not store.needs_shared_folder:  # a bucket: its records through the store
+    if not store.is_folder:  # a bucket: its records through the store
         with _bucket(store, where) as collected:
             yield collected
         return
