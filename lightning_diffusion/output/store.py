@@ -2,8 +2,10 @@
 them, and ``open_store``, the one place that chooses a store for a location.
 
 A location is a folder every rank sees (``folder_store.FolderStore``) or an object-store prefix,
-``scheme://...`` (``object_store.ObjectStore``). Nothing outside this package asks which: a new
-kind of store is one class that follows ``OutputStore`` and one line in ``_KINDS``.
+``scheme://...`` (``object_store.ObjectStore``, on the storage primitives of ``storage.Storage``).
+Nothing outside this package asks which; callers read what a store declares (``is_folder``). A new
+kind of object storage is one ``storage.Storage`` class (``memory_storage.py`` is the example); a new
+kind of store is one class that follows ``OutputStore`` and one line in ``_kinds``.
 """
 
 from __future__ import annotations

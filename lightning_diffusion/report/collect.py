@@ -237,15 +237,14 @@ def _bucket(store: Any, where: str) -> Iterator[Collected]:
         raise ConfigError(problems[0] if problems else f"{where}: {err}") from None
     if run is None:
         raise ConfigError(f"{where} is not an output of lightning-diffusion: it has no {RUN_FILE}.")
-    fs, root = store.fs
-    names = [entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
+    names = store.storage.names()
     histories = {RUN_FILE: list(run.get("history") or [])}
     for name in sorted(names):
         matched = _SHARD_RECORD.fullmatch(name)
         if matched:
             histories[f"shard {matched.group(1)} of {matched.group(2)}"] = list(
                 (store.read_json(name) or {}).get("history") or [])
-    rejected = _json_lines(fs.cat(f"{root}/{REJECTED}")) if REJECTED in names else []
+    rejected = _json_lines(store.storage.read(REJECTED)) if REJECTED in names else []
     failed = store.failed_now() if hasattr(store, "failed_now") else []
     running = bool(store.live_locks())
     try:
