@@ -87,3 +87,12 @@ def test_a_run_into_memory_resumes_each_image_once_and_status_reads_it():
     assert run_here("status", url, check=False).returncode == 0
     again = run_here(*_args(url))  # a rerun of a complete output makes nothing
     assert _indices(url) == list(range(6)) and again.returncode == 0
+
+
+def test_a_pool_in_memory_claims_each_batch_by_a_create_and_records_each_image_once():
+    url = _url()
+    run_here(*_args(url), "--data.schedule", "pull")
+    assert _indices(url) == list(range(6))
+    storage = open_storage(url)
+    assert storage.names("pool") and any(name.startswith("claims-") for name in storage.names("pool"))
+    assert json.loads(run_here("status", url, "--json", check=False).stdout)["done"] == 6
