@@ -245,7 +245,7 @@ def _bucket(store: Any, where: str) -> Iterator[Collected]:
             histories[f"shard {matched.group(1)} of {matched.group(2)}"] = list(
                 (store.read_json(name) or {}).get("history") or [])
     rejected = _json_lines(store.storage.read(REJECTED)) if REJECTED in names else []
-    failed = store.failed_now() if hasattr(store, "failed_now") else []
+    failed = store.failed_now()
     running = bool(store.live_locks())
     try:
         with store.local_records("output") as folder:

@@ -89,6 +89,15 @@ def test_a_run_into_memory_resumes_each_image_once_and_status_reads_it():
     assert _indices(url) == list(range(6)) and again.returncode == 0
 
 
+def test_a_report_reads_a_memory_output_through_its_store(tmp_path):
+    from lightning_diffusion.commands.report_page import build
+
+    url = _url()
+    run_here(*_args(url))
+    result = build(url, html=str(tmp_path / "run.html"))
+    assert result["images"] == result["thumbs_made"] == 6
+
+
 def test_a_pool_in_memory_claims_each_batch_by_a_create_and_records_each_image_once():
     url = _url()
     run_here(*_args(url), "--data.schedule", "pull")
