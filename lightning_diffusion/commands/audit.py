@@ -200,7 +200,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--batch-size must be at least 1")
     from lightning_diffusion.output.store import store_class
 
-    if not store_class(args.output_dir).needs_shared_folder:
+    if not store_class(args.output_dir).is_folder:
         print(f"lightning-diffusion audit: error: {args.output_dir} is in an object store; audit after the fact reads "
               "a folder (download the records, or use writer.audit in the run).", file=sys.stderr)
         return 2

@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
     if nodes < 1 or processes < 1:
         return fail("--nodes and --gpus-per-node (or trainer.devices) must be at least 1.")
     output = str(config.writer.output_dir)
-    folder = store_class(output).needs_shared_folder
+    folder = store_class(output).is_folder
     if args.volume_claim == "none" and folder:
         return fail(f"--volume-claim none leaves the pods no shared folder, and writer.output_dir {output} is one: "
                     "write into an object store (s3://...) or give a claim.")

@@ -95,8 +95,8 @@ class Outputs:
 
         self.store = open_store(output, options=options)
         # The folder the job's nodes share and its logs go into; None for a store they reach on their own.
-        self.folder = Path(output) if self.store.needs_shared_folder else None
-        self.url = None if self.store.needs_shared_folder else self.store.where
+        self.folder = Path(output) if self.store.is_folder else None
+        self.url = None if self.store.is_folder else self.store.where
 
     @property
     def manifest(self) -> str:

@@ -1,7 +1,7 @@
-"""Reaching a bucket (``writer.output_dir: s3://...``, any fsspec URL): the file system and its
-options (``writer.storage_options``, ``env:NAME`` values), why a bucket cannot be read or written
-in one line without a secret, bounded tries, and ``Uploader``, which puts a rank's closed tar shards
-and their manifest objects whole. ``object_store.ObjectStore`` records a run on these.
+"""Reaching a bucket (``writer.output_dir: s3://...``, any fsspec URL): why a bucket cannot be read
+or written in one line without a secret, bounded tries, and ``Uploader``, which puts a rank's closed
+tar shards and their manifest objects whole, through the bucket's ``storage.Storage``.
+``object_store.ObjectStore`` records a run on these.
 
 Kept free of torch and Lightning: the writer process imports it to upload.
 """
@@ -16,16 +16,12 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from lightning_diffusion.core.records import ManifestLine
 from lightning_diffusion.core.system import pid_alive
 from lightning_diffusion.output.fence import already_there as _already_there  # noqa: F401  (its users import it here)
-
-if TYPE_CHECKING:
-    from fsspec import AbstractFileSystem
-
-    from lightning_diffusion.output.settings import StorageOptions
+from lightning_diffusion.output.storage import Storage, open_storage
 
 UPLOAD_TRIES = 5  # an upload waits 1, 2, 4 and 8 s between tries, then the run stops
 
@@ -41,34 +37,6 @@ def is_url(output_dir: object) -> bool:
     return isinstance(output_dir, str) and "://" in output_dir
 
 
-def resolved_options(options: Optional[Mapping[str, Any]]) -> StorageOptions:
-    """``writer.storage_options`` with each ``env:NAME`` value read from the environment."""
-    resolved: StorageOptions = {}
-    for key, value in (options or {}).items():
-        if isinstance(value, str) and value.startswith("env:"):
-            name = value[4:]
-            if name not in os.environ:
-                raise OSError(f"writer.storage_options.{key} reads the environment variable {name}, which is not set")
-            value = os.environ[name]
-        resolved[key] = value
-    return resolved
-
-
-def open_url(url: str, options: Optional[Mapping[str, Any]] = None) -> tuple[AbstractFileSystem, str]:
-    """(fsspec file system, path inside it) of ``url``."""
-    import fsspec
-
-    options = resolved_options(options)
-    if url.startswith("s3://"):  # a request is tried twice by the client; an upload's tries are Uploader's
-        options.setdefault("config_kwargs", {"retries": {"max_attempts": 2, "mode": "standard"},
-                                             "connect_timeout": 10})
-    # a fresh client: fsspec's cache would keep one made with other credentials or endpoint
-    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
-    if hasattr(fs, "retries"):  # s3fs's own loop around each request (5 tries by default)
-        fs.retries = 1
-    return fs, root.rstrip("/")
-
-
 def _why(err: BaseException) -> str:
     """What went wrong, in words that never carry a secret (the type, and the first line of the
     message: botocore's name the endpoint, the bucket or the missing credentials)."""
@@ -82,10 +50,10 @@ def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> li
     naming the URL and never a secret."""
     bucket = url.split("://", 1)[-1].split("/", 1)[0]
 
-    def probe(fs: AbstractFileSystem, root: str) -> None:
-        name = f"{root}/.write-check-{os.urandom(6).hex()}"
-        fs.pipe_file(name, b"")
-        fs.rm(name)
+    def probe(storage: Storage) -> None:
+        name = f".write-check-{os.urandom(6).hex()}"
+        storage.write(name, b"")
+        storage.delete(name)
 
     return _problems(url, options, "writer.output_dir", "write", probe,
                      f"the bucket {bucket} does not exist; create it first.")
@@ -94,15 +62,14 @@ def access_problems(url: str, options: Optional[Mapping[str, Any]] = None) -> li
 def read_problems(url: str, what: str, options: Optional[Mapping[str, Any]] = None) -> list[str]:
     """Why ``url`` cannot be read (``what`` names it: "output", "reference"): as
     ``access_problems``, with a listing instead of a probe object (nothing is written)."""
-    return _problems(url, options, what, "read", lambda fs, root: fs.ls(root),
+    return _problems(url, options, what, "read", lambda storage: storage.names(),
                      "nothing there (no bucket or prefix of that name).")
 
 
 def _problems(url: str, options: Optional[Mapping[str, Any]], what: str, verb: str,
-              probe: Callable[[AbstractFileSystem, str], object], missing: str) -> list[str]:
+              probe: Callable[[Storage], object], missing: str) -> list[str]:
     try:
-        fs, root = open_url(url, options)
-        probe(fs, root)
+        probe(open_storage(url, options))
     except FileNotFoundError:
         return [f"{what} {url}: {missing}"]
     except ImportError as err:
@@ -140,17 +107,17 @@ class Uploader:
     def __init__(self, url: str, options: Optional[Mapping[str, Any]], rank: int, run: str, tag: str = "") -> None:
         self.url, self.options, self.rank, self.run = url, dict(options or {}), rank, run
         self.tag = tag  # after the rank in its manifest objects' names: ``.pool-JOB`` for a job of a pool
-        self._fs: Optional[tuple[AbstractFileSystem, str]] = None
+        self._storage: Optional[Storage] = None
         self._failed: Optional[str] = None  # an upload that failed every try: the later ones are not tried
 
     def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_fs": None}
+        return {**self.__dict__, "_storage": None}
 
     @property
-    def fs(self) -> tuple[AbstractFileSystem, str]:
-        if self._fs is None:
-            self._fs = open_url(self.url, self.options)
-        return self._fs
+    def storage(self) -> Storage:
+        if self._storage is None:
+            self._storage = open_storage(self.url, self.options)
+        return self._storage
 
     def _put(self, what: str, put: Callable[[], object]) -> None:
         if self._failed is not None:  # the run stops with that one; the queued shards wait for a resume
@@ -168,16 +135,16 @@ class Uploader:
         return f"{stem}.{self.tag.removeprefix('.pool-')}-{self.rank}.{suffix}"
 
     def shard(self, local: Path, lines: Sequence[ManifestLine]) -> None:
-        fs, root = self.fs
-        self._put(local.name, lambda: fs.put_file(str(local), f"{root}/{local.name}"))
+        storage = self.storage
+        self._put(local.name, lambda: storage.upload(local, local.name))
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8")
         name = f"{MANIFESTS}/{local.name}.rank-{self.rank}{self.tag}.jsonl"
-        self._put(name, lambda: fs.pipe_file(f"{root}/{name}", text))
+        self._put(name, lambda: storage.write(name, text))
 
     def failures(self, local: Path) -> None:
-        fs, root = self.fs
+        storage = self.storage
         name = f"{FAILURES}/{self.run}.rank-{self.rank}.jsonl"
-        self._put(name, lambda: fs.pipe_file(f"{root}/{name}", local.read_bytes()))
+        self._put(name, lambda: storage.write(name, local.read_bytes()))
 
 
 def _objects(blob: bytes) -> list[Any]:

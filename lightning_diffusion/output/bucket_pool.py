@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 import numpy as np
 
 from lightning_diffusion.core.records import FailureLine, JsonObject, RunSettings
-from lightning_diffusion.output.bucket import _already_there
 from lightning_diffusion.output.lock import deal_beside_pool_message
 from lightning_diffusion.output.manifest import RUN_FILE, recorded_conflict
 from lightning_diffusion.output.pool import Pool, WorkerRecord, live_jobs, log_joined, quit_join
 
 if TYPE_CHECKING:
-    from fsspec import AbstractFileSystem
+    from lightning_diffusion.output.storage import Storage
 
 
 class BucketStore(Protocol):
@@ -36,7 +35,7 @@ class BucketStore(Protocol):
     allow_config_change: bool
 
     @property
-    def fs(self) -> tuple[AbstractFileSystem, str]: ...
+    def storage(self) -> Storage: ...
 
     def recorded(self) -> tuple[np.ndarray, dict[int, int], list[FailureLine]]: ...
 
@@ -57,37 +56,24 @@ class BucketPoolFiles:
         self.where = store.url
         self.clock = clock  # what a registration's ``beat`` is read against
 
-    def path(self, name: str) -> str:
-        return f"{self.store.fs[1]}/{name}"
-
     def create(self, name: str, data: bytes) -> bool:
-        try:
-            self.store.fs[0].pipe_file(self.path(name), data, mode="create")
-        except OSError as err:
-            if _already_there(err):
-                return False
-            raise
-        return True
+        return self.store.storage.create(name, data)
 
     def read(self, name: str) -> Optional[bytes]:
-        fs = self.store.fs[0]
-        fs.invalidate_cache(self.path(name))
         try:
-            return fs.cat_file(self.path(name))
+            return self.store.storage.read(name)
         except FileNotFoundError:
             return None
 
     def put(self, name: str, data: bytes) -> None:
-        self.store.fs[0].pipe_file(self.path(name), data)
+        self.store.storage.write(name, data)
 
     def exists(self, name: str) -> bool:
         return self.read(name) is not None  # one GET (an object store's exists may also list the prefix)
 
     def names(self, folder: str) -> list[str]:
-        fs = self.store.fs[0]
-        fs.invalidate_cache(self.path(folder))
         try:
-            return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(self.path(folder), detail=False))
+            return self.store.storage.names(folder)
         except FileNotFoundError:
             return []
 
@@ -148,4 +134,4 @@ def conditional_puts(store: BucketStore) -> bool:
     try:
         return files.create(name, b"1") and not files.create(name, b"2")
     finally:
-        store.fs[0].rm(files.path(name))
+        store.storage.delete(name)

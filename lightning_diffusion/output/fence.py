@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Optional, Protocol
 from lightning_diffusion.output.manifest import merge_lock
 
 if TYPE_CHECKING:
-    from fsspec import AbstractFileSystem
+    from lightning_diffusion.output.storage import Storage
 
 # Where a test places a freeze: called with the name of the step a publication reaches
 # (``written``: its files are under temporary names; ``locked``: inside the fence, before the look;
@@ -140,33 +140,28 @@ def already_there(err: BaseException) -> bool:
 
 
 class Uploads(Protocol):
-    """What a bucket's fence shares with the rank's uploads (``bucket.Uploader``): its file system."""
+    """What a bucket's fence shares with the rank's uploads (``bucket.Uploader``): its storage."""
 
     @property
-    def fs(self) -> tuple[AbstractFileSystem, str]: ...
+    def storage(self) -> Storage: ...
 
 
 class BucketFence:
     """Publication in a bucket: each batch sealed by a conditional PUT of the slot after its claim
-    (through the rank's ``bucket.Uploader``, whose file system it shares)."""
+    (through the rank's ``bucket.Uploader``, whose storage it shares)."""
 
     def __init__(self, uploader: Uploads) -> None:
         self.uploader = uploader
 
     def _seal(self, claim: Claim) -> bool:
-        fs, root = self.uploader.fs
+        storage = self.uploader.storage
         seal = f"sealed {claim.worker}".encode()
-        try:
-            fs.pipe_file(f"{root}/{claim.slot(claim.generation + 1)}", seal, mode="create")
+        if storage.create(claim.slot(claim.generation + 1), seal):
             return True
-        except OSError as err:
-            if not already_there(err):
-                raise
         # sealed before (a batch whose images span two tar shards): still ours while nobody took it after
         try:
-            fs.invalidate_cache(f"{root}/{claim.claims}")
-            mine = fs.cat_file(f"{root}/{claim.slot(claim.generation + 1)}") == seal
-            return mine and not fs.exists(f"{root}/{claim.slot(claim.generation + 2)}")
+            mine = storage.read(claim.slot(claim.generation + 1)) == seal
+            return mine and not storage.exists(claim.slot(claim.generation + 2))
         except FileNotFoundError:
             return False
 

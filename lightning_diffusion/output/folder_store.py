@@ -124,6 +124,7 @@ class FolderStore:
     whole prompt set). ``allow_config_change``: resume into a folder made with other settings."""
 
     needs_shared_folder = True
+    is_folder = True
 
     def __init__(self, folder: Path, shard: Optional[Shard], allow_config_change: bool = False,
                  pool: Optional[str] = None, lease_s: Optional[float] = None) -> None:

@@ -31,6 +31,7 @@ Kept free of torch and Lightning: the writer process imports it to upload.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import re
@@ -42,7 +43,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -63,13 +64,11 @@ from lightning_diffusion.output.bucket import (
     MANIFESTS,
     STAGING,
     Uploader,
-    _already_there,
     _host,
     _lines,
     _objects,
     _why,
     access_problems,
-    open_url,
     read_problems,
     remove_dead_staging,
     tried,
@@ -93,23 +92,13 @@ from lightning_diffusion.output.shard import (
     shard_name,
 )
 from lightning_diffusion.output.status import JobArrays, RunStatus, bucket_status
-
-if TYPE_CHECKING:
-    from fsspec import AbstractFileSystem
+from lightning_diffusion.output.storage import Storage, open_storage
 
 HEARTBEAT_S = 30.0
 # A manifest object written this many seconds after its lines (their ``written``) was edited, not
 # uploaded with its shard (an upload of a large shard takes a while): each member it names is
 # looked for in its shard, and a line naming one that is not there (or other bytes) does not count.
 EDITED_AFTER_S = 600.0
-
-
-def _modified(info: Mapping[str, Any]) -> Optional[float]:
-    """An object's modification time from its listing (``LastModified`` on S3, ``mtime`` elsewhere)."""
-    value = info.get("LastModified", info.get("mtime", info.get("last_modified")))
-    if value is None:
-        return None
-    return value.timestamp() if hasattr(value, "timestamp") else float(value)
 STALE_S = 120.0
 
 
@@ -118,6 +107,7 @@ class ObjectStore:
     builds its tar shards before they go up (a temporary folder when None)."""
 
     needs_shared_folder = False
+    is_folder = False
 
     def __init__(self, url: str, shard: Optional[Shard], allow_config_change: bool = False,
                  options: Optional[Mapping[str, Any]] = None, staging_dir: Optional[str] = None) -> None:
@@ -130,7 +120,7 @@ class ObjectStore:
         self.staging_dir = staging_dir
         self._local_dir: Optional[Path] = None
         self.expected: Optional[int] = None
-        self._fs: Optional[tuple[AbstractFileSystem, str]] = None
+        self.storage: Storage = open_storage(self.url, self.options)  # reaches nothing until first used
         self._history: list = []
         self._locked = False
         self._beat: Optional[threading.Event] = None
@@ -225,10 +215,10 @@ class ObjectStore:
         return bucket_status(self)
 
     @property
-    def fs(self) -> tuple[AbstractFileSystem, str]:
-        if self._fs is None:
-            self._fs = open_url(self.url, self.options)
-        return self._fs
+    def fs(self) -> Any:
+        """(file system, prefix) of a storage on fsspec (``storage.FsspecStorage``), for tests that
+        look at the objects themselves."""
+        return getattr(self.storage, "fs")
 
     @property
     def parts_glob(self) -> str:
@@ -264,9 +254,8 @@ class ObjectStore:
     def lock_state(self, name: str) -> Optional[LockState]:
         """Lock ``name`` as recorded (host, pid, run), its heartbeat's age and whether it is live;
         None where there is none. Reads only."""
-        fs, root = self.fs
         try:
-            held = json.loads(fs.cat_file(f"{root}/{name}"))
+            held = json.loads(self.storage.read(name))
         except (FileNotFoundError, ValueError):
             return None
         age = time.time() - float(held.get("heartbeat", 0))
@@ -274,9 +263,8 @@ class ObjectStore:
 
     def _holder(self, name: str) -> Optional[str]:
         """The live run that holds lock ``name``, described; None when there is none or it is stale."""
-        fs, root = self.fs
         try:
-            held = json.loads(fs.cat_file(f"{root}/{name}"))
+            held = json.loads(self.storage.read(name))
         except FileNotFoundError:
             return None
         except ValueError:
@@ -295,10 +283,8 @@ class ObjectStore:
         ``lock.live_locks`` says of a folder."""
         from lightning_diffusion.output.lock import shard_of_lock
 
-        fs, root = self.fs
-        fs.invalidate_cache()
         found: dict[Optional[tuple[int, int]], str] = {}
-        for name in sorted(entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)):
+        for name in self.storage.names():
             shard = shard_of_lock(name)
             if name != ".lock" and shard is None:
                 continue
@@ -308,29 +294,23 @@ class ObjectStore:
         return found
 
     def _take_lock(self) -> Optional[str]:
-        fs, root = self.fs
-        path = f"{root}/{self.lock_name}"
+        lock = self.lock_name
         for _ in range(2):
             try:
-                try:
-                    fs.pipe_file(path, self._lock_text(), mode="create")
-                except OSError as err:
-                    if not _already_there(err):
-                        raise
-                    raise FileExistsError(str(err)) from err
+                if not self.storage.create(lock, self._lock_text()):
+                    raise FileExistsError(f"{self.url}/{lock}")
                 self._locked = True
                 break
             except FileExistsError:
-                seen = self._read(path)
+                seen = self._read(lock)
                 holder = self._holder(self.lock_name)
                 if holder is not None:
                     return f"{self.url} is being written by another run ({holder}); wait for it to end, or use " \
                            "another writer.output_dir."
-                self._remove_if_unchanged(path, seen)  # its run stopped beating: dead
+                self._remove_if_unchanged(lock, seen)  # its run stopped beating: dead
         else:
             return f"{self.url}: another run took its lock at the same moment; run the command again."
-        fs.invalidate_cache()
-        for name in (entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)):
+        for name in self.storage.names():
             if not name.startswith(".lock") or name == self.lock_name:
                 continue
             other = name.removeprefix(".lock.") if name != ".lock" else None
@@ -350,37 +330,32 @@ class ObjectStore:
         self._beating.start()
         return None
 
-    def _read(self, path: str) -> Optional[bytes]:
+    def _read(self, name: str) -> Optional[bytes]:
         try:
-            return self.fs[0].cat_file(path)
+            return self.storage.read(name)
         except FileNotFoundError:
             return None
 
-    def _remove_if_unchanged(self, path: str, seen: Optional[bytes]) -> bool:
+    def _remove_if_unchanged(self, name: str, seen: Optional[bytes]) -> bool:
         """Remove a stale lock, unless it changed since it was judged stale: another run taking it
         over at the same moment made its own, which stays (the next try finds it live). A store
         without conditional deletes leaves the milliseconds between this read and the removal;
         the heartbeat's ownership check (``beat``) catches a run that lost its lock that way."""
-        if seen is None or self._read(path) != seen:
+        if seen is None or self._read(name) != seen:
             return False
-        self.fs[0].rm(path)
+        self.storage.delete(name)
         return True
 
     def beat(self) -> bool:
         """One heartbeat: the lock's time renewed, if the lock is still this run's; False, said
         once as an error, where another run took it over (this run was judged stale: its store
         unreachable for longer than the stale time), whose lock is then left alone."""
-        fs, root = self.fs
-        path = f"{root}/{self.lock_name}"
-        found = self._read(path)
+        lock = self.lock_name
+        found = self._read(lock)
         if found is None:  # removed meanwhile (by hand, or a takeover half done): made again, as a new lock
-            try:
-                fs.pipe_file(path, self._lock_text(), mode="create")
+            if self.storage.create(lock, self._lock_text()):
                 return True
-            except OSError as err:
-                if not _already_there(err):
-                    raise
-                found = self._read(path) or b"{}"  # another run made it first: judged below
+            found = self._read(lock) or b"{}"  # another run made it first: judged below
         try:
             held = json.loads(found)
         except ValueError:
@@ -391,7 +366,7 @@ class ObjectStore:
                       f"`lightning-diffusion status {self.url}` shows the holder.")
             self._locked = False  # the other run's lock: not removed at the end
             return False
-        fs.pipe_file(path, self._lock_text())
+        self.storage.write(lock, self._lock_text())
         return True
 
     def _heartbeat(self, stop: threading.Event) -> None:
@@ -414,9 +389,8 @@ class ObjectStore:
                 self._beating = None
         if self._locked:
             self._locked = False
-            fs, root = self.fs
             try:
-                fs.rm(f"{root}/{self.lock_name}")
+                self.storage.delete(self.lock_name)
             except Exception as err:
                 log.warning(f"{self.url}: the lock could not be removed ({_why(err)}); it goes stale in "
                             f"{STALE_S:.0f} s.")
@@ -426,22 +400,17 @@ class ObjectStore:
     # ----------------------------------------------------------------- the run's records
 
     def read_json(self, name: str) -> Optional[JsonObject]:
-        fs, root = self.fs
         try:
-            return tried(f"reading {name} at", self.url, lambda: json.loads(fs.cat_file(f"{root}/{name}")))
+            return tried(f"reading {name} at", self.url, lambda: json.loads(self.storage.read(name)))
         except FileNotFoundError:
             return None
 
     def write_json(self, name: str, content: Mapping[str, object], create: bool = False) -> None:
-        fs, root = self.fs
         data = json.dumps(content, indent=2).encode("utf-8")
-        try:
-            tried(f"writing {name} at", self.url,
-                  lambda: fs.pipe_file(f"{root}/{name}", data, **({"mode": "create"} if create else {})))
-        except OSError as err:
-            if create and _already_there(err):
-                raise FileExistsError(str(err)) from err
-            raise
+        if not create:
+            tried(f"writing {name} at", self.url, lambda: self.storage.write(name, data))
+        elif not tried(f"writing {name} at", self.url, lambda: self.storage.create(name, data)):
+            raise FileExistsError(f"{self.url}/{name} exists")
 
     def recorded(self) -> tuple[np.ndarray, dict[int, int], list[FailureLine]]:
         """Every image recorded in the store: (indices, the rank that made each, failed lines). An
@@ -460,22 +429,17 @@ class ObjectStore:
         """Each manifest object: (its path, the rank that wrote it, its lines, each line's verdict:
         True where it counts; False where its claim was taken over, ``fence``; None where it names
         no tar of its recorded size, or not the writer's name for its image)."""
-        fs, root = self.fs
-        fs.invalidate_cache()  # listings are read afresh: other ranks and tasks add to them
-        listing = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(root, detail=True)
-                   if entry.get("type") != "directory"}
-        found = fs.find(f"{root}/{MANIFESTS}", detail=True)
-        names = list(found)
-        blobs = fs.cat(names, on_error="return") if names else {}  # one gone since the listing: skipped
+        # listings are read afresh: other ranks and tasks add to them
+        listing = {name: stat.size for name, stat in self.storage.stat().items()}
+        found = self.storage.stat(MANIFESTS, recursive=True)
+        blobs = self.storage.read_many(list(found))  # one gone since the listing: skipped
         counted: dict[str, dict[int, int]] = {}  # a pool's claims: digest -> batch -> the generation that counts
         members: dict[str, dict[str, str]] = {}  # shards read to verify a manifest object edited after its lines
         for name, blob in sorted(blobs.items()):
-            if isinstance(blob, Exception):
-                continue
             rank = int(name.rsplit(".rank-", 1)[-1].split(".")[0]) if ".rank-" in name else 0
             lines = _lines(blob)
             verdicts = [self._counts(line, listing, counted) for line in lines]
-            changed = _modified(found.get(name, {}))
+            changed = found[name].modified if name in found else None
             if changed is not None and lines:  # written again long after its lines: each member looked for
                 for n, line in enumerate(lines):
                     late = changed > float(line.get("written") or 0) + EDITED_AFTER_S
@@ -488,11 +452,10 @@ class ObjectStore:
         import hashlib
         import io
 
-        fs, root = self.fs
         shard = str(line["file"])
         if shard not in members:
             try:
-                blob = fs.cat_file(f"{root}/{shard}")
+                blob = self.storage.read(shard)
                 if shard.endswith(".parquet"):
                     import pyarrow.parquet as pq
 
@@ -522,9 +485,8 @@ class ObjectStore:
             return True
         digest, batch, generation = token
         if digest not in counted:
-            fs, root = self.fs
             try:
-                counted[digest] = counted_generations(fs.ls(f"{root}/{POOL}/claims-{digest}", detail=False))
+                counted[digest] = counted_generations(self.storage.names(f"{POOL}/claims-{digest}"))
             except FileNotFoundError:
                 counted[digest] = {}
         sealed = counted[digest].get(batch)
@@ -533,20 +495,17 @@ class ObjectStore:
         return sealed == generation  # False: a later slot exists, positive evidence it was taken over
 
     def _recorded(self) -> tuple[np.ndarray, dict[int, int], list[FailureLine]]:
-        fs, root = self.fs
         rank_of: dict[int, int] = {}
         for rank, line in self._recorded_lines():
             rank_of.setdefault(line["index"], rank)
-        failed_names = fs.find(f"{root}/{FAILURES}")
-        failed = [line for blob in (fs.cat(failed_names, on_error="return") if failed_names else {}).values()
-                  if not isinstance(blob, Exception) for line in _lines(blob)]
+        failed_names = list(self.storage.stat(FAILURES, recursive=True))
+        failed = [line for blob in self.storage.read_many(failed_names).values() for line in _lines(blob)]
         return np.asarray(sorted(rank_of), dtype=np.int64), rank_of, failed
 
     def rejected_images(self) -> set[int]:
         """The images of records that cannot be made (the prefix's ``rejected.jsonl``)."""
-        fs, root = self.fs
         try:
-            blob = fs.cat_file(f"{root}/{REJECTED}")
+            blob = self.storage.read(REJECTED)
         except FileNotFoundError:
             return set()
         # rejected lines name their record, not an index (``RejectedLine``): every object line counts
@@ -559,13 +518,12 @@ class ObjectStore:
         return tried("downloading the records of", self.url, lambda: self._download_records(into))
 
     def _download_records(self, into: Path) -> int:
-        fs, root = self.fs
         kept: dict[int, ManifestLine] = {}
         for _, line in self._recorded_lines():
             kept.setdefault(int(line["index"]), line)
         into.mkdir(parents=True, exist_ok=True)
         for tar in sorted({str(line["file"]) for line in kept.values()}):
-            fs.get_file(f"{root}/{tar}", str(into / tar))
+            self.storage.download(tar, into / tar)
         with open(into / MANIFEST, "w") as f:
             f.writelines(json.dumps(kept[index]) + "\n" for index in sorted(kept))
         return len(kept)
@@ -615,20 +573,13 @@ class ObjectStore:
         (``shard.first_plan``, by a conditional PUT), adopted by the others."""
         if self.shard is None or self.shard.owners is None or total is None:
             return None
-        fs, root = self.fs
         owners, count = self.shard.owners, self.shard.num_shards
         name = plan_file(count)
         recorded = tried(f"reading {name} at", self.url, lambda: self.shard_plan(count))
         if recorded is None:
             mine = first_plan(self, count, total, lambda: owners)
-            try:
-                tried(f"writing {name} at", self.url,
-                      lambda: fs.pipe_file(f"{root}/{name}", owners_bytes(mine), mode="create"))
-            except OSError as err:
-                if not _already_there(err):
-                    raise
-            recorded = owners_from_bytes(tried(f"reading {name} at", self.url,
-                                               lambda: fs.cat_file(f"{root}/{name}")))
+            tried(f"writing {name} at", self.url, lambda: self.storage.create(name, owners_bytes(mine)))
+            recorded = owners_from_bytes(tried(f"reading {name} at", self.url, lambda: self.storage.read(name)))
         self.adopted = not np.array_equal(recorded, owners)
         self.shard, problem = adopt(self.shard, recorded, total, f"{self.url}/{name}")
         self.expected = self.shard.size(total)
@@ -636,23 +587,19 @@ class ObjectStore:
 
     def shard_plan(self, num_shards: int) -> Optional[np.ndarray]:
         """The prefix's recorded shard plan of ``num_shards``; None where no task of it started."""
-        fs, root = self.fs
         try:
-            return owners_from_bytes(fs.cat_file(f"{root}/{plan_file(num_shards)}"))
+            return owners_from_bytes(self.storage.read(plan_file(num_shards)))
         except FileNotFoundError:
             return None
 
     def ran_shards_of(self, num_shards: int) -> bool:
         """Whether shards of ``num_shards`` left their run records in the prefix."""
-        fs, root = self.fs
-        return any(re.fullmatch(rf"run\.shard-\d+-of-{num_shards}\.json", entry.rsplit("/", 1)[-1])
-                   for entry in fs.ls(root, detail=False))
+        return any(re.fullmatch(rf"run\.shard-\d+-of-{num_shards}\.json", name) for name in self.storage.names())
 
     def write_rejected(self, lines: list[RejectedLine], rejected: bool) -> None:
-        fs, root = self.fs
-        if rejected or fs.exists(f"{root}/{REJECTED}"):
-            fs.pipe_file(f"{root}/{REJECTED}",
-                         "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8"))
+        if rejected or self.storage.exists(REJECTED):
+            self.storage.write(REJECTED,
+                               "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode("utf-8"))
 
     def merge(self, done: np.ndarray) -> tuple[dict[int, int], np.ndarray, int]:
         every, rank_of, failed = self.recorded()
@@ -668,10 +615,9 @@ class ObjectStore:
         # failed.jsonl: every shard's failures not made since (a rerun retries them), one line an image
         finished = set(every.tolist())
         left = {line["index"]: line for line in failed if line["index"] not in finished}
-        fs, root = self.fs
-        if left or fs.exists(f"{root}/{FAILED}"):
-            fs.pipe_file(f"{root}/{FAILED}", "".join(json.dumps(line, ensure_ascii=False) + "\n"
-                                                     for _, line in sorted(left.items())).encode("utf-8"))
+        if left or self.storage.exists(FAILED):
+            self.storage.write(FAILED, "".join(json.dumps(line, ensure_ascii=False) + "\n"
+                                               for _, line in sorted(left.items())).encode("utf-8"))
         now = {line["index"] for line in self.failed_now() if line["index"] not in finished}
         return made, np.union1d(done, mine), len(now)
 
@@ -686,20 +632,18 @@ class ObjectStore:
                 stale.append((name, {str(line["file"]) for line in lines}))
             else:
                 named.update(str(line["file"]) for line, counts in zip(lines, verdicts) if counts)
-        fs, root = self.fs
         for name, tars in stale:
             for tar in sorted(tars - named):
-                fs.rm(f"{root}/{tar}")
-            fs.rm(name)
+                self.storage.delete(tar)
+            self.storage.delete(name)
             log.info(f"{self.url}: removed {name.rsplit('/', 1)[-1]}, uploaded under a claim another worker took "
                      "over: its images are that worker's.")
 
     def failed_now(self) -> list[FailureLine]:
         """This run's failed lines (its ranks' ``failed/RUN.rank-R.jsonl`` objects)."""
-        fs, root = self.fs
-        names = fs.glob(f"{root}/{FAILURES}/{self.run}.rank-*.jsonl")
-        blobs = fs.cat(names, on_error="return") if names else {}
-        return [line for blob in blobs.values() if not isinstance(blob, Exception) for line in _lines(blob)]
+        names = [name for name in self.storage.stat(FAILURES, recursive=True)
+                 if fnmatch.fnmatchcase(name, f"{FAILURES}/{self.run}.rank-*.jsonl")]
+        return [line for blob in self.storage.read_many(names).values() for line in _lines(blob)]
 
     def record(self, summary: RunSummary) -> None:
         if self.pool is not None:  # the jobs of a pool add to one history (read just before: a bucket has no lock)

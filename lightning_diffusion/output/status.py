@@ -199,8 +199,7 @@ def bucket_status(store: Any) -> RunStatus:
     if run is None:
         raise ConfigError(f"{url} is not an output of lightning-diffusion: it has no {RUN_FILE}.")
     indices, _, failed = store.recorded()
-    fs, root = store.fs
-    names = [entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
+    names = store.storage.names()
     rejected = store.rejected_images() - set(indices.tolist())
     expected, history = run.get("expected"), run.get("history") or []
     lock = store.lock_state(".lock")

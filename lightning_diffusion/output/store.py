@@ -2,8 +2,10 @@
 them, and ``open_store``, the one place that chooses a store for a location.
 
 A location is a folder every rank sees (``folder_store.FolderStore``) or an object-store prefix,
-``scheme://...`` (``object_store.ObjectStore``). Nothing outside this package asks which: a new
-kind of store is one class that follows ``OutputStore`` and one line in ``_KINDS``.
+``scheme://...`` (``object_store.ObjectStore``, on the storage primitives of ``storage.Storage``).
+Nothing outside this package asks which; callers read what a store declares (``is_folder``). A new
+kind of object storage is one ``storage.Storage`` class (``memory_storage.py`` is the example); a new
+kind of store is one class that follows ``OutputStore`` and one line in ``_kinds``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class OutputStore(Protocol):
     # A folder every node must see (the writer checks that before the run); False for a storage
     # the nodes reach on their own.
     needs_shared_folder: bool
+    # The output is a folder of files named by its path: the readers that take a folder read it in
+    # place, the checks before a run look at it, a cluster job mounts it and writes its logs beside
+    # it. False: reached only through the store's own calls (``made``, ``local_records``...).
+    is_folder: bool
     # (lock file, token) of the run's lock where its publications check it (a folder's); the writer
     # hands global rank 0's to the other ranks
     lock_token: Optional[tuple[str, str]]
@@ -193,7 +199,7 @@ def writer_problems(settings: WriterSettings) -> list[str]:
     of the store its ``output_dir`` opens)."""
     output_dir = settings.output_dir
     named = isinstance(output_dir, (str, os.PathLike)) and bool(str(output_dir).strip())
-    local = named and store_class(output_dir).needs_shared_folder  # a folder, not a bucket
+    local = named and store_class(output_dir).is_folder  # a folder, not a bucket
     problems: list[str] = (system_folder_problems(str(output_dir)) if local else []) or (
         store_class(output_dir).settings_problems(settings) if named else [
             f"writer.output_dir must name a folder, got {output_dir!r} (an empty name would write into the working "

@@ -210,7 +210,7 @@ def opened(where: str, options: Optional[StorageOptions] = None) -> Iterator[Col
     """The records of output ``where`` (a folder or a bucket URL) for the ``with`` block. Raises
     ``ConfigError`` (one line) where it is not an output of lightning-diffusion."""
     store = open_store(where, options=options)
-    if not store.needs_shared_folder:  # a bucket: its records through the store
+    if not store.is_folder:  # a bucket: its records through the store
         with _bucket(store, where) as collected:
             yield collected
         return
@@ -237,16 +237,15 @@ def _bucket(store: Any, where: str) -> Iterator[Collected]:
         raise ConfigError(problems[0] if problems else f"{where}: {err}") from None
     if run is None:
         raise ConfigError(f"{where} is not an output of lightning-diffusion: it has no {RUN_FILE}.")
-    fs, root = store.fs
-    names = [entry.rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
+    names = store.storage.names()
     histories = {RUN_FILE: list(run.get("history") or [])}
     for name in sorted(names):
         matched = _SHARD_RECORD.fullmatch(name)
         if matched:
             histories[f"shard {matched.group(1)} of {matched.group(2)}"] = list(
                 (store.read_json(name) or {}).get("history") or [])
-    rejected = _json_lines(fs.cat(f"{root}/{REJECTED}")) if REJECTED in names else []
-    failed = store.failed_now() if hasattr(store, "failed_now") else []
+    rejected = _json_lines(store.storage.read(REJECTED)) if REJECTED in names else []
+    failed = store.failed_now()
     running = bool(store.live_locks())
     try:
         with store.local_records("output") as folder:

@@ -226,7 +226,7 @@ def preflight(config: Any, here: bool = True) -> "Verdict":
                                    options["attention_backend"], options["quantization"],
                                    every_adapter(options["lora"], options["adapters"]))
             problems += strategy.check_request(request, size, device_type(config.trainer.get("accelerator")))
-    if not store_class(writer.output_dir).needs_shared_folder:  # a bucket: its lock and settings are read
+    if not store_class(writer.output_dir).is_folder:  # a bucket: its lock and settings are read
         nothing_left = None                                          # when the run starts
         if here and not problems:
             store = open_store(writer.output_dir, options=writer.storage_options)

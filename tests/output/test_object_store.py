@@ -323,9 +323,9 @@ def test_a_run_whose_lock_was_taken_over_stops_renewing_it_and_leaves_it(s3, cap
         store.release()
     assert fs.cat_file("runs/taken/.lock") == other, "the other run's lock stays"
 
-    assert not store._remove_if_unchanged("runs/taken/.lock", b"what was judged stale")
+    assert not store._remove_if_unchanged(".lock", b"what was judged stale")
     assert fs.exists("runs/taken/.lock")
-    assert store._remove_if_unchanged("runs/taken/.lock", other) and not fs.exists("runs/taken/.lock")
+    assert store._remove_if_unchanged(".lock", other) and not fs.exists("runs/taken/.lock")
 
 
 @pytest.mark.slow
