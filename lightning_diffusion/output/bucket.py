@@ -20,7 +20,6 @@ from typing import Any, Callable, Optional
 
 from lightning_diffusion.core.records import ManifestLine
 from lightning_diffusion.core.system import pid_alive
-from lightning_diffusion.output.fence import already_there as _already_there  # noqa: F401  (its users import it here)
 from lightning_diffusion.output.storage import Storage, open_storage
 
 UPLOAD_TRIES = 5  # an upload waits 1, 2, 4 and 8 s between tries, then the run stops

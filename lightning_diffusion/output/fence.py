@@ -131,14 +131,6 @@ class FolderFence:
         return lost
 
 
-def already_there(err: BaseException) -> bool:
-    """A conditional PUT refused because the object exists: s3fs says FileExistsError for AWS's
-    412; an S3-compatible store may answer 412 or 409 without the header s3fs looks for."""
-    text = f"{err} {err.__cause__ or ''}"
-    return isinstance(err, FileExistsError) or any(
-        word in text for word in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
-
-
 class Uploads(Protocol):
     """What a bucket's fence shares with the rank's uploads (``bucket.Uploader``): its storage."""
 

@@ -19,12 +19,11 @@ from lightning_diffusion.core.errors import ConfigError
 from lightning_diffusion.core.groups import group_options
 from lightning_diffusion.core.records import CallArgs, RunSettings
 from lightning_diffusion.output.manifest import PROMPTS_HASH, prompts_hash
+from lightning_diffusion.output.storage import StorageOptions
 
 if TYPE_CHECKING:
     from lightning_diffusion.output.boundaries import RunPlan
 
-# ``writer.storage_options``: the user's fsspec options for a bucket (endpoint, credentials), passed on as given.
-StorageOptions = dict[str, Any]
 
 # The choices of the writer's options.
 LAYOUTS = ("auto", "flat", "sharded")

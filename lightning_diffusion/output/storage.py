@@ -19,12 +19,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
 
-from lightning_diffusion.output.fence import already_there
-
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-    from lightning_diffusion.output.settings import StorageOptions
+# ``writer.storage_options``: the user's fsspec options for a bucket (endpoint, credentials), passed on as given.
+StorageOptions = dict[str, Any]
 
 
 class Stat(NamedTuple):
@@ -81,6 +80,14 @@ class Storage(Protocol):
     def download(self, name: str, local: Path) -> None:
         """Copy the object out into the local file."""
         ...
+
+
+def already_there(err: BaseException) -> bool:
+    """A conditional PUT refused because the object exists: s3fs says FileExistsError for AWS's
+    412; an S3-compatible store may answer 412 or 409 without the header s3fs looks for."""
+    text = f"{err} {err.__cause__ or ''}"
+    return isinstance(err, FileExistsError) or any(
+        word in text for word in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
 
 
 def resolved_options(options: Optional[Mapping[str, Any]]) -> StorageOptions:
