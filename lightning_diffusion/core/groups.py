@@ -2,7 +2,10 @@
 
 Each group declares its options once, as a frozen dataclass in its package
 (``pipelines.settings.ModelSettings``, ``input.settings.DataSettings``,
-``output.settings.WriterSettings``); the parser, the checks, preflight and run.json read it.
+``output.settings.WriterSettings``): each option's default and, in the dataclass's ``Options:``
+section, its help; the parser, the checks, preflight and run.json read it, and the class that takes
+the options (``DiffusionModule``...) shows that help as its ``Args`` (``documented_by``), which
+jsonargparse reads for ``--help``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,28 @@ def read_from_settings(settings_cls: type) -> Any:
         for option in fields(settings_cls):
             if option.name not in vars(cls):
                 setattr(cls, option.name, FromSettings(option.name))
+        return cls
+
+    return decorate
+
+
+OPTIONS_HEADING = "\n    Options:\n"
+
+
+def documented_by(settings_cls: type) -> Any:
+    """A class decorator: the line ``Args: the options of ``SettingsName``.`` of the class's docstring
+    becomes its ``Args`` section, the ``Options:`` section of ``settings_cls``'s docstring (the last
+    of it), so that each option's help is written once, beside its default."""
+    def decorate(cls: type) -> type:
+        doc, own = settings_cls.__doc__, cls.__doc__
+        marker = f"    Args: the options of ``{settings_cls.__name__}``.\n"
+        if doc is None or own is None:  # python -OO: no docstrings at all
+            return cls
+        if OPTIONS_HEADING not in doc or marker not in own:
+            raise TypeError(f"{cls.__name__}'s docstring must say {marker.strip()!r} and {settings_cls.__name__}'s "
+                            "must end with an Options: section")
+        section = doc[doc.index(OPTIONS_HEADING) + len(OPTIONS_HEADING):].rstrip() + "\n"
+        cls.__doc__ = own.replace(marker, "    Args:\n" + section)
         return cls
 
     return decorate

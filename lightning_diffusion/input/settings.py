@@ -39,7 +39,49 @@ SCHEDULES = ("deal", "pull")
 @dataclass(frozen=True)
 class DataSettings:
     """``PromptDataModule``'s options (the ``data`` group). Values are as given:
-    ``data_problems`` says what is wrong with them."""
+    ``data_problems`` says what is wrong with them.
+
+    Options:
+        prompts: a ``.txt`` (one prompt a line), ``.jsonl`` (field ``prompt``; optional ``seed``,
+            ``negative_prompt``, input files and the call arguments a record may set, such as
+            ``guidance_scale``), ``.csv`` (a ``prompt`` column) or ``.parquet`` path (a row a
+            record, the fields of a ``.jsonl`` line as columns), a folder of Parquet files or a glob
+            of them (``prompts/*.parquet``), a folder written by ``datasets``' ``save_to_disk``,
+            ``hf://datasets/NAME`` (read from the local Hugging Face cache), or an inline list.
+        columns: record field -> the source's column (``{prompt: caption, seed: id}``); a field
+            mapped to null is not read.
+        keep_columns: columns carried into each image's metadata (not read as record fields).
+        split: the split of a dataset (``hf://datasets/NAME``: default ``train``; a ``save_to_disk``
+            folder of several splits).
+        batch_size: images per pipeline call on each data-parallel replica (a set of fewer images
+            is computed at its own size: ``call_size``).
+        seed: global seed; image ``i`` of a record without a seed uses ``seed + i``.
+        num_images_per_prompt: images made from each record.
+        num_workers: DataLoader workers (prompts are tiny; 0 is usually right).
+        inputs_root: records' input files must lie under this folder, links and ``..`` resolved.
+        num_shards: split the prompt set into this many shards (the tasks of a SLURM job array,
+            each its own shard, writing into one output folder); 1: the whole set.
+        shard_index: make only this shard of ``num_shards``: the shards are dealt the whole
+            set's batches by cost, as replicas are (``shard``), recorded in the output folder.
+        max_pixels: the most pixels of one image or video frame a record (or the config) may ask
+            for, input images included (checked from their headers, before they are decoded).
+        max_prompt_chars: the most characters of a record's prompt or negative prompt; a longer
+            one is a bad record (``on_bad_record``).
+        on_bad_record: ``fail`` (default): a record that cannot be made (a key it may not set, a
+            value out of bounds, a missing input file...) refuses the run before anything loads,
+            naming every such record; ``skip``: the others are made, and those are listed in the
+            output folder's ``rejected.jsonl`` with their line and reason.
+        bucket: ``true`` (default): batches are cut among records that share every call argument
+            (``batching``), so a mixed prompt set runs one full call a batch; ``false``: batches of
+            consecutive images, each split into one padded call per kind of record in it.
+        schedule: ``deal`` (default): batches dealt to the replicas by cost before the run;
+            ``pull``: every job writing to this output joins one pool of workers that claim the next
+            batch when ready, a dead worker's taken over (docs/config.md).
+        lease_s: with ``pull``: seconds without a renewal after which a worker's batches are
+            taken over (at once where its process is gone from this host); at least 2.
+        on_error: ``fail`` (default): a pipeline call that fails stops the run naming its record;
+            ``skip``: its records go to ``failed.jsonl`` and the run goes on (a rerun retries them).
+    """
 
     prompts: Union[str, list[Any]]
     batch_size: int = 1

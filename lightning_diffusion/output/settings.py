@@ -75,7 +75,51 @@ def ruled(default: Any, **rule: Any) -> Any:
 class WriterSettings:
     """``ImageWriter``'s options (the ``writer`` group), each declared once: its default here is the
     one ``ImageWriter``'s signature, ``store.writer_problems``, ``preflight`` and run.json use.
-    Values are as given: ``store.writer_problems`` says what is wrong with them."""
+    Values are as given: ``store.writer_problems`` says what is wrong with them.
+
+    Options:
+        output_dir: folder for images and ``manifest.jsonl``; created if missing. A rerun into the
+            same folder resumes: images already in the manifest are skipped. An object-store URL
+            (``s3://bucket/prefix``, any fsspec URL) takes ``format: webdataset`` (``object_store``).
+        save_arrays: also save the decoded float image as ``NNNNNN.npy`` (for numerical checks).
+        save_latents: also save the latents the VAE decoded into each image, as safetensors beside
+            it in the dtype computed (a file, a tar member, a Parquet column; docs/writing.md).
+        save_text_embeddings: also save the prompt embeddings the denoiser saw, the same way.
+        video_format: how videos are written: ``mp4`` (H.264, needs PyAV), ``webp`` or ``gif``.
+        fps: frames per second of written videos.
+        allow_config_change: resume into a folder whose images were made with other settings
+            (model, size, steps, guidance, seeds...); refused by default, so that one folder never
+            mixes two configs silently.
+        image_format: ``png`` (lossless), ``webp`` or ``jpeg`` (lossy, ``quality`` 1-100); the
+            parameters go in PNG text chunks, or the EXIF ImageDescription (JSON) of WebP and JPEG.
+        quality: the encoder quality of ``webp`` and ``jpeg`` files, 1-100.
+        png_compress_level: zlib level of PNG files, 0-9 (default 1: fast, slightly larger).
+        fsync: ``batch`` (default: every file synced before its rename, the manifest after each
+            batch), ``file`` (the manifest also after each image) or ``off`` (nothing synced: a
+            power cut may lose the last seconds of files and lines, which a resume redoes).
+        write_workers: threads that encode and write off the prediction thread (0: on it).
+        write_queue: batches that may wait for a writer before prediction blocks.
+        write_in: where the ``write_workers`` threads run: ``process`` (default: a writer process
+            of this rank, so that writing never holds the rank's GIL) or ``thread`` (in the rank).
+        layout: ``flat`` (every file in the folder), ``sharded`` (``00012/000120000-slug.png``:
+            subfolder ``index // files_per_folder``) or ``auto`` (default: flat when the run's
+            images fit in one folder of ``files_per_folder``, else sharded).
+        files_per_folder: files per subfolder of the sharded layout (default 10,000).
+        format: ``files`` (default: one file an output), ``webdataset`` (tar shards of
+            ``samples_per_shard`` samples, as WebDataset and img2dataset write them), ``parquet``
+            or ``litdata`` (a LitData dataset a shard, which ``litdata.StreamingDataset`` reads).
+        samples_per_shard: samples a tar shard holds (``format: webdataset``); a kill loses at
+            most the open shard.
+        staging_dir: with ``output_dir`` in an object store (``s3://bucket/prefix``), the local
+            folder where each rank builds its tar shards before they are uploaded (default: a
+            temporary folder).
+        storage_options: the object store's fsspec options (endpoint, credentials...); a value
+            ``env:NAME`` is read from the environment variable ``NAME``. Never recorded.
+        audit: re-make a sample with the accelerators off, the drift in ``audit.jsonl``:
+            ``{fraction: 0.01, min_psnr: 30, on_drift: warn}`` (docs/caching.md).
+        metrics_port: serve live metrics for Prometheus on this port from global rank 0 (0: none).
+        metrics_file: keep the same metrics in this textfile (node_exporter's textfile collector).
+    """
 
     output_dir: str = "outputs"  # checked as a folder, or a bucket's URL, by its store
     save_arrays: bool = False

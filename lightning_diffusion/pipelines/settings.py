@@ -31,7 +31,61 @@ OPTIONS = ("pipeline_class", "lora", "adapters", "vae_tiling", "compile", "vae_s
 @dataclass(frozen=True)
 class ModelSettings:
     """``DiffusionModule``'s options (the ``model`` group). Values are as given:
-    ``checks.model_problems`` says what is wrong with them."""
+    ``checks.model_problems`` says what is wrong with them.
+
+    Options:
+        pretrained_model_name_or_path: hub id, local folder written by ``save_pretrained``, or a
+            tiny pipeline that needs no download: ``tiny:shapes`` (the quickstart's: a small FLUX.1
+            trained to draw coloured shapes) or ``tiny:flux`` and the others (random weights, for
+            rehearsal and tests).
+        torch_dtype: ``float32``, ``bfloat16`` or ``float16``.
+        height: image height in pixels for every image (``None``: the pipeline's default); a prompt
+            record may override it, as it may the three below.
+        width: image width in pixels (``None``: the pipeline's default).
+        num_inference_steps: denoising steps (``None``: the pipeline's default).
+        guidance_scale: the guidance scale (``None``: the pipeline's default).
+        num_frames: frames per video, for video pipelines (Wan: 4 x k + 1).
+        call_kwargs: any other argument the pipeline's ``__call__`` accepts (``true_cfg_scale``,
+            ``max_sequence_length``, ...); a ``negative_prompt`` here is the default of the records
+            that have none.
+        from_pretrained_kwargs: extra arguments for ``DiffusionPipeline.from_pretrained``
+            (``revision``, ``variant``, ...).
+        show_inner_progress: keep diffusers' per-step progress bars (off by default).
+        cache: step caching, ``{type: first_block, threshold: 0.08}`` (or ``taylorseer``,
+            ``magcache``, ``pyramid_attention_broadcast``, ``faster_cache``; other keys go to the
+            diffusers config). A first-block cache decides per image, agreed over the ranks that
+            share the transformer call (``cache``; docs/caching.md).
+        pad_batches: run every pipeline call with the configured ``data.batch_size`` (a prompt
+            set of fewer images: its own size): a short batch (a replica's last, or a group of
+            records with their own overrides) is padded with copies of its last sample, whose
+            outputs are dropped. Batched kernels round differently for different batch sizes, so
+            this is what makes image i bit-identical for any number of replicas and nodes, and
+            across resumes (docs/config.md).
+        vae_tiling: decode by overlapping tiles (diffusers' ``enable_tiling``; ``true`` or its
+            settings, such as ``tile_sample_min_height``): less memory for large images and videos,
+            and under model parallelism the tiles are dealt over the group's ranks. Tiled decoding
+            blends tile seams, so its pictures differ slightly from untiled ones.
+        split_work: split text encoding and VAE decoding over the ranks of each model-parallel
+            group (by sample, or by tile with ``vae_tiling``) instead of repeating it on each rank
+            (``group_work``; docs/strategies.md).
+        compile: ``regional`` (each distinct transformer block compiled once with
+            ``torch.compile`` and reused: short compile, most of the gain) or ``full`` (each
+            denoiser whole); compiled on the first batch of each shape (``pad_batches`` keeps one).
+        vae_slicing: decode a batch sample by sample (diffusers' ``enable_slicing``: less memory).
+        attention_backend: the denoisers' diffusers attention backend (``set_attention_backend``)
+            under every strategy; context parallelism needs one that supports it.
+        quantization: quantize components while they load (diffusers' quantization backends):
+            ``{backend: torchao, quant_type: int8wo, components: [transformer]}``; components
+            default to the denoisers; other keys are the backend config's arguments.
+        lora: LoRA adapters fused into the weights before inference, under every strategy
+            (``[{path, weight_name, scale}]``).
+        adapters: LoRA adapters by name (``{style: {path, scale}}``) that each record chooses
+            (``"adapters": ["style"]``; docs/lora.md).
+        max_loaded_adapters: adapters a replica holds read at once (least recently used dropped).
+        pipeline_class: run the weights with another diffusers pipeline class, such as
+            ``FluxImg2ImgPipeline`` or ``FluxInpaintPipeline`` on FLUX.1 weights (the records then
+            carry ``image`` and ``mask_image`` paths).
+    """
 
     pretrained_model_name_or_path: str = "tiny:shapes"
     torch_dtype: str = "float32"
