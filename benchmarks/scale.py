@@ -1,7 +1,7 @@
 """The framework's own cost at 10^5 to 10^6 images: sampler, batch plan, module plumbing, writer,
 manifest, resume, status and the merges of a job array, with a stand-in pipeline.
 
-    python benchmarks/scale.py --images 1000000 --json scale.json [--format files|webdataset]
+    python benchmarks/scale.py --images 1000000 --json scale.json [--format files|webdataset|parquet|litdata]
         [--batch-size 64] [--replicas 2] [--shards 16]
 
 The stand-in replaces only the diffusers pipeline (``DiffusionModule.configure_model``): it returns
@@ -15,7 +15,7 @@ Reported (and written to ``--json``):
 * ``framework_ms_per_image``: a run's prediction loop (from its first batch to its merged
   manifest) per image, one process;
 * ``peak_rss_mb``: that process's peak RSS, and ``rss_growth_mb`` against a run of a tenth of the
-  images;
+  images; ``bytes_per_image``: the finished folder's bytes (outputs, manifest, run.json) an image;
 * ``resume_scan_s``: reading the finished folder's manifest as a resume does (``finished``), and
   ``resume_s``: a whole resume run that finds nothing left to make (start-up excluded);
 * ``status_s``: ``lightning-diffusion status`` on the finished folder;
@@ -313,7 +313,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=100_000)
     parser.add_argument("--json")
-    parser.add_argument("--format", default="files", choices=["files", "webdataset"])
+    parser.add_argument("--format", default="files", choices=["files", "webdataset", "parquet", "litdata"])
     parser.add_argument("--fsync", default="batch")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=2)
@@ -357,6 +357,8 @@ def main() -> None:
         whole = run(args, root / "one", prompts)
         result.update(framework_ms_per_image=whole["ms_per_image"], peak_rss_mb=whole["peak_rss_mb"],
                       rss_growth_mb=whole["peak_rss_mb"] - tenth["peak_rss_mb"], merge_s=whole["merge_s"])
+        outputs = sum(f.stat().st_size for f in (root / "one").rglob("*") if f.is_file())
+        result["bytes_per_image"] = round(outputs / args.images)  # the folder's: outputs, manifest, run.json
         result["resume_scan_s"], found = timed(lambda: finished(root / "one"))
         assert len(found) == args.images, (len(found), found.problems[:3])
         resume = run(args, root / "one", prompts)
