@@ -202,11 +202,10 @@ class AdapterSwitch:
                 for name, saved in self.base[key].items():
                     local = _local(params[name])
                     local.data.copy_(saved.to(local.device))
-            self._touched = set()
             self.current = ()
+            self._touched = set(targets)  # restored at the next switch, even after a fuse that failed part-way
             if adapters:
                 self.fuse(self.pipeline, [adapter for _, adapter in adapters])
-                self._touched = targets
             self.current = adapters
         finally:
             for name, device in moved.items():
