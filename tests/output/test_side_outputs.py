@@ -216,11 +216,4 @@ def test_a_context_parallel_group_writes_the_whole_tensors_once(files_run, tmp_p
     split, written once by the group's writing rank, equal one process's (to float rounding: the
     group splits the text encoding by sample)."""
     run_cli(*tiny_args(tmp_path, *ARGS, *SIDES, config="configs/tiny-ulysses.yaml"))
-    ours, one = side_bytes(tmp_path), side_bytes(files_run)
-    assert sorted(ours) == sorted(one)
-    for key in one:
-        mine, theirs = load(ours[key]), load(one[key])
-        assert sorted(mine) == sorted(theirs)
-        for name in theirs:
-            assert mine[name].shape == theirs[name].shape
-            assert torch.allclose(mine[name], theirs[name], rtol=0, atol=1e-4), (key, name)
+    same_tensors(side_bytes(tmp_path), side_bytes(files_run))
