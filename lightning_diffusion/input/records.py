@@ -38,7 +38,7 @@ from lightning_diffusion.core.checks import SEED_MAX, non_finite
 from lightning_diffusion.core.errors import ConfigError, is_int
 from lightning_diffusion.core.records import INPUT_FIELDS, RECORD_FIELDS, CallArgs, KeptColumns, Record
 from lightning_diffusion.input.settings import MAX_PROMPT_CHARS
-from lightning_diffusion.pipelines.adapters import choice
+from lightning_diffusion.pipelines.adapters import choice, choice_key
 from lightning_diffusion.pipelines.checks import CALL_ARGS
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ class RecordSummary:
             except TypeError:  # a list or mapping among the values
                 key = (json.dumps(overrides, sort_keys=True, default=repr), fields)
             if record.get("adapters") is not None:  # records of one set of adapters share a set
-                key = (key, json.dumps(record["adapters"], sort_keys=True))  # type: ignore[assignment]
+                key = (key, choice_key(record["adapters"]))  # type: ignore[assignment]
         self._add(key, overrides, record, record.get("seed"))
 
     def add_plain(self, seed: Optional[int]) -> None:
@@ -285,7 +285,7 @@ class RecordSummary:
         sets = self._live() if live else self.sets
         if all(s.adapters is None for s in sets):
             return 0
-        return len({json.dumps(s.adapters, sort_keys=True) for s in sets})
+        return len({choice_key(s.adapters) for s in sets})
 
     @property
     def without_negative(self) -> int:

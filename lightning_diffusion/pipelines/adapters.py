@@ -138,9 +138,6 @@ class AdapterSets:
                                                                                               scale=scale))
                      for name, scale in sorted(chosen.items()))
 
-    def undeclared(self, chosen: Mapping[str, Optional[float]]) -> list[str]:
-        return [name for name in chosen if name not in self.declared]
-
     def record(self, adapters: AdapterSet) -> list[dict[str, Any]]:
         """What an image's metadata and manifest line say of its set: each adapter's name, file,
         SHA-256 and scale (hashed once a run)."""

@@ -310,11 +310,10 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
             modules[name] = {n for n, _ in model.named_modules()}
             models[name] = model
     loadable = list(getattr(info.pipeline_class, "_lora_loadable_modules", []))
+    targeted = []  # each adapter's components, for the quantization rule
     for where, adapter in zip(labels, adapters):
         try:
-            found = lora.targets(info.pipeline_class, adapter)
-            missing = lora.unknown_targets(info.pipeline_class, adapter, modules)
-            state, _, _ = lora.read(info.pipeline_class, adapter)
+            state, _, _ = lora.read(info.pipeline_class, adapter)  # once: the rules below read this state
         except ConfigError as err:
             problems.append(str(err))
             continue
@@ -322,6 +321,9 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
             problems.append(f"{where}: {adapter.file} is not a LoRA adapter diffusers can read "
                             f"({type(err).__name__}: {err}).")
             continue
+        found = lora.targets_in(state)
+        missing = lora.unknown_targets(found, modules)
+        targeted.append(set(found))
         bad = [key for key, value in state.items() if value.is_floating_point() and not torch.isfinite(value).all()]
         if bad:
             problems.append(f"{where}: {adapter.file.name} has NaN or infinite weights in {len(bad)} tensor(s) "
@@ -338,10 +340,10 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
                             f"{info.class_name}: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                             "(an adapter for another model?).")
         else:
-            problems += [f"{where}: {p}" for p in lora_shape_problems(info, adapter, models)]
+            problems += [f"{where}: {p}" for p in lora_shape_problems(info, adapter, state, models)]
     if quantized is not None and not problems:
         both = [c for c in quantization.quantized(quantized, tuple(info.denoisers()))
-                if any(c in lora.targets(info.pipeline_class, a) for a in adapters)]
+                if any(c in components for components in targeted)]
         if both:
             problems.append(f"model.{'adapters' if named else 'lora'}: {', '.join(both)} loads quantized "
                             "(model.quantization), and an adapter "
@@ -349,13 +351,12 @@ def lora_problems(info: PipelineInfo, spec: object, quantized: Optional[Mapping[
     return problems
 
 
-def lora_shape_problems(info: PipelineInfo, adapter: Adapter, models: Mapping[str, Any], most: int = 3) -> list[str]:
-    """Low-rank pairs whose shapes do not fit the layer they update (an adapter for another size of
-    the model): diffusers would fail with a size mismatch after every weight has loaded. A pair may
-    widen a layer's input (FLUX.1's control adapters, which diffusers expands), never its output."""
-    from lightning_diffusion.pipelines import lora
-
-    state, _, _ = lora.read(info.pipeline_class, adapter)
+def lora_shape_problems(info: PipelineInfo, adapter: Adapter, state: Mapping[str, torch.Tensor],
+                        models: Mapping[str, Any], most: int = 3) -> list[str]:
+    """Low-rank pairs of ``adapter`` (its ``state`` as read) whose shapes do not fit the layer they
+    update (an adapter for another size of the model): diffusers would fail with a size mismatch after
+    every weight has loaded. A pair may widen a layer's input (FLUX.1's control adapters, which
+    diffusers expands), never its output."""
     wrong = []
     for key, a in state.items():
         if not key.endswith(".lora_A.weight") or a.ndim != 2:

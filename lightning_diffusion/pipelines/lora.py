@@ -159,9 +159,13 @@ def _read(pipeline_class: type, adapter: Adapter) -> tuple[dict[str, torch.Tenso
 
 
 def targets(pipeline_class: type, adapter: Adapter) -> dict[str, set[str]]:
-    """``{component: {module}}`` an adapter targets, from its converted keys (``x.lora_A.weight``,
+    """``{component: {module}}`` an adapter targets (``targets_in`` its state as read)."""
+    return targets_in(read(pipeline_class, adapter)[0])
+
+
+def targets_in(state: Mapping[str, torch.Tensor]) -> dict[str, set[str]]:
+    """``{component: {module}}`` the converted keys of an adapter's state target (``x.lora_A.weight``,
     ``x.lora_linear_layer.up.weight``, ...): what any strategy can check before loading."""
-    state, _, _ = read(pipeline_class, adapter)
     found: dict[str, set[str]] = {}
     for key in state:
         component, _, rest = key.partition(".")
@@ -213,11 +217,11 @@ def updates(pipeline_class: type, adapter: Adapter) -> dict[str, dict[str, tuple
     return found
 
 
-def unknown_targets(pipeline_class: type, adapter: Adapter, modules: Mapping[str, set[str]]) -> list[str]:
-    """The adapter's targets that are no module of this pipeline (``modules``: component -> its
-    module names; components not listed are not checked)."""
+def unknown_targets(found: Mapping[str, set[str]], modules: Mapping[str, set[str]]) -> list[str]:
+    """The targets ``found`` (``targets``) that are no module of this pipeline (``modules``:
+    component -> its module names; components not listed are not checked)."""
     missing = []
-    for component, names in targets(pipeline_class, adapter).items():
+    for component, names in found.items():
         if component in modules:
             missing += [f"{component}.{m}" for m in sorted(names) if m not in modules[component]]
     return missing
