@@ -330,3 +330,15 @@ def test_switching_adapters_recompiles_nothing_and_a_step_cache_keeps_to_its_bat
     mixed_images = by_record(cached)
     for key, image in by_record(alone).items():
         assert np.array_equal(mixed_images[key], image), key
+
+
+@pytest.mark.slow
+def test_a_switch_that_fuses_a_wrong_slice_makes_the_tensor_parallel_pictures_differ(loras, mixed, tmp_path):
+    """The tp comparison above can fail: a strategy whose ranks each add rank 0's slice of every
+    update, at each switch, makes pictures far from one process's."""
+    out, prompts = mixed
+    run_cli(*tiny_args(tmp_path, "--data.prompts", prompts, "--data.batch_size", "2", "--model.adapters",
+                       declared(loras), "--trainer.strategy.class_path", "tests.broken_plans.FirstRankLoraSliceTP",
+                       config="configs/tiny-tp.yaml"), timeout=600)
+    ours, ref = by_record(tmp_path), by_record(out)
+    assert max(float(np.abs(ours[key] - ref[key]).max()) for key in ref) > 100 * ATOL
